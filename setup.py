@@ -1,0 +1,37 @@
+"""Install: pip install -e .[test]   (CPU)   or   pip install -e .[gpu]   (adds Transformer Engine)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mcore_dpo",
+    version="0.1.0",
+    description="Preference optimization (DPO family) on megatron-core with TP/PP/DP, launched by Ray",
+    python_requires=">=3.10,<3.12",
+    packages=find_packages(include=["mcore_dpo", "mcore_dpo.*", "checkpoint_convert", "checkpoint_convert.*"]),
+    package_data={"mcore_dpo": ["assets/*", "assets/**/*"]},
+    include_package_data=True,
+    # Ranges were tested as pinned in the README; torch 2.13.0 is the CPU build this project is tested with.
+    install_requires=[
+        "torch>=2.13.0,<2.14",
+        "megatron-core>=0.16.1,<0.17",
+        "ray>=2.60,<2.61",
+        "transformers>=5.24,<5.25",
+        "safetensors>=0.8,<0.9",
+        "datasets>=5.2,<5.3",
+        "pyyaml>=6.0,<7",
+        "tensorboard>=2.21,<2.22",
+        "matplotlib>=3.11,<3.12",
+        "tqdm>=4.70,<5",
+        "psutil>=7.2,<8",
+    ],
+    extras_require={
+        "test": ["pytest>=9.0,<10"],
+        # GPU users: Transformer Engine (needs CUDA). NVIDIA apex is optional and built from source; see README.
+        "gpu": ["transformer-engine[pytorch]>=2.20,<2.21"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mcore-dpo-train=mcore_dpo.train:main",
+            "mcore-convert=checkpoint_convert.__main__:main",
+        ]
+    },
+)
