@@ -1,0 +1,445 @@
+"""Preference data: rows on disk -> token ids -> global batches -> microbatch tensors.
+
+Three row formats are accepted (the same ones TRL's DPO accepts):
+  - standard:        {"prompt": str, "chosen": str, "rejected": str}
+  - conversational:  the same keys, each a list of {"role", "content"} messages; the
+                     prompt is rendered with the chat template and a generation prompt,
+                     a completion is the rest of the rendered full conversation;
+  - implicit prompt: only "chosen" and "rejected" (texts or conversations); the prompt is
+                     their shared beginning.
+Files: .jsonl (one row a line), .json (an array of rows, a column dict, or JSON lines),
+.parquet (read with the `datasets` library). JSON is parsed here, not by `datasets`, so a
+broken row is reported with its line number.
+
+Every process that calls `global_batch_order` with the same arguments gets the same
+order, whatever its tp/pp/dp rank, so ranks never disagree on which pairs a step sees.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+ROLES = ("system", "user", "assistant")
+MAX_BAD_LINES_RECORDED = 10
+
+
+class DataError(ValueError):
+    """Bad data or data configuration; str() is one line: 'FILE:LINE: problem'."""
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]  # completion only, already truncated
+    rejected_ids: tuple[int, ...]
+    source_line: int  # 1-based line (JSONL) or row (JSON array, Parquet) number in the source file
+
+
+@dataclass(frozen=True)
+class DataStats:
+    num_rows: int
+    num_pairs: int
+    num_dropped_prompt_too_long: int
+    num_bad_rows_skipped: int
+    first_bad_lines: tuple[int, ...]
+
+
+@dataclass
+class Microbatch:
+    tokens: torch.Tensor  # int64 [2b, S]: rows 0..b-1 prompt+chosen, rows b..2b-1 prompt+rejected
+    labels: torch.Tensor  # int64 [2b, S]: labels[:, t] = tokens[:, t+1]; last column is padding
+    loss_mask: torch.Tensor  # float32 [2b, S]: 1.0 where labels[:, t] is a completion token
+
+
+class _BadRow(Exception):
+    """One row is unusable; the caller decides whether to raise or skip."""
+
+
+@dataclass(frozen=True)
+class _RawPair:
+    prompt: str | list[dict[str, str]]
+    chosen: str | list[dict[str, str]]
+    rejected: str | list[dict[str, str]]
+    is_conversation: bool
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _utf8_problem(raw: bytes) -> tuple[int, str] | None:
+    """(byte offset, problem) of the first invalid UTF-8 sequence, or None."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start, f"invalid UTF-8 (byte {raw[error.start]:#04x})"
+    return None
+
+
+def _jsonl_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
+    """Yields (line number, parsed row or _BadRow); blank lines are not rows."""
+    for index, raw_line in enumerate(raw.split(b"\n")):
+        line = index + 1
+        if not raw_line.strip():
+            continue
+        problem = _utf8_problem(raw_line)
+        if problem is not None:
+            yield line, _BadRow(problem[1])
+            continue
+        try:
+            yield line, json.loads(raw_line.decode("utf-8"))
+        except json.JSONDecodeError as error:
+            yield line, _BadRow(f"broken JSON ({error.msg} at column {error.colno})")
+
+
+def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
+    problem = _utf8_problem(raw)
+    if problem is not None:
+        offset, message = problem
+        line = raw[:offset].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: {message}")
+    text = raw.decode("utf-8")
+    if not text.lstrip().startswith("["):
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            # Not one document: JSON lines in a .json file, as `datasets` also accepts.
+            yield from _jsonl_rows(raw, path=path)
+            return
+        if isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values()):
+            columns = list(document)
+            num_rows = len(document[columns[0]])
+            if any(len(document[column]) != num_rows for column in columns):
+                raise DataError(f"{path}: column lists have different lengths")
+            for index in range(num_rows):
+                yield index + 1, {column: document[column][index] for column in columns}
+            return
+        yield 1, document
+        return
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{error.lineno}: broken JSON ({error.msg} at column {error.colno})") from None
+    for index, row in enumerate(document):
+        yield index + 1, row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
+    import datasets  # imported lazily: it is slow to import and only Parquet needs it
+
+    try:
+        table = datasets.Dataset.from_parquet(path, keep_in_memory=True)
+    except Exception as error:  # datasets raises many types; the message is what matters
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{path}: cannot read Parquet file ({first_line})") from None
+    for index, row in enumerate(table.to_list()):
+        yield index + 1, row
+
+
+def _read_rows(path: str) -> Iterator[tuple[int, Any]]:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    extension = os.path.splitext(path)[1].lower()
+    if extension == ".parquet":
+        return _parquet_rows(path)
+    if extension not in (".jsonl", ".json"):
+        raise DataError(f"{path}: unknown file type {extension or '(none)'!r}; expected .jsonl, .json or .parquet")
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    return _jsonl_rows(raw, path=path) if extension == ".jsonl" else _json_rows(raw, path=path)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_text(value: str, *, what: str) -> str:
+    if not value.strip():
+        raise _BadRow(f"{what} is an empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _BadRow(f"{what} is not valid UTF-8 (lone surrogate escape)") from None
+    return value
+
+
+def _check_messages(value: list, *, key: str) -> list[dict[str, str]]:
+    if not value:
+        raise _BadRow(f"'{key}' is an empty conversation")
+    messages = []
+    for number, message in enumerate(value, start=1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise _BadRow(f"'{key}' message {number} is not a {{\"role\", \"content\"}} object")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise _BadRow(f"'{key}' message {number} has unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise _BadRow(f"'{key}' message {number} content must be a string, got {type(content).__name__}")
+        _check_text(content, what=f"'{key}' message {number} content")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _check_value(row: dict, *, key: str) -> str | list[dict[str, str]]:
+    if key not in row:
+        raise _BadRow(f"missing key '{key}'")
+    value = row[key]
+    if value is None:
+        raise _BadRow(f"'{key}' is null")
+    if isinstance(value, str):
+        return _check_text(value, what=f"'{key}'")
+    if isinstance(value, list):
+        return _check_messages(value, key=key)
+    raise _BadRow(f"'{key}' must be a string or a list of messages, got {type(value).__name__}")
+
+
+def _check_completion_roles(messages: list[dict[str, str]], *, key: str) -> None:
+    for number, message in enumerate(messages, start=1):
+        if message["role"] != "assistant":
+            raise _BadRow(f"'{key}' message {number} has role {message['role']!r}; completions must come from 'assistant'")
+
+
+def _split_implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    shared = 0
+    for chosen_char, rejected_char in zip(chosen, rejected):
+        if chosen_char != rejected_char:
+            break
+        shared += 1
+    # Cut at the last whitespace of the shared part, so no completion starts mid-word
+    # and the space before the first differing word goes with the completion.
+    cut = shared - 1
+    while cut >= 0 and not chosen[cut].isspace():
+        cut -= 1
+    if cut <= 0 or not chosen[:cut].strip():
+        raise _BadRow("'chosen' and 'rejected' share no leading text to use as the prompt")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def _split_implicit_messages(
+    chosen: list[dict[str, str]], rejected: list[dict[str, str]]
+) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise _BadRow("'chosen' and 'rejected' share no leading messages to use as the prompt")
+    for key, messages in (("chosen", chosen), ("rejected", rejected)):
+        if len(messages) == shared:
+            raise _BadRow(f"'{key}' has no messages after the prompt it shares with the other completion")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
+    if isinstance(row, _BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise _BadRow(f"row must be an object, got {type(row).__name__}")
+    if not has_prompt and "prompt" in row:
+        raise _BadRow("has 'prompt' but the file's first row has none (implicit-prompt format)")
+    keys = ("prompt", "chosen", "rejected") if has_prompt else ("chosen", "rejected")
+    missing = [key for key in keys if key not in row]
+    if missing:
+        raise _BadRow("missing key " + ", ".join(f"'{key}'" for key in missing))
+    values = {key: _check_value(row, key=key) for key in keys}
+    kinds = {key: isinstance(value, list) for key, value in values.items()}
+    if len(set(kinds.values())) > 1:
+        described = ", ".join(f"'{key}' is {'a conversation' if kind else 'a string'}" for key, kind in kinds.items())
+        raise _BadRow(f"mixed formats: {described}")
+    if values["chosen"] == values["rejected"]:
+        raise _BadRow("'chosen' and 'rejected' are identical")
+    is_conversation = kinds["chosen"]
+    if has_prompt:
+        prompt, chosen, rejected = values["prompt"], values["chosen"], values["rejected"]
+    elif is_conversation:
+        prompt, chosen, rejected = _split_implicit_messages(values["chosen"], values["rejected"])
+    else:
+        prompt, chosen, rejected = _split_implicit_text(values["chosen"], values["rejected"])
+    if is_conversation:
+        _check_completion_roles(chosen, key="chosen")
+        _check_completion_roles(rejected, key="rejected")
+    return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation)
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def _encode_with_specials(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bos = tokenizer.bos_token_id
+    # Chat templates that write the BOS themselves would otherwise get a second one.
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _tokenize_text_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
+    eos = tokenizer.eos_token_id
+    prompt_ids = _encode_with_specials(tokenizer, pair.prompt)
+    completions = []
+    for text in (pair.chosen, pair.rejected):
+        ids = _encode_plain(tokenizer, text)
+        if not ids or ids[-1] != eos:
+            ids.append(eos)
+        completions.append(ids)
+    return prompt_ids, completions[0], completions[1]
+
+
+def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as error:  # jinja raises for roles or orders the template rejects
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _BadRow(f"chat template rejected the conversation ({message})") from None
+
+
+def _tokenize_conversation_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
+    prompt_text = _render(tokenizer, pair.prompt, add_generation_prompt=True)
+    prompt_ids = _encode_with_specials(tokenizer, prompt_text)
+    completions = []
+    for key, messages in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        full_text = _render(tokenizer, pair.prompt + messages, add_generation_prompt=False)
+        if not full_text.startswith(prompt_text):
+            raise _BadRow(f"chat template does not render the prompt as a prefix of the conversation with '{key}'")
+        # Prefer the ids of the whole conversation, so prompt + completion equals how the
+        # model sees the full text; fall back to encoding the rest on its own when the
+        # tokenizer merges across the prompt boundary.
+        full_ids = _encode_with_specials(tokenizer, full_text)
+        if full_ids[: len(prompt_ids)] == prompt_ids and len(full_ids) > len(prompt_ids):
+            ids = full_ids[len(prompt_ids) :]
+        else:
+            ids = _encode_plain(tokenizer, full_text[len(prompt_text) :])
+        if not ids:
+            raise _BadRow(f"'{key}' renders to no tokens")
+        completions.append(ids)
+    return prompt_ids, completions[0], completions[1]
+
+
+def _check_tokenizer(tokenizer) -> None:
+    if tokenizer.eos_token_id is None:
+        raise DataError("tokenizer: has no eos_token; plain-text completions need one")
+
+
+def load_pairs(
+    path: str, *, tokenizer, max_length: int, on_bad_row: str = "error"
+) -> tuple[list[TokenizedPair], DataStats]:
+    """Reads, validates and tokenizes every row of `path`, keeping file order.
+
+    A pair whose prompt alone has >= max_length tokens is dropped and counted; the others
+    are cut to max_length tokens, keeping the start (the prompt, then the completion's head).
+    """
+    if on_bad_row not in ("error", "skip"):
+        raise DataError(f"on_bad_row: must be 'error' or 'skip', got {on_bad_row!r}")
+    if not isinstance(max_length, int) or max_length < 2:
+        raise DataError(f"max_length: must be an integer >= 2, got {max_length!r}")
+    _check_tokenizer(tokenizer)
+
+    pairs: list[TokenizedPair] = []
+    num_rows = 0
+    num_dropped = 0
+    bad_lines: list[int] = []
+    has_prompt: bool | None = None
+    for line, row in _read_rows(path):
+        num_rows += 1
+        if has_prompt is None and isinstance(row, dict):
+            # The first object decides the format, so a row that lost its prompt is an error.
+            has_prompt = "prompt" in row
+        try:
+            raw = _validate_row(row, has_prompt=bool(has_prompt))
+            if raw.is_conversation:
+                if not getattr(tokenizer, "chat_template", None):
+                    raise DataError(f"{path}:{line}: conversational row but the tokenizer has no chat_template")
+                prompt_ids, chosen_ids, rejected_ids = _tokenize_conversation_pair(tokenizer, raw)
+            else:
+                prompt_ids, chosen_ids, rejected_ids = _tokenize_text_pair(tokenizer, raw)
+            if not prompt_ids:
+                # Without a prompt token nothing predicts the first completion token.
+                raise _BadRow("'prompt' tokenizes to no tokens")
+        except _BadRow as problem:
+            if on_bad_row == "error":
+                raise DataError(f"{path}:{line}: {problem}") from None
+            bad_lines.append(line)
+            continue
+        completion_budget = max_length - len(prompt_ids)
+        if completion_budget <= 0:
+            num_dropped += 1
+            continue
+        pairs.append(
+            TokenizedPair(
+                prompt_ids=tuple(prompt_ids),
+                chosen_ids=tuple(chosen_ids[:completion_budget]),
+                rejected_ids=tuple(rejected_ids[:completion_budget]),
+                source_line=line,
+            )
+        )
+    if num_rows == 0:
+        raise DataError(f"{path}: contains no rows")
+    stats = DataStats(
+        num_rows=num_rows,
+        num_pairs=len(pairs),
+        num_dropped_prompt_too_long=num_dropped,
+        num_bad_rows_skipped=len(bad_lines),
+        first_bad_lines=tuple(bad_lines[:MAX_BAD_LINES_RECORDED]),
+    )
+    return pairs, stats
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def global_batch_order(
+    *, num_pairs: int, global_batch_size: int, seed: int, shuffle: bool, epoch: int
+) -> list[list[int]]:
+    """Pair indices of each global batch of one epoch; the last incomplete batch is dropped."""
+    if global_batch_size <= 0:
+        raise DataError(f"global_batch_size: must be positive, got {global_batch_size}")
+    if num_pairs < global_batch_size:
+        raise DataError(
+            f"data: {num_pairs} usable pairs is fewer than global_batch_size {global_batch_size}"
+        )
+    order = list(range(num_pairs))
+    if shuffle:
+        # random.Random is pure Python: the same permutation on every host and version.
+        random.Random(seed + epoch).shuffle(order)
+    num_batches = num_pairs // global_batch_size
+    return [order[i * global_batch_size : (i + 1) * global_batch_size] for i in range(num_batches)]
+
+
+def padded_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int = 8) -> int:
+    """Longest prompt+completion among `pairs`, rounded up to a multiple of `multiple`."""
+    if not pairs:
+        raise ValueError("padded_seq_len: no pairs")
+    if multiple <= 0:
+        raise ValueError(f"padded_seq_len: multiple must be positive, got {multiple}")
+    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    return -(-longest // multiple) * multiple
+
+
+def collate(pairs: Sequence[TokenizedPair], *, pad_token_id: int, seq_len: int) -> Microbatch:
+    """Stacks chosen rows then rejected rows, right-padded to seq_len."""
+    if not pairs:
+        raise ValueError("collate: no pairs")
+    num_pairs = len(pairs)
+    tokens = torch.full((2 * num_pairs, seq_len), pad_token_id, dtype=torch.int64)
+    loss_mask = torch.zeros((2 * num_pairs, seq_len), dtype=torch.float32)
+    for index, pair in enumerate(pairs):
+        for row, completion in ((index, pair.chosen_ids), (num_pairs + index, pair.rejected_ids)):
+            prompt_len = len(pair.prompt_ids)
+            total_len = prompt_len + len(completion)
+            if total_len > seq_len:
+                raise ValueError(
+                    f"collate: pair from line {pair.source_line} has {total_len} tokens, more than seq_len {seq_len}"
+                )
+            tokens[row, :prompt_len] = torch.tensor(pair.prompt_ids, dtype=torch.int64)
+            tokens[row, prompt_len:total_len] = torch.tensor(completion, dtype=torch.int64)
+            # Position t predicts token t+1, so completion tokens at [P, P+C) are labels at [P-1, P+C-1).
+            loss_mask[row, prompt_len - 1 : total_len - 1] = 1.0
+    labels = torch.full_like(tokens, pad_token_id)
+    labels[:, :-1] = tokens[:, 1:]
+    return Microbatch(tokens=tokens, labels=labels, loss_mask=loss_mask)
