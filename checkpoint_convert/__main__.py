@@ -1,0 +1,109 @@
+"""Command line: convert checkpoints between Hugging Face and megatron-core layouts.
+
+    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--dtype bf16]
+    python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB]
+    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4
+    python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
+
+(also installed as `mcore-convert`). Bad input prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from checkpoint_convert.mapping import LAYER_SPECS, ConversionError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mcore-convert", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron checkpoint sharded tp x pp")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: keep the source dtype")
+    p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local", help="'te' for Transformer Engine names")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory")
+    p.add_argument("--mcore-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("reshard", help="Megatron checkpoint -> Megatron checkpoint at a new tp x pp")
+    p.add_argument("--mcore-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--overwrite", action="store_true")
+
+    p = sub.add_parser("verify", help="compare HF and Megatron logits at the checkpoint's tp x pp")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--mcore-dir", required=True)
+    p.add_argument("--atol", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _raise_interrupt(signum, frame) -> None:
+    # SIGTERM takes the same cleanup path as Ctrl-C: temporary output is removed.
+    raise KeyboardInterrupt
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "hf-to-mcore":
+        from checkpoint_convert.convert import hf_to_mcore
+
+        hf_to_mcore(
+            args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            layer_spec=args.layer_spec, overwrite=args.overwrite,
+        )  # fmt: skip
+    elif args.command == "mcore-to-hf":
+        from checkpoint_convert.convert import mcore_to_hf_dir, parse_size_bytes
+
+        mcore_to_hf_dir(
+            args.mcore_dir, args.out, max_shard_bytes=parse_size_bytes(args.max_shard_size), overwrite=args.overwrite
+        )
+    elif args.command == "reshard":
+        from checkpoint_convert.convert import reshard
+
+        reshard(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, overwrite=args.overwrite)
+    elif args.command == "verify":
+        from checkpoint_convert.verify import verify
+
+        report = verify(
+            args.hf_dir, args.mcore_dir, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
+        )
+        print(report.summary())
+        if not report.passes(atol=args.atol):
+            print(f"verify: FAILED (max |dlogit| {report.max_abs_diff:.3e} > atol {args.atol:g} "
+                  f"or argmax agreement {report.argmax_agreement:.2%} < 100%)", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return run(argv)
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted: no output was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Lazy, validated readers for HF directories and our Megatron checkpoints, and atomic output.
+
+HF directory: config.json, model.safetensors or shards + model.safetensors.index.json,
+tokenizer files, optional generation_config.json.
+
+Megatron checkpoint directory (this project's format, safetensors + JSON only):
+
+    mcore_checkpoint.json        meta: format, format_version, tp, pp, dtype, layer_spec,
+                                 vocab_divisor, padded_vocab_size, hf_config (source config.json)
+    hf_files/                    config.json, generation_config.json (when the source had one)
+                                 and the tokenizer files, verbatim: AutoTokenizer loads from here
+    tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
+
+Tensors are read one at a time from memory-mapped safetensors files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from checkpoint_convert.mapping import (
+    DTYPES,
+    LAYER_SPECS,
+    ConversionError,
+    ModelSpec,
+    check_layout,
+    hf_tensor_shapes,
+    mcore_shard_shapes,
+    mcore_to_hf_tensor,
+    padded_vocab_size,
+    spec_from_hf_config,
+)
+
+META_FILE = "mcore_checkpoint.json"
+HF_FILES_DIR = "hf_files"
+FORMAT_NAME = "mcore_dpo.megatron_checkpoint"
+FORMAT_VERSION = 1
+INDEX_FILE = "model.safetensors.index.json"
+# Optional HF buffers that older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+# Weight formats that are not copied along with the tokenizer (pickle-based or our own).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ConversionError(f"{path}: file is missing")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{path}: invalid JSON ({str(error).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return data
+
+
+def _open_safetensors(path: Path):
+    if not path.is_file():
+        raise ConversionError(f"{path}: file is missing")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ConversionError(f"{path}: not a readable safetensors file ({str(error).splitlines()[0]})") from None
+
+
+def _check_shapes(path: Path, handle, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
+    for name in names:
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != expected[name]:
+            raise ConversionError(f"{path}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}")
+
+
+class HFCheckpoint:
+    """A validated HF directory; get(name) reads one tensor from the memory-mapped files."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise ConversionError(f"{self.dir}: not a directory")
+        self.config = _read_json(self.dir / "config.json")
+        self.spec = spec_from_hf_config(self.config, source=str(self.dir / "config.json"))
+        index_path = self.dir / INDEX_FILE
+        if index_path.exists():
+            weight_map = _read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{index_path}: field 'weight_map' is missing or empty")
+        else:
+            single = self.dir / "model.safetensors"
+            if not single.exists():
+                raise ConversionError(f"{self.dir}: no model.safetensors or {INDEX_FILE} (only safetensors is read)")
+            weight_map = None
+        self._handles: dict[str, object] = {}
+        self._file_of: dict[str, str] = {}
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        for file in files:
+            path = self.dir / file
+            if not path.is_file():
+                raise ConversionError(f"{index_path}: shard '{file}' named in the index is missing")
+            handle = _open_safetensors(path)
+            self._handles[file] = handle
+            for name in handle.keys():
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise ConversionError(f"{path}: tensor '{name}' is not listed for this file in {INDEX_FILE}")
+                if name in self._file_of:
+                    raise ConversionError(f"{path}: tensor '{name}' also appears in {self._file_of[name]}")
+                self._file_of[name] = file
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                if name not in self._file_of:
+                    raise ConversionError(f"{self.dir / file}: tensor '{name}' listed in {INDEX_FILE} is not in the file")
+        expected = hf_tensor_shapes(self.spec)
+        for name in expected:
+            if name not in self._file_of:
+                raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
+        for name, file in self._file_of.items():
+            if name not in expected and not name.endswith(_IGNORED_HF_SUFFIXES):
+                raise ConversionError(f"{self.dir / file}: unexpected tensor '{name}' for {self.spec.architecture}")
+        for file, handle in self._handles.items():
+            names = [n for n in handle.keys() if n in expected]
+            _check_shapes(self.dir / file, handle, names, expected)
+        # The weights, not the config, decide the source dtype (configs often omit or misstate it).
+        embed_dtype = self.get("model.embed_tokens.weight").dtype
+        dtype_name = str(embed_dtype).removeprefix("torch.")
+        if dtype_name not in DTYPES:
+            raise ConversionError(f"{self._path_of('model.embed_tokens.weight')}: unsupported dtype {dtype_name}")
+        self.spec = replace(self.spec, torch_dtype=dtype_name)
+
+    def _path_of(self, name: str) -> Path:
+        return self.dir / self._file_of[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(hf_tensor_shapes(self.spec))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
+        try:
+            return self._handles[self._file_of[name]].get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise ConversionError(f"{self._path_of(name)}: tensor '{name}' unreadable ({error})") from None
+
+    def aux_files(self) -> list[Path]:
+        """Tokenizer files, generation_config.json and other small files to carry along."""
+        return sorted(
+            p
+            for p in self.dir.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and p.name not in ("config.json", INDEX_FILE)
+            and not p.name.endswith(_WEIGHT_SUFFIXES)
+        )
+
+
+def open_hf_dir(directory: str | os.PathLike) -> HFCheckpoint:
+    return HFCheckpoint(directory)
+
+
+@dataclass(frozen=True)
+class McoreMeta:
+    spec: ModelSpec
+    tp: int
+    pp: int
+    dtype: str  # the dtype the shards are stored in
+    layer_spec: str
+    vocab_divisor: int
+    hf_config: dict  # the source config.json, verbatim
+    format_version: int
+
+
+def shard_relpath(*, tp_rank: int, pp_rank: int) -> str:
+    return f"tp{tp_rank}_pp{pp_rank}/model.safetensors"
+
+
+def meta_json(meta: McoreMeta) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": meta.format_version,
+        "tp": meta.tp,
+        "pp": meta.pp,
+        "dtype": meta.dtype,
+        "layer_spec": meta.layer_spec,
+        "vocab_divisor": meta.vocab_divisor,
+        "padded_vocab_size": padded_vocab_size(meta.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor),
+        "hf_config": meta.hf_config,
+    }
+
+
+class _LazyShard(Mapping):
+    """One rank's tensors, read on access from the memory-mapped file."""
+
+    def __init__(self, path: Path, handle) -> None:
+        self._path, self._handle = path, handle
+        self._names = list(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class McoreCheckpoint:
+    """A validated Megatron checkpoint directory written by this package (or the trainer)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.dir = Path(directory)
+        meta_path = self.dir / META_FILE
+        if not self.dir.is_dir():
+            raise ConversionError(f"{self.dir}: not a directory")
+        raw = _read_json(meta_path)
+        if raw.get("format") != FORMAT_NAME:
+            raise ConversionError(f"{meta_path}: field 'format' is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ConversionError(f"{meta_path}: field 'format_version' is {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
+        for field in ("tp", "pp", "vocab_divisor"):
+            if not isinstance(raw.get(field), int) or raw[field] < 1:
+                raise ConversionError(f"{meta_path}: field '{field}' must be a positive integer")
+        if raw.get("dtype") not in DTYPES:
+            raise ConversionError(f"{meta_path}: field 'dtype' is {raw.get('dtype')!r}; supported: {', '.join(DTYPES)}")
+        if raw.get("layer_spec") not in LAYER_SPECS:
+            raise ConversionError(f"{meta_path}: field 'layer_spec' must be one of {LAYER_SPECS}")
+        spec = spec_from_hf_config(raw.get("hf_config"), source=f"{meta_path}: hf_config")
+        spec = replace(spec, torch_dtype=raw["dtype"])
+        check_layout(spec, tp=raw["tp"], pp=raw["pp"], source=f"{meta_path}: hf_config", divisor=raw["vocab_divisor"])
+        self.meta = McoreMeta(
+            spec=spec,
+            tp=raw["tp"],
+            pp=raw["pp"],
+            dtype=raw["dtype"],
+            layer_spec=raw["layer_spec"],
+            vocab_divisor=raw["vocab_divisor"],
+            hf_config=raw["hf_config"],
+            format_version=raw["format_version"],
+        )
+        self._shards: dict[tuple[int, int], _LazyShard] = {}
+        for pp_rank in range(self.meta.pp):
+            expected = mcore_shard_shapes(
+                spec, tp=self.meta.tp, pp=self.meta.pp, pp_rank=pp_rank,
+                layer_spec=self.meta.layer_spec, divisor=self.meta.vocab_divisor,
+            )  # fmt: skip
+            for tp_rank in range(self.meta.tp):
+                path = self.dir / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
+                handle = _open_safetensors(path)
+                names = list(handle.keys())
+                for name in expected:
+                    if name not in names:
+                        raise ConversionError(f"{path}: tensor '{name}' is missing")
+                for name in names:
+                    if name not in expected:
+                        raise ConversionError(f"{path}: unexpected tensor '{name}'")
+                _check_shapes(path, handle, names, expected)
+                self._shards[(tp_rank, pp_rank)] = _LazyShard(path, handle)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.meta.spec
+
+    @property
+    def hf_files_dir(self) -> Path:
+        """config.json, generation_config.json and the tokenizer files of the source model."""
+        return self.dir / HF_FILES_DIR
+
+    def shard_view(self, tp_rank: int, pp_rank: int) -> Mapping[str, torch.Tensor]:
+        """Lazy mapping of one rank's tensors."""
+        return self._shards[(tp_rank, pp_rank)]
+
+    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """One rank's tensors, all read, names as that stage's GPTModel.named_parameters()."""
+        view = self._shards[(tp_rank, pp_rank)]
+        return {name: view[name] for name in view}
+
+    def hf_view(self) -> HFView:
+        return HFView(self)
+
+
+class HFView:
+    """The checkpoint seen through HF names (vocab trimmed), whatever its tp/pp.
+
+    get(name) gathers one fused entry across the tp ranks; siblings (q/k/v, gate/up) are
+    cached until asked for, so reading names in hf_tensor_names order gathers each entry once.
+    """
+
+    def __init__(self, checkpoint: McoreCheckpoint) -> None:
+        self._ckpt = checkpoint
+        self.spec = checkpoint.spec
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(hf_tensor_shapes(self.spec))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._cache:
+            return self._cache.pop(name)
+        meta = self._ckpt.meta
+        tensors = mcore_to_hf_tensor(
+            self.spec, name, tp=meta.tp, pp=meta.pp, get_shard=self._ckpt.shard_view, layer_spec=meta.layer_spec
+        )
+        self._cache = {n: t for n, t in tensors.items() if n != name}
+        return tensors[name]
+
+
+def open_mcore_dir(directory: str | os.PathLike) -> McoreCheckpoint:
+    return McoreCheckpoint(directory)
+
+
+def is_mcore_dir(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / META_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# Atomic output
+# ---------------------------------------------------------------------------------------
+
+
+def _is_within(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def _apply_umask_permissions(root: Path) -> None:
+    # mkdtemp (and safetensors' writer) create owner-only entries; the result should get the
+    # permissions a plain mkdir/open would have given.
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(target: str | os.PathLike, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside target; on success it replaces target.
+
+    Any exception, KeyboardInterrupt included, removes the temporary directory and leaves
+    target (and every input) untouched.
+    """
+    target = Path(target).resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if _is_within(source, target) or _is_within(target, source):
+            raise ConversionError(f"{target}: output must not overlap the input {source}")
+    if target.exists() and not target.is_dir():
+        raise ConversionError(f"{target}: exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ConversionError(f"{target}: directory is not empty (pass --overwrite to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        _apply_umask_permissions(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "previous")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
