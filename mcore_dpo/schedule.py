@@ -44,9 +44,10 @@ class OpKind(str, Enum):
 REF_MODES = ("interleaved", "sequential", "precomputed", "none")
 
 # Reference activations produced by a stage and not yet consumed by the next
-# stage, per link. They cost memory, so the interleaved scheduler keeps this
-# small; 2 already reaches the bubble-filling optimum in the cases we measured.
-MAX_REF_ACTS_IN_FLIGHT = 2
+# stage, per link (one stage-output tensor each, far less than the activations
+# 1F1B stashes for backward). The interleaved planner never exceeds this; 3 is
+# what the bubble-filling optimum needs at p=4, m=8.
+MAX_REF_ACTS_IN_FLIGHT = 3
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.REF_FWD)
 # send/recv kind -> (payload, stage offset of the peer)
@@ -102,7 +103,9 @@ class SimResult:
 
 
 def _cost(kind: OpKind, costs: Costs) -> float:
-    return {OpKind.FWD: costs.fwd, OpKind.BWD: costs.bwd, OpKind.REF_FWD: costs.ref_fwd}[kind]
+    if kind == OpKind.FWD:
+        return costs.fwd
+    return costs.bwd if kind == OpKind.BWD else costs.ref_fwd
 
 
 def _check_costs(costs: Costs) -> None:
@@ -150,6 +153,7 @@ def _add_comm(compute_orders: list[list[Op]]) -> tuple[tuple[Op, ...], ...]:
                 link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
             if op.kind == OpKind.BWD and s > 0:
                 link_msgs.setdefault((s, s - 1), []).append(("grad", op.microbatch, op.batch))
+    link_pos = {link: {msg: k for k, msg in enumerate(msgs)} for link, msgs in link_msgs.items()}
     recv_kind = {"act": OpKind.RECV_ACT, "ref_act": OpKind.RECV_REF_ACT, "grad": OpKind.RECV_GRAD}
     stages = []
     for s, ops in enumerate(compute_orders):
@@ -164,7 +168,7 @@ def _add_comm(compute_orders: list[list[Op]]) -> tuple[tuple[Op, ...], ...]:
             if need is not None:
                 src, msg = need
                 queue = link_msgs[(src, s)]
-                while received[src] <= queue.index(msg):
+                while received[src] <= link_pos[(src, s)][msg]:
                     payload, mb, batch = queue[received[src]]
                     out.append(Op(recv_kind[payload], mb, batch))
                     received[src] += 1
@@ -186,7 +190,6 @@ def _greedy_interleaved(
     ref_batches: tuple[int, ...],
     costs: Costs,
     max_in_flight: int,
-    lookahead: bool,
 ) -> list[list[Op]]:
     """List-schedule the reference forwards into the idle time of policy 1F1B.
 
@@ -194,9 +197,8 @@ def _greedy_interleaved(
     never reordered) when its inputs have arrived; otherwise it starts the next
     reference forward whose input has arrived. Batch-0 reference forwards are
     needed by the loss, so REF(mb, batch 0) joins the policy chain right before
-    FWD(mb) if it has not run yet as a filler.
-    With `lookahead`, a filler is skipped when the policy op's input is already
-    known to arrive before the filler would finish.
+    FWD(mb) if it has not run yet as a filler. At most `max_in_flight` reference
+    activations wait between two stages.
     """
     p, m = num_stages, num_microbatches
     chains = [_one_f_one_b(stage=s, num_stages=p, num_microbatches=m) for s in range(p)]
@@ -227,7 +229,7 @@ def _greedy_interleaved(
         heapq.heappush(events, finish + costs.comm)
 
     total = sum(len(c) for c in chains) + p * len(refs)
-    while sum(len(o) for o in orders) < total:
+    while sum(chain_pos) + sum(ref_pos) < total:
         if not events:
             raise RuntimeError("interleaved scheduler stalled (bug)")
         t = heapq.heappop(events)
@@ -258,13 +260,117 @@ def _greedy_interleaved(
             in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
             if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
                 continue
-            if lookahead and head is not None:
-                ready = input_time(s, head)
-                if ready is not None and ready < t + costs.ref_fwd:
-                    continue
             start(s, ref, t)
             ref_pos[s] += 1
     return orders
+
+
+def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> list[list[tuple[float, float]]]:
+    """(start, end) of each compute op when everything runs as late as `makespan` allows.
+
+    Warmup forwards have slack in 1F1B; running them late opens idle time early
+    in the step, where reference forwards can start their way down the pipeline.
+    """
+    num_stages = len(orders)
+    latest_start: dict[tuple[int, Op], float] = {}
+    ptr = [len(ops) - 1 for ops in orders]
+    next_start = [makespan] * num_stages
+    while any(i >= 0 for i in ptr):
+        progress = False
+        for s in range(num_stages):
+            while ptr[s] >= 0:
+                op = orders[s][ptr[s]]
+                # The op on a neighbour stage that consumes this op's output.
+                if op.kind == OpKind.BWD:
+                    consumer = (s - 1, op) if s > 0 else None
+                else:
+                    consumer = (s + 1, op) if s < num_stages - 1 else None
+                due = next_start[s]
+                if consumer is not None:
+                    if consumer not in latest_start:
+                        break
+                    due = min(due, latest_start[consumer] - costs.comm)
+                latest_start[(s, op)] = next_start[s] = due - _cost(op.kind, costs)
+                ptr[s] -= 1
+                progress = True
+        if not progress:
+            raise RuntimeError("base schedule has a dependency cycle (bug)")
+    return [[(latest_start[(s, op)], latest_start[(s, op)] + _cost(op.kind, costs)) for op in ops]
+            for s, ops in enumerate(orders)]
+
+
+def _place_refs_late(
+    *, base: list[list[Op]], base_times: list[list[tuple[float, float]]], refs: list[Op], costs: Costs, makespan: float
+) -> list[list[Op]] | None:
+    """Fit `refs` into the idle time of a base schedule, each as late as possible.
+
+    The base ops keep their times; every stage runs `refs` in the same order and
+    all must end by `makespan`. Going backwards from the last stage, each
+    reference forward takes the latest idle slot that ends before the same
+    microbatch starts downstream, which leaves upstream stages the most room,
+    so this finds a fit whenever one exists for that order. None: no fit.
+    """
+    num_stages, dur, eps = len(base), costs.ref_fwd, 1e-9 * max(1.0, makespan)
+    starts: list[list[float]] = [[0.0] * len(refs) for _ in range(num_stages)]
+    for s in reversed(range(num_stages)):
+        # Idle intervals of stage s, earliest first, with the open end cut at `makespan`.
+        free, busy_until = [], 0.0
+        for start, end in base_times[s]:
+            if start - busy_until > eps:
+                free.append([busy_until, start])
+            busy_until = end
+        free.append([busy_until, makespan])
+        idx, limit = len(free) - 1, makespan
+        for j in reversed(range(len(refs))):
+            due = limit if s == num_stages - 1 else min(limit, starts[s + 1][j] - costs.comm)
+            while idx >= 0 and min(due, free[idx][1]) - free[idx][0] < dur - eps:
+                idx -= 1
+            if idx < 0:
+                return None
+            begin = min(due, free[idx][1]) - dur
+            free[idx][1] = begin
+            starts[s][j] = limit = begin
+    orders = []
+    for s in range(num_stages):
+        timed = [(start, 0, i, op) for i, (op, (start, _)) in enumerate(zip(base[s], base_times[s]))]
+        timed += [(starts[s][j], 1, j, op) for j, op in enumerate(refs)]
+        orders.append([op for *_, op in sorted(timed)])
+    return orders
+
+
+def _interleave_late(*, base: list[list[Op]], refs: list[Op], costs: Costs, late_base: bool) -> list[list[Op]]:
+    """Reference forwards in the base schedule's bubbles, for the smallest makespan that fits.
+
+    `late_base`: run the base ops as late as its own makespan allows (else as early
+    as possible) before looking for idle time.
+    """
+    base_plan = _add_comm(base)
+    run = _execute(Plan(len(base), 1, "none", base_plan), costs)
+    if late_base:
+        base_times = _latest_times(base, costs=costs, makespan=run.makespan)
+    else:
+        base_times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in _COMPUTE]
+                      for s, ops in enumerate(base_plan)]
+
+    def fit(makespan: float) -> list[list[Op]] | None:
+        return _place_refs_late(base=base, base_times=base_times, refs=refs, costs=costs, makespan=makespan)
+
+    low = run.makespan
+    best = fit(low)
+    if best is not None:
+        return best
+    high = low + (len(refs) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
+    best = fit(high)
+    assert best is not None, "reference forwards after the base schedule always fit"
+    # Fitting is monotone in the makespan, so bisect; simulate() gives the exact time afterwards.
+    while high - low > 1e-6 * costs.ref_fwd:
+        mid = (low + high) / 2
+        orders = fit(mid)
+        if orders is None:
+            low = mid
+        else:
+            high, best = mid, orders
+    return best
 
 
 def build_plan(
@@ -301,17 +407,34 @@ def build_plan(
     prologue = plan_of([refs + chain for chain in policy])
     if ref_mode == "sequential":
         return prologue
-    # Interleaved: try a few greedy variants and keep the fastest under `costs`;
-    # a reference prologue is the fallback (it can win when batch 0 needs a reference).
-    candidates = [prologue] if 0 in ref_batches else []
+    # Interleaved: build a few candidates, keep the fastest under `costs` whose
+    # reference activations in flight stay within MAX_REF_ACTS_IN_FLIGHT.
+    next_refs = [op for op in refs if op.batch == 1]
+    bases = [policy]
+    candidates = []
+    if 0 in ref_batches:
+        # This batch's reference gates the loss: first schedule it (greedy or as a
+        # prologue), then fit the next batch's reference into what is left idle.
+        current_only = [_greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=(0,),
+                                            costs=costs, max_in_flight=MAX_REF_ACTS_IN_FLIGHT)]
+        bases = current_only + [[refs[:m] + chain for chain in policy]]
+        candidates.append(prologue)
+    for base in bases:
+        if not next_refs:
+            candidates.append(plan_of(base))
+            continue
+        for late_base in (True, False):
+            candidates.append(plan_of(_interleave_late(base=base, refs=next_refs, costs=costs, late_base=late_base)))
     for max_in_flight in range(1, MAX_REF_ACTS_IN_FLIGHT + 1):
-        for lookahead in (False, True):
-            orders = _greedy_interleaved(
-                num_stages=p, num_microbatches=m, ref_batches=ref_batches,
-                costs=costs, max_in_flight=max_in_flight, lookahead=lookahead,
-            )
-            candidates.append(plan_of(orders))
-    return min(candidates, key=lambda plan: simulate(plan, costs=costs).makespan)
+        orders = _greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=ref_batches,
+                                     costs=costs, max_in_flight=max_in_flight)
+        candidates.append(plan_of(orders))
+    scored = []
+    for index, plan in enumerate(candidates):
+        run = _execute(plan, costs)  # our own plans: no need to re-check their structure
+        if run.max_ref_acts_in_flight <= MAX_REF_ACTS_IN_FLIGHT:
+            scored.append((run.makespan, run.max_ref_acts_in_flight, index))
+    return candidates[min(scored)[2]]
 
 
 # ----------------------------------------------------------------------------- checking
@@ -362,7 +485,7 @@ def _check_structure(plan: Plan) -> None:
                 raise PlanError(f"plan stage {s} op {i}: not an Op with an OpKind: {op!r}")
         have = Counter(ops)
         want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches)
-        for op in sorted(set(have) | set(want), key=repr):
+        for op in [] if have == want else sorted(set(have) | set(want), key=repr):
             if have[op] != want[op]:
                 raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch} "
                                 f"appears {have[op]} times, expected {want[op]}")
