@@ -49,6 +49,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # Optional HF buffers that older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 # Weight formats that are not copied along with the tokenizer (pickle-based or our own).
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
@@ -129,10 +130,11 @@ class HFCheckpoint:
             names = [n for n in handle.keys() if n in expected]
             _check_shapes(self.dir / file, handle, names, expected)
         # The weights, not the config, decide the source dtype (configs often omit or misstate it).
-        embed_dtype = self.get("model.embed_tokens.weight").dtype
-        dtype_name = str(embed_dtype).removeprefix("torch.")
-        if dtype_name not in DTYPES:
-            raise ConversionError(f"{self._path_of('model.embed_tokens.weight')}: unsupported dtype {dtype_name}")
+        embed = "model.embed_tokens.weight"
+        stored = self._handles[self._file_of[embed]].get_slice(embed).get_dtype()
+        dtype_name = _SAFETENSORS_DTYPES.get(stored)
+        if dtype_name is None:
+            raise ConversionError(f"{self._path_of(embed)}: tensor '{embed}' has unsupported dtype {stored}")
         self.spec = replace(self.spec, torch_dtype=dtype_name)
 
     def _path_of(self, name: str) -> Path:

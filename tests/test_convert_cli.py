@@ -1,0 +1,236 @@
+"""checkpoint_convert CLI on real files: hf-to-mcore, reshard, mcore-to-hf, bad input, atomic output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from checkpoint_convert.__main__ import main
+from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from convert_helpers import hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tree_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        digest.update(str(path.relative_to(directory)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    """Qwen2 (qkv bias, tied) written as three safetensors shards with an index."""
+    return save_hf(qwen2_bias_tied(), tmp_path_factory.mktemp("qwen") / "hf", num_shards=3)
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return llama_gqa_untied()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, llama_model) -> Path:
+    return save_hf(llama_model, tmp_path_factory.mktemp("llama") / "hf")
+
+
+def _load_hf_dir_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def test_reshard_tp2pp2_to_tp1pp4_to_hf_is_identical(qwen_dir, tmp_path, capsys):
+    before = _tree_digest(qwen_dir)
+    assert _run(["hf-to-mcore", "--hf-dir", str(qwen_dir), "--out", str(tmp_path / "m22"), "--tp", "2", "--pp", "2"], capsys)[0] == 0
+    assert _run(["reshard", "--mcore-dir", str(tmp_path / "m22"), "--out", str(tmp_path / "m14"), "--tp", "1", "--pp", "4"], capsys)[0] == 0
+    assert _run(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m14"), "--out", str(tmp_path / "hf"), "--max-shard-size", "30KB"], capsys)[0] == 0
+    assert _tree_digest(qwen_dir) == before  # the input is never touched
+    meta = open_mcore_dir(tmp_path / "m14").meta
+    assert (meta.tp, meta.pp, meta.dtype) == (1, 4, "float32")
+    source = _load_hf_dir_tensors(qwen_dir)
+    exported = _load_hf_dir_tensors(tmp_path / "hf")
+    assert set(exported) == set(source)
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # --max-shard-size split the export
+    assert set(index["weight_map"]) == set(source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (qwen_dir / name).read_bytes()
+    # The meta keeps the source config, so the exported config describes the same model.
+    assert open_hf_dir(tmp_path / "hf").spec == open_hf_dir(qwen_dir).spec
+
+
+def test_exported_model_loads_and_generates_like_the_original(llama_model, llama_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    assert _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(tmp_path / "m"), "--tp", "4", "--pp", "2"], capsys)[0] == 0
+    assert _run(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "hf")], capsys)[0] == 0
+    exported, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    prompt = torch.tensor([[1, 17, 42, 7, 99, 3]])
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    original_ids = llama_model.generate(prompt, **settings)
+    exported_ids = exported.eval().generate(prompt, **settings)
+    assert original_ids.shape[1] == prompt.shape[1] + 12
+    assert torch.equal(exported_ids, original_ids)
+
+
+def test_dtype_flag_casts_and_default_keeps_source_dtype(llama_model, tmp_path, capsys):
+    bf16_dir = save_hf(llama_model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert _run(["hf-to-mcore", "--hf-dir", str(bf16_dir), "--out", str(tmp_path / "keep"), "--tp", "2"], capsys)[0] == 0
+    assert open_mcore_dir(tmp_path / "keep").meta.dtype == "bfloat16"
+    assert load_file(str(tmp_path / "keep" / "tp0_pp0" / "model.safetensors"))["output_layer.weight"].dtype == torch.bfloat16
+    assert _run(["hf-to-mcore", "--hf-dir", str(bf16_dir), "--out", str(tmp_path / "fp32"), "--dtype", "fp32"], capsys)[0] == 0
+    assert _run(["mcore-to-hf", "--mcore-dir", str(tmp_path / "fp32"), "--out", str(tmp_path / "hf")], capsys)[0] == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    exported = _load_hf_dir_tensors(tmp_path / "hf")
+    for name, tensor in load_file(str(bf16_dir / "model.safetensors")).items():
+        assert exported[name].dtype == torch.float32
+        assert torch.equal(exported[name], tensor.float()), name
+
+
+def _rewrite(path: Path, change) -> None:
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _bad_missing(d: Path) -> str:
+    _rewrite(d / "model.safetensors", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    return "model.layers.1.mlp.up_proj.weight"
+
+
+def _bad_extra(d: Path) -> str:
+    _rewrite(d / "model.safetensors", lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(2)}))
+    return "model.layers.9.extra.weight"
+
+
+def _bad_shape(d: Path) -> str:
+    _rewrite(d / "model.safetensors", lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 32)}))
+    return "model.layers.0.self_attn.k_proj.weight"
+
+
+def _bad_architecture(d: Path) -> str:
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    return "architectures"
+
+
+def _bad_truncated(d: Path) -> str:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    return "model.safetensors"
+
+
+def _bad_missing_shard(d: Path) -> str:
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return "model-00002-of-00002.safetensors"
+
+
+@pytest.mark.parametrize(
+    "breaker,tp,pp,num_shards",
+    [
+        (_bad_missing, 1, 1, 1),
+        (_bad_extra, 1, 1, 1),
+        (_bad_shape, 1, 1, 1),
+        (_bad_architecture, 1, 1, 1),
+        (_bad_truncated, 1, 1, 1),
+        (_bad_missing_shard, 1, 1, 2),
+        (None, 3, 1, 1),  # tp does not divide the 8 heads
+        (None, 8, 1, 1),  # tp divides the 8 heads but not the 4 query groups
+        (None, 1, 5, 1),  # pp larger than the 4 layers
+    ],
+)
+def test_bad_input_one_line_exit_2_no_output(llama_model, tmp_path, capsys, breaker, tp, pp, num_shards):
+    source = save_hf(llama_model, tmp_path / "hf", num_shards=num_shards)
+    expected = breaker(source) if breaker else {3: "num_attention_heads", 8: "num_key_value_heads"}.get(tp, "num_hidden_layers")
+    before = _tree_digest(source)
+    out = tmp_path / "out"
+    code, err = _run(["hf-to-mcore", "--hf-dir", str(source), "--out", str(out), "--tp", str(tp), "--pp", str(pp)], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert expected in err
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left behind
+    assert _tree_digest(source) == before
+
+
+def test_intermediate_size_not_divisible_by_tp(llama_model, tmp_path, capsys):
+    source = save_hf(llama_model, tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    config.update(num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=66)
+    (source / "config.json").write_text(json.dumps(config))
+    code, err = _run(["hf-to-mcore", "--hf-dir", str(source), "--out", str(tmp_path / "o"), "--tp", "4"], capsys)
+    assert code == 2 and "intermediate_size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_megatron_shard_names_file_and_tensor(llama_dir, tmp_path, capsys):
+    mcore = tmp_path / "m"
+    assert _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(mcore), "--tp", "2", "--pp", "2"], capsys)[0] == 0
+    _rewrite(mcore / "tp1_pp1" / "model.safetensors", lambda t: t.pop("decoder.layers.1.mlp.linear_fc2.weight"))
+    code, err = _run(["mcore-to-hf", "--mcore-dir", str(mcore), "--out", str(tmp_path / "hf")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "tp1_pp1/model.safetensors" in err and "decoder.layers.1.mlp.linear_fc2.weight" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_non_empty_target_needs_overwrite(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    code, err = _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(out)], capsys)
+    assert code == 2 and "--overwrite" in err
+    assert (out / "keep.txt").read_text() == "user data"
+    assert _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(out), "--overwrite"], capsys)[0] == 0
+    assert not (out / "keep.txt").exists() and (out / "tp0_pp0" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_interrupt_leaves_no_partial_output(llama_dir, tmp_path, capsys, monkeypatch):
+    from checkpoint_convert import convert
+
+    written = []
+    real_write = convert.write_mcore_shard
+
+    def write_then_interrupt(directory, **kwargs):
+        real_write(directory, **kwargs)
+        written.append(kwargs["tp_rank"])
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "write_mcore_shard", write_then_interrupt)
+    code, err = _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(tmp_path / "out"), "--tp", "2", "--pp", "2"], capsys)
+    assert code == 130 and len(written) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_console_entry_point_exits_2_with_one_line(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "nope" in result.stderr
+    assert not (tmp_path / "o").exists()
