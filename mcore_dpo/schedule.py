@@ -345,7 +345,7 @@ def _interleave_late(*, base: list[list[Op]], refs: list[Op], costs: Costs, late
     as possible) before looking for idle time.
     """
     base_plan = _add_comm(base)
-    run = _execute(Plan(len(base), 1, "none", base_plan), costs)
+    run = _execute(base_plan, costs)
     if late_base:
         base_times = _latest_times(base, costs=costs, makespan=run.makespan)
     else:
@@ -431,10 +431,10 @@ def build_plan(
         candidates.append(plan_of(orders))
     scored = []
     for index, plan in enumerate(candidates):
-        run = _execute(plan, costs)  # our own plans: no need to re-check their structure
-        if run.max_ref_acts_in_flight <= MAX_REF_ACTS_IN_FLIGHT:
-            scored.append((run.makespan, run.max_ref_acts_in_flight, index))
-    return candidates[min(scored)[2]]
+        run = _execute(plan.stages, costs)  # our own plans: no need to re-check their structure
+        over = run.max_ref_acts_in_flight > MAX_REF_ACTS_IN_FLIGHT  # greedy ones never are
+        scored.append((over, run.makespan, run.max_ref_acts_in_flight, index))
+    return candidates[min(scored)[-1]]
 
 
 # ----------------------------------------------------------------------------- checking
@@ -527,9 +527,9 @@ def _check_structure(plan: Plan) -> None:
                                     f"but received as {b} (p2p is matched in order)")
 
 
-def _execute(plan: Plan, costs: Costs) -> SimResult:
-    """Run the plan in time: compute takes its cost, sends don't block, recvs wait."""
-    p = plan.num_stages
+def _execute(stages: tuple[tuple[Op, ...], ...], costs: Costs) -> SimResult:
+    """Run per-stage op lists in time: compute takes its cost, sends don't block, recvs wait."""
+    p = len(stages)
     clock, ptr = [0.0] * p, [0] * p
     links: dict[tuple[int, int], list[tuple[tuple[str, int, int], float]]] = {}
     taken: Counter = Counter()
@@ -538,7 +538,7 @@ def _execute(plan: Plan, costs: Costs) -> SimResult:
     while progress:
         progress = False
         for s in range(p):
-            ops = plan.stages[s]
+            ops = stages[s]
             while ptr[s] < len(ops):
                 op, t = ops[ptr[s]], clock[s]
                 if op.kind in _COMPUTE:
@@ -559,21 +559,21 @@ def _execute(plan: Plan, costs: Costs) -> SimResult:
                 ptr[s] += 1
                 progress = True
     for s in range(p):
-        if ptr[s] < len(plan.stages[s]):
-            op = plan.stages[s][ptr[s]]
+        if ptr[s] < len(stages[s]):
+            op = stages[s][ptr[s]]
             raise PlanError(f"plan deadlock: stage {s} waits forever at op {ptr[s]} "
                             f"({op.kind.value} mb={op.microbatch} batch={op.batch})")
 
     makespan = max(clock)
     busy = tuple(
-        sum(end - start for op, (start, end) in zip(plan.stages[s], times[s]) if op.kind in _COMPUTE)
+        sum(end - start for op, (start, end) in zip(stages[s], times[s]) if op.kind in _COMPUTE)
         for s in range(p)
     )
     worst = 0
     for s in range(p - 1):
         # +1 when stage s finishes a reference forward, -1 when stage s+1 starts on it.
-        deltas = [(times[s][i][1], 1) for i, op in enumerate(plan.stages[s]) if op.kind == OpKind.REF_FWD]
-        deltas += [(times[s + 1][i][0], -1) for i, op in enumerate(plan.stages[s + 1]) if op.kind == OpKind.REF_FWD]
+        deltas = [(times[s][i][1], 1) for i, op in enumerate(stages[s]) if op.kind == OpKind.REF_FWD]
+        deltas += [(times[s + 1][i][0], -1) for i, op in enumerate(stages[s + 1]) if op.kind == OpKind.REF_FWD]
         level = 0
         for _, delta in sorted(deltas):
             level += delta
@@ -585,14 +585,14 @@ def _execute(plan: Plan, costs: Costs) -> SimResult:
 def validate_plan(plan: Plan) -> None:
     """Raise PlanError (one line) unless every stage's op list is complete, ordered and deadlock-free."""
     _check_structure(plan)
-    _execute(plan, Costs())
+    _execute(plan.stages, Costs())
 
 
 def simulate(plan: Plan, *, costs: Costs = Costs()) -> SimResult:
     """Validate the plan, then time it under `costs`."""
     _check_costs(costs)
     _check_structure(plan)
-    return _execute(plan, costs)
+    return _execute(plan.stages, costs)
 
 
 def closed_form_makespans(*, num_stages: int, num_microbatches: int, costs: Costs = Costs()) -> dict[str, float]:
