@@ -1,0 +1,411 @@
+"""Tests for mcore_dpo.data: formats, file types, truncation, bad rows, batching, collate."""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mcore_dpo.data import (
+    DataError,
+    TokenizedPair,
+    collate,
+    global_batch_order,
+    load_pairs,
+    padded_seq_len,
+)
+from mcore_dpo.defaults import DEFAULT_TOKENIZER_DIR
+
+STANDARD_ROWS = [
+    {"prompt": "name two fruits .", "chosen": "apple and pear .", "rejected": "cat and dog ."},
+    {"prompt": "name two animals .", "chosen": "cat and dog .", "rejected": "red and blue ."},
+    {"prompt": "name two colors .", "chosen": "red and blue .", "rejected": "saw and axe ."},
+]
+CHAT_ROW = {
+    "prompt": [
+        {"role": "system", "content": "answer with two words ."},
+        {"role": "user", "content": "name two fruits ."},
+    ],
+    "chosen": [{"role": "assistant", "content": "apple and pear ."}],
+    "rejected": [{"role": "assistant", "content": "cat and dog ."}],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR)
+
+
+def _write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _ids(tokenizer, text: str, *, specials: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=specials)["input_ids"])
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_standard_format_tokenizes_prompt_with_bos_and_completions_with_eos(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "d.jsonl", STANDARD_ROWS)
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=64)
+    assert stats.num_rows == 3 and stats.num_pairs == 3 and stats.num_bad_rows_skipped == 0
+    eos = tokenizer.eos_token_id
+    for pair, row, line in zip(pairs, STANDARD_ROWS, (1, 2, 3)):
+        assert pair.source_line == line  # file order kept
+        assert pair.prompt_ids[0] == tokenizer.bos_token_id
+        assert list(pair.prompt_ids) == _ids(tokenizer, row["prompt"], specials=True)
+        assert list(pair.chosen_ids) == _ids(tokenizer, row["chosen"], specials=False) + [eos]
+        assert list(pair.rejected_ids) == _ids(tokenizer, row["rejected"], specials=False) + [eos]
+        assert tokenizer.unk_token_id not in pair.prompt_ids + pair.chosen_ids + pair.rejected_ids
+
+
+def test_eos_not_appended_twice(tmp_path, tokenizer):
+    row = {"prompt": "name two fruits .", "chosen": "apple and pear . <eos>", "rejected": "cat ."}
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tokenizer, max_length=64)
+    eos = tokenizer.eos_token_id
+    assert pairs[0].chosen_ids.count(eos) == 1 and pairs[0].chosen_ids[-1] == eos
+    assert pairs[0].rejected_ids[-1] == eos
+
+
+def test_conversational_format_follows_the_chat_template(tmp_path, tokenizer):
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW]), tokenizer=tokenizer, max_length=64)
+    pair = pairs[0]
+    prompt_text = tokenizer.apply_chat_template(CHAT_ROW["prompt"], add_generation_prompt=True, tokenize=False)
+    assert list(pair.prompt_ids) == _ids(tokenizer, prompt_text, specials=True)
+    for completion_ids, key in ((pair.chosen_ids, "chosen"), (pair.rejected_ids, "rejected")):
+        full_text = tokenizer.apply_chat_template(CHAT_ROW["prompt"] + CHAT_ROW[key], tokenize=False)
+        # Prompt + completion is exactly the tokenized full conversation.
+        assert list(pair.prompt_ids + completion_ids) == _ids(tokenizer, full_text, specials=True)
+        assert completion_ids[-1] == tokenizer.eos_token_id  # the template closes the turn
+    assert tokenizer.decode(pair.chosen_ids, skip_special_tokens=True).strip() == "apple and pear ."
+
+
+def test_chat_template_that_writes_bos_gives_a_single_bos(tmp_path, tokenizer):
+    own = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR)
+    own.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW]), tokenizer=own, max_length=64)
+    assert pairs[0].prompt_ids[0] == own.bos_token_id and pairs[0].prompt_ids[1] != own.bos_token_id
+
+
+def test_implicit_prompt_from_texts(tmp_path, tokenizer):
+    row = {"chosen": "q : name two fruits . a : apple and pear .", "rejected": "q : name two fruits . a : cat and dog ."}
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tokenizer, max_length=64)
+    eos = tokenizer.eos_token_id
+    assert list(pairs[0].prompt_ids) == _ids(tokenizer, "q : name two fruits . a :", specials=True)
+    assert list(pairs[0].chosen_ids) == _ids(tokenizer, "apple and pear .", specials=False) + [eos]
+    assert list(pairs[0].rejected_ids) == _ids(tokenizer, "cat and dog .", specials=False) + [eos]
+
+
+def test_implicit_prompt_never_splits_a_word(tmp_path, tokenizer):
+    row = {"chosen": "name two . pear and plum", "rejected": "name two . peach and plum"}
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tokenizer, max_length=64)
+    assert list(pairs[0].prompt_ids) == _ids(tokenizer, "name two .", specials=True)
+    assert pairs[0].chosen_ids[0] == tokenizer.convert_tokens_to_ids("pear")
+    assert pairs[0].rejected_ids[0] == tokenizer.convert_tokens_to_ids("peach")
+
+
+def test_implicit_prompt_from_conversations(tmp_path, tokenizer):
+    row = {"chosen": CHAT_ROW["prompt"] + CHAT_ROW["chosen"], "rejected": CHAT_ROW["prompt"] + CHAT_ROW["rejected"]}
+    path_implicit = _write_jsonl(tmp_path / "implicit.jsonl", [row])
+    path_explicit = _write_jsonl(tmp_path / "explicit.jsonl", [CHAT_ROW])
+    implicit, _ = load_pairs(path_implicit, tokenizer=tokenizer, max_length=64)
+    explicit, _ = load_pairs(path_explicit, tokenizer=tokenizer, max_length=64)
+    assert implicit == explicit
+
+
+# ----------------------------------------------------------------------------- file types
+
+
+def test_json_array_json_columns_and_parquet_match_jsonl(tmp_path, tokenizer):
+    rows = STANDARD_ROWS + [CHAT_ROW]
+    reference, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", rows), tokenizer=tokenizer, max_length=64)
+
+    array_path = tmp_path / "array.json"
+    array_path.write_text(json.dumps(rows, indent=2))
+    columns_path = tmp_path / "columns.json"
+    columns_path.write_text(json.dumps({key: [row[key] for row in STANDARD_ROWS] for key in STANDARD_ROWS[0]}))
+    parquet_path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(STANDARD_ROWS), str(parquet_path))
+    chat_parquet_path = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([CHAT_ROW, CHAT_ROW]), str(chat_parquet_path))
+
+    from_array, _ = load_pairs(str(array_path), tokenizer=tokenizer, max_length=64)
+    from_columns, _ = load_pairs(str(columns_path), tokenizer=tokenizer, max_length=64)
+    from_parquet, stats = load_pairs(str(parquet_path), tokenizer=tokenizer, max_length=64)
+    from_chat_parquet, _ = load_pairs(str(chat_parquet_path), tokenizer=tokenizer, max_length=64)
+    assert from_array == reference  # row numbers of an array equal the JSONL line numbers here
+    assert from_columns == reference[:3]
+    assert from_parquet == reference[:3] and stats.num_rows == 3
+    assert [p.prompt_ids for p in from_chat_parquet] == [reference[3].prompt_ids] * 2
+    assert [p.source_line for p in from_chat_parquet] == [1, 2]
+
+
+def test_json_file_with_json_lines_is_accepted(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "lines.json", STANDARD_ROWS)
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=64)
+    assert stats.num_pairs == 3 and [p.source_line for p in pairs] == [1, 2, 3]
+
+
+def test_blank_lines_are_not_rows_but_count_as_lines(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(STANDARD_ROWS[0]) + "\n\n   \n" + json.dumps(STANDARD_ROWS[1]) + "\n")
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    assert stats.num_rows == 2 and [p.source_line for p in pairs] == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("missing.jsonl", None, "no such file"),
+        ("data.csv", "prompt,chosen,rejected\n", "unknown file type '.csv'"),
+        ("empty.jsonl", "\n\n", "contains no rows"),
+        ("broken.json", '[\n{"prompt": "a"},\n{"prompt": \n', "broken JSON"),
+        ("broken.parquet", "not parquet at all", "cannot read Parquet file"),
+    ],
+)
+def test_file_level_problems_raise_one_line_data_error(tmp_path, tokenizer, name, content, expected):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError) as caught:
+        load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(str(path)) and expected in message
+
+
+def test_conversation_without_chat_template_is_an_error(tmp_path, tokenizer):
+    own = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR)
+    own.chat_template = None
+    path = _write_jsonl(tmp_path / "d.jsonl", [STANDARD_ROWS[0], CHAT_ROW])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: conversational row but the tokenizer has no chat_template"):
+        load_pairs(path, tokenizer=own, max_length=64, on_bad_row="skip")
+
+
+# ----------------------------------------------------------------------------- truncation
+
+
+def test_truncation_keeps_the_start(tmp_path, tokenizer):
+    row = {"prompt": "name two fruits .", "chosen": "apple and pear and plum and mango .", "rejected": "cat ."}
+    path = _write_jsonl(tmp_path / "d.jsonl", [row])
+    prompt = _ids(tokenizer, row["prompt"], specials=True)
+    chosen = _ids(tokenizer, row["chosen"], specials=False) + [tokenizer.eos_token_id]
+    rejected = _ids(tokenizer, row["rejected"], specials=False) + [tokenizer.eos_token_id]
+    max_length = len(prompt) + 4
+    pairs, _ = load_pairs(path, tokenizer=tokenizer, max_length=max_length)
+    assert list(pairs[0].prompt_ids) == prompt
+    assert list(pairs[0].chosen_ids) == chosen[:4]  # the head survives, the EOS is cut
+    assert list(pairs[0].rejected_ids) == rejected  # already short enough: untouched
+    assert len(pairs[0].prompt_ids) + len(pairs[0].chosen_ids) == max_length
+
+
+def test_pairs_whose_prompt_fills_max_length_are_dropped_and_counted(tmp_path, tokenizer):
+    short = {"prompt": "hi", "chosen": "apple .", "rejected": "cat ."}
+    long = {"prompt": "name two fruits please .", "chosen": "apple .", "rejected": "cat ."}
+    path = _write_jsonl(tmp_path / "d.jsonl", [short, long, short])
+    long_prompt_len = len(_ids(tokenizer, long["prompt"], specials=True))
+
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=long_prompt_len)
+    assert stats.num_rows == 3 and stats.num_pairs == 2 and stats.num_dropped_prompt_too_long == 1
+    assert [p.source_line for p in pairs] == [1, 3]
+
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=long_prompt_len + 1)
+    assert stats.num_dropped_prompt_too_long == 0 and len(pairs[1].chosen_ids) == 1
+
+
+# ----------------------------------------------------------------------------- bad rows
+
+GOOD_LINE = json.dumps(STANDARD_ROWS[0]).encode()
+BAD_LINES = {
+    "missing_key": (b'{"prompt": "a", "chosen": "b"}', "missing key 'rejected'"),
+    "wrong_type": (b'{"prompt": "a", "chosen": 3, "rejected": "c"}', "'chosen' must be a string or a list"),
+    "empty_string": (b'{"prompt": "a", "chosen": "  ", "rejected": "c"}', "'chosen' is an empty string"),
+    "null": (b'{"prompt": null, "chosen": "b", "rejected": "c"}', "'prompt' is null"),
+    "identical": (b'{"prompt": "a", "chosen": "b", "rejected": "b"}', "'chosen' and 'rejected' are identical"),
+    "invalid_utf8": (b'{"prompt": "a\xff\xfe", "chosen": "b", "rejected": "c"}', "invalid UTF-8"),
+    "lone_surrogate": (b'{"prompt": "a\\ud800", "chosen": "b", "rejected": "c"}', "not valid UTF-8"),
+    "broken_json": (b'{"prompt": "a", "chosen": "b", "rejected": ', "broken JSON"),
+    "not_an_object": (b'["a", "b", "c"]', "row must be an object, got list"),
+    "completion_not_assistant": (
+        json.dumps({**CHAT_ROW, "chosen": [{"role": "user", "content": "x"}]}).encode(),
+        "completions must come from 'assistant'",
+    ),
+    "unknown_role": (
+        json.dumps({**CHAT_ROW, "prompt": [{"role": "robot", "content": "x"}]}).encode(),
+        "unknown role 'robot'",
+    ),
+    "message_without_content": (
+        json.dumps({**CHAT_ROW, "prompt": [{"role": "user"}]}).encode(),
+        "message 1 is not a",
+    ),
+    "empty_conversation": (json.dumps({**CHAT_ROW, "rejected": []}).encode(), "'rejected' is an empty conversation"),
+    "mixed_formats": (json.dumps({**CHAT_ROW, "chosen": "apple ."}).encode(), "mixed formats"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_bad_row_raises_one_line_error_naming_file_and_line(tmp_path, tokenizer, kind):
+    bad_line, expected = BAD_LINES[kind]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD_LINE + b"\n" + GOOD_LINE + b"\n" + bad_line + b"\n" + GOOD_LINE + b"\n")
+    with pytest.raises(DataError) as caught:
+        load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}:3: ") and expected in message
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_bad_row_is_skipped_and_counted(tmp_path, tokenizer, kind):
+    bad_line, _ = BAD_LINES[kind]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join([GOOD_LINE, bad_line, GOOD_LINE, bad_line]) + b"\n")
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64, on_bad_row="skip")
+    assert [p.source_line for p in pairs] == [1, 3]
+    assert stats.num_rows == 4 and stats.num_pairs == 2
+    assert stats.num_bad_rows_skipped == 2 and stats.first_bad_lines == (2, 4)
+
+
+def test_bad_implicit_rows(tmp_path, tokenizer):
+    rows = [
+        {"chosen": "apple and pear .", "rejected": "cat and dog ."},  # nothing shared
+        {"chosen": CHAT_ROW["chosen"], "rejected": CHAT_ROW["rejected"]},  # no shared message
+        {"prompt": "a", "chosen": "b c", "rejected": "b d"},  # format switches mid-file
+        {"chosen": "q : a . x", "rejected": "q : a . y"},
+    ]
+    pairs, stats = load_pairs(
+        _write_jsonl(tmp_path / "d.jsonl", rows), tokenizer=tokenizer, max_length=64, on_bad_row="skip"
+    )
+    assert stats.first_bad_lines == (1, 2, 3) and [p.source_line for p in pairs] == [4]
+    with pytest.raises(DataError, match=r"d\.jsonl:1: 'chosen' and 'rejected' share no leading text"):
+        load_pairs(str(tmp_path / "d.jsonl"), tokenizer=tokenizer, max_length=64)
+
+
+def test_explicit_file_row_without_prompt_is_bad(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "d.jsonl", [STANDARD_ROWS[0], {"chosen": "q : a . x", "rejected": "q : a . y"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing key 'prompt'"):
+        load_pairs(path, tokenizer=tokenizer, max_length=64)
+
+
+def test_first_bad_lines_are_capped(tmp_path, tokenizer):
+    lines = [b"{broken"] * 25 + [GOOD_LINE]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64, on_bad_row="skip")
+    assert len(pairs) == 1 and stats.num_bad_rows_skipped == 25
+    assert stats.first_bad_lines == tuple(range(1, 11))
+
+
+def test_bad_rows_in_json_array_and_parquet_name_the_row(tmp_path, tokenizer):
+    rows = [STANDARD_ROWS[0], {**STANDARD_ROWS[1], "rejected": None}]
+    json_path = tmp_path / "d.json"
+    json_path.write_text(json.dumps(rows))
+    parquet_path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(parquet_path))
+    for path in (json_path, parquet_path):
+        with pytest.raises(DataError, match=rf"^{path}:2: 'rejected' is null$"):
+            load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+
+
+def test_invalid_arguments(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "d.jsonl", STANDARD_ROWS)
+    with pytest.raises(DataError, match="on_bad_row"):
+        load_pairs(path, tokenizer=tokenizer, max_length=64, on_bad_row="ignore")
+    with pytest.raises(DataError, match="max_length"):
+        load_pairs(path, tokenizer=tokenizer, max_length=1)
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def test_global_batch_order_is_deterministic_and_drops_the_last_partial_batch():
+    kwargs = dict(num_pairs=103, global_batch_size=10, seed=7, shuffle=True)
+    first = global_batch_order(**kwargs, epoch=0)
+    assert first == global_batch_order(**kwargs, epoch=0)
+    assert len(first) == 10 and all(len(batch) == 10 for batch in first)
+    flat = [index for batch in first for index in batch]
+    assert len(set(flat)) == 100 and set(flat) <= set(range(103))
+    assert flat != sorted(flat)  # shuffled
+    assert global_batch_order(**kwargs, epoch=1) != first
+    assert global_batch_order(num_pairs=103, global_batch_size=10, seed=8, shuffle=True, epoch=0) != first
+
+
+def test_global_batch_order_without_shuffle_keeps_file_order():
+    order = global_batch_order(num_pairs=7, global_batch_size=3, seed=1, shuffle=False, epoch=5)
+    assert order == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_global_batch_order_needs_one_full_batch():
+    with pytest.raises(DataError, match="fewer than global_batch_size 8"):
+        global_batch_order(num_pairs=7, global_batch_size=8, seed=0, shuffle=True, epoch=0)
+    assert len(global_batch_order(num_pairs=8, global_batch_size=8, seed=0, shuffle=True, epoch=0)) == 1
+
+
+def _pair(prompt_len: int, chosen_len: int, rejected_len: int, *, line: int = 1) -> TokenizedPair:
+    # Distinct id ranges make prompt, chosen and rejected tokens recognisable in the tensors.
+    return TokenizedPair(
+        prompt_ids=tuple(range(10, 10 + prompt_len)),
+        chosen_ids=tuple(range(100, 100 + chosen_len)),
+        rejected_ids=tuple(range(200, 200 + rejected_len)),
+        source_line=line,
+    )
+
+
+def test_padded_seq_len_rounds_up_the_longest_pair():
+    pairs = [_pair(3, 2, 9), _pair(5, 4, 1)]  # longest: 3 + 9 = 12
+    assert padded_seq_len(pairs) == 16
+    assert padded_seq_len(pairs, multiple=4) == 12
+    assert padded_seq_len(pairs, multiple=1) == 12
+    assert padded_seq_len([_pair(4, 4, 4)]) == 8
+
+
+def test_collate_layout_labels_and_loss_mask():
+    pairs = [_pair(3, 2, 5, line=1), _pair(1, 4, 1, line=2)]
+    pad = 0
+    batch = collate(pairs, pad_token_id=pad, seq_len=8)
+    assert batch.tokens.shape == batch.labels.shape == batch.loss_mask.shape == (4, 8)
+    assert batch.tokens.dtype == batch.labels.dtype == torch.int64 and batch.loss_mask.dtype == torch.float32
+
+    expected_rows = [
+        [10, 11, 12, 100, 101],  # pair 0 chosen
+        [10, 100, 101, 102, 103],  # pair 1 chosen
+        [10, 11, 12, 200, 201, 202, 203, 204],  # pair 0 rejected
+        [10, 200],  # pair 1 rejected
+    ]
+    for row, expected in enumerate(expected_rows):
+        padded = expected + [pad] * (8 - len(expected))
+        assert batch.tokens[row].tolist() == padded
+        assert batch.labels[row].tolist() == padded[1:] + [pad]
+        # A label is a completion token exactly when its id is in the completion ranges (>= 100).
+        completion_label = [1.0 if label >= 100 else 0.0 for label in padded[1:] + [pad]]
+        assert batch.loss_mask[row].tolist() == completion_label
+    assert batch.loss_mask.sum(dim=1).tolist() == [2.0, 4.0, 5.0, 1.0]
+
+
+def test_collate_masks_by_position_even_when_a_completion_token_equals_pad():
+    pair = TokenizedPair(prompt_ids=(5, 6), chosen_ids=(0, 0), rejected_ids=(7,), source_line=1)
+    batch = collate([pair], pad_token_id=0, seq_len=6)
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0]]
+
+
+def test_collate_rejects_a_pair_longer_than_seq_len():
+    with pytest.raises(ValueError, match="line 4 has 9 tokens, more than seq_len 8"):
+        collate([_pair(3, 6, 1, line=4)], pad_token_id=0, seq_len=8)
+
+
+def test_loaded_pairs_collate_to_prompt_masked_batches(tmp_path, tokenizer):
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", STANDARD_ROWS), tokenizer=tokenizer, max_length=64)
+    batch = collate(pairs, pad_token_id=tokenizer.pad_token_id, seq_len=padded_seq_len(pairs))
+    for index, pair in enumerate(pairs):
+        masked_labels = batch.labels[index][batch.loss_mask[index].bool()].tolist()
+        assert masked_labels == list(pair.chosen_ids)
+        masked_labels = batch.labels[len(pairs) + index][batch.loss_mask[len(pairs) + index].bool()].tolist()
+        assert masked_labels == list(pair.rejected_ids)
