@@ -552,7 +552,8 @@ def _execute(stages: tuple[tuple[Op, ...], ...], costs: Costs) -> SimResult:
                         break  # blocked until the peer sends
                     msg, arrival = queue[taken[link]]
                     if msg != _message(op):
-                        raise PlanError(f"plan link stage {link[0]}->{s}: received {msg}, stage {s} expected {_message(op)}")
+                        raise PlanError(f"plan link stage {link[0]}->{s}: received {msg}, "
+                                        f"stage {s} expected {_message(op)}")
                     taken[link] += 1
                     clock[s] = max(t, arrival)
                 times[s].append((t, clock[s]))
