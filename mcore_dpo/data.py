@@ -71,6 +71,11 @@ class _RawPair:
 # ----------------------------------------------------------------------------- reading
 
 
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _utf8_problem(raw: bytes) -> tuple[int, str] | None:
     """(byte offset, problem) of the first invalid UTF-8 sequence, or None."""
     try:
@@ -110,7 +115,10 @@ def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
             # Not one document: JSON lines in a .json file, as `datasets` also accepts.
             yield from _jsonl_rows(raw, path=path)
             return
-        if isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values()):
+        # A dict of equally long lists is a column table, unless the lists hold messages:
+        # then it is one conversational row.
+        is_columns = isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values())
+        if is_columns and not any(isinstance(item, dict) for v in document.values() for item in v):
             columns = list(document)
             num_rows = len(document[columns[0]])
             if any(len(document[column]) != num_rows for column in columns):
@@ -134,8 +142,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
     try:
         table = datasets.Dataset.from_parquet(path, keep_in_memory=True)
     except Exception as error:  # datasets raises many types; the message is what matters
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{path}: cannot read Parquet file ({first_line})") from None
+        raise DataError(f"{path}: cannot read Parquet file ({_first_line(error)})") from None
     for index, row in enumerate(table.to_list()):
         yield index + 1, row
 
@@ -295,8 +302,7 @@ def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as error:  # jinja raises for roles or orders the template rejects
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise _BadRow(f"chat template rejected the conversation ({message})") from None
+        raise _BadRow(f"chat template rejected the conversation ({_first_line(error)})") from None
 
 
 def _tokenize_conversation_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -409,3 +408,19 @@ def test_loaded_pairs_collate_to_prompt_masked_batches(tmp_path, tokenizer):
         assert masked_labels == list(pair.chosen_ids)
         masked_labels = batch.labels[len(pairs) + index][batch.loss_mask[len(pairs) + index].bool()].tolist()
         assert masked_labels == list(pair.rejected_ids)
+
+
+def test_json_file_with_one_conversational_object_is_one_row(tmp_path, tokenizer):
+    path = tmp_path / "one.json"
+    row = {"chosen": CHAT_ROW["prompt"] + CHAT_ROW["chosen"], "rejected": CHAT_ROW["prompt"] + CHAT_ROW["rejected"]}
+    path.write_text(json.dumps(row))
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    assert stats.num_rows == 1 and len(pairs) == 1
+
+
+def test_chat_template_errors_are_bad_rows(tmp_path, tokenizer):
+    own = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR)
+    own.chat_template = "{{ raise_exception('only one turn allowed') }}"
+    path = _write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: chat template rejected the conversation \(.*only one turn"):
+        load_pairs(path, tokenizer=own, max_length=64)
