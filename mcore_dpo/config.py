@@ -1,0 +1,251 @@
+"""Training configuration: one dataclass; defaults <- YAML file <- CLI flags.
+
+Every field has a flag of the same name with dashes (`global_batch_size` -> `--global-batch-size`).
+Unknown keys and wrong types are errors. `validate()` checks everything that can be checked
+without starting a process; its errors are one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+import yaml
+
+from mcore_dpo.loss import LOSS_TYPES, LossSpec
+from mcore_dpo.schedule import REF_MODES
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; str() is one line naming the field or file."""
+
+
+@dataclass
+class TrainConfig:
+    # --- inputs and output ---
+    model: str | None = None
+    """HF model directory or a checkpoint_convert Megatron directory; None = the embedded tiny default."""
+    ref_model: str | None = None
+    """Reference model directory; defaults to --model."""
+    data: str | None = None
+    """Preference data (JSONL, JSON or Parquet); None = the embedded default data set."""
+    eval_data: str | None = None
+    """Held-out preference pairs for eval/ metrics; None = none (the embedded default has one)."""
+    output_dir: str = "outputs/default"
+    """Run directory: metrics.jsonl, config.yaml, hf/ ..."""
+
+    # --- parallelism and batching ---
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    dp: int = 1
+    """Data-parallel size."""
+    micro_batch_size: int = 4
+    """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
+    global_batch_size: int = 16
+    """Pairs per optimizer step, over all microbatches and data-parallel ranks."""
+    max_steps: int = 60
+    """Optimizer steps to run."""
+    max_length: int = 64
+    """Maximum tokens of prompt + completion; longer pairs keep their start."""
+    seed: int = 1234
+    """Seed of the data order."""
+    no_shuffle: bool = False
+    """Keep the file order instead of a seeded shuffle."""
+
+    # --- loss ---
+    beta: float = 0.1
+    """DPO temperature."""
+    loss_type: str = "sigmoid"
+    """One loss name, or a comma list combined with --loss-weights."""
+    loss_weights: str | None = None
+    """Comma list of weights, one per --loss-type entry (default: all 1)."""
+    label_smoothing: float = 0.0
+    """Label smoothing epsilon (robust, exo_pair, cdpo)."""
+    ref_mode: str = "interleaved"
+    """interleaved | sequential | precomputed | none (reference-free)."""
+
+    # --- optimizer ---
+    lr: float = 1e-3
+    """Peak learning rate (the tiny default needs a large one; real models use ~5e-7)."""
+    lr_schedule: str = "constant"
+    """constant | cosine."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip by the global gradient norm (0 = off)."""
+
+    # --- run ---
+    eval_interval: int = 0
+    """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16 | float16."""
+    timeout_s: float = 300.0
+    """Timeout of collectives and point-to-point communication."""
+    on_bad_row: str = "error"
+    """error | skip: what to do with malformed data rows."""
+    trust_remote_code: bool = False
+    """Allow tokenizers with custom code (off unless asked)."""
+    export_hf: bool = True
+    """Write the trained policy as an HF directory to OUTPUT/hf at the end."""
+
+    def loss_spec(self) -> LossSpec:
+        types = tuple(t.strip() for t in self.loss_type.split(",") if t.strip())
+        if self.loss_weights:
+            try:
+                weights = tuple(float(w) for w in self.loss_weights.split(","))
+            except ValueError:
+                raise ConfigError(f"loss_weights: {self.loss_weights!r} is not a comma list of numbers") from None
+        else:
+            weights = tuple(1.0 for _ in types)
+        return LossSpec(
+            loss_types=types,
+            loss_weights=weights,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            reference_free=self.ref_mode == "none",
+        )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "max_steps", "max_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+        if self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
+            raise ConfigError(
+                f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
+                f"= {self.dp}*{self.micro_batch_size}"
+            )
+        if self.ref_mode not in REF_MODES:
+            raise ConfigError(f"ref_mode: {self.ref_mode!r} is not one of {', '.join(REF_MODES)}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"lr_schedule: {self.lr_schedule!r} is not constant or cosine")
+        if self.on_bad_row not in ("error", "skip"):
+            raise ConfigError(f"on_bad_row: {self.on_bad_row!r} is not error or skip")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
+        for name in ("lr", "adam_eps", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+        unknown = [t for t in self.loss_type.split(",") if t.strip() not in LOSS_TYPES]
+        if unknown:
+            raise ConfigError(f"loss_type: unknown {unknown[0].strip()!r}; choose from {', '.join(LOSS_TYPES)}")
+        spec = self.loss_spec()
+        try:
+            spec.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("model", "ref_model", "data", "eval_data"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(path):
+                raise ConfigError(f"{name}: {path} does not exist")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise AssertionError(f"unsupported config field type {f.type}")
+
+
+def _coerce(name: str, value, kind: type, *, source: str):
+    """Accept YAML/JSON values of the field's type (ints for floats too); reject the rest."""
+    if value is None:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {name}: expected true/false, got {value!r}")
+    if kind is not bool and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ConfigError(f"{source}: {name}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields at the top level")
+    known = {f.name: f for f in fields(TrainConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"{path}: unknown key {key!r}")
+        out[name] = _coerce(name, value, _field_type(known[name]), source=path)
+    return out
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2, no usage dump
+        raise ConfigError(f"command line: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="python -m mcore_dpo.train", description="DPO on megatron-core, launched by Ray.")
+    parser.add_argument("--config", help="YAML file of config fields (flags override it)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=None)
+    parser.add_argument("--ray-address", default=None, help="join an existing Ray cluster (default: start a local one)")
+    return parser
+
+
+def resolve(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
+    """defaults <- YAML (--config) <- flags; then validate."""
+    args = build_parser().parse_args(argv)
+    values = load_yaml(args.config) if args.config else {}
+    for f in fields(TrainConfig):
+        flag_value = getattr(args, f.name)
+        if flag_value is not None:
+            values[f.name] = flag_value
+    config = TrainConfig(**values)
+    config.validate()
+    return config, args
+
+
+def write_resolved(config: TrainConfig, output_dir: str) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "config.yaml"), "w", encoding="utf-8") as fh:
+        yaml.safe_dump(config.to_dict(), fh, sort_keys=False)
+
+
+def config_from_dict(values: dict) -> TrainConfig:
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"config: unknown key {unknown[0]!r}")
+    return TrainConfig(**values)
+

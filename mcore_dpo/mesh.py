@@ -1,0 +1,111 @@
+"""The only module that talks to megatron-core's parallel_state.
+
+A `Mesh` is the (tp, pp, dp) layout of one worker group seen from one rank: sizes, this
+rank's coordinates, and the process groups the engine needs. Everything else takes a
+Mesh by argument instead of calling `parallel_state.get_*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Mesh:
+    layout: Layout
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    model_parallel_group: object  # tp x pp: every rank holding a piece of one model replica
+    prev_rank: int | None  # global rank of the previous pipeline stage
+    next_rank: int | None
+    embedding_group: object | None  # first + last stage, for tied embeddings when pp > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def returns_result(self) -> bool:
+        """tp rank 0 of the last stage of dp replica 0 reports results for the group."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def coordinates(self) -> str:
+        return f"tp{self.tp_rank}-pp{self.pp_rank}-dp{self.dp_rank}"
+
+
+_CURRENT: Mesh | None = None
+
+
+def initialize(layout: Layout) -> Mesh:
+    """Build megatron-core's parallel state for this layout (torch.distributed must be up).
+    Idempotent: a process that already holds this layout gets the same Mesh back."""
+    global _CURRENT
+    from megatron.core import parallel_state as ps
+
+    if _CURRENT is not None:
+        if _CURRENT.layout != layout:
+            raise ValueError(f"this process already holds layout {_CURRENT.layout}, asked for {layout}")
+        return _CURRENT
+
+    world_size = dist.get_world_size()
+    if world_size != layout.world_size:
+        raise ValueError(f"world size {world_size} does not match tp*pp*dp = {layout.world_size}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+    )
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None
+    next_rank = ps.get_pipeline_model_parallel_next_rank() if pp_rank < layout.pp - 1 else None
+    embedding_group = None
+    if layout.pp > 1 and (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
+        embedding_group = ps.get_embedding_group()
+    _CURRENT = Mesh(
+        layout=layout,
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=pp_rank,
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        model_parallel_group=ps.get_model_parallel_group(),
+        prev_rank=prev_rank,
+        next_rank=next_rank,
+        embedding_group=embedding_group,
+    )
+    return _CURRENT
+
+
+def destroy() -> None:
+    global _CURRENT
+    from megatron.core import parallel_state as ps
+
+    _CURRENT = None
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

@@ -1,0 +1,176 @@
+"""Model builder: an HF config (as a ModelSpec) -> megatron-core GPTModel chunk for this stage.
+
+The key map between Hugging Face and megatron-core names lives in
+`checkpoint_convert.mapping`; this module builds the modules and fills them from it,
+so training and conversion share one source of truth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, stage_layers
+from mcore_dpo.mesh import Mesh
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def layer_spec_name(*, use_te: bool) -> str:
+    return "te" if use_te else "local"
+
+
+def transformer_config(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    layout = mesh.layout
+    # One explicit per-stage layout so that uneven layer splits match checkpoint_convert's.
+    stages = []
+    for pp_rank in range(layout.pp):
+        n = len(stage_layers(spec.num_layers, pp=layout.pp, pp_rank=pp_rank))
+        row = ["decoder"] * n
+        if pp_rank == 0:
+            row = ["embedding"] + row
+        if pp_rank == layout.pp - 1:
+            row = row + ["loss"]
+        stages.append(row)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        # Weights always come from a checkpoint, but megatron-core only marks tensor-parallel
+        # parameters (which the gradient norm relies on) when it initialises them.
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def build_stage_model(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool):
+    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu)
+    if use_te:
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, tp=mesh.layout.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=mesh.is_first_stage,
+        post_process=mesh.is_last_stage,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+    )
+    if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
+        # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
+        # inverse frequencies from the checkpoint's own values instead.
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(
+            head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
+        ).to(model.rotary_pos_emb.inv_freq.device)
+    return model
+
+
+def llama3_inv_freq(*, head_dim: int, rope_theta: float, rope_scaling: dict) -> torch.Tensor:
+    """RoPE inverse frequencies with llama3-style scaling (the HF `rope_type: llama3` rule)."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factor = float(rope_scaling["factor"])
+    low = float(rope_scaling["low_freq_factor"])
+    high = float(rope_scaling["high_freq_factor"])
+    old_len = float(rope_scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
+    """Copy a stage shard (megatron-core parameter names) into the model; key sets must match."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(shard))
+    extra = sorted(set(shard) - set(params))
+    if missing or extra:
+        raise ValueError(f"shard does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            value = shard[name]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"shard tensor {name}: shape {tuple(value.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+
+def open_weights(path: str):
+    """HF-named lazy tensors of an HF directory or of a checkpoint_convert Megatron directory
+    (any tp/pp: the latter is read through HF names). Has `.spec` and `.get(name)`."""
+    from checkpoint_convert.io import is_mcore_dir, open_hf_dir, open_mcore_dir
+
+    return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)
+
+
+def tokenizer_dir(path: str) -> str:
+    """Where the tokenizer files of a model directory live."""
+    from checkpoint_convert.io import is_mcore_dir, open_mcore_dir
+
+    return str(open_mcore_dir(path).hf_files_dir) if is_mcore_dir(path) else path
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference: no grads, no DDP, no optimizer state; eval mode."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def causal_mask(seq_len: int, *, device: torch.device) -> torch.Tensor:
+    """[1, 1, s, s] bool, True where attention is not allowed. Right padding needs nothing more:
+    real tokens come first and never attend to the pads behind them."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def stage_forward(
+    model: torch.nn.Module, *, tokens: torch.Tensor, input_tensor: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor:
+    """One stage's forward. First stage reads tokens [b, s]; later stages read the previous
+    stage's hidden states [s, b, h]. Returns hidden states [s, b, h], or on the last stage the
+    vocab-parallel logits [b, s, v/tp]."""
+    unwrapped = model.module if hasattr(model, "module") else model
+    unwrapped.set_input_tensor(input_tensor)
+    seq_len = tokens.shape[1]
+    position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)

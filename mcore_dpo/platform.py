@@ -1,0 +1,128 @@
+"""Every device decision lives here: CUDA + NCCL when a GPU is present, CPU + gloo otherwise.
+
+This is also the only module that adapts megatron-core to a CPU-only machine. Nothing
+else in the project names a device or patches megatron-core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    device: torch.device
+    backend: str  # torch.distributed backend: "nccl" or "gloo"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+_ADAPTED = False
+
+
+def detect(*, local_rank: int = 0) -> Platform:
+    """The device this process computes on and the matching process-group backend."""
+    if torch.cuda.is_available() and os.environ.get("MCORE_DPO_FORCE_CPU") != "1":
+        index = local_rank % torch.cuda.device_count()
+        return Platform(device=torch.device("cuda", index), backend="nccl")
+    return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def activate(platform: Platform) -> None:
+    """Make the platform current for this process (and adapt megatron-core on the CPU)."""
+    if platform.is_cuda:
+        torch.cuda.set_device(platform.device)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        _adapt_megatron_for_cpu()
+
+
+def _adapt_megatron_for_cpu() -> None:
+    """megatron-core's model path asks torch.cuda for the current device in many places
+    (buffers, RNG, masks). Without a GPU those calls point at the CPU instead."""
+    global _ADAPTED
+    if _ADAPTED:
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    _ADAPTED = True
+
+
+@contextlib.contextmanager
+def building_models(platform: Platform):
+    """Context for megatron-core model construction. On the CPU, `Tensor.cuda()` (used when
+    tied embeddings are synchronised across pipeline stages) keeps the tensor where it is."""
+    if platform.is_cuda:
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[assignment]
+
+
+def init_model_rng(seed: int) -> None:
+    """Seed torch and megatron-core's tensor-parallel RNG tracker.
+
+    On the CPU the CUDA RNG tracker cannot fork CUDA generators; the inference tracker's
+    fork() is a no-op, which is exact here because DPO runs with dropout off.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.current_device() != torch.device("cpu"):
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def init_process_group(
+    platform: Platform, *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float
+) -> None:
+    """Join the group's torch.distributed world (TCP rendezvous at master_addr:master_port)."""
+    init_method = f"tcp://{master_addr}:{master_port}"
+    kwargs = {}
+    if platform.is_cuda:
+        kwargs["device_id"] = platform.device
+    torch.distributed.init_process_group(
+        backend=platform.backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def synchronize(platform: Platform) -> None:
+    """Wait for queued device work (for honest step timings)."""
+    if platform.is_cuda:
+        torch.cuda.synchronize(platform.device)
+
+
+def max_memory_bytes(platform: Platform) -> int:
+    """Peak memory of this process: allocator peak on a GPU, peak RSS on the CPU."""
+    if platform.is_cuda:
+        return int(torch.cuda.max_memory_allocated(platform.device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (it needs CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True

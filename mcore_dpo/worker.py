@@ -1,0 +1,366 @@
+"""One rank of the policy worker group: its policy shard, the frozen reference shard for the
+same layers, DDP, the optimizer, and the step.
+
+Ray-agnostic: `ray_workers.py` wraps this class in an actor; tests may drive it from plain
+processes. Build order matters and is fixed: device -> process group -> parallel state ->
+RNG -> models -> weights -> DDP (wraps the loaded policy) -> optimizer (sees DDP's params).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_convert.mapping import ModelSpec, hf_to_mcore_shard
+from mcore_dpo import platform as plat
+from mcore_dpo.config import TrainConfig
+from mcore_dpo.data import Microbatch, TokenizedPair, collate, padded_seq_len
+from mcore_dpo.logprobs import SequenceLogps
+from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.mesh import Layout, Mesh, initialize
+from mcore_dpo.model import DTYPES, build_stage_model, freeze, layer_spec_name, load_shard, open_weights
+from mcore_dpo.optim import adamw_step, build_adamw, clip_coefficient, global_grad_norm, lr_at
+from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, wait_for_sends
+from mcore_dpo.schedule import build_plan
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What the driver sends for one step: this step's global batch and, when the reference
+    runs interleaved, the next step's (its reference forwards fill this step's bubbles)."""
+
+    step: int
+    pairs: Sequence[TokenizedPair]
+    next_pairs: Sequence[TokenizedPair] | None = None
+    pair_ids: Sequence[int] = ()  # indices into the data set (precomputed reference lookup)
+
+
+class PolicyWorker:
+    def __init__(
+        self,
+        *,
+        config: TrainConfig,
+        spec: ModelSpec,
+        pad_token_id: int,
+        rank: int,
+        master_addr: str,
+        master_port: int,
+        local_rank: int = 0,
+    ):
+        self.config = config
+        self.spec = spec
+        self.pad_token_id = pad_token_id
+        self.layout = Layout(tp=config.tp, pp=config.pp, dp=config.dp)
+        # device -> process group -> parallel state
+        self.platform = plat.detect(local_rank=local_rank)
+        plat.activate(self.platform)
+        if not dist.is_initialized():  # a process may build several workers (tests do)
+            plat.init_process_group(
+                self.platform,
+                rank=rank,
+                world_size=self.layout.world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                timeout_s=config.timeout_s,
+            )
+        self.mesh: Mesh = initialize(self.layout)
+        plat.init_model_rng(config.seed)
+        self.dtype = DTYPES[config.dtype]
+        self.use_te = plat.transformer_engine_available()
+        self.policy = self._build(config.model)
+        self.reference = None
+        if config.loss_spec().needs_reference:
+            self.reference = freeze(self._build(config.ref_model or config.model))
+        self.policy = self._wrap_ddp(self.policy)
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = build_adamw(
+            self.params,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self._params_once = self._unique_params()
+        # Reference log-probs kept on the last stage: per step batch offset (interleaved), or
+        # per pair id (precomputed).
+        self._ref_next: dict[tuple[int, int], SequenceLogps] = {}
+        self._next_ref_ready = False
+        self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
+
+    # ------------------------------------------------------------------ build
+    def _build(self, weights_dir: str) -> torch.nn.Module:
+        with plat.building_models(self.platform):
+            model = build_stage_model(
+                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te
+            ).to(self.platform.device)
+        shard = hf_to_mcore_shard(
+            self.spec,
+            tp=self.layout.tp,
+            tp_rank=self.mesh.tp_rank,
+            pp=self.layout.pp,
+            pp_rank=self.mesh.pp_rank,
+            get=open_weights(weights_dir).get,
+            layer_spec=layer_spec_name(use_te=self.use_te),
+        )
+        load_shard(model, shard)
+        return model
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        """Each logical parameter once per model replica: tp-replicated ones (norms) count on tp
+        rank 0 only; the last stage's copy of a tied embedding is skipped."""
+        tied_copy = self.spec.tie_word_embeddings and self.layout.pp > 1 and self.mesh.is_last_stage
+        once = []
+        for name, param in self.policy.module.named_parameters():
+            if tied_copy and name == "output_layer.weight" and not self.mesh.is_first_stage:
+                continue
+            if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0:
+                continue
+            once.append(param)
+        return once
+
+    # ------------------------------------------------------------------ data
+    def _local_microbatches(self, pairs: Sequence[TokenizedPair]) -> tuple[list[Microbatch], list[int]]:
+        """This dp rank's contiguous share of a global batch, cut into microbatches."""
+        per_rank = len(pairs) // self.layout.dp
+        lo = self.mesh.dp_rank * per_rank
+        mine = list(range(lo, lo + per_rank))
+        seq_len = padded_seq_len(pairs)
+        b = self.config.micro_batch_size
+        mbs = [
+            collate([pairs[i] for i in mine[k : k + b]], pad_token_id=self.pad_token_id, seq_len=seq_len)
+            for k in range(0, per_rank, b)
+        ]
+        return mbs, mine
+
+    def _context(self, microbatches: dict[int, list[Microbatch]], **kwargs) -> StageContext:
+        return StageContext(
+            mesh=self.mesh,
+            policy=self.policy,
+            reference=self.reference,
+            microbatches=microbatches,
+            hidden_size=self.spec.hidden_size,
+            dtype=self.dtype,
+            device=self.platform.device,
+            vocab_size=self.spec.vocab_size,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, batch: StepBatch) -> dict[str, float] | None:
+        config, mesh = self.config, self.mesh
+        start = time.perf_counter()
+        spec = config.loss_spec()
+        pairs = batch.pairs
+        mbs, local_ids = self._local_microbatches(pairs)
+        microbatches = {0: mbs}
+        ref_current = ref_next = False
+        if self.reference is not None and config.ref_mode == "interleaved":
+            ref_current = not self._next_ref_ready  # first step (or after a restart): nothing cached
+            ref_next = batch.next_pairs is not None
+            if ref_next:
+                microbatches[1] = self._local_microbatches(batch.next_pairs)[0]
+        plan = build_plan(
+            num_stages=self.layout.pp,
+            num_microbatches=len(mbs),
+            ref_mode=config.ref_mode if self.reference is not None else "none",
+            ref_current=ref_current,
+            ref_next=ref_next,
+        )
+        num_pairs_global = len(pairs)
+        chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
+        sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
+        ctx = self._context(microbatches)
+        # Reference log-probs computed for this batch in the previous step arrive as offset 0.
+        ctx.ref_logps.update({(0, mb): v for (_, mb), v in self._ref_next.items()})
+        self._ref_next = {}
+        b = config.micro_batch_size
+
+        def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
+            ids = [batch.pair_ids[i] for i in local_ids[mb * b : (mb + 1) * b]] if batch.pair_ids else []
+            ref = self._reference_for(ctx, mb, ids)
+            pl = _pair_logps(logps, ref, b=b)
+            losses = pair_losses(pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global)
+            for key, value in metric_sums(
+                pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global
+            ).items():
+                sums[key] += value
+            # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
+            return losses.sum() / num_pairs_global * self.layout.dp
+
+        ctx.loss_fn = loss_fn
+        self.policy.zero_grad_buffer()
+        run_ops(plan.stages[mesh.pp_rank], ctx)
+        wait_for_sends(ctx)
+        self.policy.finish_grad_sync()
+        self._sync_tied_embedding_grads()
+        self._ref_next = {(1, mb): v for (bo, mb), v in ctx.ref_logps.items() if bo == 1}
+        self._next_ref_ready = ref_next  # on every stage, so that all stages build the same plan
+
+        grad_norm = global_grad_norm(self._params_once, group=mesh.model_parallel_group)
+        lr = lr_at(
+            batch.step,
+            lr=config.lr,
+            schedule=config.lr_schedule,
+            warmup_steps=config.lr_warmup_steps,
+            total_steps=config.max_steps,
+        )
+        adamw_step(self.optimizer, self.params, lr=lr, clip=clip_coefficient(grad_norm, max_norm=config.clip_grad))
+        metrics = self._reduce_metrics(sums, spec=spec)
+        plat.synchronize(self.platform)
+        if metrics is None:
+            return None
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed})
+        return metrics
+
+    def _reference_for(self, ctx: StageContext, mb: int, pair_ids: list[int]) -> SequenceLogps | None:
+        if self._ref_by_pair is not None:
+            cached = self._ref_by_pair[pair_ids]  # [b, 2]: chosen, rejected
+            logp_sum = torch.cat([cached[:, 0], cached[:, 1]]).to(self.platform.device)
+            return SequenceLogps(logp_sum=logp_sum, num_tokens=logp_sum, logit_sum=logp_sum)
+        if self.reference is None:
+            return None
+        return ctx.ref_logps.pop((0, mb))
+
+    def _sync_tied_embedding_grads(self) -> None:
+        """With tied embeddings split over pp stages, the first stage's embedding and the last
+        stage's output layer are one parameter: sum their gradients."""
+        if not (self.spec.tie_word_embeddings and self.layout.pp > 1 and self.mesh.embedding_group is not None):
+            return
+        module = self.policy.module
+        weight = module.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.main_grad, group=self.mesh.embedding_group)
+
+    def _reduce_metrics(self, sums: dict[str, float], *, spec) -> dict[str, float] | None:
+        """Sum the last stage's metric sums over dp ranks; tp rank 0 of the last stage reports."""
+        mesh = self.mesh
+        if not mesh.is_last_stage:
+            return None
+        vec = torch.tensor([sums[k] for k in METRIC_SUM_KEYS], dtype=torch.float64)
+        if self.layout.dp > 1:
+            dist.all_reduce(vec, group=mesh.dp_group)
+        if not mesh.returns_result:
+            return None
+        return finalize_metrics(dict(zip(METRIC_SUM_KEYS, vec.tolist())), spec=spec)
+
+    # ------------------------------------------------------------------ forward-only passes
+    @torch.no_grad()
+    def evaluate(self, pairs: Sequence[TokenizedPair]) -> dict[str, float] | None:
+        """Policy and reference forward over held-out pairs (in global-batch chunks)."""
+        config = self.config
+        spec = config.loss_spec()
+        sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
+        gbs = config.global_batch_size
+        for lo in range(0, len(pairs) - gbs + 1, gbs):
+            chunk = pairs[lo : lo + gbs]
+            mbs, local_ids = self._local_microbatches(chunk)
+            ctx = self._context({0: mbs}, forward_only=True)
+            num_pairs = len(chunk)
+            chosen_tokens = sum(len(p.chosen_ids) for p in chunk)
+            b = config.micro_batch_size
+
+            def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
+                ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
+                pl = _pair_logps(logps, ref, b=b)
+                for key, value in metric_sums(
+                    pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens
+                ).items():
+                    sums[key] += value
+                return torch.zeros(())
+
+            ctx.loss_fn = loss_fn
+            ops = forward_only_ops(
+                mesh=self.mesh, num_microbatches=len(mbs), policy=True, reference=self.reference is not None
+            )
+            run_ops(ops, ctx)
+            wait_for_sends(ctx)
+        metrics = self._reduce_metrics(sums, spec=spec)
+        if metrics is None:
+            return None
+        return {f"eval/{k}": v for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def precompute_reference(self, pairs: Sequence[TokenizedPair]) -> None:
+        """`--ref-mode precomputed`: one forward-only reference pass over the whole data set;
+        the last stage keeps the summed log-probs per pair, then the reference is released.
+        dp ranks take pairs round-robin and share the results."""
+        dp, mesh = self.layout.dp, self.mesh
+        mine = list(range(mesh.dp_rank, len(pairs), dp))
+        rows_per_chunk = self.config.global_batch_size // dp
+        b = self.config.micro_batch_size
+        table = torch.zeros(len(pairs), 2, dtype=torch.float64)
+        for lo in range(0, len(mine), rows_per_chunk):
+            ids = mine[lo : lo + rows_per_chunk]
+            chunk = [pairs[i] for i in ids]
+            seq_len = padded_seq_len(chunk)
+            mbs = [
+                collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
+                for k in range(0, len(chunk), b)
+            ]
+            ctx = self._context({0: mbs}, forward_only=True)
+            run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
+            wait_for_sends(ctx)
+            if mesh.is_last_stage:
+                for mb in range(len(mbs)):
+                    logps = ctx.ref_logps.pop((0, mb))
+                    n = len(logps.logp_sum) // 2
+                    mb_ids = ids[mb * b : mb * b + n]
+                    table[mb_ids, 0] = logps.logp_sum[:n].double().cpu()
+                    table[mb_ids, 1] = logps.logp_sum[n:].double().cpu()
+        if mesh.is_last_stage:
+            if dp > 1:
+                dist.all_reduce(table, group=mesh.dp_group)
+            self._ref_by_pair = table.to(torch.float32)
+        self.release_reference()
+
+    def release_reference(self) -> None:
+        self.reference = None
+        gc.collect()
+
+    # ------------------------------------------------------------------ export
+    def policy_shard(self) -> dict[str, torch.Tensor] | None:
+        """This rank's policy parameters on the CPU (dp rank 0 only; others return None)."""
+        if self.mesh.dp_rank != 0:
+            return None
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
+
+    def grad_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
+        return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
+
+    def coordinates(self) -> tuple[int, int, int]:
+        return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
+
+    def shutdown(self) -> None:
+        from mcore_dpo.mesh import destroy
+
+        destroy()
+
+
+def _pair_logps(policy: SequenceLogps, ref: SequenceLogps | None, *, b: int) -> PairLogps:
+    """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors."""
+    zeros = torch.zeros_like(policy.logp_sum[:b]).detach()
+    return PairLogps(
+        chosen_logps=policy.logp_sum[:b],
+        rejected_logps=policy.logp_sum[b:],
+        ref_chosen_logps=ref.logp_sum[:b].detach() if ref is not None else zeros,
+        ref_rejected_logps=ref.logp_sum[b:].detach() if ref is not None else zeros,
+        chosen_num_tokens=policy.num_tokens[:b],
+        rejected_num_tokens=policy.num_tokens[b:],
+        chosen_logit_sum=policy.logit_sum[:b],
+        rejected_logit_sum=policy.logit_sum[b:],
+    )
