@@ -1,0 +1,83 @@
+"""Run output for humans and tools: metrics.jsonl (one object per step), TensorBoard events,
+Weights & Biases when WANDB_API_KEY is set and wandb imports, and a progress display
+(a bar on a terminal, plain lines otherwise)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, *, total_steps: int):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.unlink(missing_ok=True)
+        self.total_steps = total_steps
+        self.start = time.monotonic()
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+        except Exception as error:  # tensorboard is optional at run time
+            print(f"tensorboard: disabled ({error})", file=sys.stderr)
+        self._wandb = None
+        if os.environ.get("WANDB_API_KEY"):
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "mcore_dpo"), dir=str(out_dir))
+            except Exception as error:
+                print(f"wandb: disabled ({error})", file=sys.stderr)
+        self._tty = sys.stderr.isatty()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        self._progress(step, metrics)
+
+    def _progress(self, step: int, metrics: dict[str, float]) -> None:
+        if step == 0:
+            line = "eval at start: " + _fmt(metrics, ("eval/loss", "eval/rewards/accuracies"))
+        else:
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / step * (self.total_steps - step)
+            line = (f"step {step}/{self.total_steps} " + _fmt(metrics, ("loss", "rewards/accuracies", "tokens/s"))
+                    + f" eta {eta:.0f}s")
+            if "eval/rewards/accuracies" in metrics:
+                line += " | " + _fmt(metrics, ("eval/loss", "eval/rewards/accuracies"))
+        if self._tty:
+            width = 24
+            done = int(width * step / max(1, self.total_steps))
+            sys.stderr.write("\r[" + "#" * done + "." * (width - done) + "] " + line + "\x1b[K")
+            if step == self.total_steps:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(value):
+    return float(value) if isinstance(value, (int, float)) else value
+
+
+def _fmt(metrics: dict[str, float], keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)

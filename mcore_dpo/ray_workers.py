@@ -1,0 +1,175 @@
+"""The only module that knows about Ray: the cluster connection, one placement group and one
+worker group per role, rendezvous, and turning actor failures into one clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker failed; str() names the role, the rank and the worker's error."""
+
+
+def connect(*, address: str | None, num_cpus: int) -> bool:
+    """Join the Ray cluster at `address`, or start a local one (dashboard off, bound to
+    127.0.0.1). Returns True when this process started Ray (and must stop it)."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return False
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    return True
+
+
+def disconnect(started: bool) -> None:
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def coordinates_of(rank: int, *, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """megatron-core's default rank order: tp fastest, then dp, then pp."""
+    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+
+
+@ray.remote
+def _node_address_and_port() -> tuple[str, int]:
+    """Runs on bundle 0's node: its address as Ray knows it, and a free TCP port there."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class _RayWorker:
+    """Actor body: builds the rank's worker inside the actor process."""
+
+    def __init__(self, factory: Callable[..., object], kwargs: dict):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.worker = factory(**kwargs)
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+@dataclass
+class WorkerGroup:
+    role: str
+    actors: list
+    names: list[str]
+    placement: object
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Call `method` on every rank; any failure stops the group and raises WorkerGroupError."""
+        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return self.gather(refs, timeout_s=timeout_s)
+
+    def gather(self, refs: Sequence, *, timeout_s: float | None = None) -> list:
+        pending = {ref: i for i, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait_s = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                except (RayTaskError, RayActorError, RayError) as error:
+                    self.stop()
+                    raise WorkerGroupError(f"{self.names[i]} failed: {_first_line(error)}") from None
+            if deadline is not None and time.monotonic() > deadline and pending:
+                self.stop()
+                raise WorkerGroupError(f"{self.role}: no answer within {timeout_s:.0f} s from {self.names[next(iter(pending.values()))]}")
+        return results
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+        try:
+            remove_placement_group(self.placement)
+        except Exception:
+            pass
+
+
+def _first_line(error: BaseException) -> str:
+    """The worker's own exception, not Ray's wrapping, in one line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(error, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    if isinstance(error, RayActorError):
+        return "the worker process died (" + (str(error).strip().splitlines() or ["no detail"])[0][:200] + ")"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def create_group(
+    *,
+    role: str,
+    world_size: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    factory: Callable[..., object],
+    kwargs_of_rank: Callable[[int, str, int], dict],
+    use_gpus: bool,
+    placement_timeout_s: float,
+) -> WorkerGroup:
+    """One placement group (a bundle per rank, PACK so a tp group shares a node where it
+    fits), then one actor per bundle. Rendezvous: bundle 0's node and a free port there."""
+    bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name=f"{role}-group")
+    try:
+        ray.get(pg.ready(), timeout=placement_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        available = ray.available_resources()
+        raise WorkerGroupError(
+            f"{role}: could not place {world_size} bundles of {bundle} within {placement_timeout_s:.0f} s; "
+            f"the cluster has CPU={available.get('CPU', 0):g} GPU={available.get('GPU', 0):g} available"
+        ) from None
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    master_addr, master_port = ray.get(_node_address_and_port.options(num_cpus=0, scheduling_strategy=strategy).remote())
+    actor_cls = ray.remote(_RayWorker)
+    actors, names = [], []
+    for rank in range(world_size):
+        t, p, d = coordinates_of(rank, tp=tp, pp=pp, dp=dp)
+        name = f"{role}/tp{t}-pp{p}-dp{d}"
+        options = dict(
+            num_cpus=1,
+            num_gpus=1 if use_gpus else 0,
+            name=f"{name}-{os.getpid()}-{time.time_ns()}",
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
+        )
+        actors.append(actor_cls.options(**options).remote(factory, kwargs_of_rank(rank, master_addr, master_port)))
+        names.append(name)
+    group = WorkerGroup(role=role, actors=actors, names=names, placement=pg)
+    group.call("coordinates")  # surfaces construction errors now, naming the rank
+    return group

@@ -1,0 +1,203 @@
+"""The driver: check everything that can be checked before any process starts, start the
+worker group, feed it global batches, log metrics, export the policy.
+
+    from mcore_dpo.run import train
+    train(TrainConfig(tp=2, pp=2, max_steps=10))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from checkpoint_convert.mapping import check_layout
+from mcore_dpo.config import TrainConfig, write_resolved
+from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
+from mcore_dpo.metrics_log import MetricsLog
+
+
+class InputError(ValueError):
+    """Bad input found before any worker started; str() is one line."""
+
+
+@dataclass
+class Prepared:
+    config: TrainConfig
+    spec: object
+    pad_token_id: int
+    train_pairs: list[TokenizedPair]
+    train_stats: DataStats
+    eval_pairs: list[TokenizedPair]
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Resolve the defaults and validate model, layout, tokenizer and data."""
+    from transformers import AutoTokenizer
+
+    from mcore_dpo import defaults
+    from mcore_dpo.model import open_weights, tokenizer_dir
+
+    if config.model is None:
+        config = replace(config, model=defaults.ensure_default_model())
+        if config.data is None:
+            config = replace(config, data=defaults.DEFAULT_TRAIN_DATA)
+            if config.eval_data is None:
+                config = replace(config, eval_data=defaults.DEFAULT_EVAL_DATA)
+    if config.data is None:
+        raise InputError("data: --data is required when --model is given")
+    config.validate()
+    spec = open_weights(config.model).spec
+    check_layout(spec, tp=config.tp, pp=config.pp, source=os.path.join(config.model, "config.json"))
+    if config.ref_model and config.ref_mode != "none":
+        ref_spec = open_weights(config.ref_model).spec
+        if replace(ref_spec, torch_dtype=spec.torch_dtype) != spec:
+            raise InputError(f"ref_model: {config.ref_model} has a different architecture than {config.model}")
+    tok_dir = tokenizer_dir(config.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
+    except Exception as error:  # transformers raises many types here
+        raise InputError(f"{tok_dir}: cannot load the tokenizer ({str(error).splitlines()[0][:200]})") from None
+    if len(tokenizer) > spec.vocab_size:
+        raise InputError(
+            f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise InputError(f"{tok_dir}: tokenizer has neither a pad nor an eos token")
+    train_pairs, stats = load_pairs(config.data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row)
+    if len(train_pairs) < config.global_batch_size:
+        raise InputError(
+            f"{config.data}: {len(train_pairs)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
+        )
+    eval_pairs: list[TokenizedPair] = []
+    if config.eval_data:
+        eval_pairs, _ = load_pairs(config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row)
+    return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats, eval_pairs=eval_pairs)
+
+
+def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
+    """Pair indices of every step's global batch, epoch after epoch: the same for any layout."""
+    steps: list[list[int]] = []
+    epoch = 0
+    while len(steps) < config.max_steps:
+        steps.extend(
+            global_batch_order(
+                num_pairs=num_pairs,
+                global_batch_size=config.global_batch_size,
+                seed=config.seed,
+                shuffle=not config.no_shuffle,
+                epoch=epoch,
+            )
+        )
+        epoch += 1
+    return steps[: config.max_steps]
+
+
+def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> Path:
+    """Run DPO as configured; returns the output directory."""
+    from mcore_dpo import ray_workers
+    from mcore_dpo.worker import PolicyWorker, StepBatch
+
+    prep = prepare(config)
+    config = prep.config
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_resolved(config, str(out))
+    if prep.train_stats.num_dropped_prompt_too_long or prep.train_stats.num_bad_rows_skipped:
+        s = prep.train_stats
+        log(f"data: dropped {s.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
+            f"skipped {s.num_bad_rows_skipped} bad rows (first lines {list(s.first_bad_lines)})")
+    world = config.tp * config.pp * config.dp
+    started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
+    group = None
+    metrics_log = MetricsLog(out, total_steps=config.max_steps)
+    try:
+        use_gpus = ray_workers.cluster_has_gpus()
+        group = ray_workers.create_group(
+            role="policy",
+            world_size=world,
+            tp=config.tp,
+            pp=config.pp,
+            dp=config.dp,
+            factory=PolicyWorker,
+            kwargs_of_rank=lambda rank, addr, port: dict(
+                config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr, master_port=port
+            ),
+            use_gpus=use_gpus,
+            placement_timeout_s=120.0,
+        )
+        pairs = prep.train_pairs
+        if config.ref_mode == "precomputed":
+            group.call("precompute_reference", pairs)
+        if prep.eval_pairs:
+            metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs)))
+        steps = step_batches(config, len(pairs))
+        for k, ids in enumerate(steps):
+            step = k + 1
+            next_ids = steps[k + 1] if k + 1 < len(steps) else None
+            batch = StepBatch(
+                step=step,
+                pairs=[pairs[i] for i in ids],
+                next_pairs=[pairs[i] for i in next_ids] if next_ids is not None else None,
+                pair_ids=ids,
+            )
+            metrics = _one(group.call("train_step", batch))
+            if prep.eval_pairs and config.eval_interval and step % config.eval_interval == 0 and step != len(steps):
+                metrics.update(_one(group.call("evaluate", prep.eval_pairs)))
+            if prep.eval_pairs and step == len(steps):
+                metrics.update(_one(group.call("evaluate", prep.eval_pairs)))
+            metrics_log.write(step, metrics)
+        if config.export_hf:
+            export_policy(group, config=config, spec=prep.spec, out=out)
+            log(f"exported the policy to {out / 'hf'}")
+    finally:
+        metrics_log.close()
+        if group is not None:
+            group.stop()
+        ray_workers.disconnect(started)
+    return out
+
+
+def _one(results: list) -> dict:
+    """The one result a group returns (tp rank 0 of the last stage)."""
+    found = [r for r in results if r is not None]
+    assert len(found) == 1, f"expected one reporting rank, got {len(found)}"
+    return found[0]
+
+
+def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
+    """dp-rank-0 shards -> a checkpoint_convert Megatron directory -> OUT/hf (atomic)."""
+    from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta, write_mcore_shard
+    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, is_mcore_dir, open_hf_dir, open_mcore_dir
+    from mcore_dpo.model import layer_spec_name
+    from mcore_dpo.platform import transformer_engine_available
+
+    final = out / "checkpoints" / "final"
+    if final.exists():
+        shutil.rmtree(final)
+    final.mkdir(parents=True)
+    coords = group.call("coordinates")
+    shards = group.call("policy_shard")
+    for (t, p, d), shard in zip(coords, shards):
+        if d == 0:
+            write_mcore_shard(final, tp_rank=t, pp_rank=p, shard=shard)
+    if is_mcore_dir(config.model):
+        src = open_mcore_dir(config.model)
+        hf_config, aux = src.meta.hf_config, list(src.hf_files_dir.iterdir())
+    else:
+        src = open_hf_dir(config.model)
+        hf_config, aux = src.config, src.aux_files()
+    meta = McoreMeta(
+        spec=spec,
+        tp=config.tp,
+        pp=config.pp,
+        dtype=str(next(iter(shards[0].values())).dtype).removeprefix("torch.") if shards[0] else config.dtype,
+        layer_spec=layer_spec_name(use_te=transformer_engine_available()),
+        vocab_divisor=128,
+        hf_config=hf_config,
+        format_version=FORMAT_VERSION,
+    )
+    write_mcore_meta(final, meta=meta, aux_files=aux)
+    mcore_to_hf_dir(final, out / "hf", overwrite=True, log=lambda _msg: None)

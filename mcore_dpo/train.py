@@ -1,0 +1,42 @@
+"""Train a policy with DPO on megatron-core.
+
+    python -m mcore_dpo.train                          # embedded tiny default, local Ray, CPU
+    python -m mcore_dpo.train --tp 4 --pp 2 --max-steps 3
+    python -m mcore_dpo.train --config configs/llama3_8b.yaml --ray-address auto
+
+Bad input ends in one line on stderr and exit code 2, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from checkpoint_convert.mapping import ConversionError
+    from mcore_dpo.config import ConfigError, resolve
+    from mcore_dpo.data import DataError
+    from mcore_dpo.run import InputError, train
+
+    try:
+        config, args = resolve(argv)
+        out = train(config, ray_address=args.ray_address)
+    except (ConfigError, DataError, ConversionError, InputError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        from mcore_dpo.ray_workers import WorkerGroupError
+
+        if isinstance(error, WorkerGroupError):
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        raise
+    print(f"done: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
