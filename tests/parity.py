@@ -97,7 +97,7 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
         c_all, n_all, l_all = _hf_sequence_logps(policy, pairs)
         with torch.no_grad():
             rc_all, _, _ = _hf_sequence_logps(reference, pairs)
-        if spec.reference_free:
+        if not spec.needs_reference:  # reference-free, or sft alone: no reference model runs
             rc_all = torch.zeros_like(rc_all)
         logps = PairLogps(
             chosen_logps=c_all[:b], rejected_logps=c_all[b:], ref_chosen_logps=rc_all[:b], ref_rejected_logps=rc_all[b:],
