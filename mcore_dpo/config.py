@@ -43,11 +43,11 @@ class TrainConfig:
     """Pipeline-parallel size."""
     dp: int = 1
     """Data-parallel size."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
-    global_batch_size: int = 16
+    global_batch_size: int = 64
     """Pairs per optimizer step, over all microbatches and data-parallel ranks."""
-    max_steps: int = 60
+    max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64
     """Maximum tokens of prompt + completion; longer pairs keep their start."""
@@ -84,7 +84,7 @@ class TrainConfig:
     """Clip by the global gradient norm (0 = off)."""
 
     # --- run ---
-    eval_interval: int = 0
+    eval_interval: int = 40
     """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16."""
