@@ -1,0 +1,120 @@
+"""configs/: every YAML loads and validates as a TrainConfig, tiny.yaml is the embedded
+default, and the realistic files' header arithmetic (parameter count, memory per GPU, cluster
+size) matches a recomputation from the architecture numbers they state."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from mcore_dpo.config import TrainConfig, load_yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+REALISTIC = [p for p in ALL_CONFIGS if p.name != "tiny.yaml"]
+PATH_FIELDS = ("model", "ref_model", "data", "eval_data")
+
+# Assumed per-parameter bytes, as the headers state: bf16 weights + fp32 main grads +
+# fp32 master weights and Adam moments + frozen bf16 reference.
+BYTES_PER_PARAM = 2 + 4 + 12 + 2
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+
+
+def header_values(path: Path) -> dict[str, str]:
+    """`# key: value` lines of the header comment (before the first YAML key)."""
+    values: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            if line.strip():
+                break
+            continue
+        match = re.match(r"#\s*([a-z_]+):\s*(.+)$", line)
+        if match:
+            values[match.group(1)] = match.group(2).strip()
+    return values
+
+
+def key_values(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split())
+
+
+def param_count(arch: dict[str, str]) -> int:
+    """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm."""
+    hidden, layers, ffn, vocab = (int(arch[k]) for k in ("hidden", "layers", "ffn", "vocab"))
+    heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    if arch["qkv_bias"] == "true":
+        attention += (heads + 2 * kv_heads) * head_dim
+    per_layer = attention + 3 * hidden * ffn + 2 * hidden
+    embeddings = vocab * hidden * (1 if arch["tied_embeddings"] == "true" else 2)
+    return embeddings + layers * per_layer + hidden
+
+
+def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig) -> float:
+    params = param_count(arch)
+    hidden, layers, vocab = int(arch["hidden"]), int(arch["layers"]), int(arch["vocab"])
+    rows = 2 * config.micro_batch_size
+    weights = params * BYTES_PER_PARAM / (config.tp * config.pp)
+    activations = layers * config.max_length * rows * hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN / config.tp
+    logits = rows * config.max_length * vocab * 4 / config.tp
+    return (weights + activations + logits) / 1e9
+
+
+def config_without_paths(path: Path) -> TrainConfig:
+    values = load_yaml(str(path))
+    config = TrainConfig(**values)
+    # The model and data paths name cluster storage; everything else must validate here.
+    return dataclasses.replace(config, **{name: None for name in PATH_FIELDS})
+
+
+def test_configs_exist():
+    names = {p.name for p in ALL_CONFIGS}
+    assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_validates(path: Path):
+    config = config_without_paths(path)
+    config.validate()
+
+
+def test_tiny_is_the_embedded_default():
+    assert load_yaml(str(CONFIG_DIR / "tiny.yaml")) == dataclasses.asdict(TrainConfig())
+
+
+@pytest.mark.parametrize("path", REALISTIC, ids=lambda p: p.name)
+def test_realistic_config_header_arithmetic(path: Path):
+    header = header_values(path)
+    for key in ("cluster", "arch", "params_b", "gpu_memory_gb", "memory_gb_per_gpu"):
+        assert key in header, f"{path.name}: header lacks '# {key}:'"
+    arch = key_values(header["arch"])
+    cluster = key_values(header["cluster"])
+    config = config_without_paths(path)
+
+    assert param_count(arch) / 1e9 == pytest.approx(float(header["params_b"]), abs=0.005)
+    memory_gb = memory_gb_per_gpu(arch=arch, config=config)
+    assert memory_gb == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
+    assert memory_gb < float(header["gpu_memory_gb"])
+    assert config.tp * config.pp * config.dp == int(cluster["nodes"]) * int(cluster["gpus_per_node"])
+    # A tensor-parallel group stays inside one node; grouped-query heads split evenly over tp.
+    assert config.tp <= int(cluster["gpus_per_node"])
+    assert int(arch["kv_heads"]) % config.tp == 0 and int(arch["heads"]) % config.tp == 0
+    assert int(arch["layers"]) % config.pp == 0
+    assert config.dtype == "bfloat16"
+
+
+def test_70b_config_is_tp8_pp4_or_more():
+    config = config_without_paths(CONFIG_DIR / "llama3_70b.yaml")
+    assert config.tp == 8 and config.pp >= 4
+
+
+def test_header_parser_sees_a_wrong_count(tmp_path: Path):
+    # The arithmetic check must be able to fail: a file whose stated count is off is caught.
+    text = (CONFIG_DIR / "llama3_8b.yaml").read_text(encoding="utf-8").replace("# params_b: 8.03", "# params_b: 8.30")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text, encoding="utf-8")
+    arch = key_values(header_values(bad)["arch"])
+    assert param_count(arch) / 1e9 != pytest.approx(float(header_values(bad)["params_b"]), abs=0.005)
