@@ -82,6 +82,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
+    distributed_optimizer: bool = True
+    """On GPUs, use megatron-core's distributed optimizer (state sharded over dp ranks)."""
 
     # --- run ---
     eval_interval: int = 40

@@ -1,8 +1,11 @@
-"""Optimizer step on the CPU path: AdamW (decoupled weight decay), clipping by the global
-gradient norm over all model-parallel ranks, and the learning-rate schedule.
+"""The optimizer step and the learning-rate schedule.
 
-Gradients come from megatron-core DDP's `main_grad` buffers, already summed over
-microbatches and reduced over data-parallel ranks.
+Two paths with the same semantics (AdamW with decoupled weight decay on matrices only --
+norms and biases are not decayed --, clipping by the global gradient norm over all
+model-parallel ranks, the LR set per step):
+- GPU: megatron-core's distributed optimizer (optimizer state sharded over dp ranks).
+- CPU (where megatron-core's optimizer needs CUDA): torch AdamW over megatron-core DDP's
+  `main_grad` buffers, already summed over microbatches and reduced over dp ranks.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ def lr_at(step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps
 def global_grad_norm(params_once: Iterable[torch.nn.Parameter], *, group: object) -> float:
     """L2 norm of all gradients of one model replica. `params_once` must list each logical
     parameter on exactly one model-parallel rank (no tp duplicates, no tied copies)."""
-    total = torch.zeros((), dtype=torch.float64)
+    params_once = list(params_once)
+    device = params_once[0].main_grad.device if params_once else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for param in params_once:
-        grad = param.main_grad
-        total += grad.detach().double().pow(2).sum().cpu()
+        total += param.main_grad.detach().double().pow(2).sum()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.sqrt())
@@ -45,8 +49,16 @@ def clip_coefficient(grad_norm: float, *, max_norm: float) -> float:
     return min(1.0, max_norm / (grad_norm + 1e-6))
 
 
+def decay_groups(params: list[torch.nn.Parameter], *, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; norms and biases (1-D) are not decayed."""
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 def build_adamw(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return torch.optim.AdamW(decay_groups(params, weight_decay=weight_decay), lr=lr, betas=betas, eps=eps)
 
 
 def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, lr: float, clip: float) -> None:
@@ -59,3 +71,52 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
     optimizer.step()
     for param in params:
         param.grad = None
+
+
+class CpuOptimizer:
+    """AdamW over DDP's main_grad buffers, with global-norm clipping."""
+
+    def __init__(self, *, params: list[torch.nn.Parameter], params_once: list[torch.nn.Parameter], group: object,
+                 betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
+        self.params = params
+        self.params_once = params_once
+        self.group = group
+        self.clip_grad = clip_grad
+        self.optimizer = build_adamw(params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self, *, lr: float) -> float:
+        grad_norm = global_grad_norm(self.params_once, group=self.group)
+        adamw_step(self.optimizer, self.params, lr=lr, clip=clip_coefficient(grad_norm, max_norm=self.clip_grad))
+        return grad_norm
+
+
+class MegatronOptimizer:
+    """megatron-core's distributed optimizer (GPU): fp32 main params and Adam state sharded
+    over the data-parallel ranks."""
+
+    def __init__(self, *, ddp_model: torch.nn.Module, dtype: torch.dtype, betas: tuple[float, float], eps: float,
+                 weight_decay: float, clip_grad: float, lr: float):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=eps,
+            clip_grad=clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
+        self.optimizer = get_megatron_optimizer(config, [ddp_model])
+
+    def step(self, *, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        return float(grad_norm) if grad_norm is not None else float("nan")

@@ -24,7 +24,7 @@ from mcore_dpo.logprobs import SequenceLogps
 from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import DTYPES, build_stage_model, freeze, layer_spec_name, load_shard, open_weights
-from mcore_dpo.optim import adamw_step, build_adamw, clip_coefficient, global_grad_norm, lr_at
+from mcore_dpo.optim import CpuOptimizer, MegatronOptimizer, lr_at
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, wait_for_sends
 from mcore_dpo.schedule import build_plan
 
@@ -76,16 +76,22 @@ class PolicyWorker:
         self.reference = None
         if config.loss_spec().needs_reference:
             self.reference = freeze(self._build(config.ref_model or config.model))
-        self.policy = self._wrap_ddp(self.policy)
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = build_adamw(
-            self.params,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
-        self._params_once = self._unique_params()
+        use_megatron_optimizer = self.platform.is_cuda and config.distributed_optimizer
+        self.policy = self._wrap_ddp(self.policy, distributed_optimizer=use_megatron_optimizer)
+        # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.
+        betas = (config.adam_beta1, config.adam_beta2)
+        if use_megatron_optimizer:
+            self.optimizer = MegatronOptimizer(
+                ddp_model=self.policy, dtype=self.dtype, betas=betas, eps=config.adam_eps,
+                weight_decay=config.weight_decay, clip_grad=config.clip_grad, lr=config.lr,
+            )  # fmt: skip
+        else:
+            self.optimizer = CpuOptimizer(
+                params=[p for p in self.policy.parameters() if p.requires_grad],
+                params_once=self._unique_params(),
+                group=self.mesh.model_parallel_group,
+                betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay, clip_grad=config.clip_grad,
+            )  # fmt: skip
         # Reference log-probs kept on the last stage: per step batch offset (interleaved), or
         # per pair id (precomputed).
         self._ref_next: dict[tuple[int, int], SequenceLogps] = {}
@@ -110,11 +116,11 @@ class PolicyWorker:
         load_shard(model, shard)
         return model
 
-    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
         )
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
@@ -204,12 +210,11 @@ class PolicyWorker:
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
         wait_for_sends(ctx)
+        self._sync_tied_embedding_grads()  # before the dp reduction: sums commute, shards need not line up
         self.policy.finish_grad_sync()
-        self._sync_tied_embedding_grads()
         self._ref_next = {(1, mb): v for (bo, mb), v in ctx.ref_logps.items() if bo == 1}
         self._next_ref_ready = ref_next  # on every stage, so that all stages build the same plan
 
-        grad_norm = global_grad_norm(self._params_once, group=mesh.model_parallel_group)
         lr = lr_at(
             batch.step,
             lr=config.lr,
@@ -217,7 +222,7 @@ class PolicyWorker:
             warmup_steps=config.lr_warmup_steps,
             total_steps=config.max_steps,
         )
-        adamw_step(self.optimizer, self.params, lr=lr, clip=clip_coefficient(grad_norm, max_norm=config.clip_grad))
+        grad_norm = self.optimizer.step(lr=lr)
         metrics = self._reduce_metrics(sums, spec=spec)
         plat.synchronize(self.platform)
         if metrics is None:
@@ -250,7 +255,7 @@ class PolicyWorker:
         mesh = self.mesh
         if not mesh.is_last_stage:
             return None
-        vec = torch.tensor([sums[k] for k in METRIC_SUM_KEYS], dtype=torch.float64)
+        vec = torch.tensor([sums[k] for k in METRIC_SUM_KEYS], dtype=torch.float64, device=self.platform.device)
         if self.layout.dp > 1:
             dist.all_reduce(vec, group=mesh.dp_group)
         if not mesh.returns_result:
@@ -302,7 +307,7 @@ class PolicyWorker:
         mine = list(range(mesh.dp_rank, len(pairs), dp))
         rows_per_chunk = self.config.global_batch_size // dp
         b = self.config.micro_batch_size
-        table = torch.zeros(len(pairs), 2, dtype=torch.float64)
+        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
         for lo in range(0, len(mine), rows_per_chunk):
             ids = mine[lo : lo + rows_per_chunk]
             chunk = [pairs[i] for i in ids]
@@ -319,8 +324,8 @@ class PolicyWorker:
                     logps = ctx.ref_logps.pop((0, mb))
                     n = len(logps.logp_sum) // 2
                     mb_ids = ids[mb * b : mb * b + n]
-                    table[mb_ids, 0] = logps.logp_sum[:n].double().cpu()
-                    table[mb_ids, 1] = logps.logp_sum[n:].double().cpu()
+                    table[mb_ids, 0] = logps.logp_sum[:n].double()
+                    table[mb_ids, 1] = logps.logp_sum[n:].double()
         if mesh.is_last_stage:
             if dp > 1:
                 dist.all_reduce(table, group=mesh.dp_group)

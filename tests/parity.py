@@ -88,7 +88,11 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
     """HF forward + the loss formula + torch AdamW, one process, whole global batches."""
     policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.999), eps=adam_eps, weight_decay=weight_decay)
+    # Decay matrices only (norms and biases are not decayed), as the engine does.
+    params = list(policy.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
     metrics = []
     grads = []
     for pairs in batches:
