@@ -67,10 +67,11 @@ def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: 
     )  # fmt: skip
     try:
         mesh = mesh_lib.initialize(mesh_lib.Layout(tp=meta.tp, pp=meta.pp, dp=1))
-        platform_lib.init_model_rng(0)
-        model = build_stage_model(
-            meta.spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=meta.layer_spec == "te"
-        )
+        platform_lib.init_model_rng(platform, 0)
+        with platform_lib.building_models(platform):
+            model = build_stage_model(
+                meta.spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=meta.layer_spec == "te"
+            )
         load_shard(model, checkpoint.shard(mesh.tp_rank, mesh.pp_rank))
         model.eval()
         tokens = load_file(str(Path(work_dir) / "tokens.safetensors"))["tokens"]

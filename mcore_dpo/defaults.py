@@ -20,7 +20,7 @@ DEFAULT_EVAL_DATA = os.path.join(ASSETS_DIR, "prefs_eval.jsonl")
 
 # Bump the version in the name whenever the architecture, seed or tokenizer changes, so
 # stale caches are never mistaken for the new model.
-DEFAULT_MODEL_NAME = "tiny-llama-v1"
+DEFAULT_MODEL_NAME = "tiny-llama-v2"
 DEFAULT_MODEL_SEED = 20240601
 CACHE_ENV_VAR = "MCORE_DPO_CACHE"
 
@@ -41,8 +41,9 @@ def _build_model(out_dir: str) -> None:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # 8 heads in 4 query groups (GQA): tp 1, 2, 4 and 8 all divide them.
+        num_attention_heads=8,
+        num_key_value_heads=4,
         hidden_act="silu",
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
@@ -71,7 +72,7 @@ def ensure_default_model(cache_dir: str | None = None) -> str:
     """Directory of the tiny default HF model, created under cache_dir on first use.
 
     cache_dir is the cache root (default: default_cache_dir()); the model lives in
-    <cache_dir>/tiny-llama-v1. Safe to call from many processes at once: each builds in
+    <cache_dir>/tiny-llama-v2. Safe to call from many processes at once: each builds in
     a private temp dir and renames it into place; the loser of the race uses the winner's.
     """
     root = os.path.abspath(cache_dir if cache_dir is not None else default_cache_dir())

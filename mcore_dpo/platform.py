@@ -69,7 +69,7 @@ def building_models(platform: Platform):
         torch.Tensor.cuda = original  # type: ignore[assignment]
 
 
-def init_model_rng(seed: int) -> None:
+def init_model_rng(platform: Platform, seed: int) -> None:
     """Seed torch and megatron-core's tensor-parallel RNG tracker.
 
     On the CPU the CUDA RNG tracker cannot fork CUDA generators; the inference tracker's
@@ -78,7 +78,7 @@ def init_model_rng(seed: int) -> None:
     from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.current_device() != torch.device("cpu"):
+    if platform.is_cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -69,7 +69,7 @@ class PolicyWorker:
                 timeout_s=config.timeout_s,
             )
         self.mesh: Mesh = initialize(self.layout)
-        plat.init_model_rng(config.seed)
+        plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         self.use_te = plat.transformer_engine_available()
         self.policy = self._build(config.model)

@@ -71,8 +71,8 @@ def test_default_model_architecture(model_dir):
     model = LlamaForCausalLM.from_pretrained(model_dir)
     config = model.config
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 4, 4)
-    assert config.num_key_value_heads == 2 and config.intermediate_size == 128 and config.hidden_act == "silu"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 4, 8)
+    assert config.num_key_value_heads == 4 and config.intermediate_size == 128 and config.hidden_act == "silu"
     assert config.vocab_size == len(tokenizer) and not config.tie_word_embeddings
     assert config.max_position_embeddings >= 256
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()

@@ -81,13 +81,13 @@ def _reference(policy_dir: str, ref_dir: str, loss_type: str, ref_mode: str):
                          spec=spec, lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS)
 
 
-def _check_job(out_dir: Path, j: int, job: dict, layout) -> None:
+def _check_job(out_dir: Path, j: int, job: dict, layout, rtol: float = RTOL) -> None:
     tp, pp, dp = layout
     family, mode, loss = job["key"]
     policy_dir = job["config"]["model"]
     ref = _reference(policy_dir, job["config"]["ref_model"], loss, mode)
     what = f"{family}/{mode}/{loss} at tp{tp} pp{pp} dp{dp}"
-    _check_tensors(out_dir, j, job, layout, ref, what)
+    _check_tensors(out_dir, j, job, layout, ref, what, rtol)
     ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
     ours = [m for m in ours if m is not None]
     assert len(ours) == 2, what
@@ -98,10 +98,10 @@ def _check_job(out_dir: Path, j: int, job: dict, layout) -> None:
         logp_scale = BETA * max(abs(m_ref["logps/chosen"]), abs(m_ref["logps/rejected"]))
         for name in METRICS + (("nll_loss",) if loss == "sft" else ()):
             scale = max(abs(m_ref[name]), logp_scale) if name.startswith("rewards/") and name != "rewards/accuracies" else None
-            assert_close(torch.tensor(m_ours[name]), torch.tensor(m_ref[name]), what=f"{what} step {step} {name}", scale=scale)
+            assert_close(torch.tensor(m_ours[name]), torch.tensor(m_ref[name]), what=f"{what} step {step} {name}", scale=scale, rtol=rtol)
 
 
-def _check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: str) -> None:
+def _check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: str, rtol: float) -> None:
     tp, pp, _ = layout
     spec = open_hf_dir(job["config"]["model"]).spec
     for step, ref_grads in enumerate(ref["grads"], start=1):
@@ -110,14 +110,14 @@ def _check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: st
             expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref_grads.__getitem__)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
-                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})", rtol=rtol)
     weights = load_rank_tensors(out_dir, j, "weights")
     for (t, p, d), shard in weights.items():
         if d != 0:
             continue
         expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref["weights"].__getitem__)
         for name, value in expected.items():
-            assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
+            assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps", rtol=rtol)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
