@@ -1,0 +1,282 @@
+"""SLURM, for real: a single-node SLURM (munged, slurmctld, slurmd started here, with
+ProctrackType=proctrack/linuxproc and TaskPlugin=task/none) runs scripts/slurm/train.sbatch.
+
+- a tiny run submitted with sbatch completes, writes its run directory and leaves no Ray
+  process behind;
+- a Ray node that never joins (simulated by asking the script, through its test-only
+  MCORE_DPO_TEST_EXPECT_NODES, to wait for two nodes on a one-node allocation) fails the job
+  fast with a message naming the problem, and again leaves nothing behind.
+
+SLURM and munge are installed with apt-get when missing; the tests skip, with the reason,
+only when that is impossible. "Left behind" is judged for this job only: a process whose
+environment carries this job's SLURM_JOB_ID, or a raylet/gcs_server of this job's Ray port
+(other Ray instances may run on this machine at the same time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+NODE_CPUS = 4  # logical CPUs SLURM and Ray may hand out, more than this 2-core box has
+JOB_WAIT_S = 600
+
+
+@dataclass
+class SlurmCluster:
+    root: Path
+    env: dict[str, str]
+
+
+def _ensure_slurm_installed() -> None:
+    if all(shutil.which(b) for b in SLURM_BINARIES):
+        return
+    if os.geteuid() != 0:
+        pytest.skip("SLURM cannot be installed: slurm-wlm/munge are missing and apt-get needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("SLURM cannot be installed: slurm-wlm/munge are missing and there is no apt-get")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:
+            tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"SLURM cannot be installed: {' '.join(cmd)} failed ({tail})")
+    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"SLURM cannot be installed: after apt-get, {', '.join(missing)} are still missing")
+
+
+def _free_port_block(count: int) -> int:
+    """A base port P with P .. P+count-1 all free (below Linux's ephemeral range)."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of TCP ports found")
+
+
+def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _slurm_conf(root: Path, *, host: str, ctld_port: int, slurmd_port: int) -> str:
+    return f"""\
+ClusterName=mcoredpo
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge/munge.sock
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+MinJobAge=3600
+KillWait=10
+# The node declares more CPUs than this machine has; slurmd must take the configured value.
+SlurmdParameters=config_overrides
+NodeName={host} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _pid_from(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _stop_pid(pid: int | None, *, timeout_s: float = 15.0) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, 15)
+        _wait_for(lambda: not Path(f"/proc/{pid}").exists(), timeout_s=timeout_s, what=f"pid {pid} exit")
+    except ProcessLookupError:
+        return
+    except TimeoutError:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory) -> SlurmCluster:
+    _ensure_slurm_installed()
+    root = tmp_path_factory.mktemp("slurm")
+    for sub in ("munge", "state", "spool", "log", "jobs"):
+        (root / sub).mkdir()
+    (root / "munge").chmod(0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+    ctld_port = _free_port_block(2)
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, host=host, ctld_port=ctld_port, slurmd_port=ctld_port + 1))
+    env = dict(os.environ, SLURM_CONF=str(conf), OMP_NUM_THREADS="1")
+    munge_socket = root / "munge" / "munge.sock"
+    try:
+        # --force: munged refuses /tmp-style parent directories and running as root otherwise.
+        subprocess.run(
+            ["munged", "--force", f"--key-file={key}", f"--socket={munge_socket}",
+             f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munge/munged.log",
+             f"--seed-file={root}/munge/munged.seed"],
+            check=True, capture_output=True, timeout=30,
+        )
+        subprocess.run(["slurmctld", "-f", str(conf), "-c"], env=env, check=True, capture_output=True, timeout=30)
+        subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True, capture_output=True, timeout=30)
+
+        def node_idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() == "idle"
+
+        _wait_for(node_idle, timeout_s=60, what=f"SLURM node {host} did not become idle (see {root}/log)")
+        yield SlurmCluster(root=root, env=env)
+    finally:
+        subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, timeout=30)
+        _stop_pid(_pid_from(root / "slurmd.pid"))
+        _stop_pid(_pid_from(root / "slurmctld.pid"))
+        _stop_pid(_pid_from(root / "munge" / "munged.pid"))
+
+
+def _job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def _submit_and_wait(cluster: SlurmCluster, *, name: str, script_args: list[str], extra_env: dict[str, str]) -> tuple[dict[str, str], str, float]:
+    """sbatch the script, wait (bounded) for a terminal state; returns the job's fields, its
+    output and the wall time in seconds."""
+    output = cluster.root / "jobs" / f"{name}.out"
+    env = dict(cluster.env, **extra_env)
+    start = time.monotonic()
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={name}", f"--cpus-per-task={NODE_CPUS}", f"--output={output}",
+         f"--chdir={REPO}", str(SBATCH_SCRIPT), *script_args],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr.strip()}"
+    job_id = submitted.stdout.strip().split(";")[0]
+    fields: dict[str, str] = {}
+    deadline = start + JOB_WAIT_S
+    while time.monotonic() < deadline:
+        fields = _job_fields(job_id, env)
+        if fields.get("JobState") in TERMINAL_STATES:
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=30)
+        pytest.fail(f"job {job_id} did not finish within {JOB_WAIT_S} s; output:\n{output.read_text(errors='replace')[-4000:]}")
+    wall_s = time.monotonic() - start
+    fields["JobId"] = job_id
+    return fields, output.read_text(errors="replace") if output.exists() else "", wall_s
+
+
+def _leftover_processes(job_id: str, ray_port: int) -> list[str]:
+    """Processes of this job still alive: its SLURM_JOB_ID in their environment, or a Ray
+    daemon whose command line names this job's Ray port."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        ours = f"SLURM_JOB_ID={job_id}".encode() in environ
+        ray_daemon = ("raylet" in cmdline or "gcs_server" in cmdline) and re.search(rf"[:=]{ray_port}(\s|$)", cmdline)
+        if ours or ray_daemon:
+            found.append(f"{proc.name}: {cmdline[:200]}")
+    return found
+
+
+def test_script_refuses_to_run_outside_slurm():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", str(SBATCH_SCRIPT), "--max-steps", "1"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert "not inside a SLURM job" in result.stderr
+
+
+def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    ray_port = _free_port_block(7)
+    fields, output, wall_s = _submit_and_wait(
+        slurm_cluster,
+        name="tiny",
+        script_args=["--max-steps", "3", "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(run_dir)],
+        extra_env={"MCORE_DPO_CACHE": str(tmp_path / "cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+    )
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{output[-4000:]}"
+    assert "all 1 Ray node(s) joined" in output
+    assert re.search(rf"running: \S+ -m mcore_dpo\.train --ray-address [0-9.]+:{ray_port} --max-steps 3", output), output[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if r["step"] >= 1] == [1, 2, 3]
+    assert all("loss" in r for r in records if r["step"] >= 1)
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / "config.yaml").is_file()
+    assert _leftover_processes(fields["JobId"], ray_port) == []
+    print(f"slurm tiny run: {wall_s:.0f} s")
+
+
+def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster, tmp_path: Path):
+    ray_port = _free_port_block(7)
+    join_timeout_s = 5
+    fields, output, wall_s = _submit_and_wait(
+        slurm_cluster,
+        name="missing-node",
+        script_args=["--max-steps", "1", "--output-dir", str(tmp_path / "never")],
+        extra_env={
+            "MCORE_DPO_RAY_PORT": str(ray_port),
+            "MCORE_DPO_RAY_JOIN_TIMEOUT_S": str(join_timeout_s),
+            "MCORE_DPO_TEST_EXPECT_NODES": "2",
+        },
+    )
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", output[-4000:]
+    assert f"error: only 1 of 2 Ray nodes joined within {join_timeout_s} s" in output
+    assert "running: " not in output  # the train CLI never started
+    assert not (tmp_path / "never").exists()
+    assert wall_s < 60, f"the failure took {wall_s:.0f} s"
+    assert _leftover_processes(fields["JobId"], ray_port) == []
