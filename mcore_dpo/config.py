@@ -92,6 +92,8 @@ class TrainConfig:
     """Parameter dtype: float32 | bfloat16 | float16."""
     timeout_s: float = 300.0
     """Timeout of collectives and point-to-point communication."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the cluster to provide every rank's device before giving up."""
     on_bad_row: str = "error"
     """error | skip: what to do with malformed data rows."""
     trust_remote_code: bool = False
@@ -137,7 +139,7 @@ class TrainConfig:
             raise ConfigError(f"on_bad_row: {self.on_bad_row!r} is not error or skip")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
-        for name in ("lr", "adam_eps", "timeout_s"):
+        for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval"):

@@ -30,6 +30,7 @@ def connect(*, address: str | None, num_cpus: int) -> bool:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
     ray.init(
+        address="local",  # a new instance, even when `ray start` left one running on this machine
         num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -73,6 +74,10 @@ class _RayWorker:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
+
 
 @dataclass
 class WorkerGroup:
@@ -80,6 +85,7 @@ class WorkerGroup:
     actors: list
     names: list[str]
     placement: object
+    processes: list[dict] | None = None  # pid and node of each rank, for operators and tests
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Call `method` on every rank; any failure stops the group and raises WorkerGroupError."""
@@ -129,6 +135,26 @@ def _first_line(error: BaseException) -> str:
     return text[-1] if text else type(error).__name__
 
 
+def _bundles_by_node(pg, *, world_size: int, tp: int, role: str) -> list[int]:
+    """Ranks in megatron-core order (tp fastest) onto bundles grouped by node, so that every
+    tensor-parallel group lands on one node."""
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    nodes: list[str] = []
+    for index in range(world_size):
+        if node_of[index] not in nodes:
+            nodes.append(node_of[index])
+    order = sorted(range(world_size), key=lambda index: (nodes.index(node_of[index]), index))
+    for start in range(0, world_size, tp):
+        group_nodes = {node_of[index] for index in order[start : start + tp]}
+        if len(group_nodes) > 1:
+            counts = {node[:8]: sum(1 for i in range(world_size) if node_of[i] == node) for node in nodes}
+            raise WorkerGroupError(
+                f"{role}: a tensor-parallel group of {tp} ranks would span nodes (bundles per node: {counts}); "
+                f"give every node a multiple of tp={tp} devices"
+            )
+    return order
+
+
 def create_group(
     *,
     role: str,
@@ -154,7 +180,8 @@ def create_group(
             f"{role}: could not place {world_size} bundles of {bundle} within {placement_timeout_s:.0f} s; "
             f"the cluster has CPU={available.get('CPU', 0):g} GPU={available.get('GPU', 0):g} available"
         ) from None
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    bundle_of_rank = _bundles_by_node(pg, world_size=world_size, tp=tp, role=role)
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_of_rank[0])
     master_addr, master_port = ray.get(_node_address_and_port.options(num_cpus=0, scheduling_strategy=strategy).remote())
     actor_cls = ray.remote(_RayWorker)
     actors, names = [], []
@@ -166,10 +193,12 @@ def create_group(
             num_gpus=1 if use_gpus else 0,
             name=f"{name}-{os.getpid()}-{time.time_ns()}",
             max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_of_rank[rank]
+            ),
         )
         actors.append(actor_cls.options(**options).remote(factory, kwargs_of_rank(rank, master_addr, master_port)))
         names.append(name)
     group = WorkerGroup(role=role, actors=actors, names=names, placement=pg)
-    group.call("coordinates")  # surfaces construction errors now, naming the rank
+    group.processes = group.gather([a.describe.remote() for a in actors])  # surfaces construction errors, naming the rank
     return group

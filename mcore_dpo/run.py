@@ -7,6 +7,7 @@ worker group, feed it global batches, log metrics, export the policy.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -126,7 +127,10 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
                 config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr, master_port=port
             ),
             use_gpus=use_gpus,
-            placement_timeout_s=120.0,
+            placement_timeout_s=config.placement_timeout_s,
+        )
+        (out / "workers.json").write_text(
+            json.dumps({name: info for name, info in zip(group.names, group.processes)}, indent=2) + "\n"
         )
         pairs = prep.train_pairs
         if config.ref_mode == "precomputed":

@@ -5,11 +5,18 @@
     python -m mcore_dpo.train --config configs/llama3_8b.yaml --ray-address auto
 
 Bad input ends in one line on stderr and exit code 2, before any worker starts.
+
+From Python (notebooks, other tools), the module itself is callable:
+
+    import mcore_dpo.train
+    from mcore_dpo.config import TrainConfig
+    run_dir = mcore_dpo.train(TrainConfig(tp=2, max_steps=10))
 """
 
 from __future__ import annotations
 
 import sys
+import types
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done: {out}")
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`mcore_dpo.train(config)` runs training; `python -m mcore_dpo.train` runs the CLI."""
+
+    def __call__(self, config, *, ray_address: str | None = None):
+        from mcore_dpo.run import train
+
+        return train(config, ray_address=ray_address)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,137 @@
+"""Launching on Ray: 8 ranks as actors, exact equality with 1 rank, a dead worker, impossible
+resources, and tensor-parallel groups kept on one node of a (simulated) 2-node cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(tmp_path: Path) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path.parent / "shared_cache"))
+
+
+def _train(args: list[str], *, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if r["step"] >= 1]
+
+
+def test_tp4_pp2_equals_tp1_pp1(tmp_path):
+    """`--tp 4 --pp 2` runs as 8 Ray actors; its losses equal the single-rank run's within 1e-5."""
+    env = _env(tmp_path)
+    common = ["--max-steps", "3", "--global-batch-size", "16", "--micro-batch-size", "4", "--no-export-hf"]
+    big = _train(["--tp", "4", "--pp", "2", "--output-dir", str(tmp_path / "tp4pp2"), *common], env=env)
+    assert big.returncode == 0, big.stderr[-3000:]
+    workers = json.loads((tmp_path / "tp4pp2" / "workers.json").read_text())
+    assert sorted(workers) == sorted(f"policy/tp{t}-pp{p}-dp0" for t in range(4) for p in range(2))
+    assert len({w["pid"] for w in workers.values()}) == 8
+    one = _train(["--tp", "1", "--pp", "1", "--output-dir", str(tmp_path / "tp1pp1"), *common], env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = _losses(tmp_path / "tp4pp2"), _losses(tmp_path / "tp1pp1")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5, (a, b)
+
+
+def test_dead_worker_stops_the_run(tmp_path):
+    """Killing one worker mid-run: every worker is stopped and the driver exits non-zero within
+    60 s, naming the role, the rank and the worker's error."""
+    env = _env(tmp_path)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_dpo.train", "--tp", "2", "--pp", "2", "--max-steps", "400",
+         "--global-batch-size", "16", "--micro-batch-size", "4", "--output-dir", str(out), "--no-export-hf"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        workers = json.loads((out / "workers.json").read_text())
+        victim = "policy/tp1-pp0-dp0"
+        os.kill(workers[victim]["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=90)
+        assert time.monotonic() - killed_at < 60, "the driver took too long to stop"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None)
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: policy/") and "died" in last, stderr[-2000:]
+    time.sleep(1)
+    for info in workers.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+
+
+def test_impossible_resources_fail_within_a_bounded_wait(tmp_path):
+    """A placement group the cluster cannot meet fails within the bound and says what was
+    needed and what is available."""
+    import secrets
+
+    # Token authentication, as on a shared cluster: the head and the driver share the token.
+    env = dict(_env(tmp_path), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+    port = 6390 + os.getpid() % 500
+    start = subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                            "--disable-usage-stats"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 0, start.stderr
+    try:
+        t0 = time.monotonic()
+        result = _train(["--tp", "2", "--pp", "2", "--max-steps", "1", "--placement-timeout-s", "10",
+                         "--output-dir", str(tmp_path / "run"), "--ray-address", f"127.0.0.1:{port}"], env=env)
+        elapsed = time.monotonic() - t0
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "4 bundles" in last and "CPU=2" in last, result.stderr[-2000:]
+    assert elapsed < 90
+
+
+def test_tensor_parallel_groups_stay_on_one_node():
+    """A simulated 2-node cluster (two raylets on this machine): ranks are laid out so that
+    every tp group shares a node, and rendezvous uses bundle 0's node."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from mcore_dpo import ray_workers
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    cluster.add_node(num_cpus=4)
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        group = ray_workers.create_group(
+            role="policy", world_size=8, tp=2, pp=2, dp=2, factory=dict,  # each rank holds its kwargs
+            kwargs_of_rank=lambda rank, addr, port: {"rank": rank, "addr": addr, "port": port},
+            use_gpus=False, placement_timeout_s=60,
+        )
+        nodes = [info["node_id"] for info in group.processes]
+        assert len(set(nodes)) == 2
+        for start in range(0, 8, 2):  # tp fastest: ranks 2k and 2k+1 form a tp group
+            assert nodes[start] == nodes[start + 1], nodes
+        assert group.call("get", "rank") == list(range(8))
+        assert len(set(group.call("get", "addr"))) == 1 and len(set(group.call("get", "port"))) == 1
+        group.stop()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
