@@ -1,0 +1,175 @@
+"""Benchmark 1: what the reference forward costs, simulated and measured.
+
+Simulated: the plan simulator (policy F=1, B=2, reference F=1, free communication) times
+every --ref-mode for pp in {2,4,8} and microbatches in {4,8,16,32}, next to the closed forms
+of policy-only 1F1B, a separate reference pass, and reference+policy concatenated in a slot.
+
+Measured: step time on the CPU at tp 1, pp 2 (one torch thread per rank, so each stage has
+its own core), 8 microbatches, for interleaved, sequential, precomputed and none
+(policy-only), from the engine's own `step_time_s`. Modes take turns over several rounds
+(each round builds every mode's worker afresh), so that load from other processes on a
+shared box is spread over all modes; the 1-minute load average is recorded per job. Step 1 is warm-up and is excluded for
+every mode (for interleaved it also computes the current batch's reference, which later
+steps get from the previous step).
+
+    python benchmarks/ref_cost.py                       # both parts, ~3 min on 2 cores
+    python benchmarks/ref_cost.py --simulated-only
+    python benchmarks/ref_cost.py --tiny --steps 1      # smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+from mcore_dpo.schedule import Costs, build_plan, closed_form_makespans, simulate  # noqa: E402
+
+MODES = ("interleaved", "sequential", "precomputed", "none")
+SIM_STAGES = (2, 4, 8)
+SIM_MICROBATCHES = (4, 8, 16, 32)
+
+# Measured model: compute dominates the Python and p2p overhead, and a step takes ~2 s.
+MEASURED_SHAPE = common.LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                                   intermediate_size=1408, vocab_size=4096)
+TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128, vocab_size=256)
+
+
+def simulated(*, stages=SIM_STAGES, microbatches=SIM_MICROBATCHES) -> list[dict]:
+    """Makespans in units of one policy forward, steady state (interleaved: next batch only)."""
+    costs = Costs(fwd=1.0, bwd=2.0, ref_fwd=1.0)
+    rows = []
+    for p in stages:
+        for m in microbatches:
+            closed = closed_form_makespans(num_stages=p, num_microbatches=m, costs=costs)
+            row = {"pp": p, "m": m, **{f"closed_{k}": v for k, v in closed.items()}}
+            for mode in ("none", "sequential", "interleaved"):
+                plan = build_plan(num_stages=p, num_microbatches=m, ref_mode=mode, ref_current=False, ref_next=True,
+                                  costs=costs)
+                row[f"sim_{mode}"] = simulate(plan, costs=costs).makespan
+            first = build_plan(num_stages=p, num_microbatches=m, ref_mode="interleaved", ref_current=True,
+                               ref_next=True, costs=costs)
+            row["sim_interleaved_first_step"] = simulate(first, costs=costs).makespan
+            base = row["sim_none"]
+            for key in list(row):
+                if key.startswith(("sim_", "closed_")):
+                    row[f"ratio_{key}"] = row[key] / base
+            rows.append(row)
+    return rows
+
+
+def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, num_microbatches: int,
+             steps_per_round: int, rounds: int, work_dir: Path, modes=MODES) -> dict:
+    model_dir = common.write_random_llama(work_dir / "model", shape=shape)
+    gbs = micro_batch_size * num_microbatches
+    prompt_len = seq_len // 4
+    data = dict(num_pairs=gbs * (steps_per_round + 2), prompt_len=prompt_len, completion_len=seq_len - prompt_len,
+                vocab_size=shape.vocab_size, seed=7)
+    jobs = []
+    for _ in range(rounds):  # modes take turns, so load from anything else on the box hits them alike
+        for mode in modes:
+            config = dict(model=str(model_dir), tp=1, pp=2, dp=1, micro_batch_size=micro_batch_size,
+                          global_batch_size=gbs, max_steps=steps_per_round + 1, max_length=seq_len, ref_mode=mode,
+                          lr=1e-5)
+            # the one-off pass covers the pairs the measured steps use
+            jobs.append(common.RankJob(name=mode, config=config, num_steps=steps_per_round, warmup_steps=1,
+                                       precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0))
+    results = common.run_ranks(world_size=2, jobs=jobs, data=data, out_dir=work_dir / "ranks")
+    out = {"shape": shape.__dict__, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
+           "num_microbatches": num_microbatches, "rounds": rounds, "steps_per_round": steps_per_round, "modes": {}}
+    for mode in modes:
+        rep = common.pooled(results, mode)
+        times = rep["step_time_s"]
+        tokens = rep["tokens_per_step"]
+        entry = {"step_time_s": common.summary(times),
+                 "tokens_per_s": common.summary([t / s for t, s in zip(tokens, times)]),
+                 "loadavg_1min_after": rep["loadavg_1min_after"]}
+        if mode == "precomputed":
+            entry["precompute_s"] = common.summary(rep["precompute_s"])
+            entry["precompute_pairs"] = data["num_pairs"]
+        out["modes"][mode] = entry
+    base = out["modes"]["none"]["step_time_s"]["median"] if "none" in out["modes"] else None
+    base_min = out["modes"]["none"]["step_time_s"]["min"] if "none" in out["modes"] else None
+    for mode, entry in out["modes"].items():
+        if base:
+            entry["ratio_vs_none"] = entry["step_time_s"]["median"] / base
+            entry["ratio_of_minima_vs_none"] = entry["step_time_s"]["min"] / base_min
+    if "interleaved" in out["modes"] and "sequential" in out["modes"]:
+        out["interleaved_faster_than_sequential"] = (
+            1 - out["modes"]["interleaved"]["step_time_s"]["median"] / out["modes"]["sequential"]["step_time_s"]["median"])
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SIM_STAGES), figsize=(12, 3.6), sharey=True)
+    for ax, p in zip(axes, SIM_STAGES):
+        sub = [r for r in rows if r["pp"] == p]
+        ms = [r["m"] for r in sub]
+        ax.plot(ms, [r["ratio_sim_interleaved"] for r in sub], "o-", label="interleaved (sim)")
+        ax.plot(ms, [r["ratio_sim_sequential"] for r in sub], "s-", label="sequential (sim)")
+        ax.plot(ms, [r["ratio_closed_separate_pass"] for r in sub], "--", label="separate pass (closed form)")
+        ax.plot(ms, [r["ratio_closed_concatenated"] for r in sub], ":", label="concatenated (closed form)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_title(f"pp = {p}")
+        ax.set_xlabel("microbatches")
+    axes[0].set_ylabel("step time / policy-only 1F1B")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/mcore_dpo_bench/ref_cost.json")
+    parser.add_argument("--plot", default=None, help="PNG of the simulated ratios (e.g. docs/img/ref_cost_sim.png)")
+    parser.add_argument("--simulated-only", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="smoke size: tiny model, short sequences")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per mode and round (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each builds every mode afresh")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="pairs per microbatch")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args(argv)
+
+    rows = simulated(stages=(2, 4) if args.tiny else SIM_STAGES, microbatches=(4, 8) if args.tiny else SIM_MICROBATCHES)
+    result = {"machine": common.machine(), "simulated": rows}
+    if args.plot:
+        plot(rows, Path(args.plot))
+    print("simulated step time / policy-only (F=1, B=2, ref F=1):")
+    for r in rows:
+        print(f"  pp={r['pp']} m={r['m']:>2}: interleaved {r['ratio_sim_interleaved']:.3f} "
+              f"(first step {r['ratio_sim_interleaved_first_step']:.3f})  sequential {r['ratio_sim_sequential']:.3f}  "
+              f"separate {r['ratio_closed_separate_pass']:.3f}  concatenated {r['ratio_closed_concatenated']:.3f}")
+    if not args.simulated_only:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_ref_cost_"))
+        shape = TINY_SHAPE if args.tiny else MEASURED_SHAPE
+        seq_len = 16 if args.tiny else args.seq_len
+        result["measured"] = measured(shape=shape, seq_len=seq_len, micro_batch_size=args.micro_batch_size,
+                                      num_microbatches=4 if args.tiny else args.microbatches,
+                                      steps_per_round=args.steps, rounds=1 if args.tiny else args.rounds,
+                                      work_dir=work)
+        print("measured (tp 1, pp 2, one thread per rank): step_time_s median (min-max), ratio vs none")
+        for mode, e in result["measured"]["modes"].items():
+            extra = f", one-off pass {common.fmt(e['precompute_s'], digits=2)} s" if "precompute_s" in e else ""
+            print(f"  {mode:<12} {common.fmt(e['step_time_s'])}  x{e.get('ratio_vs_none', float('nan')):.3f}{extra}")
+    common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
