@@ -1,8 +1,11 @@
-"""SLURM, for real: a single-node SLURM (munged, slurmctld, slurmd started here, with
+"""SLURM, for real: a SLURM of this machine (munged, slurmctld and slurmd started here, with
 ProctrackType=proctrack/linuxproc and TaskPlugin=task/none) runs scripts/slurm/train.sbatch.
+The machine is two SLURM nodes, n1 and n2 (two slurmd daemons with this host's name, as
+SLURM allows for emulating larger systems), so the script runs both as one node and as two.
 
-- a tiny run submitted with sbatch completes, writes its run directory and leaves no Ray
-  process behind;
+- a tiny run submitted with sbatch to one node completes, writes its run directory and
+  leaves no Ray process behind;
+- the same on two nodes at tp 4 x pp 2: a Ray head on n1, a Ray worker on n2;
 - a Ray node that never joins (simulated by asking the script, through its test-only
   MCORE_DPO_TEST_EXPECT_NODES, to wait for two nodes on a one-node allocation) fails the job
   fast with a message naming the problem, and again leaves nothing behind.
@@ -32,7 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-NODE_CPUS = 4  # logical CPUs SLURM and Ray may hand out, more than this 2-core box has
+NODE_CPUS = 4  # logical CPUs per node SLURM and Ray may hand out, more than this 2-core box has
+NODES = ("n1", "n2")
+RAY_PORTS = 17  # the script uses MCORE_DPO_RAY_PORT .. +16
 JOB_WAIT_S = 600
 
 
@@ -82,23 +87,27 @@ def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def _slurm_conf(root: Path, *, host: str, ctld_port: int, slurmd_port: int) -> str:
+def _slurm_conf(root: Path, *, host: str, ctld_port: int) -> str:
+    nodes = "".join(
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={ctld_port + 1 + i} CPUs={NODE_CPUS} "
+        "RealMemory=2000 State=UNKNOWN\n"
+        for i, name in enumerate(NODES)
+    )
     return f"""\
 ClusterName=mcoredpo
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root}/munge/munge.sock
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -114,8 +123,7 @@ MinJobAge=3600
 KillWait=10
 # The node declares more CPUs than this machine has; slurmd must take the configured value.
 SlurmdParameters=config_overrides
-NodeName={host} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -145,16 +153,16 @@ def _stop_pid(pid: int | None, *, timeout_s: float = 15.0) -> None:
 def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     _ensure_slurm_installed()
     root = tmp_path_factory.mktemp("slurm")
-    for sub in ("munge", "state", "spool", "log", "jobs"):
+    for sub in ("munge", "state", "log", "jobs"):
         (root / sub).mkdir()
     (root / "munge").chmod(0o700)
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
-    ctld_port = _free_port_block(2)
+    ctld_port = _free_port_block(1 + len(NODES))
     conf = root / "slurm.conf"
-    conf.write_text(_slurm_conf(root, host=host, ctld_port=ctld_port, slurmd_port=ctld_port + 1))
+    conf.write_text(_slurm_conf(root, host=host, ctld_port=ctld_port))
     env = dict(os.environ, SLURM_CONF=str(conf), OMP_NUM_THREADS="1")
     munge_socket = root / "munge" / "munge.sock"
     try:
@@ -166,17 +174,19 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
             check=True, capture_output=True, timeout=30,
         )
         subprocess.run(["slurmctld", "-f", str(conf), "-c"], env=env, check=True, capture_output=True, timeout=30)
-        subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True, capture_output=True, timeout=30)
+        for name in NODES:
+            subprocess.run(["slurmd", "-f", str(conf), "-N", name], env=env, check=True, capture_output=True, timeout=30)
 
-        def node_idle() -> bool:
+        def nodes_idle() -> bool:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True, timeout=10)
-            return out.stdout.strip() == "idle"
+            return out.stdout.split() == ["idle"] * len(NODES)
 
-        _wait_for(node_idle, timeout_s=60, what=f"SLURM node {host} did not become idle (see {root}/log)")
+        _wait_for(nodes_idle, timeout_s=60, what=f"SLURM nodes {NODES} did not become idle (see {root}/log)")
         yield SlurmCluster(root=root, env=env)
     finally:
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, timeout=30)
-        _stop_pid(_pid_from(root / "slurmd.pid"))
+        for name in NODES:
+            _stop_pid(_pid_from(root / f"slurmd-{name}.pid"))
         _stop_pid(_pid_from(root / "slurmctld.pid"))
         _stop_pid(_pid_from(root / "munge" / "munged.pid"))
 
@@ -186,14 +196,16 @@ def _job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
-def _submit_and_wait(cluster: SlurmCluster, *, name: str, script_args: list[str], extra_env: dict[str, str]) -> tuple[dict[str, str], str, float]:
+def _submit_and_wait(
+    cluster: SlurmCluster, *, name: str, num_nodes: int, script_args: list[str], extra_env: dict[str, str]
+) -> tuple[dict[str, str], str, float]:
     """sbatch the script, wait (bounded) for a terminal state; returns the job's fields, its
     output and the wall time in seconds."""
     output = cluster.root / "jobs" / f"{name}.out"
     env = dict(cluster.env, **extra_env)
     start = time.monotonic()
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={name}", f"--cpus-per-task={NODE_CPUS}", f"--output={output}",
+        ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={num_nodes}", f"--cpus-per-task={NODE_CPUS}", f"--output={output}",
          f"--chdir={REPO}", str(SBATCH_SCRIPT), *script_args],
         env=env, capture_output=True, text=True, timeout=60,
     )
@@ -242,10 +254,11 @@ def test_script_refuses_to_run_outside_slurm():
 
 def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster, tmp_path: Path):
     run_dir = tmp_path / "run"
-    ray_port = _free_port_block(7)
+    ray_port = _free_port_block(RAY_PORTS)
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
         name="tiny",
+        num_nodes=1,
         script_args=["--max-steps", "3", "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(run_dir)],
         extra_env={"MCORE_DPO_CACHE": str(tmp_path / "cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
     )
@@ -262,11 +275,12 @@ def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster
 
 
 def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster, tmp_path: Path):
-    ray_port = _free_port_block(7)
+    ray_port = _free_port_block(RAY_PORTS)
     join_timeout_s = 5
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
         name="missing-node",
+        num_nodes=1,
         script_args=["--max-steps", "1", "--output-dir", str(tmp_path / "never")],
         extra_env={
             "MCORE_DPO_RAY_PORT": str(ray_port),
@@ -280,3 +294,25 @@ def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster
     assert not (tmp_path / "never").exists()
     assert wall_s < 60, f"the failure took {wall_s:.0f} s"
     assert _leftover_processes(fields["JobId"], ray_port) == []
+
+
+def test_sbatch_two_nodes_tp4_pp2(slurm_cluster: SlurmCluster, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    ray_port = _free_port_block(RAY_PORTS)
+    fields, output, wall_s = _submit_and_wait(
+        slurm_cluster,
+        name="two-nodes",
+        num_nodes=2,
+        # 8 ranks need both nodes' 4 Ray CPUs: each tp group fills one node.
+        script_args=["--tp", "4", "--pp", "2", "--max-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "8",
+                     "--output-dir", str(run_dir)],
+        extra_env={"MCORE_DPO_CACHE": str(tmp_path / "cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+    )
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{output[-4000:]}"
+    assert fields["NodeList"] == "n[1-2]"
+    assert "2 node(s) (n1 n2)" in output and "all 2 Ray node(s) joined" in output
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if r["step"] >= 1] == [1, 2]
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert _leftover_processes(fields["JobId"], ray_port) == []
+    print(f"slurm two-node run: {wall_s:.0f} s")
