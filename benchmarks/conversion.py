@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from benchmarks import common  # noqa: E402
 
 # ~1.2 GB in fp32: 8 layers of hidden 1536, GQA (12 heads, 4 kv heads), vocab 32000, untied.
@@ -64,9 +66,7 @@ def round_trip_exact(original: Path, round_trip: Path) -> bool:
     from checkpoint_convert.io import open_hf_dir
 
     a, b = open_hf_dir(original), open_hf_dir(round_trip)
-    if sorted(a.names()) != sorted(b.names()):
-        return False
-    return all(bool((a.get(n) == b.get(n)).all()) for n in a.names())
+    return all(torch.equal(a.get(n), b.get(n)) for n in a.names)
 
 
 def run(*, shape: common.LlamaShape, repeats: int, work_dir: Path) -> dict:

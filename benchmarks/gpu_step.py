@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON result path")
     parser.add_argument("--tiny", action="store_true", help="tiny model, float32, runs on the CPU too")
-    parser.add_argument("--model-dir", default=None, help="HF Llama directory (default: random ~1B in /tmp)")
+    parser.add_argument("--model-dir", default=None, help="an HF Llama directory; written with random weights if it has no config.json (default: /tmp)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
@@ -128,13 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.dtype, args.warmup_steps = args.dtype or "float32", 1
     args.dtype = args.dtype or "bfloat16"
     on_gpu = torch.cuda.is_available()
-    model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.gettempdir()) / (
-        "mcore_dpo_bench_tiny_llama" if args.tiny else "mcore_dpo_bench_llama_1b")
-    if not args.model_dir:
+    default_dir = Path(tempfile.gettempdir()) / ("mcore_dpo_bench_tiny_llama" if args.tiny else "mcore_dpo_bench_llama_1b")
+    model_dir = Path(args.model_dir) if args.model_dir else default_dir
+    if not (model_dir / "config.json").exists() or not args.model_dir:
         start = time.perf_counter()
-        common.write_random_llama(model_dir, shape=shape, dtype="bfloat16" if not args.tiny else "float32",
+        common.write_random_llama(model_dir, shape=shape, dtype="float32" if args.tiny else "bfloat16",
                                   device="cuda" if on_gpu else "cpu")
-        print(f"model ready in {model_dir} ({time.perf_counter() - start:.1f} s)")
+        print(f"random model ready in {model_dir} ({time.perf_counter() - start:.1f} s)")
     world_size = args.tp * args.pp * args.dp
     prompt_len = args.seq_len // 4
     settings = {

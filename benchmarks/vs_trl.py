@@ -2,8 +2,8 @@
 
 Same random Llama, same pairs (fixed length, so neither side pads), same global batch and
 microbatch size, fp32, one torch thread each, tp = pp = dp = 1. Each side runs in its own
-fresh process. Tokens/s = (prompt twice + both completions) / optimizer-step wall time; the
-first step is warm-up and excluded.
+fresh process, and the two take turns over rounds. Tokens/s = (prompt twice + both
+completions) / optimizer-step wall time; the first step of each run is warm-up and excluded.
 - this engine: `step_time_s` from `PolicyWorker.train_step`, reference mode interleaved
   (at pp 1 there is no bubble to fill, so the reference forward is simply added).
 - TRL: time between consecutive `on_step_end` callbacks, reference forward per batch (its
@@ -96,7 +96,7 @@ def trl_run(*, model_dir: str, data: dict, micro_batch_size: int, global_batch_s
 
 
 def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global_batch_size: int,
-        num_steps: int, work_dir: Path, precomputed_too: bool) -> dict:
+        num_steps: int, rounds: int, work_dir: Path, precomputed_too: bool) -> dict:
     model_dir = common.write_random_llama(work_dir / "model", shape=shape)
     write_tokenizer(model_dir, vocab_size=shape.vocab_size)
     prompt_len = seq_len // 4
@@ -108,25 +108,30 @@ def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global
         global_batch_size=global_batch_size, max_steps=num_steps + 1, max_length=seq_len, ref_mode=mode, lr=1e-5),
         num_steps=num_steps, warmup_steps=1, precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0)
         for mode in ours_modes]  # fmt: skip
-    results = common.run_ranks(world_size=1, jobs=jobs, data=data, out_dir=work_dir / "ranks")
     out = {"shape": shape.__dict__, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
-           "global_batch_size": global_batch_size, "measured_steps": num_steps, "pairs": {}}
-    for index, mode in enumerate(ours_modes):
-        rep = common.reporting(results, index)
-        ours = common.summary([t / s for t, s in zip(rep["tokens_per_step"], rep["step_time_s"])])
-        code = (
-            "import json; from benchmarks.vs_trl import trl_run; "
-            f"print(json.dumps(trl_run(model_dir={str(model_dir)!r}, data={data!r}, "
-            f"micro_batch_size={micro_batch_size}, global_batch_size={global_batch_size}, "
-            f"num_steps={num_steps}, precompute={mode == 'precomputed'})))"
-        )
-        trl = common.run_python(code)
-        theirs = common.summary([trl["tokens_per_step"] / s for s in trl["step_time_s"]])
+           "global_batch_size": global_batch_size, "rounds": rounds, "steps_per_round": num_steps, "pairs": {}}
+    ours: dict[str, list[float]] = {mode: [] for mode in ours_modes}
+    theirs: dict[str, list[float]] = {mode: [] for mode in ours_modes}
+    for round_index in range(rounds):  # the two engines take turns (the box may be shared)
+        results = common.run_ranks(world_size=1, jobs=jobs, data=data, out_dir=work_dir / f"ranks{round_index}")
+        for index, mode in enumerate(ours_modes):
+            rep = common.reporting(results, index)
+            ours[mode].extend(t / s for t, s in zip(rep["tokens_per_step"], rep["step_time_s"]))
+            code = (
+                "import json; from benchmarks.vs_trl import trl_run; "
+                f"print(json.dumps(trl_run(model_dir={str(model_dir)!r}, data={data!r}, "
+                f"micro_batch_size={micro_batch_size}, global_batch_size={global_batch_size}, "
+                f"num_steps={num_steps}, precompute={mode == 'precomputed'})))"
+            )
+            trl = common.run_python(code)
+            theirs[mode].extend(trl["tokens_per_step"] / s for s in trl["step_time_s"])
+    for mode in ours_modes:
+        mine, other = common.summary(ours[mode]), common.summary(theirs[mode])
         out["pairs"][mode] = {
-            "ours_tokens_per_s": ours,
-            "trl_tokens_per_s": theirs,
+            "ours_tokens_per_s": mine,
+            "trl_tokens_per_s": other,
             "trl_reference": "precompute_ref_log_probs=True" if mode == "precomputed" else "per batch (default)",
-            "ratio": ours["median"] / theirs["median"],
+            "ratio": mine["median"] / other["median"],
         }
     return out
 
@@ -134,7 +139,8 @@ def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/mcore_dpo_bench/vs_trl.json")
-    parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per round (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines afresh")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=8)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_vs_trl_"))
     result = run(shape=TINY_SHAPE if args.tiny else SHAPE, seq_len=16 if args.tiny else args.seq_len,
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                 num_steps=args.steps, work_dir=work, precomputed_too=not args.no_precomputed)
+                 num_steps=args.steps, rounds=1 if args.tiny else args.rounds, work_dir=work, precomputed_too=not args.no_precomputed)
     result["machine"] = common.machine()
     result["trl_version"] = trl.__version__
     for mode, pair in result["pairs"].items():

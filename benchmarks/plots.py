@@ -1,0 +1,74 @@
+"""PNG plots of the measured benchmark results (median bars, min-max whiskers).
+
+    python benchmarks/plots.py --results /tmp/mcore_dpo_bench --img docs/img
+
+Reads ref_cost.json, vs_trl.json and dp_scaling.json from --results (whichever exist).
+The simulated reference-cost plot is written by `ref_cost.py --plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _bars(ax, labels: list[str], stats: list[dict], *, ylabel: str, title: str) -> None:
+    medians = [s["median"] for s in stats]
+    low = [s["median"] - s["min"] for s in stats]
+    high = [s["max"] - s["median"] for s in stats]
+    ax.bar(labels, medians, yerr=[low, high], capsize=4, color="#4c78a8")
+    for x, m in enumerate(medians):
+        ax.annotate(f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="/tmp/mcore_dpo_bench")
+    parser.add_argument("--img", default="docs/img")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, img = Path(args.results), Path(args.img)
+    img.mkdir(parents=True, exist_ok=True)
+    written = []
+    if (results / "ref_cost.json").exists():
+        modes = json.loads((results / "ref_cost.json").read_text())["measured"]["modes"]
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        _bars(ax, list(modes), [m["step_time_s"] for m in modes.values()], ylabel="step time (s)",
+              title="CPU, tp 1, pp 2, 8 microbatches: step time by reference mode")
+        fig.tight_layout()
+        written.append(img / "ref_cost_measured.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    panels = []
+    if (results / "vs_trl.json").exists():
+        pairs = json.loads((results / "vs_trl.json").read_text())["pairs"]
+        labels, stats = [], []
+        for mode, p in pairs.items():
+            labels += [f"ours\n{mode}", f"TRL\n{'precompute' if mode == 'precomputed' else 'per batch'}"]
+            stats += [p["ours_tokens_per_s"], p["trl_tokens_per_s"]]
+        panels.append((labels, stats, "vs TRL DPOTrainer (tp=pp=dp=1)"))
+    if (results / "dp_scaling.json").exists():
+        dps = json.loads((results / "dp_scaling.json").read_text())["dp"]
+        panels.append(([f"dp {d}" for d in dps], [e["tokens_per_s"] for e in dps.values()], "data-parallel scaling"))
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+        for ax, (labels, stats, title) in zip(axes[0], panels):
+            _bars(ax, labels, stats, ylabel="tokens/s", title=title)
+        fig.tight_layout()
+        written.append(img / "throughput.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    for path in written:
+        print(f"wrote {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

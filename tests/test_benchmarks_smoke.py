@@ -1,0 +1,104 @@
+"""Smoke tests of benchmarks/: every script runs end to end at its smallest size and its
+figures are consistent. The real benchmark sizes stay out of the suite (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["OMP_NUM_THREADS"] = "1"
+
+from benchmarks import common, conversion, dp_scaling, gpu_step, memory, ref_cost, vs_trl  # noqa: E402
+
+
+def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+
+def test_ref_cost_simulated_and_measured(tmp_path):
+    result = ref_cost.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "r.json"),
+                            "--work-dir", str(tmp_path / "w"), "--plot", str(tmp_path / "sim.png")])
+    rows = {(r["pp"], r["m"]): r for r in result["simulated"]}
+    p4m8 = rows[(4, 8)]
+    assert p4m8["ratio_sim_interleaved"] <= 1.07  # the issue's simulated goal
+    assert math.isclose(p4m8["ratio_closed_separate_pass"], 4 / 3) and math.isclose(p4m8["ratio_closed_concatenated"], 4 / 3)
+    for r in rows.values():
+        assert math.isclose(r["sim_none"], r["closed_1f1b"])  # the simulator reproduces the 1F1B closed form
+        assert r["sim_interleaved"] <= r["sim_sequential"] <= r["closed_separate_pass"] + 1e-9
+        assert r["sim_interleaved"] <= r["sim_interleaved_first_step"]
+    modes = result["measured"]["modes"]
+    assert set(modes) == set(ref_cost.MODES)
+    assert all(m["step_time_s"]["n"] == 1 and m["step_time_s"]["median"] > 0 for m in modes.values())
+    assert modes["precomputed"]["precompute_s"]["median"] > 0
+    assert (tmp_path / "sim.png").stat().st_size > 0
+    assert json.loads((tmp_path / "r.json").read_text())["measured"]["modes"]["none"]["ratio_vs_none"] == 1.0
+
+
+def test_memory_reports_reference_bytes_per_rank(tmp_path):
+    result = memory.main(["--tiny", "--repeats", "1", "--out", str(tmp_path / "m.json"), "--work-dir", str(tmp_path)])
+    total_ref = sum(row["ref_param_bytes"] for row in result["ranks"].values())
+    fp32_bytes = 4 * sum(math.prod(s) for s in _weights(tmp_path / "model").values())
+    assert total_ref == fp32_bytes  # pp 2 splits the reference, nothing duplicated (untied)
+    for row in result["ranks"].values():
+        assert 0 < row["ref_param_bytes"] < fp32_bytes
+        for mode in ("interleaved", "none"):
+            assert row[mode]["peak_rss_bytes"]["median"] >= row[mode]["baseline_rss_bytes"]["median"] > 0
+        assert "interleaved_minus_none_over_ref_bytes" in row
+
+
+def test_dp_scaling_runs_both_sizes(tmp_path):
+    result = dp_scaling.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "d.json"), "--work-dir", str(tmp_path)])
+    assert set(result["dp"]) == {"1", "2"}
+    assert result["dp"]["1"]["speedup_vs_dp1"] == 1.0
+    assert result["dp"]["2"]["tokens_per_s"]["median"] > 0
+
+
+def test_conversion_round_trip_is_exact(tmp_path):
+    result = conversion.main(["--tiny", "--repeats", "1", "--out", str(tmp_path / "c.json"),
+                              "--work-dir", str(tmp_path / "conv")])
+    assert result["round_trip_bit_exact"] is True
+    assert result["checkpoint_bytes"] == common.directory_bytes(tmp_path / "conv" / "hf")
+    assert all(v > 0 and math.isfinite(v) for v in result["ratios"].values())
+
+
+def test_conversion_refuses_a_work_dir_inside_the_repository():
+    with pytest.raises(SystemExit, match="inside the repository"):
+        conversion.main(["--tiny", "--work-dir", str(common.REPO_ROOT / "bench_tmp")])
+
+
+def test_gpu_step_tiny_runs_without_ray(tmp_path):
+    out = tmp_path / "g.json"
+    result = gpu_step.main(["--tiny", "--steps", "1", "--out", str(out), "--model-dir", str(tmp_path / "model")])
+    assert json.loads(out.read_text())["tokens_per_step"] == result["tokens_per_step"] == 2 * 2 * 32
+    assert result["layer_spec"] in ("local", "transformer_engine")
+    assert result["step_time_s"]["median"] > 0
+
+
+def test_gpu_step_flop_count_matches_the_checkpoint(tmp_path):
+    shape = gpu_step.TINY
+    model_dir = common.write_random_llama(tmp_path / "m", shape=shape)
+    matrices = sum(math.prod(s) for s in _weights(model_dir).values() if len(s) == 2)
+    assert gpu_step.matmul_params(shape) == matrices  # tied: the embedding is counted once, as the output layer
+    flops = gpu_step.step_flops(shape=shape, tokens=100, seq_len=10)
+    assert flops["dense"] == 8 * matrices * 100 and flops["with_attention"] > flops["dense"]
+
+
+def test_trl_side_sees_exactly_the_engine_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    vs_trl.write_tokenizer(tmp_path, vocab_size=64)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    for pair in common.make_pairs(3, prompt_len=5, completion_len=4, vocab_size=64, seed=0):
+        prompt = " ".join(vs_trl._word(i) for i in pair.prompt_ids)
+        chosen = " " + " ".join(vs_trl._word(i) for i in pair.chosen_ids)
+        assert tokenizer(prompt)["input_ids"] == list(pair.prompt_ids)
+        assert tokenizer(prompt + chosen)["input_ids"] == list(pair.prompt_ids + pair.chosen_ids)
+        assert chosen.endswith(tokenizer.eos_token)  # TRL then adds no second EOS
