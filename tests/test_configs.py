@@ -17,9 +17,11 @@ ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 REALISTIC = [p for p in ALL_CONFIGS if p.name != "tiny.yaml"]
 PATH_FIELDS = ("model", "ref_model", "data", "eval_data")
 
-# Assumed per-parameter bytes, as the headers state: bf16 weights + fp32 main grads +
-# fp32 master weights and Adam moments + frozen bf16 reference.
-BYTES_PER_PARAM = 2 + 4 + 12 + 2
+# Per-parameter bytes, as the headers state: bf16 weights + fp32 main grads + frozen bf16
+# reference, plus fp32 master weights and Adam moments (sharded over dp by the distributed
+# optimizer).
+REPLICATED_BYTES_PER_PARAM = 2 + 4 + 2
+OPTIMIZER_BYTES_PER_PARAM = 12
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 
 
@@ -57,7 +59,9 @@ def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig) -> float:
     params = param_count(arch)
     hidden, layers, vocab = int(arch["hidden"]), int(arch["layers"]), int(arch["vocab"])
     rows = 2 * config.micro_batch_size
-    weights = params * BYTES_PER_PARAM / (config.tp * config.pp)
+    optimizer_shards = config.dp if config.distributed_optimizer else 1
+    bytes_per_param = REPLICATED_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards
+    weights = params * bytes_per_param / (config.tp * config.pp)
     activations = layers * config.max_length * rows * hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN / config.tp
     logits = rows * config.max_length * vocab * 4 / config.tp
     return (weights + activations + logits) / 1e9
