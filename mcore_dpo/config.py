@@ -101,6 +101,16 @@ class TrainConfig:
     export_hf: bool = True
     """Write the trained policy as an HF directory to OUTPUT/hf at the end."""
 
+    # --- reliability ---
+    save_interval: int = 0
+    """Write a checkpoint every N steps (0 = never)."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints (0 = keep all)."""
+    resume: bool = True
+    """Continue from OUTPUT's latest checkpoint when there is one (--no-resume refuses to run over it)."""
+    max_restarts: int = 0
+    """When a worker dies: rebuild the group and resume from the latest checkpoint, up to N times."""
+
     def loss_spec(self) -> LossSpec:
         types = tuple(t.strip() for t in self.loss_type.split(",") if t.strip())
         if self.loss_weights:
@@ -142,7 +152,8 @@ class TrainConfig:
         for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval"):
+        for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval", "save_interval", "keep_last",
+                     "max_restarts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):

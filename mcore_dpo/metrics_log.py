@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, *, total_steps: int):
+    def __init__(self, out_dir: Path, *, total_steps: int, keep_up_to_step: int = 0):
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.path.unlink(missing_ok=True)
+        self._truncate(keep_up_to_step)
         self.total_steps = total_steps
         self.start = time.monotonic()
         self._tb = None
@@ -34,6 +34,18 @@ class MetricsLog:
             except Exception as error:
                 print(f"wandb: disabled ({error})", file=sys.stderr)
         self._tty = sys.stderr.isatty()
+
+    def _truncate(self, keep_up_to_step: int) -> None:
+        """On resume, drop the lines of steps after the checkpoint (they will run again)."""
+        kept = []
+        if keep_up_to_step > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= keep_up_to_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # a torn last line from a killed run
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -76,18 +76,38 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
 class CpuOptimizer:
     """AdamW over DDP's main_grad buffers, with global-norm clipping."""
 
-    def __init__(self, *, params: list[torch.nn.Parameter], params_once: list[torch.nn.Parameter], group: object,
-                 betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
-        self.params = params
+    def __init__(self, *, named_params: list[tuple[str, torch.nn.Parameter]], params_once: list[torch.nn.Parameter],
+                 group: object, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
+        self.named_params = named_params
+        self.params = [p for _, p in named_params]
         self.params_once = params_once
         self.group = group
         self.clip_grad = clip_grad
-        self.optimizer = build_adamw(params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = build_adamw(self.params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def step(self, *, lr: float) -> float:
         grad_norm = global_grad_norm(self.params_once, group=self.group)
         adamw_step(self.optimizer, self.params, lr=lr, clip=clip_coefficient(grad_norm, max_norm=self.clip_grad))
         return grad_norm
+
+    def moments(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"exp_avg": {param name: tensor}, "exp_avg_sq": {...}} on the CPU (empty before step 1)."""
+        out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for name, param in self.named_params:
+            state = self.optimizer.state.get(param)
+            for key in out:
+                value = state[key] if state else torch.zeros_like(param, dtype=torch.float32)
+                out[key][name] = value.detach().to("cpu", torch.float32, copy=True)
+        return out
+
+    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], *, step: int) -> None:
+        """Restore AdamW's state after `step` optimizer steps."""
+        for name, param in self.named_params:
+            self.optimizer.state[param] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": moments["exp_avg"][name].to(param.device, param.dtype).clone(),
+                "exp_avg_sq": moments["exp_avg_sq"][name].to(param.device, param.dtype).clone(),
+            }
 
 
 class MegatronOptimizer:
@@ -120,3 +140,11 @@ class MegatronOptimizer:
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def moments(self):
+        raise NotImplementedError(
+            "checkpoints with megatron-core's distributed optimizer are not supported yet; "
+            "run with --no-distributed-optimizer to save and resume"
+        )
+
+    load_moments = moments

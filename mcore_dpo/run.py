@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from checkpoint_convert.mapping import check_layout
+from mcore_dpo import checkpoint
 from mcore_dpo.config import TrainConfig, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
@@ -99,11 +100,12 @@ def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
 def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> Path:
     """Run DPO as configured; returns the output directory."""
     from mcore_dpo import ray_workers
-    from mcore_dpo.worker import PolicyWorker, StepBatch
 
     prep = prepare(config)
     config = prep.config
     out = Path(config.output_dir)
+    if not config.resume and checkpoint.latest(out) is not None:
+        raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
     write_resolved(config, str(out))
     if prep.train_stats.num_dropped_prompt_too_long or prep.train_stats.num_bad_rows_skipped:
@@ -112,21 +114,49 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
             f"skipped {s.num_bad_rows_skipped} bad rows (first lines {list(s.first_bad_lines)})")
     world = config.tp * config.pp * config.dp
     started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
-    group = None
-    metrics_log = MetricsLog(out, total_steps=config.max_steps)
     try:
-        use_gpus = ray_workers.cluster_has_gpus()
+        restarts = 0
+        while True:
+            try:
+                _attempt(prep, out=out, log=log)
+                break
+            except ray_workers.WorkerGroupError as error:
+                if restarts >= config.max_restarts:
+                    raise
+                restarts += 1
+                log(f"restart {restarts}/{config.max_restarts} from the latest checkpoint after: {error}")
+    finally:
+        ray_workers.disconnect(started)
+    return out
+
+
+def _attempt(prep: Prepared, *, out: Path, log) -> None:
+    """Build the worker group, resume from the latest checkpoint if any, train to the end."""
+    from mcore_dpo import ray_workers
+    from mcore_dpo.worker import PolicyWorker, StepBatch
+
+    config = prep.config
+    checkpoint.remove_partials(out)
+    resume_dir = checkpoint.latest(out) if config.resume else None
+    start_step = int(checkpoint.read_state(resume_dir)["step"]) if resume_dir else 0
+    if resume_dir:
+        log(f"resuming from {resume_dir} (step {start_step})")
+    steps = step_batches(config, len(prep.train_pairs))
+    metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step)
+    group = None
+    try:
         group = ray_workers.create_group(
             role="policy",
-            world_size=world,
+            world_size=config.tp * config.pp * config.dp,
             tp=config.tp,
             pp=config.pp,
             dp=config.dp,
             factory=PolicyWorker,
             kwargs_of_rank=lambda rank, addr, port: dict(
-                config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr, master_port=port
+                config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
+                master_port=port, resume_dir=str(resume_dir) if resume_dir else None,
             ),
-            use_gpus=use_gpus,
+            use_gpus=ray_workers.cluster_has_gpus(),
             placement_timeout_s=config.placement_timeout_s,
         )
         (out / "workers.json").write_text(
@@ -135,24 +165,23 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
         pairs = prep.train_pairs
         if config.ref_mode == "precomputed":
             group.call("precompute_reference", pairs)
-        if prep.eval_pairs:
+        if prep.eval_pairs and start_step == 0:
             metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs)))
-        steps = step_batches(config, len(pairs))
-        for k, ids in enumerate(steps):
+        for k in range(start_step, len(steps)):
             step = k + 1
-            next_ids = steps[k + 1] if k + 1 < len(steps) else None
+            last = step == len(steps)
             batch = StepBatch(
                 step=step,
-                pairs=[pairs[i] for i in ids],
-                next_pairs=[pairs[i] for i in next_ids] if next_ids is not None else None,
-                pair_ids=ids,
+                pairs=[pairs[i] for i in steps[k]],
+                next_pairs=None if last else [pairs[i] for i in steps[k + 1]],
+                pair_ids=steps[k],
             )
             metrics = _one(group.call("train_step", batch))
-            if prep.eval_pairs and config.eval_interval and step % config.eval_interval == 0 and step != len(steps):
-                metrics.update(_one(group.call("evaluate", prep.eval_pairs)))
-            if prep.eval_pairs and step == len(steps):
+            if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
                 metrics.update(_one(group.call("evaluate", prep.eval_pairs)))
             metrics_log.write(step, metrics)
+            if config.save_interval and step % config.save_interval == 0 and not last:
+                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step)
         if config.export_hf:
             export_policy(group, config=config, spec=prep.spec, out=out)
             log(f"exported the policy to {out / 'hf'}")
@@ -160,8 +189,6 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
         metrics_log.close()
         if group is not None:
             group.stop()
-        ray_workers.disconnect(started)
-    return out
 
 
 def _one(results: list) -> dict:
@@ -171,22 +198,13 @@ def _one(results: list) -> dict:
     return found[0]
 
 
-def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
-    """dp-rank-0 shards -> a checkpoint_convert Megatron directory -> OUT/hf (atomic)."""
-    from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta, write_mcore_shard
+def _model_meta(config: TrainConfig, spec, *, dtype: str):
+    """checkpoint_convert metadata for shards of this run's layout, plus the source's
+    config/tokenizer files to carry along."""
     from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, is_mcore_dir, open_hf_dir, open_mcore_dir
     from mcore_dpo.model import layer_spec_name
     from mcore_dpo.platform import transformer_engine_available
 
-    final = out / "checkpoints" / "final"
-    if final.exists():
-        shutil.rmtree(final)
-    final.mkdir(parents=True)
-    coords = group.call("coordinates")
-    shards = group.call("policy_shard")
-    for (t, p, d), shard in zip(coords, shards):
-        if d == 0:
-            write_mcore_shard(final, tp_rank=t, pp_rank=p, shard=shard)
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)
         hf_config, aux = src.meta.hf_config, list(src.hf_files_dir.iterdir())
@@ -197,11 +215,44 @@ def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
         spec=spec,
         tp=config.tp,
         pp=config.pp,
-        dtype=str(next(iter(shards[0].values())).dtype).removeprefix("torch.") if shards[0] else config.dtype,
+        dtype=dtype,
         layer_spec=layer_spec_name(use_te=transformer_engine_available()),
         vocab_divisor=128,
         hf_config=hf_config,
         format_version=FORMAT_VERSION,
     )
+    return meta, aux
+
+
+def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int) -> Path:
+    """Workers write their shards into a partial directory; the driver adds the metadata and
+    makes it current atomically."""
+    from checkpoint_convert.convert import write_mcore_meta
+
+    tmp = checkpoint.begin(out, step=step)
+    group.call("save_checkpoint", str(tmp), step=step)
+    meta, aux = _model_meta(config, spec, dtype=config.dtype)
+    write_mcore_meta(tmp / "model", meta=meta, aux_files=aux)
+    for kind in checkpoint.MOMENTS:
+        write_mcore_meta(tmp / "optim" / kind, meta=replace(meta, dtype="float32"), aux_files=aux)
+    state = {
+        "step": step,
+        "consumed_pairs": step * config.global_batch_size,
+        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp},
+        "config": config.to_dict(),
+    }
+    return checkpoint.commit(out, tmp, step=step, trainer_state=state, keep_last=config.keep_last)
+
+
+def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
+    """Workers write the policy shards; the driver converts them to OUT/hf (atomic)."""
+    from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta
+
+    final = out / "checkpoints" / "final"
+    if final.exists():
+        shutil.rmtree(final)
+    final.mkdir(parents=True)
+    group.call("write_policy", str(final))
+    meta, aux = _model_meta(config, spec, dtype=config.dtype)
     write_mcore_meta(final, meta=meta, aux_files=aux)
     mcore_to_hf_dir(final, out / "hf", overwrite=True, log=lambda _msg: None)

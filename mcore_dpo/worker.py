@@ -9,15 +9,20 @@ RNG -> models -> weights -> DDP (wraps the loaded policy) -> optimizer (sees DDP
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
+from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import ModelSpec, hf_to_mcore_shard
 from mcore_dpo import platform as plat
+from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, padded_seq_len
 from mcore_dpo.logprobs import SequenceLogps
@@ -51,8 +56,10 @@ class PolicyWorker:
         master_addr: str,
         master_port: int,
         local_rank: int = 0,
+        resume_dir: str | None = None,
     ):
         self.config = config
+        self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
         self.layout = Layout(tp=config.tp, pp=config.pp, dp=config.dp)
@@ -72,7 +79,8 @@ class PolicyWorker:
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         self.use_te = plat.transformer_engine_available()
-        self.policy = self._build(config.model)
+        # The policy comes from the checkpoint when resuming; the reference always from the source.
+        self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
         self.reference = None
         if config.loss_spec().needs_reference:
             self.reference = freeze(self._build(config.ref_model or config.model))
@@ -87,11 +95,13 @@ class PolicyWorker:
             )  # fmt: skip
         else:
             self.optimizer = CpuOptimizer(
-                params=[p for p in self.policy.parameters() if p.requires_grad],
+                named_params=[(n, p) for n, p in self.policy.module.named_parameters() if p.requires_grad],
                 params_once=self._unique_params(),
                 group=self.mesh.model_parallel_group,
                 betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay, clip_grad=config.clip_grad,
             )  # fmt: skip
+        if resume_dir:
+            self._load_checkpoint(resume_dir)
         # Reference log-probs kept on the last stage: per step batch offset (interleaved), or
         # per pair id (precomputed).
         self._ref_next: dict[tuple[int, int], SequenceLogps] = {}
@@ -167,6 +177,7 @@ class PolicyWorker:
     # ------------------------------------------------------------------ step
     def train_step(self, batch: StepBatch) -> dict[str, float] | None:
         config, mesh = self.config, self.mesh
+        _maybe_inject_fault("step", step=batch.step, rank=self.rank, output_dir=config.output_dir)
         start = time.perf_counter()
         spec = config.loss_spec()
         pairs = batch.pairs
@@ -336,12 +347,54 @@ class PolicyWorker:
         self.reference = None
         gc.collect()
 
-    # ------------------------------------------------------------------ export
+    # ------------------------------------------------------------------ checkpoints and export
     def policy_shard(self) -> dict[str, torch.Tensor] | None:
         """This rank's policy parameters on the CPU (dp rank 0 only; others return None)."""
         if self.mesh.dp_rank != 0:
             return None
         return {n: p.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
+
+    def write_policy(self, directory: str) -> None:
+        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""
+        shard = self.policy_shard()
+        if shard is not None:
+            write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
+
+    def save_checkpoint(self, directory: str, *, step: int) -> None:
+        """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
+        _maybe_inject_fault("save", step=step, rank=self.rank, output_dir=self.config.output_dir)
+        root = Path(directory)
+        self.write_policy(str(root / "model"))
+        if self.mesh.dp_rank == 0:
+            for kind, shard in self.optimizer.moments().items():
+                write_mcore_shard(root / "optim" / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
+        rng = {"torch": torch.get_rng_state()}
+        if self.platform.is_cuda:
+            rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
+        (root / "rng").mkdir(parents=True, exist_ok=True)
+        save_file(rng, str(root / "rng" / f"rank{self.rank}.safetensors"))
+
+    def _load_checkpoint(self, directory: str) -> None:
+        """AdamW moments (resharded through HF names when the layout changed) and RNG states."""
+        state = read_state(Path(directory))
+        moments = {}
+        for kind in MOMENTS:
+            moments[kind] = hf_to_mcore_shard(
+                self.spec,
+                tp=self.layout.tp,
+                tp_rank=self.mesh.tp_rank,
+                pp=self.layout.pp,
+                pp_rank=self.mesh.pp_rank,
+                get=open_weights(os.path.join(directory, "optim", kind)).get,
+                layer_spec=layer_spec_name(use_te=self.use_te),
+            )
+        self.optimizer.load_moments(moments, step=int(state["step"]))
+        rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
+        if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
+            rng = load_file(str(rng_file))
+            torch.set_rng_state(rng["torch"])
+            if self.platform.is_cuda and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
 
     def grad_shard(self) -> dict[str, torch.Tensor]:
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
@@ -369,3 +422,22 @@ def _pair_logps(policy: SequenceLogps, ref: SequenceLogps | None, *, b: int) -> 
         chosen_logit_sum=policy.logit_sum[:b],
         rejected_logit_sum=policy.logit_sum[b:],
     )
+
+
+def _maybe_inject_fault(point: str, *, step: int, rank: int, output_dir: str) -> None:
+    """Fault injection for the reliability tests: MCORE_DPO_FAULT="step:3,7" kills rank 0's
+    process at the start of steps 3 and 7, "save:4" in the middle of the step-4 checkpoint.
+    Each fault fires once per run directory (a marker file remembers it)."""
+    spec = os.environ.get("MCORE_DPO_FAULT")
+    if not spec or rank != 0:
+        return
+    kind, _, steps = spec.partition(":")
+    if kind != point or str(step) not in steps.split(","):
+        return
+    marker = Path(output_dir) / f".fault-{point}-{step}"
+    if marker.exists():
+        return
+    marker.write_text("fired\n")
+    if point == "save":
+        time.sleep(0.5)  # let the other ranks get into their writes
+    os._exit(9)
