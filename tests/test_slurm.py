@@ -5,7 +5,7 @@ SLURM allows for emulating larger systems), so the script runs both as one node 
 
 - a tiny run submitted with sbatch to one node completes, writes its run directory and
   leaves no Ray process behind;
-- the same on two nodes at tp 4 x pp 2: a Ray head on n1, a Ray worker on n2;
+- the same on two nodes at tp 2 x pp 2: a Ray head on n1, a Ray worker on n2;
 - a Ray node that never joins (simulated by asking the script, through its test-only
   MCORE_DPO_TEST_EXPECT_NODES, to wait for two nodes on a one-node allocation) fails the job
   fast with a message naming the problem, and again leaves nothing behind.
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-NODE_CPUS = 4  # logical CPUs per node SLURM and Ray may hand out, more than this 2-core box has
+NODE_CPUS = 2  # logical CPUs per node SLURM and Ray hand out: two nodes of 2 on this 2-core box
 NODES = ("n1", "n2")
 RAY_PORTS = 17  # the script uses MCORE_DPO_RAY_PORT .. +16
 JOB_WAIT_S = 600
@@ -260,7 +260,7 @@ def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster
         name="tiny",
         num_nodes=1,
         script_args=["--max-steps", "3", "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(run_dir)],
-        extra_env={"MCORE_DPO_CACHE": str(tmp_path / "cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+        extra_env={"MCORE_DPO_CACHE": str(slurm_cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
     )
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{output[-4000:]}"
     assert "all 1 Ray node(s) joined" in output
@@ -296,17 +296,17 @@ def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster
     assert _leftover_processes(fields["JobId"], ray_port) == []
 
 
-def test_sbatch_two_nodes_tp4_pp2(slurm_cluster: SlurmCluster, tmp_path: Path):
+def test_sbatch_two_nodes_tp2_pp2(slurm_cluster: SlurmCluster, tmp_path: Path):
     run_dir = tmp_path / "run"
     ray_port = _free_port_block(RAY_PORTS)
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
         name="two-nodes",
         num_nodes=2,
-        # 8 ranks need both nodes' 4 Ray CPUs: each tp group fills one node.
-        script_args=["--tp", "4", "--pp", "2", "--max-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "8",
+        # 4 ranks need both nodes' 2 Ray CPUs: each tp group fills one node.
+        script_args=["--tp", "2", "--pp", "2", "--max-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "8",
                      "--output-dir", str(run_dir)],
-        extra_env={"MCORE_DPO_CACHE": str(tmp_path / "cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+        extra_env={"MCORE_DPO_CACHE": str(slurm_cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
     )
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{output[-4000:]}"
     assert fields["NodeList"] == "n[1-2]"
