@@ -246,8 +246,15 @@ def resolve(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
         flag_value = getattr(args, f.name)
         if flag_value is not None:
             values[f.name] = flag_value
+    from_file = {name for name in values if getattr(args, name) is None} if args.config else set()
     config = TrainConfig(**values)
-    config.validate()
+    try:
+        config.validate()
+    except ConfigError as error:
+        field_name = str(error).split(":", 1)[0]
+        if field_name in from_file:  # the value came from the YAML file: name the file too
+            raise ConfigError(f"{args.config}: {error}") from None
+        raise
     return config, args
 
 

@@ -132,13 +132,24 @@ def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
         document = json.loads(text)
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{error.lineno}: broken JSON ({error.msg} at column {error.colno})") from None
-    for index, row in enumerate(document):
-        yield index + 1, row
+    if not isinstance(document, list):
+        raise DataError(f"{path}:1: expected a JSON array of rows")
+    # Report each row by the line it starts on: decode the array element by element.
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    for row in document:
+        while text[position] in " \t\r\n,":
+            position += 1
+        _, end = decoder.raw_decode(text, position)
+        yield text.count("\n", 0, position) + 1, row
+        position = end
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
     import datasets  # imported lazily: it is slow to import and only Parquet needs it
 
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log lines would break our one-line errors
+    datasets.disable_progress_bars()
     try:
         table = datasets.Dataset.from_parquet(path, keep_in_memory=True)
     except Exception as error:  # datasets raises many types; the message is what matters

@@ -32,6 +32,7 @@ class Prepared:
     train_pairs: list[TokenizedPair]
     train_stats: DataStats
     eval_pairs: list[TokenizedPair]
+    eval_stats: DataStats | None = None
 
 
 def prepare(config: TrainConfig) -> Prepared:
@@ -60,7 +61,9 @@ def prepare(config: TrainConfig) -> Prepared:
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
     except Exception as error:  # transformers raises many types here
-        raise InputError(f"{tok_dir}: cannot load the tokenizer ({str(error).splitlines()[0][:200]})") from None
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        raise InputError(f"{tok_dir}: cannot load the tokenizer ({detail})") from None
     if len(tokenizer) > spec.vocab_size:
         raise InputError(
             f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
@@ -74,9 +77,13 @@ def prepare(config: TrainConfig) -> Prepared:
             f"{config.data}: {len(train_pairs)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
         )
     eval_pairs: list[TokenizedPair] = []
+    eval_stats = None
     if config.eval_data:
-        eval_pairs, _ = load_pairs(config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row)
-    return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats, eval_pairs=eval_pairs)
+        eval_pairs, eval_stats = load_pairs(
+            config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row
+        )
+    return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
+                    eval_pairs=eval_pairs, eval_stats=eval_stats)
 
 
 def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
@@ -108,10 +115,10 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
         raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
     write_resolved(config, str(out))
-    if prep.train_stats.num_dropped_prompt_too_long or prep.train_stats.num_bad_rows_skipped:
-        s = prep.train_stats
-        log(f"data: dropped {s.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
-            f"skipped {s.num_bad_rows_skipped} bad rows (first lines {list(s.first_bad_lines)})")
+    for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
+        if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
+            log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
+                f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
     world = config.tp * config.pp * config.dp
     started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
     try:
@@ -189,6 +196,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         metrics_log.close()
         if group is not None:
             group.stop()
+    from mcore_dpo.plot import plot_run
+
+    plot_run(str(out))
 
 
 def _one(results: list) -> dict:

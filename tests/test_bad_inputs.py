@@ -37,10 +37,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}w50 {% endif %}{{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}w50 {% endif %}"
 )
-YAML_NOT_NAMED = "validate() errors of values read from --config name the field but not the YAML file"
-PARQUET_LOG_LINE = (
-    "the datasets library logs its own 'Failed to read schema from ...' line to stderr before our error line"
-)
 
 
 @dataclass(frozen=True)
@@ -94,13 +90,10 @@ DATA_CASES = [
     _data("conversation_content_not_string.jsonl", 2, "'chosen' message 1 content must be a string, got list"),
     _data("mixed_string_and_conversation.jsonl", 2, "mixed formats"),
     _data("array_broken.json", 4, "broken JSON"),
-    _data(
-        "array_identical_pair.json", 12, "'chosen' and 'rejected' are identical",
-        xfail="rows of a JSON array are reported by their index in the array (:3:), not by the line they start on (:12:)",
-    ),  # fmt: skip
+    _data("array_identical_pair.json", 12, "'chosen' and 'rejected' are identical"),
     _data("empty.jsonl", None, "contains no rows"),
     _data("prefs.csv", None, "unknown file type '.csv'"),
-    _data("not_parquet.parquet", None, "cannot read Parquet file", xfail=PARQUET_LOG_LINE),
+    _data("not_parquet.parquet", None, "cannot read Parquet file"),
     Case("conversation_without_chat_template.jsonl",
          ("--model", "{plain_model}", "--data", "{corpus}/data/conversation_without_chat_template.jsonl"),
          "{corpus}/data/conversation_without_chat_template.jsonl:1:", "the tokenizer has no chat_template"),
@@ -122,16 +115,13 @@ CONFIG_CASES = [
     _yaml("broken_yaml.yaml", "{corpus}/config/broken_yaml.yaml", "not valid YAML"),
     _yaml("no_such_config.yaml", "{corpus}/config/no_such_config.yaml", "config file not found"),
     _yaml("tp_not_dividing_heads.yaml", "{model}/config.json", "field 'num_attention_heads' (8) is not divisible by tp=3"),
-    _yaml("max_steps_negative.yaml", "{corpus}/config/max_steps_negative.yaml", "max_steps: must be a positive integer, got -5",
-          xfail=YAML_NOT_NAMED),
-    _yaml("micro_batch_zero.yaml", "{corpus}/config/micro_batch_zero.yaml", "micro_batch_size: must be a positive integer, got 0",
-          xfail=YAML_NOT_NAMED),
+    _yaml("max_steps_negative.yaml", "{corpus}/config/max_steps_negative.yaml", "max_steps: must be a positive integer, got -5"),
+    _yaml("micro_batch_zero.yaml", "{corpus}/config/micro_batch_zero.yaml", "micro_batch_size: must be a positive integer, got 0"),
     _yaml("global_batch_not_divisible.yaml", "{corpus}/config/global_batch_not_divisible.yaml",
-          "global_batch_size: 12 is not a multiple of dp*micro_batch_size = 2*4", xfail=YAML_NOT_NAMED),
+          "global_batch_size: 12 is not a multiple of dp*micro_batch_size = 2*4"),
     _yaml("adam_beta1_out_of_range.yaml", "{corpus}/config/adam_beta1_out_of_range.yaml",
-          "adam_beta1: must be in [0, 1), got 1.5", xfail=YAML_NOT_NAMED),
-    _yaml("unknown_loss_type.yaml", "{corpus}/config/unknown_loss_type.yaml", "loss_type: unknown 'bogus'",
-          xfail=YAML_NOT_NAMED),
+          "adam_beta1: must be in [0, 1), got 1.5"),
+    _yaml("unknown_loss_type.yaml", "{corpus}/config/unknown_loss_type.yaml", "loss_type: unknown 'bogus'"),
     _yaml("global_batch_larger_than_data.yaml", "{valid}", "40 usable pairs, fewer than global_batch_size 64"),
     _flags("flag_tp_zero", ("--tp", "0"), None, "tp: must be a positive integer, got 0"),
     _flags("flag_global_batch_negative", ("--global-batch-size", "-8"), None,

@@ -129,7 +129,7 @@ def test_json_array_json_columns_and_parquet_match_jsonl(tmp_path, tokenizer):
     reference, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", rows), tokenizer=tokenizer, max_length=64)
 
     array_path = tmp_path / "array.json"
-    array_path.write_text(json.dumps(rows, indent=2))
+    array_path.write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")  # row i on line i+1
     columns_path = tmp_path / "columns.json"
     columns_path.write_text(json.dumps({key: [row[key] for row in STANDARD_ROWS] for key in STANDARD_ROWS[0]}))
     parquet_path = tmp_path / "d.parquet"
@@ -141,7 +141,10 @@ def test_json_array_json_columns_and_parquet_match_jsonl(tmp_path, tokenizer):
     from_columns, _ = load_pairs(str(columns_path), tokenizer=tokenizer, max_length=64)
     from_parquet, stats = load_pairs(str(parquet_path), tokenizer=tokenizer, max_length=64)
     from_chat_parquet, _ = load_pairs(str(chat_parquet_path), tokenizer=tokenizer, max_length=64)
-    assert from_array == reference  # row numbers of an array equal the JSONL line numbers here
+    assert [p.source_line for p in from_array] == [p.source_line + 1 for p in reference]  # the line a row starts on
+    assert [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in from_array] == [
+        (p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in reference
+    ]
     assert from_columns == reference[:3]
     assert from_parquet == reference[:3] and stats.num_rows == 3
     assert [p.prompt_ids for p in from_chat_parquet] == [reference[3].prompt_ids] * 2
@@ -306,11 +309,12 @@ def test_first_bad_lines_are_capped(tmp_path, tokenizer):
 def test_bad_rows_in_json_array_and_parquet_name_the_row(tmp_path, tokenizer):
     rows = [STANDARD_ROWS[0], {**STANDARD_ROWS[1], "rejected": None}]
     json_path = tmp_path / "d.json"
-    json_path.write_text(json.dumps(rows))
+    json_path.write_text(json.dumps(rows, indent=2))  # JSON arrays: the line the bad row starts on
+    start_line = json.dumps(rows, indent=2).splitlines().index("  {", 2) + 1
     parquet_path = tmp_path / "d.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), str(parquet_path))
-    for path in (json_path, parquet_path):
-        with pytest.raises(DataError, match=rf"^{path}:2: 'rejected' is null$"):
+    pq.write_table(pa.Table.from_pylist(rows), str(parquet_path))  # Parquet: the row number
+    for path, where in ((json_path, start_line), (parquet_path, 2)):
+        with pytest.raises(DataError, match=rf"^{path}:{where}: 'rejected' is null$"):
             load_pairs(str(path), tokenizer=tokenizer, max_length=64)
 
 

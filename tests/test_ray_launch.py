@@ -82,6 +82,18 @@ def test_dead_worker_stops_the_run(tmp_path):
             os.kill(info["pid"], 0)
 
 
+def _wait_for_port(port: int, *, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the Ray head did not listen on port {port} within {timeout_s} s")
+
+
 def test_impossible_resources_fail_within_a_bounded_wait(tmp_path):
     """A placement group the cluster cannot meet fails within the bound and says what was
     needed and what is available."""
@@ -90,17 +102,21 @@ def test_impossible_resources_fail_within_a_bounded_wait(tmp_path):
     # Token authentication, as on a shared cluster: the head and the driver share the token.
     env = dict(_env(tmp_path), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
     port = 6390 + os.getpid() % 500
-    start = subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                            "--disable-usage-stats"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    assert start.returncode == 0, start.stderr
+    # A head of our own, stopped by terminating its process (`ray stop` would stop every Ray
+    # instance of this user on the machine).
+    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        _wait_for_port(port, timeout_s=60)
+        time.sleep(3)  # the raylet registers shortly after the GCS listens
         t0 = time.monotonic()
         result = _train(["--tp", "2", "--pp", "2", "--max-steps", "1", "--placement-timeout-s", "10",
                          "--output-dir", str(tmp_path / "run"), "--ray-address", f"127.0.0.1:{port}"], env=env)
         elapsed = time.monotonic() - t0
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert "4 bundles" in last and "CPU=2" in last, result.stderr[-2000:]

@@ -138,6 +138,7 @@ def test_default_run_learns_and_writes_everything(tmp_path):
     assert evals[0]["step"] == 0 and evals[0]["eval/rewards/accuracies"] <= 0.6
     assert evals[-1]["step"] == 120 and evals[-1]["eval/rewards/accuracies"] >= 0.9, evals[-1]
     assert any((out / "tensorboard").iterdir())
+    assert (out / "plots" / "loss.png").is_file() and (out / "plots" / "rewards_accuracies.png").is_file()
     assert (out / "config.yaml").is_file()
     from transformers import AutoModelForCausalLM
 
