@@ -149,8 +149,17 @@ def fmt(stat: dict, *, digits: int = 3, scale: float = 1.0) -> str:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """Peak resident set size of this process so far: VmHWM of /proc/self/status.
+
+    Not `getrusage().ru_maxrss`: Linux carries that high-water mark over fork + exec, so a
+    fresh child would start at its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # non-Linux fallback
 
 
 def machine() -> dict:

@@ -3,7 +3,8 @@
 Wall time of each direction against `cp -r` of the same input files, and peak RSS above the
 interpreter's baseline against the checkpoint size. Each conversion runs in a fresh Python
 process: it imports torch and checkpoint_convert, reads its peak RSS (the baseline), converts,
-and reads its peak RSS again (`getrusage(RUSAGE_SELF).ru_maxrss`). Runs alternate with the
+and reads its peak RSS again (VmHWM in /proc/self/status; `ru_maxrss` would
+include the parent's peak, which Linux carries over fork + exec). Runs alternate with the
 `cp -r` runs, so both see the same (warm) page cache; nothing is fsynced by either side.
 
 The generated model lives in /tmp (never in the repository) and is reused between runs.

@@ -1,8 +1,8 @@
 """Benchmark 2: peak memory per rank with the reference colocated, against policy-only.
 
 Each (mode, repeat) is a fresh pair of rank processes (tp 1, pp 2) that builds the worker and
-runs two steps; every rank reads its own peak RSS (`getrusage(RUSAGE_SELF).ru_maxrss`) at the
-end. RSS includes the interpreter, torch and megatron-core (~0.4 GB here, also recorded right
+runs two steps; every rank reads its own peak RSS (VmHWM in /proc/self/status) at the end.
+RSS includes the interpreter, torch and megatron-core (~0.4 GB here, also recorded right
 after the imports); that baseline is the same in every mode and cancels in the difference
 colocated - policy-only, which is compared with the reference's parameter bytes on the rank.
 

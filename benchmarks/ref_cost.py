@@ -111,8 +111,10 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SIM_STAGES), figsize=(12, 3.6), sharey=True)
-    for ax, p in zip(axes, SIM_STAGES):
+    stages = sorted({r["pp"] for r in rows})
+    fig, axes = plt.subplots(1, len(stages), figsize=(4 * len(stages), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, p in zip(axes, stages):
         sub = [r for r in rows if r["pp"] == p]
         ms = [r["m"] for r in sub]
         ax.plot(ms, [r["ratio_sim_interleaved"] for r in sub], "o-", label="interleaved (sim)")
