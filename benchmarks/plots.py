@@ -19,7 +19,7 @@ def _bars(ax, labels: list[str], stats: list[dict], *, ylabel: str, title: str) 
     high = [s["max"] - s["median"] for s in stats]
     ax.bar(labels, medians, yerr=[low, high], capsize=4, color="#4c78a8")
     for x, m in enumerate(medians):
-        ax.annotate(f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        ax.annotate(f"{m:.0f}" if m >= 100 else f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
 
