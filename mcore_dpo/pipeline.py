@@ -8,6 +8,7 @@ up in order between neighbouring stages.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class StageContext:
     _ref_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _pending_sends: list[tuple[object, torch.Tensor]] = field(default_factory=list)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
 
     def activation_shape(self, batch: int) -> tuple[int, int, int]:
         mb = self.microbatches[batch][0]
@@ -65,7 +67,9 @@ class StageContext:
 
 def _recv(ctx: StageContext, *, batch: int, src: int) -> torch.Tensor:
     buf = torch.empty(ctx.activation_shape(batch), dtype=ctx.dtype, device=ctx.device)
+    start = time.perf_counter()
     dist.recv(buf, src=src)
+    ctx.wait_s += time.perf_counter() - start
     return buf
 
 
@@ -76,9 +80,11 @@ def _send(ctx: StageContext, tensor: torch.Tensor, *, dst: int) -> None:
 
 
 def wait_for_sends(ctx: StageContext) -> None:
+    start = time.perf_counter()
     for work, _ in ctx._pending_sends:
         work.wait()
     ctx._pending_sends.clear()
+    ctx.wait_s += time.perf_counter() - start
 
 
 def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:

@@ -109,12 +109,15 @@ def synchronize(platform: Platform) -> None:
 
 
 def max_memory_bytes(platform: Platform) -> int:
-    """Peak memory of this process: allocator peak on a GPU, peak RSS on the CPU."""
+    """Peak memory of this process: allocator peak on a GPU, peak RSS (VmHWM) on the CPU.
+    (ru_maxrss is not used: Linux carries it over fork+exec from the parent.)"""
     if platform.is_cuda:
         return int(torch.cuda.max_memory_allocated(platform.device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def transformer_engine_available() -> bool:

@@ -236,12 +236,24 @@ class PolicyWorker:
         grad_norm = self.optimizer.step(lr=lr)
         metrics = self._reduce_metrics(sums, spec=spec)
         plat.synchronize(self.platform)
+        elapsed = time.perf_counter() - start
+        bubble, peak_bytes = self._over_ranks(mean=ctx.wait_s / elapsed, max_=plat.max_memory_bytes(self.platform))
         if metrics is None:
             return None
-        elapsed = time.perf_counter() - start
         tokens = sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-        metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed})
+        metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed,
+                        "bubble_fraction": bubble, "memory/peak_gib": peak_bytes / 2**30})
         return metrics
+
+    def _over_ranks(self, *, mean: float, max_: float) -> tuple[float, float]:
+        """(mean of `mean`, max of `max_`) over every rank of the group."""
+        if self.layout.world_size == 1:
+            return mean, max_
+        vec = torch.tensor([mean, -max_], dtype=torch.float64, device=self.platform.device)
+        total = vec.clone()
+        dist.all_reduce(total)
+        dist.all_reduce(vec, op=dist.ReduceOp.MIN)
+        return float(total[0]) / self.layout.world_size, -float(vec[1])
 
     def _reference_for(self, ctx: StageContext, mb: int, pair_ids: list[int]) -> SequenceLogps | None:
         if self._ref_by_pair is not None:

@@ -131,8 +131,10 @@ def test_default_run_learns_and_writes_everything(tmp_path):
     steps = [r for r in records if r["step"] >= 1]
     assert [r["step"] for r in steps] == list(range(1, 121))
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm", "lr", "tokens/s"):
+                "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm", "lr", "tokens/s", "step_time_s",
+                "bubble_fraction", "memory/peak_gib"):
         assert key in steps[0], key
+    assert all(0.0 <= r["bubble_fraction"] < 1.0 for r in steps)
     assert abs(steps[0]["loss"] - 0.6931) < 1e-3  # step 1 is measured at the initial weights
     evals = [r for r in records if "eval/rewards/accuracies" in r]
     assert evals[0]["step"] == 0 and evals[0]["eval/rewards/accuracies"] <= 0.6
