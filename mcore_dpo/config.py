@@ -17,6 +17,9 @@ import yaml
 from mcore_dpo.loss import LOSS_TYPES, LossSpec
 from mcore_dpo.schedule import REF_MODES
 
+# The plan's modes, plus the reference on a worker group of its own.
+RUN_REF_MODES = REF_MODES + ("separate",)
+
 
 class ConfigError(ValueError):
     """A bad configuration value; str() is one line naming the field or file."""
@@ -66,7 +69,14 @@ class TrainConfig:
     label_smoothing: float = 0.0
     """Label smoothing epsilon (robust, exo_pair, cdpo)."""
     ref_mode: str = "interleaved"
-    """interleaved | sequential | precomputed | none (reference-free)."""
+    """interleaved | sequential | precomputed | separate | none (reference-free). `separate` runs
+    the reference as its own Ray worker group with --ref-tp/--ref-pp/--ref-dp."""
+    ref_tp: int = 1
+    """Tensor-parallel size of the reference group (--ref-mode separate)."""
+    ref_pp: int = 1
+    """Pipeline-parallel size of the reference group (--ref-mode separate)."""
+    ref_dp: int = 1
+    """Data-parallel size of the reference group (--ref-mode separate)."""
 
     # --- optimizer ---
     lr: float = 1e-3
@@ -133,7 +143,8 @@ class TrainConfig:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "max_steps", "max_length"):
+        for name in ("tp", "pp", "dp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
+                     "max_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
@@ -141,8 +152,8 @@ class TrainConfig:
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
                 f"= {self.dp}*{self.micro_batch_size}"
             )
-        if self.ref_mode not in REF_MODES:
-            raise ConfigError(f"ref_mode: {self.ref_mode!r} is not one of {', '.join(REF_MODES)}")
+        if self.ref_mode not in RUN_REF_MODES:
+            raise ConfigError(f"ref_mode: {self.ref_mode!r} is not one of {', '.join(RUN_REF_MODES)}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ConfigError(f"lr_schedule: {self.lr_schedule!r} is not constant or cosine")
         if self.on_bad_row not in ("error", "skip"):

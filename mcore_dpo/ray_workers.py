@@ -89,8 +89,11 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Call `method` on every rank; any failure stops the group and raises WorkerGroupError."""
-        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
-        return self.gather(refs, timeout_s=timeout_s)
+        return self.gather(self.submit(method, *args, **kwargs), timeout_s=timeout_s)
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Start `method` on every rank without waiting; `gather` the returned refs later."""
+        return [a.call.remote(method, *args, **kwargs) for a in self.actors]
 
     def gather(self, refs: Sequence, *, timeout_s: float | None = None) -> list:
         pending = {ref: i for i, ref in enumerate(refs)}

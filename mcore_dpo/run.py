@@ -120,6 +120,8 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
             log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
                 f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
     world = config.tp * config.pp * config.dp
+    if config.ref_mode == "separate":
+        world += config.ref_tp * config.ref_pp * config.ref_dp
     started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
     try:
         restarts = 0
@@ -140,7 +142,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
 def _attempt(prep: Prepared, *, out: Path, log) -> None:
     """Build the worker group, resume from the latest checkpoint if any, train to the end."""
     from mcore_dpo import ray_workers
-    from mcore_dpo.worker import PolicyWorker, StepBatch
+    from mcore_dpo.worker import PolicyWorker, ReferenceWorker, StepBatch
 
     config = prep.config
     checkpoint.remove_partials(out)
@@ -150,8 +152,23 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         log(f"resuming from {resume_dir} (step {start_step})")
     steps = step_batches(config, len(prep.train_pairs))
     metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step)
-    group = None
+    group = ref_group = None
     try:
+        if config.ref_mode == "separate":
+            ref_group = ray_workers.create_group(
+                role="ref",
+                world_size=config.ref_tp * config.ref_pp * config.ref_dp,
+                tp=config.ref_tp,
+                pp=config.ref_pp,
+                dp=config.ref_dp,
+                factory=ReferenceWorker,
+                kwargs_of_rank=lambda rank, addr, port: dict(
+                    config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
+                    master_port=port,
+                ),
+                use_gpus=ray_workers.cluster_has_gpus(),
+                placement_timeout_s=config.placement_timeout_s,
+            )
         group = ray_workers.create_group(
             role="policy",
             world_size=config.tp * config.pp * config.dp,
@@ -166,26 +183,36 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             use_gpus=ray_workers.cluster_has_gpus(),
             placement_timeout_s=config.placement_timeout_s,
         )
-        (out / "workers.json").write_text(
-            json.dumps({name: info for name, info in zip(group.names, group.processes)}, indent=2) + "\n"
-        )
+        workers = {}
+        for g in (ref_group, group):
+            if g is not None:
+                workers.update(zip(g.names, g.processes))
+        (out / "workers.json").write_text(json.dumps(workers, indent=2) + "\n")
         pairs = prep.train_pairs
         if config.ref_mode == "precomputed":
-            group.call("precompute_reference", pairs)
+            group.call("precompute_reference", pairs, prep.eval_pairs)
+        eval_ref = _one(ref_group.call("reference_logps", prep.eval_pairs)) if ref_group and prep.eval_pairs else None
         if prep.eval_pairs and start_step == 0:
-            metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs)))
+            metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs, eval_ref)))
+        # Separate reference group: batch k+1's reference runs on its own devices while the
+        # policy group trains on batch k.
+        ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[start_step]]) if ref_group else None
         for k in range(start_step, len(steps)):
             step = k + 1
             last = step == len(steps)
+            ref_logps = _one(ref_group.gather(ref_pending)) if ref_group else None
+            if ref_group and not last:
+                ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[k + 1]])
             batch = StepBatch(
                 step=step,
                 pairs=[pairs[i] for i in steps[k]],
                 next_pairs=None if last else [pairs[i] for i in steps[k + 1]],
                 pair_ids=steps[k],
+                ref_logps=ref_logps,
             )
             metrics = _one(group.call("train_step", batch))
             if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
-                metrics.update(_one(group.call("evaluate", prep.eval_pairs)))
+                metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
             metrics_log.write(step, metrics)
             if config.save_interval and step % config.save_interval == 0 and not last:
                 save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step)
@@ -194,8 +221,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             log(f"exported the policy to {out / 'hf'}")
     finally:
         metrics_log.close()
-        if group is not None:
-            group.stop()
+        for g in (group, ref_group):
+            if g is not None:
+                g.stop()
     from mcore_dpo.plot import plot_run
 
     plot_run(str(out))

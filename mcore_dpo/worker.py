@@ -43,26 +43,30 @@ class StepBatch:
     pairs: Sequence[TokenizedPair]
     next_pairs: Sequence[TokenizedPair] | None = None
     pair_ids: Sequence[int] = ()  # indices into the data set (precomputed reference lookup)
+    ref_logps: torch.Tensor | None = None  # [pairs, 2] from the "ref" worker group (--ref-mode separate)
 
 
-class PolicyWorker:
+class _Rank:
+    """What every rank of every role has: device, process group, parallel state, RNG, and
+    models built and loaded for its (tp, pp) coordinates."""
+
     def __init__(
         self,
         *,
         config: TrainConfig,
         spec: ModelSpec,
+        layout: Layout,
         pad_token_id: int,
         rank: int,
         master_addr: str,
         master_port: int,
         local_rank: int = 0,
-        resume_dir: str | None = None,
     ):
         self.config = config
         self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
-        self.layout = Layout(tp=config.tp, pp=config.pp, dp=config.dp)
+        self.layout = layout
         # device -> process group -> parallel state
         self.platform = plat.detect(local_rank=local_rank)
         plat.activate(self.platform)
@@ -79,10 +83,100 @@ class PolicyWorker:
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         self.use_te = plat.transformer_engine_available()
+        self.reference: torch.nn.Module | None = None
+
+    def _build(self, weights_dir: str) -> torch.nn.Module:
+        with plat.building_models(self.platform):
+            model = build_stage_model(
+                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te
+            ).to(self.platform.device)
+        shard = hf_to_mcore_shard(
+            self.spec,
+            tp=self.layout.tp,
+            tp_rank=self.mesh.tp_rank,
+            pp=self.layout.pp,
+            pp_rank=self.mesh.pp_rank,
+            get=open_weights(weights_dir).get,
+            layer_spec=layer_spec_name(use_te=self.use_te),
+        )
+        load_shard(model, shard)
+        return model
+
+    def _context(self, microbatches: dict[int, list[Microbatch]], **kwargs) -> StageContext:
+        return StageContext(
+            mesh=self.mesh,
+            policy=getattr(self, "policy", None),
+            reference=self.reference,
+            microbatches=microbatches,
+            hidden_size=self.spec.hidden_size,
+            dtype=self.dtype,
+            device=self.platform.device,
+            vocab_size=self.spec.vocab_size,
+            **kwargs,
+        )
+
+    @torch.no_grad()
+    def reference_table(self, pairs: Sequence[TokenizedPair]) -> torch.Tensor | None:
+        """Forward-only reference pass over `pairs` (dp ranks take them round-robin): on the
+        last stage, [pairs, 2] summed log-probs of chosen and rejected; None elsewhere."""
+        dp, mesh = self.layout.dp, self.mesh
+        mine = list(range(mesh.dp_rank, len(pairs), dp))
+        rows_per_chunk = max(1, self.config.global_batch_size // self.config.dp)
+        b = self.config.micro_batch_size
+        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
+        for lo in range(0, len(mine), rows_per_chunk):
+            ids = mine[lo : lo + rows_per_chunk]
+            chunk = [pairs[i] for i in ids]
+            seq_len = padded_seq_len(chunk)
+            mbs = [
+                collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
+                for k in range(0, len(chunk), b)
+            ]
+            ctx = self._context({0: mbs}, forward_only=True)
+            run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
+            wait_for_sends(ctx)
+            if mesh.is_last_stage:
+                for mb in range(len(mbs)):
+                    logps = ctx.ref_logps.pop((0, mb))
+                    n = len(logps.logp_sum) // 2
+                    mb_ids = ids[mb * b : mb * b + n]
+                    table[mb_ids, 0] = logps.logp_sum[:n].double()
+                    table[mb_ids, 1] = logps.logp_sum[n:].double()
+        if not mesh.is_last_stage:
+            return None
+        if dp > 1:
+            dist.all_reduce(table, group=mesh.dp_group)
+        return table.to(torch.float32)
+
+    def coordinates(self) -> tuple[int, int, int]:
+        return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
+
+    def shutdown(self) -> None:
+        from mcore_dpo.mesh import destroy
+
+        destroy()
+
+
+class ReferenceWorker(_Rank):
+    """Role "ref" (--ref-mode separate): the frozen reference on ranks of its own, with its
+    own tp/pp/dp; it computes reference log-probs for the policy group."""
+
+    def __init__(self, *, config: TrainConfig, **kwargs):
+        super().__init__(config=config, layout=Layout(tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp), **kwargs)
+        self.reference = freeze(self._build(config.ref_model or config.model))
+
+    def reference_logps(self, pairs: Sequence[TokenizedPair]) -> torch.Tensor | None:
+        """[pairs, 2] on the CPU from the reporting rank (tp 0 of the last stage, dp 0)."""
+        table = self.reference_table(pairs)
+        return table.cpu() if self.mesh.returns_result else None
+
+
+class PolicyWorker(_Rank):
+    def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
+        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
-        self.reference = None
-        if config.loss_spec().needs_reference:
+        if config.loss_spec().needs_reference and config.ref_mode != "separate":
             self.reference = freeze(self._build(config.ref_model or config.model))
         use_megatron_optimizer = self.platform.is_cuda and config.distributed_optimizer
         self.policy = self._wrap_ddp(self.policy, distributed_optimizer=use_megatron_optimizer)
@@ -107,25 +201,9 @@ class PolicyWorker:
         self._ref_next: dict[tuple[int, int], SequenceLogps] = {}
         self._next_ref_ready = False
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
+        self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
 
     # ------------------------------------------------------------------ build
-    def _build(self, weights_dir: str) -> torch.nn.Module:
-        with plat.building_models(self.platform):
-            model = build_stage_model(
-                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te
-            ).to(self.platform.device)
-        shard = hf_to_mcore_shard(
-            self.spec,
-            tp=self.layout.tp,
-            tp_rank=self.mesh.tp_rank,
-            pp=self.layout.pp,
-            pp_rank=self.mesh.pp_rank,
-            get=open_weights(weights_dir).get,
-            layer_spec=layer_spec_name(use_te=self.use_te),
-        )
-        load_shard(model, shard)
-        return model
-
     def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -161,19 +239,6 @@ class PolicyWorker:
         ]
         return mbs, mine
 
-    def _context(self, microbatches: dict[int, list[Microbatch]], **kwargs) -> StageContext:
-        return StageContext(
-            mesh=self.mesh,
-            policy=self.policy,
-            reference=self.reference,
-            microbatches=microbatches,
-            hidden_size=self.spec.hidden_size,
-            dtype=self.dtype,
-            device=self.platform.device,
-            vocab_size=self.spec.vocab_size,
-            **kwargs,
-        )
-
     # ------------------------------------------------------------------ step
     def train_step(self, batch: StepBatch) -> dict[str, float] | None:
         config, mesh = self.config, self.mesh
@@ -206,8 +271,13 @@ class PolicyWorker:
         b = config.micro_batch_size
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
-            ids = [batch.pair_ids[i] for i in local_ids[mb * b : (mb + 1) * b]] if batch.pair_ids else []
-            ref = self._reference_for(ctx, mb, ids)
+            positions = local_ids[mb * b : (mb + 1) * b]
+            if batch.ref_logps is not None:
+                ref = _table_rows(batch.ref_logps, positions, device=self.platform.device)
+            elif self._ref_by_pair is not None:
+                ref = _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
+            else:
+                ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
             pl = _pair_logps(logps, ref, b=b)
             losses = pair_losses(pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global)
             for key, value in metric_sums(
@@ -255,15 +325,6 @@ class PolicyWorker:
         dist.all_reduce(vec, op=dist.ReduceOp.MIN)
         return float(total[0]) / self.layout.world_size, -float(vec[1])
 
-    def _reference_for(self, ctx: StageContext, mb: int, pair_ids: list[int]) -> SequenceLogps | None:
-        if self._ref_by_pair is not None:
-            cached = self._ref_by_pair[pair_ids]  # [b, 2]: chosen, rejected
-            logp_sum = torch.cat([cached[:, 0], cached[:, 1]]).to(self.platform.device)
-            return SequenceLogps(logp_sum=logp_sum, num_tokens=logp_sum, logit_sum=logp_sum)
-        if self.reference is None:
-            return None
-        return ctx.ref_logps.pop((0, mb))
-
     def _sync_tied_embedding_grads(self) -> None:
         """With tied embeddings split over pp stages, the first stage's embedding and the last
         stage's output layer are one parameter: sum their gradients."""
@@ -287,8 +348,12 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ forward-only passes
     @torch.no_grad()
-    def evaluate(self, pairs: Sequence[TokenizedPair]) -> dict[str, float] | None:
-        """Policy and reference forward over held-out pairs (in global-batch chunks)."""
+    def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
+        """Policy and reference forward over held-out pairs (in global-batch chunks). The
+        reference log-probs come from `ref_logps` ([pairs, 2], separate mode), the table
+        precomputed for these pairs, or the colocated reference model."""
+        if ref_logps is None:
+            ref_logps = self._ref_eval
         config = self.config
         spec = config.loss_spec()
         sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
@@ -302,7 +367,11 @@ class PolicyWorker:
             b = config.micro_batch_size
 
             def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
-                ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
+                if ref_logps is not None:
+                    positions = [lo + i for i in local_ids[mb * b : (mb + 1) * b]]
+                    ref = _table_rows(ref_logps, positions, device=self.platform.device)
+                else:
+                    ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
                 pl = _pair_logps(logps, ref, b=b)
                 for key, value in metric_sums(
                     pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens
@@ -312,8 +381,9 @@ class PolicyWorker:
 
             ctx.loss_fn = loss_fn
             ops = forward_only_ops(
-                mesh=self.mesh, num_microbatches=len(mbs), policy=True, reference=self.reference is not None
-            )
+                mesh=self.mesh, num_microbatches=len(mbs), policy=True,
+                reference=self.reference is not None and ref_logps is None,
+            )  # fmt: skip
             run_ops(ops, ctx)
             wait_for_sends(ctx)
         metrics = self._reduce_metrics(sums, spec=spec)
@@ -321,38 +391,11 @@ class PolicyWorker:
             return None
         return {f"eval/{k}": v for k, v in metrics.items()}
 
-    @torch.no_grad()
-    def precompute_reference(self, pairs: Sequence[TokenizedPair]) -> None:
-        """`--ref-mode precomputed`: one forward-only reference pass over the whole data set;
-        the last stage keeps the summed log-probs per pair, then the reference is released.
-        dp ranks take pairs round-robin and share the results."""
-        dp, mesh = self.layout.dp, self.mesh
-        mine = list(range(mesh.dp_rank, len(pairs), dp))
-        rows_per_chunk = self.config.global_batch_size // dp
-        b = self.config.micro_batch_size
-        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
-        for lo in range(0, len(mine), rows_per_chunk):
-            ids = mine[lo : lo + rows_per_chunk]
-            chunk = [pairs[i] for i in ids]
-            seq_len = padded_seq_len(chunk)
-            mbs = [
-                collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
-                for k in range(0, len(chunk), b)
-            ]
-            ctx = self._context({0: mbs}, forward_only=True)
-            run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
-            wait_for_sends(ctx)
-            if mesh.is_last_stage:
-                for mb in range(len(mbs)):
-                    logps = ctx.ref_logps.pop((0, mb))
-                    n = len(logps.logp_sum) // 2
-                    mb_ids = ids[mb * b : mb * b + n]
-                    table[mb_ids, 0] = logps.logp_sum[:n].double()
-                    table[mb_ids, 1] = logps.logp_sum[n:].double()
-        if mesh.is_last_stage:
-            if dp > 1:
-                dist.all_reduce(table, group=mesh.dp_group)
-            self._ref_by_pair = table.to(torch.float32)
+    def precompute_reference(self, pairs: Sequence[TokenizedPair], eval_pairs: Sequence[TokenizedPair] = ()) -> None:
+        """`--ref-mode precomputed`: one forward-only reference pass over the data set (and the
+        held-out pairs); the last stage keeps the log-probs, then the reference is released."""
+        self._ref_by_pair = self.reference_table(pairs)
+        self._ref_eval = self.reference_table(eval_pairs) if eval_pairs else None
         self.release_reference()
 
     def release_reference(self) -> None:
@@ -412,13 +455,14 @@ class PolicyWorker:
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
         return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
 
-    def coordinates(self) -> tuple[int, int, int]:
-        return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
 
-    def shutdown(self) -> None:
-        from mcore_dpo.mesh import destroy
 
-        destroy()
+def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> SequenceLogps:
+    """Reference log-probs of some pairs from a [pairs, 2] table, as a microbatch's rows
+    (chosen first, then rejected)."""
+    picked = table[rows]
+    logp_sum = torch.cat([picked[:, 0], picked[:, 1]]).to(device)
+    return SequenceLogps(logp_sum=logp_sum, num_tokens=logp_sum, logit_sum=logp_sum)
 
 
 def _pair_logps(policy: SequenceLogps, ref: SequenceLogps | None, *, b: int) -> PairLogps:

@@ -151,3 +151,18 @@ def test_tensor_parallel_groups_stay_on_one_node():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_reference_as_its_own_worker_group(tmp_path):
+    """`--ref-mode separate`: the reference runs as role "ref" with its own tp/pp; the losses
+    equal those of the colocated reference within 1e-5."""
+    env = _env(tmp_path)
+    common = ["--pp", "2", "--max-steps", "3", "--global-batch-size", "16", "--micro-batch-size", "4", "--no-export-hf"]
+    sep = _train([*common, "--ref-mode", "separate", "--ref-tp", "2", "--output-dir", str(tmp_path / "sep")], env=env)
+    assert sep.returncode == 0, sep.stderr[-3000:]
+    workers = json.loads((tmp_path / "sep" / "workers.json").read_text())
+    assert {"ref/tp0-pp0-dp0", "ref/tp1-pp0-dp0", "policy/tp0-pp0-dp0", "policy/tp0-pp1-dp0"} == set(workers)
+    col = _train([*common, "--ref-mode", "interleaved", "--output-dir", str(tmp_path / "col")], env=env)
+    assert col.returncode == 0, col.stderr[-3000:]
+    for x, y in zip(_losses(tmp_path / "sep"), _losses(tmp_path / "col")):
+        assert abs(x - y) <= 1e-5
