@@ -111,8 +111,11 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     prep = prepare(config)
     config = prep.config
     out = Path(config.output_dir)
-    if not config.resume and checkpoint.latest(out) is not None:
-        raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
+    current = checkpoint.latest(out)  # a broken pointer or state file is reported now, before any worker
+    if current is not None:
+        if not config.resume:
+            raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
+        checkpoint.read_state(current)
     out.mkdir(parents=True, exist_ok=True)
     write_resolved(config, str(out))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):

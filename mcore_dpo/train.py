@@ -21,6 +21,7 @@ import types
 
 def main(argv: list[str] | None = None) -> int:
     from checkpoint_convert.mapping import ConversionError
+    from mcore_dpo.checkpoint import CheckpointError
     from mcore_dpo.config import ConfigError, resolve
     from mcore_dpo.data import DataError
     from mcore_dpo.run import InputError, train
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, args = resolve(argv)
         out = train(config, ray_address=args.ray_address)
-    except (ConfigError, DataError, ConversionError, InputError) as error:
+    except (ConfigError, DataError, ConversionError, InputError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
