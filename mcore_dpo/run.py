@@ -158,34 +158,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     group = ref_group = None
     try:
         if config.ref_mode == "separate":
-            ref_group = ray_workers.create_group(
-                role="ref",
-                world_size=config.ref_tp * config.ref_pp * config.ref_dp,
-                tp=config.ref_tp,
-                pp=config.ref_pp,
-                dp=config.ref_dp,
-                factory=ReferenceWorker,
-                kwargs_of_rank=lambda rank, addr, port: dict(
-                    config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
-                    master_port=port,
-                ),
-                use_gpus=ray_workers.cluster_has_gpus(),
-                placement_timeout_s=config.placement_timeout_s,
-            )
-        group = ray_workers.create_group(
-            role="policy",
-            world_size=config.tp * config.pp * config.dp,
-            tp=config.tp,
-            pp=config.pp,
-            dp=config.dp,
-            factory=PolicyWorker,
-            kwargs_of_rank=lambda rank, addr, port: dict(
-                config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
-                master_port=port, resume_dir=str(resume_dir) if resume_dir else None,
-            ),
-            use_gpus=ray_workers.cluster_has_gpus(),
-            placement_timeout_s=config.placement_timeout_s,
-        )
+            ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
+        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp,
+                             resume_dir=str(resume_dir) if resume_dir else None)
         workers = {}
         for g in (ref_group, group):
             if g is not None:
@@ -230,6 +205,27 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     from mcore_dpo.plot import plot_run
 
     plot_run(str(out))
+
+
+def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, **worker_kwargs):
+    """One worker group for a role: an actor per rank, each building `factory(...)`."""
+    from mcore_dpo import ray_workers
+
+    config = prep.config
+    return ray_workers.create_group(
+        role=role,
+        world_size=tp * pp * dp,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        factory=factory,
+        kwargs_of_rank=lambda rank, addr, port: dict(
+            config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
+            master_port=port, **worker_kwargs,
+        ),
+        use_gpus=ray_workers.cluster_has_gpus(),
+        placement_timeout_s=config.placement_timeout_s,
+    )
 
 
 def _one(results: list) -> dict:
