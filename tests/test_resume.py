@@ -126,3 +126,54 @@ def test_kill_during_checkpoint_write(baselines, cache, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert not any(".partial-" in p.name for p in ckpts.iterdir())
     _assert_identical(base, out)
+
+
+def test_lost_node_restarts_on_the_remaining_node(tmp_path, cache, monkeypatch):
+    """A node lost mid-run (its raylet stopped): the driver rebuilds the group on the node that
+    is left and resumes from the latest checkpoint; the run finishes."""
+    import threading
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from mcore_dpo.config import TrainConfig
+    from mcore_dpo.run import train
+
+    monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
+    out = tmp_path / "run"
+    removed: list[str] = []
+
+    def remove_the_busy_node() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                busy = {info["node_id"] for info in json.loads((out / "workers.json").read_text()).values()}
+                for node in nodes:
+                    if node.node_id in busy:
+                        cluster.remove_node(node)
+                        removed.append(node.node_id)
+                return
+            time.sleep(0.2)
+
+    try:
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        killer = threading.Thread(target=remove_the_busy_node, daemon=True)
+        killer.start()
+        config = TrainConfig(dp=2, max_steps=12, global_batch_size=16, micro_batch_size=4, eval_interval=0,
+                             save_interval=1, max_restarts=2, output_dir=str(out), export_hf=False)
+        train(config, log=lambda _msg: None)
+        killer.join(timeout=5)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert len(removed) == 1
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 12 and steps == sorted(set(steps))
+    workers = json.loads((out / "workers.json").read_text())
+    assert removed[0] not in {info["node_id"] for info in workers.values()}
