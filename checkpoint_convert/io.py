@@ -11,7 +11,8 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
 
-Tensors are read one at a time from memory-mapped safetensors files.
+Tensors are read one at a time with plain reads (safetensors_stream), never memory-mapped,
+so file pages a conversion touches are not charged to its resident memory.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.mapping import (
     DTYPES,
     LAYER_SPECS,
@@ -65,24 +66,22 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _open_safetensors(path: Path):
+def _open_safetensors(path: Path) -> SafetensorsReader:
     if not path.is_file():
         raise ConversionError(f"{path}: file is missing")
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as error:
-        raise ConversionError(f"{path}: not a readable safetensors file ({str(error).splitlines()[0]})") from None
+    # The reader checks the header and that every tensor's bytes are in the file (truncation).
+    return SafetensorsReader(path)
 
 
-def _check_shapes(path: Path, handle, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(path: Path, handle: SafetensorsReader, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
     for name in names:
-        shape = tuple(handle.get_slice(name).get_shape())
+        shape = handle.shape(name)
         if shape != expected[name]:
             raise ConversionError(f"{path}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}")
 
 
 class HFCheckpoint:
-    """A validated HF directory; get(name) reads one tensor from the memory-mapped files."""
+    """A validated HF directory; get(name) reads one tensor (get_rows: a block of its rows)."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
@@ -100,7 +99,7 @@ class HFCheckpoint:
             if not single.exists():
                 raise ConversionError(f"{self.dir}: no model.safetensors or {INDEX_FILE} (only safetensors is read)")
             weight_map = None
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, SafetensorsReader] = {}
         self._file_of: dict[str, str] = {}
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for file in files:
@@ -131,7 +130,7 @@ class HFCheckpoint:
             _check_shapes(self.dir / file, handle, names, expected)
         # The weights, not the config, decide the source dtype (configs often omit or misstate it).
         embed = "model.embed_tokens.weight"
-        stored = self._handles[self._file_of[embed]].get_slice(embed).get_dtype()
+        stored = self._handles[self._file_of[embed]].dtype_code(embed)
         dtype_name = _SAFETENSORS_DTYPES.get(stored)
         if dtype_name is None:
             raise ConversionError(f"{self._path_of(embed)}: tensor '{embed}' has unsupported dtype {stored}")
@@ -147,10 +146,13 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
-        try:
-            return self._handles[self._file_of[name]].get_tensor(name)
-        except (SafetensorError, OSError) as error:
-            raise ConversionError(f"{self._path_of(name)}: tensor '{name}' unreadable ({error})") from None
+        return self._handles[self._file_of[name]].read(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` (one contiguous read: no whole tensor in memory)."""
+        if name not in self._file_of:
+            raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
+        return self._handles[self._file_of[name]].read(name, rows=(start, stop))
 
     def aux_files(self) -> list[Path]:
         """Tokenizer files, generation_config.json and other small files to carry along."""
@@ -199,16 +201,20 @@ def meta_json(meta: McoreMeta) -> dict:
 
 
 class _LazyShard(Mapping):
-    """One rank's tensors, read on access from the memory-mapped file."""
+    """One rank's tensors, each read on access into a fresh tensor."""
 
-    def __init__(self, path: Path, handle) -> None:
+    def __init__(self, path: Path, handle: SafetensorsReader) -> None:
         self._path, self._handle = path, handle
         self._names = list(handle.keys())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        return self._handle.get_tensor(name)
+        return self._handle.read(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` without reading the rest."""
+        return self._handle.read(name, rows=(start, stop))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -278,7 +284,7 @@ class McoreCheckpoint:
         """config.json, generation_config.json and the tokenizer files of the source model."""
         return self.dir / HF_FILES_DIR
 
-    def shard_view(self, tp_rank: int, pp_rank: int) -> Mapping[str, torch.Tensor]:
+    def shard_view(self, tp_rank: int, pp_rank: int) -> _LazyShard:
         """Lazy mapping of one rank's tensors."""
         return self._shards[(tp_rank, pp_rank)]
 
