@@ -61,52 +61,63 @@ def build_adamw(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[flo
     return torch.optim.AdamW(decay_groups(params, weight_decay=weight_decay), lr=lr, betas=betas, eps=eps)
 
 
-def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, lr: float, clip: float) -> None:
-    """Move main_grad into .grad (scaled by the clip coefficient `clip`) and take one AdamW step."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    for param in params:
-        grad = param.main_grad
-        param.grad = (grad * clip if clip != 1.0 else grad).to(param.dtype)
-    optimizer.step()
-    for param in params:
-        param.grad = None
-
-
 class CpuOptimizer:
-    """AdamW over DDP's main_grad buffers, with global-norm clipping."""
+    """AdamW over DDP's main_grad buffers, with global-norm clipping. Parameters held in bf16 or
+    fp16 get fp32 master copies (updates at small learning rates would round away otherwise);
+    fp32 parameters are updated in place."""
 
     def __init__(self, *, named_params: list[tuple[str, torch.nn.Parameter]], params_once: list[torch.nn.Parameter],
                  group: object, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
-        self.named_params = named_params
+        self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
+        ]
         self.params_once = params_once
         self.group = group
         self.clip_grad = clip_grad
-        self.optimizer = build_adamw(self.params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = build_adamw(self.masters, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def step(self, *, lr: float) -> float:
         grad_norm = global_grad_norm(self.params_once, group=self.group)
-        adamw_step(self.optimizer, self.params, lr=lr, clip=clip_coefficient(grad_norm, max_norm=self.clip_grad))
+        clip = clip_coefficient(grad_norm, max_norm=self.clip_grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for param, master in zip(self.params, self.masters):
+            grad = param.main_grad
+            master.grad = (grad * clip if clip != 1.0 else grad).to(master.dtype)
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                master.grad = None
+                if master is not param:
+                    param.copy_(master)
         return grad_norm
 
     def moments(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"exp_avg": {param name: tensor}, "exp_avg_sq": {...}} on the CPU (empty before step 1)."""
+        """{"exp_avg": {param name: tensor}, "exp_avg_sq": {...}} on the CPU (zeros before step 1)."""
         out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-        for name, param in self.named_params:
-            state = self.optimizer.state.get(param)
+        for name, master in zip(self.names, self.masters):
+            state = self.optimizer.state.get(master)
             for key in out:
-                value = state[key] if state else torch.zeros_like(param, dtype=torch.float32)
+                value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
                 out[key][name] = value.detach().to("cpu", torch.float32, copy=True)
         return out
 
-    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], *, step: int) -> None:
-        """Restore AdamW's state after `step` optimizer steps."""
-        for name, param in self.named_params:
-            self.optimizer.state[param] = {
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights the optimizer updates (what a checkpoint must keep), on the CPU."""
+        return {name: master.detach().to("cpu", torch.float32, copy=True) for name, master in zip(self.names, self.masters)}
+
+    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], *, masters: dict[str, torch.Tensor],
+                     step: int) -> None:
+        """Restore AdamW's state and the fp32 master weights after `step` optimizer steps."""
+        for name, param, master in zip(self.names, self.params, self.masters):
+            if master is not param:
+                master.data.copy_(masters[name].to(master.device, torch.float32))
+            self.optimizer.state[master] = {
                 "step": torch.tensor(float(step)),
-                "exp_avg": moments["exp_avg"][name].to(param.device, param.dtype).clone(),
-                "exp_avg_sq": moments["exp_avg_sq"][name].to(param.device, param.dtype).clone(),
+                "exp_avg": moments["exp_avg"][name].to(master.device, master.dtype).clone(),
+                "exp_avg_sq": moments["exp_avg_sq"][name].to(master.device, master.dtype).clone(),
             }
 
 
@@ -147,4 +158,4 @@ class MegatronOptimizer:
             "run with --no-distributed-optimizer to save and resume"
         )
 
-    load_moments = moments
+    load_moments = master_weights = moments

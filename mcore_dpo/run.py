@@ -268,10 +268,9 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int) -
 
     tmp = checkpoint.begin(out, step=step)
     group.call("save_checkpoint", str(tmp), step=step)
-    meta, aux = _model_meta(config, spec, dtype=config.dtype)
-    write_mcore_meta(tmp / "model", meta=meta, aux_files=aux)
-    for kind in checkpoint.MOMENTS:
-        write_mcore_meta(tmp / "optim" / kind, meta=replace(meta, dtype="float32"), aux_files=aux)
+    meta, aux = _model_meta(config, spec, dtype="float32")  # fp32 master weights and moments
+    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
+        write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,

@@ -419,10 +419,12 @@ class PolicyWorker(_Rank):
         """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
         _maybe_inject_fault("save", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
-        self.write_policy(str(root / "model"))
         if self.mesh.dp_rank == 0:
-            for kind, shard in self.optimizer.moments().items():
-                write_mcore_shard(root / "optim" / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
+            # The optimizer's fp32 master weights: exact resume also for bf16/fp16 parameters.
+            shards = {"model": self.optimizer.master_weights()}
+            shards.update({f"optim/{kind}": shard for kind, shard in self.optimizer.moments().items()})
+            for kind, shard in shards.items():
+                write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
         rng = {"torch": torch.get_rng_state()}
         if self.platform.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
@@ -430,20 +432,22 @@ class PolicyWorker(_Rank):
         save_file(rng, str(root / "rng" / f"rank{self.rank}.safetensors"))
 
     def _load_checkpoint(self, directory: str) -> None:
-        """AdamW moments (resharded through HF names when the layout changed) and RNG states."""
+        """Master weights and AdamW moments (resharded through HF names when the layout changed)
+        and RNG states."""
         state = read_state(Path(directory))
-        moments = {}
-        for kind in MOMENTS:
-            moments[kind] = hf_to_mcore_shard(
+        shards = {}
+        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
+            shards[kind] = hf_to_mcore_shard(
                 self.spec,
                 tp=self.layout.tp,
                 tp_rank=self.mesh.tp_rank,
                 pp=self.layout.pp,
                 pp_rank=self.mesh.pp_rank,
-                get=open_weights(os.path.join(directory, "optim", kind)).get,
+                get=open_weights(os.path.join(directory, kind)).get,
                 layer_spec=layer_spec_name(use_te=self.use_te),
             )
-        self.optimizer.load_moments(moments, step=int(state["step"]))
+        moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
+        self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
         rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
         if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
             rng = load_file(str(rng_file))
