@@ -49,7 +49,7 @@ class StageContext:
     _grad_out: dict[int, torch.Tensor] = field(default_factory=dict)
     _ref_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _ref_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _pending_sends: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+    _pending_sends: list[tuple[object, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
 
@@ -65,24 +65,40 @@ class StageContext:
         return self._masks[batch]
 
 
-def _recv(ctx: StageContext, *, batch: int, src: int) -> torch.Tensor:
-    buf = torch.empty(ctx.activation_shape(batch), dtype=ctx.dtype, device=ctx.device)
+def _recv(ctx: StageContext, op: Op, *, src: int) -> torch.Tensor:
+    buf = torch.empty(ctx.activation_shape(op.batch), dtype=ctx.dtype, device=ctx.device)
     start = time.perf_counter()
-    dist.recv(buf, src=src)
+    try:
+        dist.recv(buf, src=src)
+    except RuntimeError as error:  # a dead or stuck peer: the process group's timeout ends the wait
+        raise PeerError(f"pipeline stage {ctx.mesh.pp_rank}: {op.kind.value} of microbatch {op.microbatch} "
+                        f"from rank {src} failed: {_first_line(error)}") from None
     ctx.wait_s += time.perf_counter() - start
     return buf
+
+
+class PeerError(RuntimeError):
+    """A point-to-point transfer with a neighbouring stage failed; str() names the peer."""
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _send(ctx: StageContext, tensor: torch.Tensor, *, dst: int) -> None:
     tensor = tensor.detach().contiguous()
     work = dist.isend(tensor, dst=dst)
-    ctx._pending_sends.append((work, tensor))  # keep the buffer alive until the send completes
+    ctx._pending_sends.append((work, tensor, dst))  # keep the buffer alive until the send completes
 
 
 def wait_for_sends(ctx: StageContext) -> None:
     start = time.perf_counter()
-    for work, _ in ctx._pending_sends:
-        work.wait()
+    for work, _, dst in ctx._pending_sends:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise PeerError(f"pipeline stage {ctx.mesh.pp_rank}: send to rank {dst} failed: {_first_line(error)}") from None
     ctx._pending_sends.clear()
     ctx.wait_s += time.perf_counter() - start
 
@@ -109,20 +125,20 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
     for op in ops:
         kind, mb, batch = op.kind, op.microbatch, op.batch
         if kind is OpKind.RECV_ACT:
-            buf = _recv(ctx, batch=0, src=mesh.prev_rank)
+            buf = _recv(ctx, op, src=mesh.prev_rank)
             ctx._policy_in[mb] = buf if ctx.forward_only else buf.requires_grad_()
         elif kind is OpKind.FWD:
             _policy_forward(ctx, mb)
         elif kind is OpKind.SEND_ACT:
             _send(ctx, ctx._policy_out.pop(mb), dst=mesh.next_rank)
         elif kind is OpKind.RECV_GRAD:
-            ctx._grad_in[mb] = _recv(ctx, batch=0, src=mesh.next_rank)
+            ctx._grad_in[mb] = _recv(ctx, op, src=mesh.next_rank)
         elif kind is OpKind.BWD:
             _policy_backward(ctx, mb)
         elif kind is OpKind.SEND_GRAD:
             _send(ctx, ctx._grad_out.pop(mb), dst=mesh.prev_rank)
         elif kind is OpKind.RECV_REF_ACT:
-            ctx._ref_in[(batch, mb)] = _recv(ctx, batch=batch, src=mesh.prev_rank)
+            ctx._ref_in[(batch, mb)] = _recv(ctx, op, src=mesh.prev_rank)
         elif kind is OpKind.REF_FWD:
             _reference_forward(ctx, mb, batch)
         elif kind is OpKind.SEND_REF_ACT:

@@ -486,18 +486,22 @@ def _pair_logps(policy: SequenceLogps, ref: SequenceLogps | None, *, b: int) -> 
 
 def _maybe_inject_fault(point: str, *, step: int, rank: int, output_dir: str) -> None:
     """Fault injection for the reliability tests: MCORE_DPO_FAULT="step:3,7" kills rank 0's
-    process at the start of steps 3 and 7, "save:4" in the middle of the step-4 checkpoint.
+    process at the start of steps 3 and 7, "save:4" in the middle of the step-4 checkpoint,
+    "hang:2" makes rank 0 stop responding at the start of step 2 (its peers time out).
     Each fault fires once per run directory (a marker file remembers it)."""
     spec = os.environ.get("MCORE_DPO_FAULT")
     if not spec or rank != 0:
         return
     kind, _, steps = spec.partition(":")
-    if kind != point or str(step) not in steps.split(","):
+    point_of_kind = {"step": "step", "hang": "step", "save": "save"}
+    if point_of_kind.get(kind) != point or str(step) not in steps.split(","):
         return
-    marker = Path(output_dir) / f".fault-{point}-{step}"
+    marker = Path(output_dir) / f".fault-{kind}-{step}"
     if marker.exists():
         return
     marker.write_text("fired\n")
-    if point == "save":
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "save":
         time.sleep(0.5)  # let the other ranks get into their writes
     os._exit(9)

@@ -166,3 +166,16 @@ def test_reference_as_its_own_worker_group(tmp_path):
     assert col.returncode == 0, col.stderr[-3000:]
     for x, y in zip(_losses(tmp_path / "sep"), _losses(tmp_path / "col")):
         assert abs(x - y) <= 1e-5
+
+
+def test_a_stuck_peer_ends_in_an_error_naming_it(tmp_path):
+    """A rank that stops responding: its pipeline neighbour's receive times out after
+    --timeout-s and the run ends with a message naming the stage, the transfer and the peer."""
+    env = dict(_env(tmp_path), MCORE_DPO_FAULT="hang:2")
+    t0 = time.monotonic()
+    result = _train(["--pp", "2", "--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
+                     "--timeout-s", "10", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], env=env, timeout=300)
+    assert result.returncode not in (0, None)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: policy/tp0-pp1-dp0 failed:") and "from rank 0" in last, last
+    assert time.monotonic() - t0 < 120
