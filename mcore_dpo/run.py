@@ -144,7 +144,6 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
 
 def _attempt(prep: Prepared, *, out: Path, log) -> None:
     """Build the worker group, resume from the latest checkpoint if any, train to the end."""
-    from mcore_dpo import ray_workers
     from mcore_dpo.worker import PolicyWorker, ReferenceWorker, StepBatch
 
     config = prep.config

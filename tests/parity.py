@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from convert_helpers import save_hf  # noqa: E402
 
 from mcore_dpo.data import TokenizedPair, collate, padded_seq_len  # noqa: E402
-from mcore_dpo.loss import METRIC_SUM_KEYS, LossSpec, PairLogps, finalize_metrics, metric_sums, pair_losses  # noqa: E402
+from mcore_dpo.loss import LossSpec, PairLogps, finalize_metrics, metric_sums, pair_losses  # noqa: E402
 
 RTOL = 1e-5
 VOCAB = 100  # not a multiple of 128*tp: padded vocabulary columns must stay out of the softmax
