@@ -21,7 +21,6 @@ TRL is NOT a dependency of the project. Install it for this benchmark only:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

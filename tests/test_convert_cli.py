@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
-from convert_helpers import hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf
+from convert_helpers import llama_gqa_untied, qwen2_bias_tied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,6 @@ def test_verify_tp2_pp2_matches_hf_logits(tmp_path, capsys):
 
 def test_verify_fails_on_a_corrupted_checkpoint(tmp_path, capsys):
     """The comparison must be able to fail: perturb one layer norm and expect a non-zero exit."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     hf_dir = save_hf(llama3_rope_scaled(), tmp_path / "hf")
