@@ -1,20 +1,23 @@
 """The conversions behind the CLI: hf-to-mcore, mcore-to-hf, reshard.
 
-Each streams: tensors are read one at a time from memory-mapped files and written one
-rank shard (or one HF shard) at a time, into a temporary directory that replaces the
-target only when everything has been written.
+Each streams: every output file's header is written first (names and shapes are known
+from the spec), then tensors are appended one mapping entry at a time (q/k/v, gate/up and
+their fused result), and the vocabulary-sized tensors move in row blocks. Memory holds
+one entry, never a shard or the model. hf-to-mcore and reshard write the tp ranks of a
+stage side by side, so each source tensor is read once. Output goes into a temporary
+directory that replaces the target only when everything has been written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from checkpoint_convert.io import (
     HF_FILES_DIR,
@@ -32,13 +35,22 @@ from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
     ModelSpec,
+    _fuse_qkv_rank,
+    _mcore_entries,
+    _mcore_name,
     check_layout,
     hf_tensor_shapes,
-    hf_to_mcore_shard,
-    mcore_to_hf,
+    mcore_shard_shapes,
+    padded_vocab_size,
 )
+from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 
 DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Vocabulary-sized tensors are copied in row blocks of at most this many bytes.
+ROW_BLOCK_BYTES = 16 * 2**20
+_VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+GetTensor = Callable[[str], torch.Tensor]
+GetRows = Callable[[str, int, int], torch.Tensor]  # (HF name, first row, row after the last)
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -57,7 +69,7 @@ def write_mcore_shard(directory: Path, *, tp_rank: int, pp_rank: int, shard: dic
     """Write one rank's tensors (used by the converter and by the trainer's checkpointer)."""
     path = directory / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in shard.items()}, str(path), metadata={"format": "pt"})
+    write_tensors(path, {k: v.detach() for k, v in shard.items()}, metadata={"format": "pt"})
 
 
 def write_mcore_meta(directory: Path, *, meta: McoreMeta, aux_files: Iterable[Path]) -> None:
@@ -71,12 +83,60 @@ def write_mcore_meta(directory: Path, *, meta: McoreMeta, aux_files: Iterable[Pa
             shutil.copy2(path, hf_files / path.name)
 
 
+def _row_blocks(start: int, stop: int, *, row_bytes: int) -> Iterator[tuple[int, int]]:
+    step = max(1, ROW_BLOCK_BYTES // max(row_bytes, 1))
+    for first in range(start, stop, step):
+        yield first, min(first + step, stop)
+
+
+def _split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: int) -> Iterator[torch.Tensor]:
+    """The tp ranks' parts of one non-vocabulary entry, one at a time, in tp-rank order.
+
+    Mirrors mapping.hf_to_mcore_shard (tests/test_convert_stream.py checks they agree), but
+    splits each source tensor once for all ranks instead of once per rank.
+    """
+    for tp_rank in range(tp):
+        if kind == "replicated":
+            yield tensors[0]
+        elif kind == "qkv":
+            q, k, v = tensors
+            yield _fuse_qkv_rank(spec, q, k, v, tp=tp, tp_rank=tp_rank)
+        elif kind == "fc1":
+            gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in tensors)
+            yield torch.cat([gate, up], dim=0)
+        elif kind == "row":
+            yield tensors[0].chunk(tp, dim=1)[tp_rank]
+        else:
+            raise AssertionError(kind)
+
+
+def _write_vocab_rank(
+    writer: SafetensorsWriter,
+    *,
+    name: str,
+    hf_name: str,
+    get_rows: GetRows,
+    first_row: int,
+    rows_per_rank: int,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+) -> None:
+    """One tp rank's rows of a padded vocabulary tensor: source rows, then zero rows."""
+    row_bytes = spec.hidden_size * torch.empty((), dtype=dtype).element_size()
+    real_stop = min(first_row + rows_per_rank, spec.vocab_size)
+    for lo, hi in _row_blocks(first_row, real_stop, row_bytes=row_bytes):
+        writer.write_rows(name, get_rows(hf_name, lo, hi).to(dtype))
+    for lo, hi in _row_blocks(max(first_row, real_stop), first_row + rows_per_rank, row_bytes=row_bytes):
+        writer.write_rows(name, torch.zeros((hi - lo, spec.hidden_size), dtype=dtype))
+
+
 def _write_mcore(
     tmp: Path,
     *,
     spec: ModelSpec,
     hf_config: dict,
-    get: Callable[[str], torch.Tensor],
+    get: GetTensor,
+    get_rows: GetRows,
     tp: int,
     pp: int,
     dtype: str,
@@ -86,18 +146,32 @@ def _write_mcore(
     log: Callable[[str], None],
 ) -> None:
     torch_dtype = DTYPES[dtype]
-
-    def get_cast(name: str) -> torch.Tensor:
-        return get(name).to(torch_dtype)
-
+    rows_per_rank = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor) // tp
     for pp_rank in range(pp):
+        shapes = mcore_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
+        declared = [(name, torch_dtype, shape) for name, shape in shapes.items()]
+        with contextlib.ExitStack() as stack:
+            writers = []
+            for tp_rank in range(tp):
+                path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                writers.append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
+            for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+                name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+                hf_names = [t.format(layer=global_layer) for t in hf]
+                if kind == "vocab":
+                    for tp_rank, writer in enumerate(writers):
+                        _write_vocab_rank(
+                            writer, name=name, hf_name=hf_names[0], get_rows=get_rows, first_row=tp_rank * rows_per_rank,
+                            rows_per_rank=rows_per_rank, spec=spec, dtype=torch_dtype,
+                        )  # fmt: skip
+                    continue
+                # Cast after splitting: the same values, and no full-size copy in the new dtype.
+                parts = _split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=tp)
+                for writer, part in zip(writers, parts):
+                    writer.write(name, part.to(torch_dtype))
         for tp_rank in range(tp):
-            shard = hf_to_mcore_shard(
-                spec, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, get=get_cast, layer_spec=layer_spec, divisor=divisor
-            )
-            write_mcore_shard(tmp, tp_rank=tp_rank, pp_rank=pp_rank, shard=shard)
-            log(f"wrote {shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)} ({len(shard)} tensors)")
-            del shard
+            log(f"wrote {shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)} ({len(shapes)} tensors)")
     meta = McoreMeta(
         spec=spec, tp=tp, pp=pp, dtype=dtype, layer_spec=layer_spec, vocab_divisor=divisor,
         hf_config=hf_config, format_version=FORMAT_VERSION,
@@ -123,7 +197,8 @@ def hf_to_mcore(
     target_dtype = DTYPE_FLAGS[dtype] if dtype else source.spec.torch_dtype
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         _write_mcore(
-            tmp, spec=source.spec, hf_config=source.config, get=source.get, tp=tp, pp=pp, dtype=target_dtype,
+            tmp, spec=source.spec, hf_config=source.config, get=source.get, get_rows=source.get_rows, tp=tp, pp=pp,
+            dtype=target_dtype,
             layer_spec=layer_spec, divisor=divisor, aux_files=source.aux_files(), log=log,
         )  # fmt: skip
     log(f"hf-to-mcore: {source.dir} -> {out} (tp={tp} pp={pp} dtype={target_dtype})")
@@ -146,7 +221,8 @@ def reshard(
     view = source.hf_view()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         _write_mcore(
-            tmp, spec=meta.spec, hf_config=meta.hf_config, get=view.get, tp=tp, pp=pp, dtype=meta.dtype,
+            tmp, spec=meta.spec, hf_config=meta.hf_config, get=view.get, get_rows=view.get_rows, tp=tp, pp=pp,
+            dtype=meta.dtype,
             layer_spec=meta.layer_spec, divisor=meta.vocab_divisor, aux_files=aux, log=log,
         )  # fmt: skip
     log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp}) -> {out} (tp={tp} pp={pp})")
@@ -190,19 +266,23 @@ def mcore_to_hf_dir(
     plan = _plan_hf_shards(meta.spec, dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     file_of = {name: files[i] for i, names in enumerate(plan) for name in names}
-    stream = mcore_to_hf(meta.spec, tp=meta.tp, pp=meta.pp, get_shard=source.shard_view, layer_spec=meta.layer_spec)
+    shapes = hf_tensor_shapes(meta.spec)
+    element_bytes = torch.empty((), dtype=torch_dtype).element_size()
+    total_bytes = sum(element_bytes * torch.Size(shape).numel() for shape in shapes.values())
+    # Names in hf_tensor_names order: the view then gathers each fused entry exactly once.
+    view = source.hf_view()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
-        total_bytes = 0
-        pending: dict[str, torch.Tensor] = {}
-        shard_index = 0
-        for name, tensor in stream:
-            pending[name] = tensor
-            total_bytes += tensor.numel() * tensor.element_size()
-            if len(pending) == len(plan[shard_index]):
-                save_file(pending, str(tmp / files[shard_index]), metadata={"format": "pt"})
-                log(f"wrote {files[shard_index]} ({len(pending)} tensors)")
-                pending = {}
-                shard_index += 1
+        for file, names in zip(files, plan):
+            declared = [(name, torch_dtype, shapes[name]) for name in names]
+            with SafetensorsWriter(tmp / file, tensors=declared, metadata={"format": "pt"}) as writer:
+                for name in names:
+                    if name in _VOCAB_HF_NAMES:
+                        row_bytes = element_bytes * meta.spec.hidden_size
+                        for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
+                            writer.write_rows(name, view.get_rows(name, lo, hi))
+                    else:
+                        writer.write(name, view.get(name))
+            log(f"wrote {file} ({len(names)} tensors)")
         index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if source.hf_files_dir.is_dir():

@@ -37,6 +37,8 @@ from checkpoint_convert.mapping import (
     check_layout,
     hf_tensor_shapes,
     mcore_shard_shapes,
+    _hf_entry_index,
+    _mcore_name,
     mcore_to_hf_tensor,
     padded_vocab_size,
     spec_from_hf_config,
@@ -302,12 +304,15 @@ class HFView:
 
     get(name) gathers one fused entry across the tp ranks; siblings (q/k/v, gate/up) are
     cached until asked for, so reading names in hf_tensor_names order gathers each entry once.
+    get_rows(name, start, stop) reads a row block of the vocabulary tensors straight from the
+    rank files that hold it, so the embedding and head never have to be whole in memory.
     """
 
     def __init__(self, checkpoint: McoreCheckpoint) -> None:
         self._ckpt = checkpoint
         self.spec = checkpoint.spec
         self._cache: dict[str, torch.Tensor] = {}
+        self._index = _hf_entry_index(self.spec, pp=checkpoint.meta.pp)
 
     @property
     def names(self) -> list[str]:
@@ -322,6 +327,29 @@ class HFView:
         )
         self._cache = {n: t for n, t in tensors.items() if n != name}
         return tensors[name]
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of HF tensor `name` (vocabulary tensors: without gathering the rest)."""
+        if name not in self._index:
+            raise ConversionError(f"tensor '{name}' is not part of a {self.spec.architecture} checkpoint")
+        template, kind, _, pp_rank, local = self._index[name]
+        if kind != "vocab":
+            return self.get(name)[start:stop].clone()
+        if not 0 <= start <= stop <= self.spec.vocab_size:
+            raise ValueError(f"tensor '{name}': rows [{start}, {stop}) outside [0, {self.spec.vocab_size}]")
+        meta = self._ckpt.meta
+        mcore_name = _mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+        rows_per_rank = padded_vocab_size(self.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor) // meta.tp
+        blocks = []
+        for tp_rank in range(meta.tp):
+            first = tp_rank * rows_per_rank
+            lo, hi = max(start, first), min(stop, first + rows_per_rank)
+            if lo < hi:
+                shard = self._ckpt.shard_view(tp_rank, pp_rank)
+                blocks.append(shard.get_rows(mcore_name, lo - first, hi - first))
+        if not blocks:  # start == stop
+            return torch.empty((0, self.spec.hidden_size), dtype=DTYPES[meta.dtype])
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
 
 
 def open_mcore_dir(directory: str | os.PathLike) -> McoreCheckpoint:
