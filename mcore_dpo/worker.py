@@ -404,10 +404,11 @@ class PolicyWorker(_Rank):
 
     # ------------------------------------------------------------------ checkpoints and export
     def policy_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's policy parameters on the CPU (dp rank 0 only; others return None)."""
+        """This rank's policy parameters on the CPU in the run's dtype (megatron-core keeps some
+        norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
         if self.mesh.dp_rank != 0:
             return None
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
+        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
 
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""

@@ -146,3 +146,23 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(str(out / "hf"))
     assert isinstance(next(model.parameters()), torch.Tensor)
+
+
+def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
+    """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
+    and loads in transformers."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
+                           "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in (out / "hf").glob("*.safetensors"):
+        tensors.update(load_file(str(file)))
+    assert tensors and {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out / "hf"))
