@@ -5,7 +5,9 @@ interpreter's baseline against the checkpoint size. Each conversion runs in a fr
 process: it imports torch and checkpoint_convert, reads its peak RSS (the baseline), converts,
 and reads its peak RSS again (VmHWM in /proc/self/status; `ru_maxrss` would
 include the parent's peak, which Linux carries over fork + exec). Runs alternate with the
-`cp -r` runs, so both see the same (warm) page cache; nothing is fsynced by either side.
+`cp -r` runs, so both see the same (warm) page cache. Before each timed step (conversion or
+copy) the target is removed and `sync` flushes earlier steps' dirty pages, untimed, so no
+step pays for another's writeback; nothing is fsynced inside a timed step by either side.
 
 The generated model lives in /tmp (never in the repository) and is reused between runs.
 
@@ -49,13 +51,21 @@ print(json.dumps({{"seconds": seconds, "baseline_rss_bytes": baseline, "peak_rss
 """
 
 
+def _settle(dst: Path) -> None:
+    # Without this, whichever step follows a 1 GB write is throttled by the kernel's
+    # writeback of the previous step's pages, and the ratios measure the disk, not the code.
+    if dst.exists():
+        shutil.rmtree(dst)
+    subprocess.run(["sync"], check=True)
+
+
 def convert_once(*, direction: str, src: Path, dst: Path) -> dict:
+    _settle(dst)
     return common.run_python(_CONVERT.format(direction=direction, src=str(src), dst=str(dst)))
 
 
 def copy_once(*, src: Path, dst: Path) -> float:
-    if dst.exists():
-        shutil.rmtree(dst)
+    _settle(dst)
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     seconds = time.perf_counter() - start

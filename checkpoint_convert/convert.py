@@ -36,6 +36,7 @@ from checkpoint_convert.mapping import (
     ConversionError,
     ModelSpec,
     _fuse_qkv_rank,
+    _hf_entry_index,
     _mcore_entries,
     _mcore_name,
     check_layout,
@@ -251,6 +252,86 @@ def _export_config(hf_config: dict, *, dtype: str) -> dict:
     return config
 
 
+class _ShardedWriter:
+    """HF tensors in hf_tensor_names order, routed into the planned shard files in turn."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        files: list[str],
+        plan: list[list[str]],
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        log: Callable[[str], None],
+    ) -> None:
+        self._dir, self._files, self._plan, self._shapes, self._dtype, self._log = directory, files, plan, shapes, dtype, log
+        self._file_index = {name: i for i, names in enumerate(plan) for name in names}
+        self._current: SafetensorsWriter | None = None
+        self._current_index = -1
+        self._started: set[str] = set()
+
+    def written(self, name: str) -> bool:
+        return name in self._started
+
+    def _writer_for(self, name: str) -> SafetensorsWriter:
+        self._started.add(name)
+        target = self._file_index[name]
+        while self._current_index < target:
+            self._finish_current()
+            self._current_index += 1
+            names = self._plan[self._current_index]
+            declared = [(n, self._dtype, self._shapes[n]) for n in names]
+            path = self._dir / self._files[self._current_index]
+            self._current = SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})
+        return self._current
+
+    def _finish_current(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._log(f"wrote {self._files[self._current_index]} ({len(self._plan[self._current_index])} tensors)")
+            self._current = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._writer_for(name).write(name, tensor)
+
+    def write_rows(self, name: str, rows: torch.Tensor) -> None:
+        self._writer_for(name).write_rows(name, rows)
+
+    def close(self) -> None:
+        self._finish_current()
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+
+
+def _write_hf_entry(writer: _ShardedWriter, *, spec: ModelSpec, kind: str, hf_names: list[str], parts: list[torch.Tensor]) -> None:
+    """An entry's HF tensors from its tp parts, each rank's rows appended in turn.
+
+    Mirrors mapping._gather_entry (tests/test_convert_stream.py checks they agree) without
+    concatenating whole tensors first: gate/up and q/k/v are row blocks of the rank parts.
+    """
+    if kind == "replicated":
+        writer.write(hf_names[0], parts[0])
+    elif kind == "row":
+        writer.write(hf_names[0], torch.cat(parts, dim=1))
+    elif kind == "fc1":
+        for i, name in enumerate(hf_names):  # gate, then up: each rank holds [gate_i; up_i]
+            for part in parts:
+                writer.write_rows(name, part.chunk(2, dim=0)[i])
+    elif kind == "qkv":
+        groups_per_rank = spec.num_query_groups // len(parts)
+        r, d = spec.num_heads // spec.num_query_groups, spec.head_dim
+        for i, name in enumerate(hf_names):  # q, k, v: each rank holds whole (r q heads, k, v) groups
+            for part in parts:
+                tail = part.shape[1:]
+                block = part.reshape(groups_per_rank, (r + 2) * d, *tail).split([r * d, d, d], dim=1)[i]
+                writer.write_rows(name, block.reshape(-1, *tail))
+    else:
+        raise AssertionError(kind)
+
+
 def mcore_to_hf_dir(
     mcore_dir: str | Path,
     out: str | Path,
@@ -269,20 +350,29 @@ def mcore_to_hf_dir(
     shapes = hf_tensor_shapes(meta.spec)
     element_bytes = torch.empty((), dtype=torch_dtype).element_size()
     total_bytes = sum(element_bytes * torch.Size(shape).numel() for shape in shapes.values())
-    # Names in hf_tensor_names order: the view then gathers each fused entry exactly once.
     view = source.hf_view()
+    index = _hf_entry_index(meta.spec, pp=meta.pp)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
-        for file, names in zip(files, plan):
-            declared = [(name, torch_dtype, shapes[name]) for name in names]
-            with SafetensorsWriter(tmp / file, tensors=declared, metadata={"format": "pt"}) as writer:
-                for name in names:
-                    if name in _VOCAB_HF_NAMES:
-                        row_bytes = element_bytes * meta.spec.hidden_size
-                        for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
-                            writer.write_rows(name, view.get_rows(name, lo, hi))
-                    else:
-                        writer.write(name, view.get(name))
-            log(f"wrote {file} ({len(names)} tensors)")
+        writer = _ShardedWriter(tmp, files=files, plan=plan, shapes=shapes, dtype=torch_dtype, log=log)
+        try:
+            for name in hf_tensor_shapes(meta.spec):
+                if writer.written(name):
+                    continue  # a sibling (k, v, up) written with the first tensor of its entry
+                template, kind, hf_names, pp_rank, local = index[name]
+                if kind == "vocab":
+                    row_bytes = element_bytes * meta.spec.hidden_size
+                    for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
+                        writer.write_rows(name, view.get_rows(name, lo, hi))
+                    continue
+                mcore_name = _mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+                ranks = range(1) if kind == "replicated" else range(meta.tp)
+                parts = [source.shard_view(tp_rank, pp_rank)[mcore_name] for tp_rank in ranks]
+                _write_hf_entry(writer, spec=meta.spec, kind=kind, hf_names=hf_names, parts=parts)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
         index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if source.hf_files_dir.is_dir():
