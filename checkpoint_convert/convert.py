@@ -48,7 +48,7 @@ from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tenso
 
 DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Vocabulary-sized tensors are copied in row blocks of at most this many bytes.
-ROW_BLOCK_BYTES = 16 * 2**20
+ROW_BLOCK_BYTES = 4 * 2**20
 _VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 GetTensor = Callable[[str], torch.Tensor]
 GetRows = Callable[[str, int, int], torch.Tensor]  # (HF name, first row, row after the last)
