@@ -207,20 +207,20 @@ def test_non_empty_target_needs_overwrite(llama_dir, tmp_path, capsys):
 
 
 def test_interrupt_leaves_no_partial_output(llama_dir, tmp_path, capsys, monkeypatch):
-    from checkpoint_convert import convert
+    from checkpoint_convert.safetensors_stream import SafetensorsWriter
 
     written = []
-    real_write = convert.write_mcore_shard
+    real_write = SafetensorsWriter.write
 
-    def write_then_interrupt(directory, **kwargs):
-        real_write(directory, **kwargs)
-        written.append(kwargs["tp_rank"])
-        if len(written) == 2:
+    def write_then_interrupt(self, name, tensor):
+        written.append(name)
+        if len(written) == 5:
             raise KeyboardInterrupt
+        real_write(self, name, tensor)
 
-    monkeypatch.setattr(convert, "write_mcore_shard", write_then_interrupt)
+    monkeypatch.setattr(SafetensorsWriter, "write", write_then_interrupt)
     code, err = _run(["hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(tmp_path / "out"), "--tp", "2", "--pp", "2"], capsys)
-    assert code == 130 and len(written) == 2
+    assert code == 130 and len(written) == 5
     assert list(tmp_path.iterdir()) == []
 
 
