@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0"]
-TIMING = ("tokens/s", "step_time_s")
+TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
 
 
 def _run(args: list[str], out: Path, *, fault: str | None = None, cache: Path) -> subprocess.CompletedProcess:
