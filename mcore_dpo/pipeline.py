@@ -1,7 +1,7 @@
 """The executor: runs one stage's list of plan ops over torch.distributed point-to-point.
 
-Device-agnostic: gloo on the CPU, NCCL on GPUs. Sends are non-blocking (waited at the
-end of the step, or earlier when the buffer is dropped); receives block. The plan
+Device-agnostic: gloo on the CPU, NCCL on GPUs. Sends are non-blocking (a sent buffer is
+released once delivered; all are waited for at the end of the step); receives block. The plan
 (`schedule.py`) guarantees that this never deadlocks and that sends and receives pair
 up in order between neighbouring stages.
 """
@@ -89,7 +89,9 @@ def _first_line(error: BaseException) -> str:
 def _send(ctx: StageContext, tensor: torch.Tensor, *, dst: int) -> None:
     tensor = tensor.detach().contiguous()
     work = dist.isend(tensor, dst=dst)
-    ctx._pending_sends.append((work, tensor, dst))  # keep the buffer alive until the send completes
+    # Keep the buffer alive until its send completes; drop the ones already delivered.
+    ctx._pending_sends = [entry for entry in ctx._pending_sends if not entry[0].is_completed()]
+    ctx._pending_sends.append((work, tensor, dst))
 
 
 def wait_for_sends(ctx: StageContext) -> None:
