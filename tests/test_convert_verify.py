@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
+
 from checkpoint_convert.__main__ import main
-from convert_helpers import llama3_rope_scaled, save_hf
+from convert_helpers import llama3_rope_scaled, qwen2_bias_tied, save_hf
 
 
-def test_verify_tp2_pp2_matches_hf_logits(tmp_path, capsys):
-    # llama3 rope scaling with non-default factors: a dropped or mis-set scaling would show here.
-    hf_dir = save_hf(llama3_rope_scaled(), tmp_path / "hf")
+@pytest.mark.parametrize(
+    "factory",
+    [
+        llama3_rope_scaled,  # llama3 rope scaling with non-default factors: a dropped scaling would show
+        qwen2_bias_tied,  # tied embeddings over two stages: the last stage holds its own copy
+    ],
+    ids=["llama3-rope-scaled", "qwen2-tied"],
+)
+def test_verify_tp2_pp2_matches_hf_logits(factory, tmp_path, capsys):
+    hf_dir = save_hf(factory(), tmp_path / "hf")
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
     capsys.readouterr()
     code = main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "48"])
@@ -33,16 +42,3 @@ def test_verify_fails_on_a_corrupted_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m")]) == 1
     assert "FAILED" in capsys.readouterr().err
-
-
-def test_verify_tied_embeddings_tp2_pp2(tmp_path, capsys):
-    # Tied embeddings split over two stages: the last stage holds its own copy of the embedding.
-    from convert_helpers import qwen2_bias_tied
-
-    hf_dir = save_hf(qwen2_bias_tied(), tmp_path / "hf")
-    assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
-    capsys.readouterr()
-    code = main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "32"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "argmax agreement 100.00%" in out
