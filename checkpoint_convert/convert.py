@@ -35,14 +35,15 @@ from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
     ModelSpec,
-    _fuse_qkv_rank,
     _hf_entry_index,
     _mcore_entries,
     _mcore_name,
     check_layout,
+    entry_blocks,
     hf_tensor_shapes,
     mcore_shard_shapes,
     padded_vocab_size,
+    split_entry,
 )
 from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 
@@ -88,27 +89,6 @@ def _row_blocks(start: int, stop: int, *, row_bytes: int) -> Iterator[tuple[int,
     step = max(1, ROW_BLOCK_BYTES // max(row_bytes, 1))
     for first in range(start, stop, step):
         yield first, min(first + step, stop)
-
-
-def _split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: int) -> Iterator[torch.Tensor]:
-    """The tp ranks' parts of one non-vocabulary entry, one at a time, in tp-rank order.
-
-    Mirrors mapping.hf_to_mcore_shard (tests/test_convert_stream.py checks they agree), but
-    splits each source tensor once for all ranks instead of once per rank.
-    """
-    for tp_rank in range(tp):
-        if kind == "replicated":
-            yield tensors[0]
-        elif kind == "qkv":
-            q, k, v = tensors
-            yield _fuse_qkv_rank(spec, q, k, v, tp=tp, tp_rank=tp_rank)
-        elif kind == "fc1":
-            gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in tensors)
-            yield torch.cat([gate, up], dim=0)
-        elif kind == "row":
-            yield tensors[0].chunk(tp, dim=1)[tp_rank]
-        else:
-            raise AssertionError(kind)
 
 
 def _write_vocab_rank(
@@ -168,7 +148,8 @@ def _write_mcore(
                         )  # fmt: skip
                     continue
                 # Cast after splitting: the same values, and no full-size copy in the new dtype.
-                parts = _split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=tp)
+                tensors = [get(n) for n in hf_names]
+                parts = (split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=t) for t in range(tp))
                 for writer, part in zip(writers, parts):
                     writer.write(name, part.to(torch_dtype))
         for tp_rank in range(tp):
@@ -307,29 +288,12 @@ class _ShardedWriter:
 
 
 def _write_hf_entry(writer: _ShardedWriter, *, spec: ModelSpec, kind: str, hf_names: list[str], parts: list[torch.Tensor]) -> None:
-    """An entry's HF tensors from its tp parts, each rank's rows appended in turn.
-
-    Mirrors mapping._gather_entry (tests/test_convert_stream.py checks they agree) without
-    concatenating whole tensors first: gate/up and q/k/v are row blocks of the rank parts.
-    """
+    """An entry's HF tensors from its tp parts, block by block (no whole tensor is built)."""
     if kind == "replicated":
         writer.write(hf_names[0], parts[0])
-    elif kind == "row":
-        writer.write(hf_names[0], torch.cat(parts, dim=1))
-    elif kind == "fc1":
-        for i, name in enumerate(hf_names):  # gate, then up: each rank holds [gate_i; up_i]
-            for part in parts:
-                writer.write_rows(name, part.chunk(2, dim=0)[i])
-    elif kind == "qkv":
-        groups_per_rank = spec.num_query_groups // len(parts)
-        r, d = spec.num_heads // spec.num_query_groups, spec.head_dim
-        for i, name in enumerate(hf_names):  # q, k, v: each rank holds whole (r q heads, k, v) groups
-            for part in parts:
-                tail = part.shape[1:]
-                block = part.reshape(groups_per_rank, (r + 2) * d, *tail).split([r * d, d, d], dim=1)[i]
-                writer.write_rows(name, block.reshape(-1, *tail))
-    else:
-        raise AssertionError(kind)
+        return
+    for i, block in entry_blocks(spec, kind=kind, parts=parts):
+        writer.write_rows(hf_names[i], block)
 
 
 def mcore_to_hf_dir(

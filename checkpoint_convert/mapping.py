@@ -422,22 +422,28 @@ def hf_to_mcore_shard(
     for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
         name = _mcore_name(template, layer=local, layer_spec=layer_spec)
         hf_names = [t.format(layer=global_layer) for t in hf]
-        if kind == "replicated":
-            out = get(hf_names[0])
-        elif kind == "vocab":
+        if kind == "vocab":
             out = _pad_vocab(get(hf_names[0]), vocab_padded=vocab).chunk(tp, dim=0)[tp_rank]
-        elif kind == "qkv":
-            q, k, v = (get(n) for n in hf_names)
-            out = _fuse_qkv_rank(spec, q, k, v, tp=tp, tp_rank=tp_rank)
-        elif kind == "fc1":
-            gate, up = (get(n).chunk(tp, dim=0)[tp_rank] for n in hf_names)
-            out = torch.cat([gate, up], dim=0)
-        elif kind == "row":
-            out = get(hf_names[0]).chunk(tp, dim=1)[tp_rank]
         else:
-            raise AssertionError(kind)
+            out = split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=tp, tp_rank=tp_rank)
         shard[name] = out.contiguous().clone()
     return shard
+
+
+def split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: int, tp_rank: int) -> torch.Tensor:
+    """One tp rank's part of a non-vocabulary entry, from the entry's HF tensors (in the order
+    of the key map: q, k, v or gate, up). The vocabulary kind is padded and split by rows."""
+    if kind == "replicated":
+        return tensors[0]
+    if kind == "qkv":
+        q, k, v = tensors
+        return _fuse_qkv_rank(spec, q, k, v, tp=tp, tp_rank=tp_rank)
+    if kind == "fc1":
+        gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in tensors)
+        return torch.cat([gate, up], dim=0)
+    if kind == "row":
+        return tensors[0].chunk(tp, dim=1)[tp_rank]
+    raise AssertionError(kind)
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,18 +458,28 @@ def _take(shard: Mapping[str, torch.Tensor], name: str, *, tp_rank: int, pp_rank
         raise ConversionError(f"shard tp{tp_rank}_pp{pp_rank}: tensor '{name}' is missing") from None
 
 
-def _unfuse_qkv(spec: ModelSpec, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d = spec.num_query_groups, spec.head_dim
-    r = spec.num_heads // groups
-    fused = torch.cat(parts, dim=0)
-    tail = fused.shape[1:]
-    fused = fused.reshape(groups, (r + 2) * d, *tail)
-    q, k, v = fused.split([r * d, d, d], dim=1)
-    return (
-        q.reshape(groups * r * d, *tail).contiguous(),
-        k.reshape(groups * d, *tail).contiguous(),
-        v.reshape(groups * d, *tail).contiguous(),
-    )
+def entry_blocks(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """A non-vocabulary entry's HF tensors from its tp ranks' parts, as (index into the entry's
+    HF names, row block) in order: each HF tensor is its blocks concatenated along dim 0. No
+    whole tensor is built, so a writer can stream the blocks."""
+    if kind == "replicated":
+        yield 0, parts[0]
+    elif kind == "row":
+        yield 0, torch.cat(parts, dim=1)
+    elif kind == "fc1":
+        for i in (0, 1):  # gate, then up: each rank holds [gate_i; up_i]
+            for part in parts:
+                yield i, part.chunk(2, dim=0)[i]
+    elif kind == "qkv":
+        groups_per_rank = spec.num_query_groups // len(parts)
+        r, d = spec.num_heads // spec.num_query_groups, spec.head_dim
+        for i in (0, 1, 2):  # q, k, v: each rank holds whole groups of (r q heads, k, v)
+            for part in parts:
+                tail = part.shape[1:]
+                block = part.reshape(groups_per_rank, (r + 2) * d, *tail).split([r * d, d, d], dim=1)[i]
+                yield i, block.reshape(-1, *tail)
+    else:
+        raise AssertionError(kind)
 
 
 def _gather_entry(
@@ -477,20 +493,12 @@ def _gather_entry(
     get_shard: Callable[[int, int], Mapping[str, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     parts = [_take(get_shard(t, pp_rank), name, tp_rank=t, pp_rank=pp_rank) for t in range(tp)]
-    if kind == "replicated":
-        tensors = [parts[0]]
-    elif kind == "vocab":
-        tensors = [torch.cat(parts, dim=0)[: spec.vocab_size]]
-    elif kind == "qkv":
-        tensors = list(_unfuse_qkv(spec, parts))
-    elif kind == "fc1":
-        halves = [p.chunk(2, dim=0) for p in parts]
-        tensors = [torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)]
-    elif kind == "row":
-        tensors = [torch.cat(parts, dim=1)]
-    else:
-        raise AssertionError(kind)
-    return {n: t.contiguous().clone() for n, t in zip(hf_names, tensors)}
+    if kind == "vocab":
+        return {hf_names[0]: torch.cat(parts, dim=0)[: spec.vocab_size].contiguous().clone()}
+    blocks: list[list[torch.Tensor]] = [[] for _ in hf_names]
+    for i, block in entry_blocks(spec, kind=kind, parts=parts):
+        blocks[i].append(block)
+    return {n: torch.cat(b, dim=0).contiguous().clone() for n, b in zip(hf_names, blocks)}
 
 
 def _hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None]]:
