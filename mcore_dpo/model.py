@@ -15,9 +15,6 @@ import torch.nn.functional as F
 from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, stage_layers
 from mcore_dpo.mesh import Mesh
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
 
 def layer_spec_name(*, use_te: bool) -> str:
     return "te" if use_te else "local"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
-from checkpoint_convert.mapping import ModelSpec, hf_to_mcore_shard
+from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
 from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
@@ -28,7 +28,7 @@ from mcore_dpo.data import Microbatch, TokenizedPair, collate, padded_seq_len
 from mcore_dpo.logprobs import SequenceLogps
 from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
-from mcore_dpo.model import DTYPES, build_stage_model, freeze, layer_spec_name, load_shard, open_weights
+from mcore_dpo.model import build_stage_model, freeze, layer_spec_name, load_shard, open_weights
 from mcore_dpo.optim import CpuOptimizer, MegatronOptimizer, lr_at
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, wait_for_sends
 from mcore_dpo.schedule import build_plan
@@ -198,7 +198,7 @@ class PolicyWorker(_Rank):
             self._load_checkpoint(resume_dir)
         # Reference log-probs kept on the last stage: per step batch offset (interleaved), or
         # per pair id (precomputed).
-        self._ref_next: dict[tuple[int, int], SequenceLogps] = {}
+        self._ref_next: dict[int, SequenceLogps] = {}  # next batch's reference, by microbatch
         self._next_ref_ready = False
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
         self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
@@ -266,7 +266,7 @@ class PolicyWorker(_Rank):
         sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
         ctx = self._context(microbatches)
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
-        ctx.ref_logps.update({(0, mb): v for (_, mb), v in self._ref_next.items()})
+        ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         self._ref_next = {}
         b = config.micro_batch_size
 
@@ -277,7 +277,7 @@ class PolicyWorker(_Rank):
             elif self._ref_by_pair is not None:
                 ref = _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
             else:
-                ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
+                ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
             pl = _pair_logps(logps, ref, b=b)
             losses = pair_losses(pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global)
             for key, value in metric_sums(
@@ -293,7 +293,7 @@ class PolicyWorker(_Rank):
         wait_for_sends(ctx)
         self._sync_tied_embedding_grads()  # before the dp reduction: sums commute, shards need not line up
         self.policy.finish_grad_sync()
-        self._ref_next = {(1, mb): v for (bo, mb), v in ctx.ref_logps.items() if bo == 1}
+        self._ref_next = {mb: v for (offset, mb), v in ctx.ref_logps.items() if offset == 1}
         self._next_ref_ready = ref_next  # on every stage, so that all stages build the same plan
 
         lr = lr_at(
@@ -371,7 +371,7 @@ class PolicyWorker(_Rank):
                     positions = [lo + i for i in local_ids[mb * b : (mb + 1) * b]]
                     ref = _table_rows(ref_logps, positions, device=self.platform.device)
                 else:
-                    ref = ctx.ref_logps.pop((0, mb)) if self.reference is not None else None
+                    ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
                 pl = _pair_logps(logps, ref, b=b)
                 for key, value in metric_sums(
                     pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens
@@ -462,22 +462,22 @@ class PolicyWorker(_Rank):
 
 
 
-def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> SequenceLogps:
-    """Reference log-probs of some pairs from a [pairs, 2] table, as a microbatch's rows
-    (chosen first, then rejected)."""
+def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
+    """Reference summed log-probs of some pairs from a [pairs, 2] table, as a microbatch's
+    rows (chosen first, then rejected)."""
     picked = table[rows]
-    logp_sum = torch.cat([picked[:, 0], picked[:, 1]]).to(device)
-    return SequenceLogps(logp_sum=logp_sum, num_tokens=logp_sum, logit_sum=logp_sum)
+    return torch.cat([picked[:, 0], picked[:, 1]]).to(device)
 
 
-def _pair_logps(policy: SequenceLogps, ref: SequenceLogps | None, *, b: int) -> PairLogps:
-    """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors."""
-    zeros = torch.zeros_like(policy.logp_sum[:b]).detach()
+def _pair_logps(policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: int) -> PairLogps:
+    """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors; the
+    reference's summed log-probs are zero when there is no reference."""
+    ref = ref_logp_sum.detach() if ref_logp_sum is not None else torch.zeros_like(policy.logp_sum).detach()
     return PairLogps(
         chosen_logps=policy.logp_sum[:b],
         rejected_logps=policy.logp_sum[b:],
-        ref_chosen_logps=ref.logp_sum[:b].detach() if ref is not None else zeros,
-        ref_rejected_logps=ref.logp_sum[b:].detach() if ref is not None else zeros,
+        ref_chosen_logps=ref[:b],
+        ref_rejected_logps=ref[b:],
         chosen_num_tokens=policy.num_tokens[:b],
         rejected_num_tokens=policy.num_tokens[b:],
         chosen_logit_sum=policy.logit_sum[:b],
