@@ -135,14 +135,18 @@ def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
     if not isinstance(document, list):
         raise DataError(f"{path}:1: expected a JSON array of rows")
     # Report each row by the line it starts on: decode the array element by element.
+    # The document is valid (parsed above); find where each element starts, counting lines as
+    # we go so that a large file stays linear.
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
+    line, counted_to = 1 + text.count("\n", 0, position), position
     for row in document:
         while text[position] in " \t\r\n,":
             position += 1
-        _, end = decoder.raw_decode(text, position)
-        yield text.count("\n", 0, position) + 1, row
-        position = end
+        line += text.count("\n", counted_to, position)
+        counted_to = position
+        _, position = decoder.raw_decode(text, position)
+        yield line, row
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
