@@ -273,12 +273,3 @@ def write_resolved(config: TrainConfig, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         yaml.safe_dump(config.to_dict(), fh, sort_keys=False)
-
-
-def config_from_dict(values: dict) -> TrainConfig:
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"config: unknown key {unknown[0]!r}")
-    return TrainConfig(**values)
-
