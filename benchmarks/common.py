@@ -202,6 +202,7 @@ class RankJob:
     num_steps: int  # measured steps come after `warmup_steps`
     warmup_steps: int = 1
     precompute_pairs: int = 0  # ref_mode precomputed: the data set size of the one-off pass
+    trace: bool = False  # record every measured step's op timeline on every rank
 
 
 def free_port() -> int:
@@ -237,7 +238,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                 start = time.perf_counter()
                 worker.precompute_reference(pairs[: job["precompute_pairs"]])
                 precompute_s = time.perf_counter() - start
-            step_times, tokens = [], []
+            worker.trace_ops = job["trace"]
+            step_times, tokens, traces = [], [], []
             for k in range(num_batches - 1):
                 metrics = worker.train_step(StepBatch(
                     step=k + 1,
@@ -245,6 +247,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                     next_pairs=[pairs[i] for i in batches[k + 1]],
                     pair_ids=batches[k],
                 ))  # fmt: skip
+                if job["trace"] and k >= job["warmup_steps"]:
+                    traces.append(worker.last_trace)
                 if metrics is not None and k >= job["warmup_steps"]:
                     step_times.append(metrics["step_time_s"])
                     tokens.append(pair_tokens([pairs[i] for i in batches[k]]))
@@ -259,6 +263,7 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                 "baseline_rss_bytes": baseline_rss,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "loadavg_1min_after": os.getloadavg()[0],  # the box may be shared: record contention
+                "traces": traces,
             })  # fmt: skip
             worker.shutdown()
             del worker

@@ -33,9 +33,17 @@ MODES = ("interleaved", "sequential", "precomputed", "none")
 SIM_STAGES = (2, 4, 8)
 SIM_MICROBATCHES = (4, 8, 16, 32)
 
-# Measured model: compute dominates the Python and p2p overhead, and a step takes ~2 s.
-MEASURED_SHAPE = common.LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
-                                   intermediate_size=1408, vocab_size=4096)
+# Measured models. Compute dominates the Python and p2p overhead, and a step takes ~2 s.
+# "balanced": 5 layers split 3 / 2 (earlier stages take the extra layer), and a vocabulary at
+# which the output layer plus log-probs cost about one decoder layer, so both stages carry
+# the same work, as a practitioner would split a pipeline. "last-heavy": 4 layers split 2 / 2
+# with the output layer on top of stage 1, which makes that stage ~35% slower.
+SHAPES = {
+    "balanced": common.LlamaShape(hidden_size=512, num_layers=5, num_heads=8, num_kv_heads=4,
+                                  intermediate_size=1408, vocab_size=6144),
+    "last-heavy": common.LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                                    intermediate_size=1408, vocab_size=4096),
+}
 TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                intermediate_size=128, vocab_size=256)
 
@@ -78,7 +86,8 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
                           lr=1e-5)
             # the one-off pass covers the pairs the measured steps use
             jobs.append(common.RankJob(name=mode, config=config, num_steps=steps_per_round, warmup_steps=1,
-                                       precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0))
+                                       precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0,
+                                       trace=True))
     results = common.run_ranks(world_size=2, jobs=jobs, data=data, out_dir=work_dir / "ranks")
     out = {"shape": shape.__dict__, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
            "num_microbatches": num_microbatches, "rounds": rounds, "steps_per_round": steps_per_round, "modes": {}}
@@ -92,6 +101,7 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
         if mode == "precomputed":
             entry["precompute_s"] = common.summary(rep["precompute_s"])
             entry["precompute_pairs"] = data["num_pairs"]
+        entry.update(_trace_stats(results, mode))
         out["modes"][mode] = entry
     base = out["modes"]["none"]["step_time_s"]["median"] if "none" in out["modes"] else None
     base_min = out["modes"]["none"]["step_time_s"]["min"] if "none" in out["modes"] else None
@@ -100,9 +110,68 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
             entry["ratio_vs_none"] = entry["step_time_s"]["median"] / base
             entry["ratio_of_minima_vs_none"] = entry["step_time_s"]["min"] / base_min
     if "interleaved" in out["modes"] and "sequential" in out["modes"]:
-        out["interleaved_faster_than_sequential"] = (
-            1 - out["modes"]["interleaved"]["step_time_s"]["median"] / out["modes"]["sequential"]["step_time_s"]["median"])
+        inter, seq = out["modes"]["interleaved"], out["modes"]["sequential"]
+        out["interleaved_faster_than_sequential"] = 1 - inter["step_time_s"]["median"] / seq["step_time_s"]["median"]
+        # No schedule of this work finishes before its busiest stage has run every forward,
+        # backward and reference forward: the most any schedule can gain over sequential.
+        out["any_schedule_faster_than_sequential_at_most"] = 1 - inter["busiest_stage_compute_s"] / seq["step_time_s"]["median"]
+        out["simulated_with_measured_costs"] = _simulate_measured(out["modes"], num_microbatches=num_microbatches)
     return out
+
+
+COMPUTE_OPS = ("fwd", "bwd", "ref_fwd")
+WAIT_OPS = ("recv_act", "recv_grad", "recv_ref_act")
+
+
+def _trace_stats(results: list[list[dict]], mode: str) -> dict:
+    """From every rank's op timelines of `mode`: median op durations per pipeline stage, the
+    share of the step each stage spent blocked on receives, and the busiest stage's compute."""
+    per_stage: dict[int, dict[str, list[float]]] = {}
+    compute_per_step: dict[int, list[float]] = {}
+    wait_share: dict[int, list[float]] = {}
+    for rank in results:
+        for job in rank:
+            if job["name"] != mode:
+                continue
+            stage = job["coordinates"][1]
+            for trace in job["traces"]:
+                span = max(end for *_, end in trace)
+                for kind, _, _, start, end in trace:
+                    per_stage.setdefault(stage, {}).setdefault(kind, []).append(end - start)
+                compute_per_step.setdefault(stage, []).append(
+                    sum(end - start for kind, _, _, start, end in trace if kind in COMPUTE_OPS))
+                wait_share.setdefault(stage, []).append(
+                    sum(end - start for kind, _, _, start, end in trace if kind in WAIT_OPS) / span)
+    import statistics
+
+    # One step to draw: the last round's step closest to that round's median step time.
+    last = max(i for i, job in enumerate(results[0]) if job["name"] == mode)
+    times = common.reporting(results, last)["step_time_s"]
+    k = min(range(len(times)), key=lambda i: abs(times[i] - statistics.median(times)))
+    timeline = {str(rank[last]["coordinates"][1]): rank[last]["traces"][k] for rank in results}
+    return {
+        "timeline": timeline,
+        "op_median_ms": {str(s): {k: 1e3 * statistics.median(v) for k, v in sorted(ops.items())}
+                         for s, ops in sorted(per_stage.items())},
+        "recv_wait_share": {str(s): statistics.median(v) for s, v in sorted(wait_share.items())},
+        "busiest_stage_compute_s": max(statistics.median(v) for v in compute_per_step.values()),
+    }
+
+
+def _simulate_measured(modes: dict, *, num_microbatches: int) -> dict:
+    """The plan simulator fed with the measured op durations (mean over stages, free
+    communication, no optimizer): what the schedule alone predicts for this model."""
+    stages = modes["interleaved"]["op_median_ms"]
+
+    def mean(kind: str) -> float:
+        return sum(ops[kind] for ops in stages.values()) / len(stages)
+
+    costs = Costs(fwd=mean("fwd"), bwd=mean("bwd"), ref_fwd=mean("ref_fwd"))
+    times = {mode: simulate(build_plan(num_stages=len(stages), num_microbatches=num_microbatches, ref_mode=mode,
+                                       costs=costs), costs=costs).makespan / 1e3
+             for mode in ("none", "sequential", "interleaved")}
+    return {"costs_ms": costs.__dict__, "makespan_s": times,
+            "ratio_vs_none": {mode: t / times["none"] for mode, t in times.items()}}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -134,12 +203,51 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+TIMELINE_COLORS = {"fwd": "#4c78a8", "bwd": "#f58518", "ref_fwd": "#54a24b", "optimizer": "#b279a2"}
+
+
+def plot_timeline(measured_result: dict, path: Path) -> None:
+    """One measured step per mode, one row per stage: policy forward, backward, reference
+    forward and optimizer as bars; the gaps are time blocked on a neighbour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    modes = [m for m in ("none", "sequential", "interleaved") if m in measured_result["modes"]]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 1.3 * len(modes) + 0.8), sharex=True, squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        timeline = measured_result["modes"][mode]["timeline"]
+        for stage, trace in timeline.items():
+            y = int(stage)
+            for kind, mb, batch, start, end in trace:
+                if kind not in TIMELINE_COLORS:
+                    continue
+                ax.broken_barh([(start, end - start)], (y - 0.4, 0.8), facecolors=TIMELINE_COLORS[kind],
+                               edgecolor="white", linewidth=0.5, hatch="//" if batch == 1 else None)
+        span = max(end for trace in timeline.values() for *_, end in trace)
+        ax.set_yticks(range(len(timeline)), [f"stage {s}" for s in sorted(timeline, key=int)])
+        ax.invert_yaxis()
+        ax.set_title(f"{mode}: {span:.2f} s", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds from the start of the step")
+    handles = [Patch(color=c, label=k) for k, c in TIMELINE_COLORS.items()]
+    handles.append(Patch(facecolor="#54a24b", hatch="//", edgecolor="white", label="ref_fwd, next batch"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/mcore_dpo_bench/ref_cost.json")
     parser.add_argument("--plot", default=None, help="PNG of the simulated ratios (e.g. docs/img/ref_cost_sim.png)")
     parser.add_argument("--simulated-only", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="smoke size: tiny model, short sequences")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="balanced", help="measured model (see SHAPES)")
+    parser.add_argument("--timeline", default=None, help="PNG of one measured step per mode, op by op, per stage")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per mode and round (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each builds every mode afresh")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -159,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"separate {r['ratio_closed_separate_pass']:.3f}  concatenated {r['ratio_closed_concatenated']:.3f}")
     if not args.simulated_only:
         work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_ref_cost_"))
-        shape = TINY_SHAPE if args.tiny else MEASURED_SHAPE
+        shape = TINY_SHAPE if args.tiny else SHAPES[args.shape]
         seq_len = 16 if args.tiny else args.seq_len
         result["measured"] = measured(shape=shape, seq_len=seq_len, micro_batch_size=args.micro_batch_size,
                                       num_microbatches=4 if args.tiny else args.microbatches,
@@ -169,6 +277,15 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, e in result["measured"]["modes"].items():
             extra = f", one-off pass {common.fmt(e['precompute_s'], digits=2)} s" if "precompute_s" in e else ""
             print(f"  {mode:<12} {common.fmt(e['step_time_s'])}  x{e.get('ratio_vs_none', float('nan')):.3f}{extra}")
+        m = result["measured"]
+        if "interleaved_faster_than_sequential" in m:
+            print(f"  interleaved is {100 * m['interleaved_faster_than_sequential']:.1f}% faster than sequential; "
+                  f"no schedule of this work can be more than {100 * m['any_schedule_faster_than_sequential_at_most']:.1f}%")
+            sim = m["simulated_with_measured_costs"]["ratio_vs_none"]
+            print(f"  simulator with the measured op costs: interleaved x{sim['interleaved']:.3f}, "
+                  f"sequential x{sim['sequential']:.3f}")
+        if args.timeline:
+            plot_timeline(result["measured"], Path(args.timeline))
     common.write_json(args.out, result)
     return result
 

@@ -52,6 +52,8 @@ class StageContext:
     _pending_sends: list[tuple[object, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
+    # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
+    trace: list[tuple[str, int, int, float, float]] | None = None
 
     def activation_shape(self, batch: int) -> tuple[int, int, int]:
         mb = self.microbatches[batch][0]
@@ -126,6 +128,7 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
     mesh = ctx.mesh
     for op in ops:
         kind, mb, batch = op.kind, op.microbatch, op.batch
+        start = time.perf_counter() if ctx.trace is not None else 0.0
         if kind is OpKind.RECV_ACT:
             buf = _recv(ctx, op, src=mesh.prev_rank)
             ctx._policy_in[mb] = buf if ctx.forward_only else buf.requires_grad_()
@@ -148,6 +151,8 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
             _send(ctx, ctx._ref_out.pop((batch, mb)), dst=mesh.next_rank)
         else:  # pragma: no cover - the plan validator rejects unknown ops
             raise ValueError(f"unknown op {op}")
+        if ctx.trace is not None:
+            ctx.trace.append((kind.value, mb, batch, start, time.perf_counter()))
 
 
 def _policy_forward(ctx: StageContext, mb: int) -> None:

@@ -200,6 +200,10 @@ class PolicyWorker(_Rank):
         # per pair id (precomputed).
         self._ref_next: dict[int, SequenceLogps] = {}  # next batch's reference, by microbatch
         self._next_ref_ready = False
+        # Set trace_ops to record each step's op timeline in last_trace: (op, microbatch, batch,
+        # start, end) in seconds from the step's start; "optimizer" covers the optimizer step.
+        self.trace_ops = False
+        self.last_trace: list[tuple[str, int, int, float, float]] = []
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
         self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
 
@@ -264,7 +268,7 @@ class PolicyWorker(_Rank):
         num_pairs_global = len(pairs)
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
         sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
-        ctx = self._context(microbatches)
+        ctx = self._context(microbatches, trace=[] if self.trace_ops else None)
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         self._ref_next = {}
@@ -303,7 +307,11 @@ class PolicyWorker(_Rank):
             warmup_steps=config.lr_warmup_steps,
             total_steps=config.max_steps,
         )
+        optimizer_start = time.perf_counter()
         grad_norm = self.optimizer.step(lr=lr)
+        if ctx.trace is not None:
+            ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
+            self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]
         metrics = self._reduce_metrics(sums, spec=spec)
         plat.synchronize(self.platform)
         elapsed = time.perf_counter() - start
