@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import resource
 import socket
 import statistics
@@ -206,7 +207,23 @@ class RankJob:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port below the kernel's ephemeral range, so that a port handed out for a
+    later job cannot meanwhile be taken by an outgoing connection (gloo opens many)."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # fall back to any port the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -284,15 +301,23 @@ def run_ranks(*, world_size: int, jobs: list[RankJob], data: dict, out_dir: Path
     for stale in list(out_dir.glob("rank*.json")) + list(out_dir.glob("error_rank*.txt")):
         stale.unlink()
     ctx = mp.get_context("spawn")
-    ports = [free_port() for _ in jobs]
+    ports: list[int] = []
+    while len(ports) < len(jobs):
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     job_dicts = [asdict(j) for j in jobs]
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, ports, job_dicts, data, str(out_dir)))
              for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    # Poll rather than join: a rank that fails leaves its peers blocked in a collective.
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(out_dir.glob("error_rank*.txt")):
+            time.sleep(1.0)  # let the failing rank finish writing
+            break
+        time.sleep(0.2)
     errors = sorted(out_dir.glob("error_rank*.txt"))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:

@@ -17,6 +17,15 @@ Reference modes (`REF_MODES`):
   of this step (batch=1); `ref_current=True` also computes this batch's
   reference (batch=0), needed on the first step and after a resume.
 
+Carrying (interleaved, pp > 1): stage s idles at the start of a 1F1B step
+until its first activation arrives, about s forwards. With `carry_out=True` a
+step leaves the reference forwards of the next batch's last s microbatches on
+stage s (`carried`) to the start of the next step, and stage s-1 keeps its
+output for the first of them (KEEP_REF_ACT) instead of sending it. The next
+step is built with `carry_in=True`: stage s-1 sends the kept activation first
+thing (SEND_KEPT_REF_ACT), and stage s runs the carried reference forwards in
+its warm-up idle time. Every message stays inside one step.
+
 Look at a plan:  python -c "from mcore_dpo.schedule import *;
 print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interleaved')))"
 """
@@ -39,6 +48,8 @@ class OpKind(str, Enum):
     SEND_GRAD = "send_grad"
     RECV_REF_ACT = "recv_ref_act"  # reference activations, s -> s+1
     SEND_REF_ACT = "send_ref_act"
+    KEEP_REF_ACT = "keep_ref_act"  # hold a next-batch reference activation for the next step
+    SEND_KEPT_REF_ACT = "send_kept_ref_act"  # send the one held since the last step (batch 0 now)
 
 
 REF_MODES = ("interleaved", "sequential", "precomputed", "none")
@@ -51,12 +62,14 @@ MAX_REF_ACTS_IN_FLIGHT = 3
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.REF_FWD)
 # send/recv kind -> (payload, stage offset of the peer)
-_SENDS = {OpKind.SEND_ACT: ("act", 1), OpKind.SEND_REF_ACT: ("ref_act", 1), OpKind.SEND_GRAD: ("grad", -1)}
+_SENDS = {OpKind.SEND_ACT: ("act", 1), OpKind.SEND_REF_ACT: ("ref_act", 1), OpKind.SEND_GRAD: ("grad", -1),
+          OpKind.SEND_KEPT_REF_ACT: ("ref_act", 1)}
 _RECVS = {OpKind.RECV_ACT: ("act", -1), OpKind.RECV_REF_ACT: ("ref_act", -1), OpKind.RECV_GRAD: ("grad", 1)}
 _SHORT = {
     OpKind.FWD: "F", OpKind.BWD: "B", OpKind.REF_FWD: "R",
     OpKind.RECV_ACT: "ra", OpKind.SEND_ACT: "sa", OpKind.RECV_GRAD: "rg",
     OpKind.SEND_GRAD: "sg", OpKind.RECV_REF_ACT: "rr", OpKind.SEND_REF_ACT: "sr",
+    OpKind.KEEP_REF_ACT: "kr", OpKind.SEND_KEPT_REF_ACT: "sk",
 }
 
 
@@ -81,6 +94,8 @@ class Plan:
     # Global batches whose reference forwards this plan computes (0 = this batch,
     # 1 = the next one); the validator checks the ops against it.
     ref_batches: tuple[int, ...] = ()
+    carry_in: bool = False  # starts with the reference forwards the previous plan carried out
+    carry_out: bool = False  # leaves `carried` next-batch reference forwards to the next plan
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,27 @@ def _expected_ref_batches(ref_mode: str, ref_current: bool, ref_next: bool) -> t
     return ()
 
 
+def carried(stage: int, *, num_stages: int, num_microbatches: int) -> range:
+    """Microbatches whose next-batch reference forward `stage` leaves to the start of the
+    next step in a carrying plan: the last min(stage, m). One forward per stage above it is
+    the warm-up idle time it fills. The sets grow with the stage, so what stage s runs
+    early, stage s+1 also runs early, and only the first of stage s+1's extra ones crosses
+    the step boundary, as an activation that stage s keeps."""
+    if num_stages < 2:
+        return range(0)
+    count = min(stage, num_microbatches)
+    return range(num_microbatches - count, num_microbatches)
+
+
+def _kept(stage: int, *, num_stages: int, num_microbatches: int) -> range:
+    """Next-batch reference activations that `stage` keeps for the next step (carry_out)."""
+    if stage >= num_stages - 1:
+        return range(0)
+    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    theirs = carried(stage + 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    return range(theirs.start, mine.start)
+
+
 # ----------------------------------------------------------------------------- building
 
 
@@ -137,18 +173,28 @@ def _one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[
     return ops
 
 
-def _add_comm(compute_orders: list[list[Op]]) -> tuple[tuple[Op, ...], ...]:
+def _add_comm(
+    compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False
+) -> tuple[tuple[Op, ...], ...]:
     """Put each send right after its producer and each recv right before its consumer.
 
     Messages on one link are matched in order, so a consumer first receives every
     earlier message on that link (they were sent earlier, so this never waits longer).
+    With carry_in, each stage first sends the activations it kept in the last step;
+    with carry_out, the ones to keep are kept instead of sent.
     """
-    num_stages = len(compute_orders)
-    # Send order per link (src, dst) = order of the producing compute ops on src.
+    num_stages, m = len(compute_orders), num_microbatches
+    kept = [set(_kept(s, num_stages=num_stages, num_microbatches=m)) if carry_out else set() for s in range(num_stages)]
+    kept_in = [list(_kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
+    # Send order per link (src, dst) = order of the producing ops on src.
     link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for s, ops in enumerate(compute_orders):
+        for mb in kept_in[s]:
+            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0))
         for op in ops:
             if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s < num_stages - 1:
+                if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in kept[s]:
+                    continue
                 payload = "act" if op.kind == OpKind.FWD else "ref_act"
                 link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
             if op.kind == OpKind.BWD and s > 0:
@@ -158,7 +204,7 @@ def _add_comm(compute_orders: list[list[Op]]) -> tuple[tuple[Op, ...], ...]:
     stages = []
     for s, ops in enumerate(compute_orders):
         received = {src: 0 for src in (s - 1, s + 1) if 0 <= src < num_stages}
-        out: list[Op] = []
+        out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0) for mb in kept_in[s]]
         for op in ops:
             need = None
             if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s > 0:
@@ -176,7 +222,8 @@ def _add_comm(compute_orders: list[list[Op]]) -> tuple[tuple[Op, ...], ...]:
             if op.kind == OpKind.FWD and s < num_stages - 1:
                 out.append(Op(OpKind.SEND_ACT, op.microbatch))
             elif op.kind == OpKind.REF_FWD and s < num_stages - 1:
-                out.append(Op(OpKind.SEND_REF_ACT, op.microbatch, op.batch))
+                keep = op.batch == 1 and op.microbatch in kept[s]
+                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch))
             elif op.kind == OpKind.BWD and s > 0:
                 out.append(Op(OpKind.SEND_GRAD, op.microbatch))
         stages.append(tuple(out))
@@ -300,18 +347,20 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
 
 
 def _place_refs_late(
-    *, base: list[list[Op]], base_times: list[list[tuple[float, float]]], refs: list[Op], costs: Costs, makespan: float
+    *, base: list[list[Op]], base_times: list[list[tuple[float, float]]], refs: list[list[Op]], costs: Costs,
+    makespan: float,
 ) -> list[list[Op]] | None:
-    """Fit `refs` into the idle time of a base schedule, each as late as possible.
+    """Fit `refs[s]` into the idle time of stage s of a base schedule, each as late as possible.
 
-    The base ops keep their times; every stage runs `refs` in the same order and
-    all must end by `makespan`. Going backwards from the last stage, each
-    reference forward takes the latest idle slot that ends before the same
-    microbatch starts downstream, which leaves upstream stages the most room,
-    so this finds a fit whenever one exists for that order. None: no fit.
+    The base ops keep their times; all must end by `makespan`. Each stage's list is a prefix
+    of the one before it, in the same order (a reference forward that stage s+1 does not
+    run in this step is carried over). Going backwards from the last stage, each reference
+    forward takes the latest idle slot that ends before the same microbatch starts
+    downstream, which leaves upstream stages the most room, so this finds a fit whenever
+    one exists for that order. None: no fit.
     """
     num_stages, dur, eps = len(base), costs.ref_fwd, 1e-9 * max(1.0, makespan)
-    starts: list[list[float]] = [[0.0] * len(refs) for _ in range(num_stages)]
+    starts: list[list[float]] = [[0.0] * len(stage_refs) for stage_refs in refs]
     for s in reversed(range(num_stages)):
         # Idle intervals of stage s, earliest first, with the open end cut at `makespan`.
         free, busy_until = [], 0.0
@@ -321,8 +370,9 @@ def _place_refs_late(
             busy_until = end
         free.append([busy_until, makespan])
         idx, limit = len(free) - 1, makespan
-        for j in reversed(range(len(refs))):
-            due = limit if s == num_stages - 1 else min(limit, starts[s + 1][j] - costs.comm)
+        downstream = starts[s + 1] if s < num_stages - 1 else []
+        for j in reversed(range(len(refs[s]))):
+            due = min(limit, downstream[j] - costs.comm) if j < len(downstream) else limit
             while idx >= 0 and min(due, free[idx][1]) - free[idx][0] < dur - eps:
                 idx -= 1
             if idx < 0:
@@ -333,18 +383,22 @@ def _place_refs_late(
     orders = []
     for s in range(num_stages):
         timed = [(start, 0, i, op) for i, (op, (start, _)) in enumerate(zip(base[s], base_times[s]))]
-        timed += [(starts[s][j], 1, j, op) for j, op in enumerate(refs)]
+        timed += [(starts[s][j], 1, j, op) for j, op in enumerate(refs[s])]
         orders.append([op for *_, op in sorted(timed)])
     return orders
 
 
-def _interleave_late(*, base: list[list[Op]], refs: list[Op], costs: Costs, late_base: bool) -> list[list[Op]]:
-    """Reference forwards in the base schedule's bubbles, for the smallest makespan that fits.
+def _interleave_late(
+    *, base: list[list[Op]], refs: list[list[Op]], costs: Costs, late_base: bool, num_microbatches: int,
+    carry_in: bool,
+) -> list[list[Op]]:
+    """Reference forwards `refs[s]` in the bubbles of stage s of the base schedule, for the
+    smallest makespan that fits.
 
     `late_base`: run the base ops as late as its own makespan allows (else as early
     as possible) before looking for idle time.
     """
-    base_plan = _add_comm(base)
+    base_plan = _add_comm(base, num_microbatches=num_microbatches, carry_in=carry_in)
     run = _execute(base_plan, costs)
     if late_base:
         base_times = _latest_times(base, costs=costs, makespan=run.makespan)
@@ -359,7 +413,7 @@ def _interleave_late(*, base: list[list[Op]], refs: list[Op], costs: Costs, late
     best = fit(low)
     if best is not None:
         return best
-    high = low + (len(refs) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
+    high = low + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
     best = fit(high)
     assert best is not None, "reference forwards after the base schedule always fit"
     # Fitting is monotone in the makespan, so bisect; simulate() gives the exact time afterwards.
@@ -380,9 +434,13 @@ def build_plan(
     ref_mode: str,
     ref_current: bool = False,
     ref_next: bool = True,
+    carry_in: bool = False,
+    carry_out: bool = False,
     costs: Costs = Costs(),
 ) -> Plan:
-    """Plan one training step; `ref_current`/`ref_next` only matter for "interleaved".
+    """Plan one training step; `ref_current`/`ref_next` and carrying only matter for
+    "interleaved" (see the module docstring). With one stage there is nothing to carry and
+    the plan's carry flags stay False.
 
     `costs` guide where the interleaved scheduler puts reference forwards; the
     plan is valid whatever the real durations turn out to be.
@@ -393,42 +451,59 @@ def build_plan(
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
     if ref_mode not in REF_MODES:
         raise ValueError(f"ref_mode must be one of {REF_MODES}, got {ref_mode!r}")
+    if (carry_in or carry_out) and ref_mode != "interleaved":
+        raise ValueError(f"carry_in/carry_out apply to ref_mode 'interleaved' only, not {ref_mode!r}")
+    if carry_in and ref_current:
+        raise ValueError("carry_in and ref_current exclude each other: a carrying step already has this batch's reference")
+    if carry_out and not ref_next:
+        raise ValueError("carry_out needs ref_next: only the next batch's reference forwards can be carried")
     _check_costs(costs)
     p, m = num_stages, num_microbatches
+    carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
     ref_batches = _expected_ref_batches(ref_mode, ref_current, ref_next)
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        return Plan(p, m, ref_mode, _add_comm(orders), ref_batches)
+        stages = _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out)
+        return Plan(p, m, ref_mode, stages, ref_batches, carry_in, carry_out)
 
-    policy = [_one_f_one_b(stage=s, num_stages=p, num_microbatches=m) for s in range(p)]
+    def stage_range(s: int) -> range:
+        return carried(s, num_stages=p, num_microbatches=m)
+
+    # Carried-in reference forwards open each stage's list: its warm-up idle time.
+    policy = [[Op(OpKind.REF_FWD, mb, 0) for mb in (stage_range(s) if carry_in else ())]
+              + _one_f_one_b(stage=s, num_stages=p, num_microbatches=m) for s in range(p)]
     if not ref_batches:
         return plan_of(policy)
-    refs = [Op(OpKind.REF_FWD, mb, b) for b in ref_batches for mb in range(m)]
-    prologue = plan_of([refs + chain for chain in policy])
+    current = [Op(OpKind.REF_FWD, mb, 0) for mb in range(m)] if 0 in ref_batches else []
+    # Next-batch reference forwards run in this step by each stage: a prefix of 0..m-1.
+    next_refs = [[Op(OpKind.REF_FWD, mb, 1) for mb in range(m) if not (carry_out and mb in stage_range(s))]
+                 for s in range(p)] if 1 in ref_batches else [[] for _ in range(p)]
+    prologue = plan_of([current + next_refs[s] + policy[s] for s in range(p)])
     if ref_mode == "sequential":
         return prologue
     # Interleaved: build a few candidates, keep the fastest under `costs` whose
     # reference activations in flight stay within MAX_REF_ACTS_IN_FLIGHT.
-    next_refs = [op for op in refs if op.batch == 1]
     bases = [policy]
     candidates = []
-    if 0 in ref_batches:
+    if current:
         # This batch's reference gates the loss: first schedule it (greedy or as a
         # prologue), then fit the next batch's reference into what is left idle.
         current_only = [_greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=(0,),
                                             costs=costs, max_in_flight=MAX_REF_ACTS_IN_FLIGHT)]
-        bases = current_only + [[refs[:m] + chain for chain in policy]]
+        bases = current_only + [[current + chain for chain in policy]]
         candidates.append(prologue)
     for base in bases:
-        if not next_refs:
+        if not any(next_refs):
             candidates.append(plan_of(base))
             continue
         for late_base in (True, False):
-            candidates.append(plan_of(_interleave_late(base=base, refs=next_refs, costs=costs, late_base=late_base)))
-    for max_in_flight in range(1, MAX_REF_ACTS_IN_FLIGHT + 1):
-        orders = _greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=ref_batches,
-                                     costs=costs, max_in_flight=max_in_flight)
-        candidates.append(plan_of(orders))
+            candidates.append(plan_of(_interleave_late(base=base, refs=next_refs, costs=costs, late_base=late_base,
+                                                       num_microbatches=m, carry_in=carry_in)))
+    if not (carry_in or carry_out):
+        for max_in_flight in range(1, MAX_REF_ACTS_IN_FLIGHT + 1):
+            orders = _greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=ref_batches,
+                                         costs=costs, max_in_flight=max_in_flight)
+            candidates.append(plan_of(orders))
     scored = []
     for index, plan in enumerate(candidates):
         run = _execute(plan.stages, costs)  # our own plans: no need to re-check their structure
@@ -445,8 +520,13 @@ def _message(op: Op) -> tuple[str, int, int]:
     return (payload, op.microbatch, op.batch)
 
 
-def _expected_ops(*, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...]) -> Counter:
+def _expected_ops(
+    *, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...], carry_in: bool,
+    carry_out: bool,
+) -> Counter:
     first, last = stage == 0, stage == num_stages - 1
+    shape = dict(num_stages=num_stages, num_microbatches=num_microbatches)
+    mine, kept = carried(stage, **shape), _kept(stage, **shape)
     expected: Counter = Counter()
     for mb in range(num_microbatches):
         expected[Op(OpKind.FWD, mb)] += 1
@@ -458,11 +538,23 @@ def _expected_ops(*, stage: int, num_stages: int, num_microbatches: int, ref_bat
             expected[Op(OpKind.SEND_ACT, mb)] += 1
             expected[Op(OpKind.RECV_GRAD, mb)] += 1
         for batch in ref_batches:
+            if batch == 1 and carry_out and mb in mine:
+                continue  # left to the start of the next step
             expected[Op(OpKind.REF_FWD, mb, batch)] += 1
             if not first:
                 expected[Op(OpKind.RECV_REF_ACT, mb, batch)] += 1
             if not last:
-                expected[Op(OpKind.SEND_REF_ACT, mb, batch)] += 1
+                keep = batch == 1 and carry_out and mb in kept
+                expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch)] += 1
+    if carry_in:
+        for mb in mine:
+            expected[Op(OpKind.REF_FWD, mb, 0)] += 1
+            if not first:
+                expected[Op(OpKind.RECV_REF_ACT, mb, 0)] += 1
+            if not last:
+                expected[Op(OpKind.SEND_REF_ACT, mb, 0)] += 1
+        for mb in kept:
+            expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0)] += 1
     return expected
 
 
@@ -478,13 +570,21 @@ def _check_structure(plan: Plan) -> None:
                "interleaved": [(), (0,), (1,), (0, 1)]}[plan.ref_mode]
     if tuple(plan.ref_batches) not in allowed:
         raise PlanError(f"plan.ref_batches={plan.ref_batches!r} is not allowed for ref_mode {plan.ref_mode!r}")
+    if (plan.carry_in or plan.carry_out) and (plan.ref_mode != "interleaved" or p < 2):
+        raise PlanError(f"plan carries reference forwards, which needs ref_mode 'interleaved' and >= 2 stages "
+                        f"(got {plan.ref_mode!r}, {p} stages)")
+    if plan.carry_in and 0 in plan.ref_batches:
+        raise PlanError("plan.carry_in with batch 0 in plan.ref_batches: this batch's reference would run twice")
+    if plan.carry_out and 1 not in plan.ref_batches:
+        raise PlanError("plan.carry_out without batch 1 in plan.ref_batches: nothing to carry")
 
     for s, ops in enumerate(plan.stages):
         for i, op in enumerate(ops):
             if not isinstance(op, Op) or not isinstance(op.kind, OpKind):
                 raise PlanError(f"plan stage {s} op {i}: not an Op with an OpKind: {op!r}")
         have = Counter(ops)
-        want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches)
+        want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches,
+                             carry_in=plan.carry_in, carry_out=plan.carry_out)
         for op in [] if have == want else sorted(set(have) | set(want), key=repr):
             if have[op] != want[op]:
                 raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch} "
@@ -505,14 +605,16 @@ def _check_structure(plan: Plan) -> None:
             if s < p - 1:
                 before(fwd, Op(OpKind.SEND_ACT, mb), "activation is sent after the forward")
                 before(Op(OpKind.RECV_GRAD, mb), bwd, "backward needs the output grad")
-            for batch in plan.ref_batches:
-                ref = Op(OpKind.REF_FWD, mb, batch)
-                if s > 0:
-                    before(Op(OpKind.RECV_REF_ACT, mb, batch), ref, "reference forward needs its input")
-                if s < p - 1:
-                    before(ref, Op(OpKind.SEND_REF_ACT, mb, batch), "activation is sent after the forward")
-                if s == p - 1 and batch == 0:
-                    before(ref, fwd, "the loss needs this batch's reference log-probs")
+        for ref in [op for op in ops if op.kind == OpKind.REF_FWD]:
+            mb, batch = ref.microbatch, ref.batch
+            if s > 0:
+                before(Op(OpKind.RECV_REF_ACT, mb, batch), ref, "reference forward needs its input")
+            if s < p - 1:
+                kept = Op(OpKind.KEEP_REF_ACT, mb, batch)
+                before(ref, kept if kept in pos else Op(OpKind.SEND_REF_ACT, mb, batch),
+                       "activation is sent after the forward, or kept")
+            if s == p - 1 and batch == 0:
+                before(ref, Op(OpKind.FWD, mb), "the loss needs this batch's reference log-probs")
 
     # NCCL matches point-to-point messages between two ranks in order.
     for s in range(p):
@@ -545,6 +647,8 @@ def _execute(stages: tuple[tuple[Op, ...], ...], costs: Costs) -> SimResult:
                     clock[s] = t + _cost(op.kind, costs)
                 elif op.kind in _SENDS:
                     links.setdefault((s, s + _SENDS[op.kind][1]), []).append((_message(op), t + costs.comm))
+                elif op.kind == OpKind.KEEP_REF_ACT:
+                    pass  # held in memory for the next step
                 else:
                     link = (s + _RECVS[op.kind][1], s)
                     queue = links.get(link, [])
@@ -572,8 +676,9 @@ def _execute(stages: tuple[tuple[Op, ...], ...], costs: Costs) -> SimResult:
     )
     worst = 0
     for s in range(p - 1):
-        # +1 when stage s finishes a reference forward, -1 when stage s+1 starts on it.
-        deltas = [(times[s][i][1], 1) for i, op in enumerate(stages[s]) if op.kind == OpKind.REF_FWD]
+        # +1 when stage s sends a reference activation, -1 when stage s+1 starts on it.
+        deltas = [(times[s][i][1], 1) for i, op in enumerate(stages[s])
+                  if op.kind in (OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)]
         deltas += [(times[s + 1][i][0], -1) for i, op in enumerate(stages[s + 1]) if op.kind == OpKind.REF_FWD]
         level = 0
         for _, delta in sorted(deltas):

@@ -25,7 +25,8 @@ def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 def test_ref_cost_simulated_and_measured(tmp_path):
     result = ref_cost.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "r.json"),
-                            "--work-dir", str(tmp_path / "w"), "--plot", str(tmp_path / "sim.png")])
+                            "--work-dir", str(tmp_path / "w"), "--plot", str(tmp_path / "sim.png"),
+                            "--timeline", str(tmp_path / "timeline.png")])
     rows = {(r["pp"], r["m"]): r for r in result["simulated"]}
     p4m8 = rows[(4, 8)]
     assert p4m8["ratio_sim_interleaved"] <= 1.07  # the simulated goal
@@ -40,6 +41,24 @@ def test_ref_cost_simulated_and_measured(tmp_path):
     assert modes["precomputed"]["precompute_s"]["median"] > 0
     assert (tmp_path / "sim.png").stat().st_size > 0
     assert json.loads((tmp_path / "r.json").read_text())["measured"]["modes"]["none"]["ratio_vs_none"] == 1.0
+    # The op timelines: every stage ran each microbatch's forward and backward once, and the
+    # reference forwards its mode calls for (interleaved: the next batch's), one op at a time.
+    m = result["measured"]["num_microbatches"]
+    expected_ref = {"interleaved": (m, {1}), "sequential": (m, {0}), "precomputed": (0, set()), "none": (0, set())}
+    for mode, entry in modes.items():
+        assert set(entry["timeline"]) == {"0", "1"}
+        for trace in entry["timeline"].values():
+            kinds = [kind for kind, *_ in trace]
+            assert kinds.count("fwd") == kinds.count("bwd") == m and kinds.count("optimizer") == 1
+            refs = [op for op in trace if op[0] == "ref_fwd"]
+            assert (len(refs), {op[2] for op in refs}) == expected_ref[mode]
+            times = [t for *_, start, end in trace for t in (start, end)]
+            assert times == sorted(times) and times[0] >= 0
+        assert set(entry["op_median_ms"]) == {"0", "1"} and 0 <= min(entry["recv_wait_share"].values()) < 1
+    bound = result["measured"]["any_schedule_faster_than_sequential_at_most"]
+    assert result["measured"]["interleaved_faster_than_sequential"] <= bound < 1
+    assert set(result["measured"]["simulated_with_measured_costs"]["ratio_vs_none"]) == {"none", "sequential", "interleaved"}
+    assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
 def test_memory_reports_reference_bytes_per_rank(tmp_path):

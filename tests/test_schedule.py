@@ -15,6 +15,7 @@ from mcore_dpo.schedule import (
     Plan,
     PlanError,
     build_plan,
+    carried,
     closed_form_makespans,
     format_plan,
     simulate,
@@ -87,6 +88,77 @@ def test_all_plans_valid_and_complete(p):
                 assert policy_order(ops) == policy_order(reference_1f1b.stages[s])
             if mode == "interleaved":
                 assert simulate(plan).max_ref_acts_in_flight <= MAX_REF_ACTS_IN_FLIGHT
+
+
+@lru_cache(maxsize=None)
+def carry_plan(p: int, m: int, *, current: bool = False, carry_in: bool = True, next_: bool = True) -> Plan:
+    return build_plan(num_stages=p, num_microbatches=m, ref_mode="interleaved", ref_current=current,
+                      ref_next=next_, carry_in=carry_in, carry_out=next_)
+
+
+def refs_of(plan: Plan, stage: int, batch: int) -> list[int]:
+    return [op.microbatch for op in plan.stages[stage] if op.kind == OpKind.REF_FWD and op.batch == batch]
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_carrying_plans_valid_and_complete_over_steps(p):
+    # Steps 1..3 of a run: first (this batch's reference too, carries out), steady (carries in
+    # and out), last (carries in, no next batch). Between two steps, each stage runs every
+    # reference forward of the batch exactly once, and what a stage keeps is what it sends.
+    for m in range(1, 17):
+        steps = [carry_plan(p, m, current=True, carry_in=False), carry_plan(p, m), carry_plan(p, m, next_=False)]
+        for plan in steps:
+            validate_plan(plan)
+            if p == 1:
+                assert not (plan.carry_in or plan.carry_out)  # one stage: nothing to carry
+            assert simulate(plan).max_ref_acts_in_flight <= MAX_REF_ACTS_IN_FLIGHT
+            for s, ops in enumerate(plan.stages):
+                assert policy_order(ops) == policy_order(plan_for(p, m, "none").stages[s])
+        assert sorted(refs_of(steps[0], 0, 0)) == list(range(m))
+        for before, after in zip(steps, steps[1:]):
+            for s in range(p):
+                ran = sorted(refs_of(before, s, 1) + refs_of(after, s, 0))
+                assert ran == list(range(m)), (p, m, s)
+                assert sorted(refs_of(after, s, 0)) == list(carried(s, num_stages=p, num_microbatches=m))
+                kept = [op.microbatch for op in before.stages[s] if op.kind == OpKind.KEEP_REF_ACT]
+                sent = [op.microbatch for op in after.stages[s] if op.kind == OpKind.SEND_KEPT_REF_ACT]
+                assert kept == sent and len(kept) <= 1
+        if p == 1:
+            assert steps[1] == plan_for(1, m)  # nothing to carry with one stage
+
+
+def test_carrying_fills_the_warm_up_bubble():
+    # The last stage idles (p-1)(F+B) per 1F1B step: p-1 forwards at the start, which the
+    # carried reference forwards take, and p-1 backwards at the end. Carrying reaches that bound.
+    for p in range(2, 9):
+        for m in range(1, 17):
+            policy = makespan(plan_for(p, m, "none"))
+            assert makespan(carry_plan(p, m)) == policy + max(0.0, m * 1.0 - 3 * (p - 1)), (p, m)
+            assert makespan(carry_plan(p, m)) <= makespan(plan_for(p, m))
+    assert makespan(carry_plan(4, 8)) == makespan(plan_for(4, 8, "none")) == 33.0
+    assert makespan(carry_plan(2, 8)) == 32.0  # was 33 without carrying
+
+
+def test_carried_reference_opens_the_step():
+    plan = carry_plan(3, 4)
+    lines = format_plan(plan).splitlines()
+    assert lines[0].startswith("stage 0: sk3 F0") and lines[0].endswith("kr3n rg1 B1 rg2 B2 rg3 B3")
+    assert lines[1].startswith("stage 1: sk2 rr3 R3 sr3 ra0 F0") and lines[1].endswith("R2n kr2n")
+    assert lines[2].startswith("stage 2: rr2 R2 rr3 R3 ra0 F0")
+
+
+def test_rejects_broken_carry():
+    plan = carry_plan(3, 4)
+    ops = [op for op in plan.stages[0] if op.kind != OpKind.SEND_KEPT_REF_ACT]
+    assert_rejected(edited(plan, 0, ops), "send_kept_ref_act mb=3 batch=0 appears 0 times")
+    assert_rejected(dataclasses.replace(plan, carry_in=False), "appears 1 times, expected 0")
+    assert_rejected(dataclasses.replace(plan_for(3, 4, "interleaved", True, True), carry_in=True),
+                    "would run twice")
+    ops = list(plan.stages[1])
+    keep = Op(OpKind.KEEP_REF_ACT, 2, 1)
+    ops.remove(keep)
+    ops.insert(ops.index(Op(OpKind.REF_FWD, 2, 1)), keep)
+    assert_rejected(edited(plan, 1, ops), "or kept")
 
 
 def test_one_f_one_b_order_per_stage():
@@ -275,6 +347,11 @@ def test_bad_inputs_raise_one_line():
         (dict(num_stages=2, num_microbatches=0, ref_mode="none"), "num_microbatches"),
         (dict(num_stages=2, num_microbatches=4, ref_mode="concat"), "ref_mode"),
         (dict(num_stages=2, num_microbatches=4, ref_mode="none", costs=Costs(bwd=0)), "Costs.bwd"),
+        (dict(num_stages=2, num_microbatches=4, ref_mode="sequential", carry_out=True), "'interleaved' only"),
+        (dict(num_stages=2, num_microbatches=4, ref_mode="interleaved", ref_current=True, carry_in=True),
+         "exclude each other"),
+        (dict(num_stages=2, num_microbatches=4, ref_mode="interleaved", ref_next=False, carry_out=True),
+         "carry_out needs ref_next"),
     ]:
         with pytest.raises(ValueError) as info:
             build_plan(**kwargs)
