@@ -49,6 +49,10 @@ class StageContext:
     _grad_out: dict[int, torch.Tensor] = field(default_factory=dict)
     _ref_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _ref_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Carrying plans: next-batch reference activations kept for the next step (by microbatch),
+    # and the ones the previous step kept, to send first thing.
+    kept_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept_in: dict[int, torch.Tensor] = field(default_factory=dict)
     _pending_sends: list[tuple[object, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
@@ -149,6 +153,10 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
         elif kind is OpKind.SEND_REF_ACT:
             # The reference activation is dropped as soon as it is handed to the send.
             _send(ctx, ctx._ref_out.pop((batch, mb)), dst=mesh.next_rank)
+        elif kind is OpKind.KEEP_REF_ACT:
+            ctx.kept_out[mb] = ctx._ref_out.pop((batch, mb))
+        elif kind is OpKind.SEND_KEPT_REF_ACT:
+            _send(ctx, ctx.kept_in.pop(mb), dst=mesh.next_rank)
         else:  # pragma: no cover - the plan validator rejects unknown ops
             raise ValueError(f"unknown op {op}")
         if ctx.trace is not None:

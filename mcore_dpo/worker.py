@@ -200,6 +200,10 @@ class PolicyWorker(_Rank):
         # per pair id (precomputed).
         self._ref_next: dict[int, SequenceLogps] = {}  # next batch's reference, by microbatch
         self._next_ref_ready = False
+        # Carrying plans: whether the last step carried reference forwards into the next one,
+        # and the reference activations this stage kept for it.
+        self._carried = False
+        self._kept_ref_acts: dict[int, torch.Tensor] = {}
         # Set trace_ops to record each step's op timeline in last_trace: (op, microbatch, batch,
         # start, end) in seconds from the step's start; "optimizer" covers the optimizer step.
         self.trace_ops = False
@@ -258,17 +262,21 @@ class PolicyWorker(_Rank):
             ref_next = batch.next_pairs is not None
             if ref_next:
                 microbatches[1] = self._local_microbatches(batch.next_pairs)[0]
+        # The same on every stage, so that all stages build the same plan.
         plan = build_plan(
             num_stages=self.layout.pp,
             num_microbatches=len(mbs),
             ref_mode=config.ref_mode if self.reference is not None else "none",
             ref_current=ref_current,
             ref_next=ref_next,
+            carry_in=self._carried,
+            carry_out=ref_next,
         )
         num_pairs_global = len(pairs)
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
         sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
-        ctx = self._context(microbatches, trace=[] if self.trace_ops else None)
+        ctx = self._context(microbatches, trace=[] if self.trace_ops else None, kept_in=self._kept_ref_acts)
+        self._kept_ref_acts = {}
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         self._ref_next = {}
@@ -299,6 +307,7 @@ class PolicyWorker(_Rank):
         self.policy.finish_grad_sync()
         self._ref_next = {mb: v for (offset, mb), v in ctx.ref_logps.items() if offset == 1}
         self._next_ref_ready = ref_next  # on every stage, so that all stages build the same plan
+        self._carried, self._kept_ref_acts = plan.carry_out, ctx.kept_out
 
         lr = lr_at(
             batch.step,
