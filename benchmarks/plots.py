@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         modes = json.loads((results / "ref_cost.json").read_text())["measured"]["modes"]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         _bars(ax, list(modes), [m["step_time_s"] for m in modes.values()], ylabel="step time (s)",
-              title="CPU, tp 1, pp 2, 8 microbatches: step time by reference mode")
+              title="CPU, tp 1, pp 2, 8 microbatches (balanced stages): step time by mode")
         fig.tight_layout()
         written.append(img / "ref_cost_measured.png")
         fig.savefig(written[-1], dpi=110)
