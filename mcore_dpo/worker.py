@@ -206,6 +206,7 @@ class PolicyWorker(_Rank):
         self._kept_ref_acts: dict[int, torch.Tensor] = {}
         # Set trace_ops to record each step's op timeline in last_trace: (op, microbatch, batch,
         # start, end) in seconds from the step's start; "optimizer" covers the optimizer step.
+        # Host-side clocks: on a GPU they time kernel launches unless CUDA_LAUNCH_BLOCKING=1.
         self.trace_ops = False
         self.last_trace: list[tuple[str, int, int, float, float]] = []
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage

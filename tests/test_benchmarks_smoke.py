@@ -43,22 +43,26 @@ def test_ref_cost_simulated_and_measured(tmp_path):
     assert (tmp_path / "sim.png").stat().st_size > 0
     assert json.loads((tmp_path / "r.json").read_text())["measured"]["modes"]["none"]["ratio_vs_none"] == 1.0
     # The op timelines: every stage ran each microbatch's forward and backward once, and the
-    # reference forwards its mode calls for (interleaved: the next batch's), one op at a time.
+    # reference forwards its mode calls for, one op at a time. Interleaved (a measured step
+    # carries in and out): stage s runs this batch's last s and the next batch's others.
     m = result["measured"]["num_microbatches"]
-    expected_ref = {"interleaved": (m, {1}), "sequential": (m, {0}), "precomputed": (0, set()), "none": (0, set())}
     for mode, entry in modes.items():
         assert set(entry["timeline"]) == {"0", "1"}
-        for trace in entry["timeline"].values():
+        for stage, trace in entry["timeline"].items():
             kinds = [kind for kind, *_ in trace]
             assert kinds.count("fwd") == kinds.count("bwd") == m and kinds.count("optimizer") == 1
-            refs = [op for op in trace if op[0] == "ref_fwd"]
-            assert (len(refs), {op[2] for op in refs}) == expected_ref[mode]
+            refs = sorted((batch, mb) for kind, mb, batch, *_ in trace if kind == "ref_fwd")
+            carried = range(m - int(stage), m)
+            expected = {"interleaved": [(0, mb) for mb in carried] + [(1, mb) for mb in range(m) if mb not in carried],
+                        "sequential": [(0, mb) for mb in range(m)], "precomputed": [], "none": []}[mode]
+            assert refs == sorted(expected), (mode, stage)
             times = [t for *_, start, end in trace for t in (start, end)]
             assert times == sorted(times) and times[0] >= 0
         assert set(entry["op_median_ms"]) == {"0", "1"} and 0 <= min(entry["recv_wait_share"].values()) < 1
     bound = result["measured"]["any_schedule_faster_than_sequential_at_most"]
     assert result["measured"]["interleaved_faster_than_sequential"] <= bound < 1
-    assert set(result["measured"]["simulated_with_measured_costs"]["ratio_vs_none"]) == {"none", "sequential", "interleaved"}
+    assert set(result["measured"]["simulated_with_measured_costs"]["ratio_vs_none"]) == {
+        "none", "sequential", "interleaved", "interleaved_no_carry"}
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
