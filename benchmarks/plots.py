@@ -18,8 +18,9 @@ def _bars(ax, labels: list[str], stats: list[dict], *, ylabel: str, title: str) 
     low = [s["median"] - s["min"] for s in stats]
     high = [s["max"] - s["median"] for s in stats]
     ax.bar(labels, medians, yerr=[low, high], capsize=4, color="#4c78a8")
-    for x, m in enumerate(medians):
-        ax.annotate(f"{m:.0f}" if m >= 100 else f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    for x, (m, top) in enumerate(zip(medians, (s["max"] for s in stats))):
+        ax.annotate(f"{m:.0f}" if m >= 100 else f"{m:.2f}", (x, top), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
 
