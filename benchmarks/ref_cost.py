@@ -1,18 +1,22 @@
 """Benchmark 1: what the reference forward costs, simulated and measured.
 
 Simulated: the plan simulator (policy F=1, B=2, reference F=1, free communication) times
-every --ref-mode for pp in {2,4,8} and microbatches in {4,8,16,32}, next to the closed forms
-of policy-only 1F1B, a separate reference pass, and reference+policy concatenated in a slot.
+every --ref-mode for pp in {2,4,8} and microbatches in {4,8,16,32} (interleaved with and
+without carrying, and its first step), next to the closed forms of policy-only 1F1B, a
+separate reference pass, and reference+policy concatenated in a slot.
 
 Measured: step time on the CPU at tp 1, pp 2 (one torch thread per rank, so each stage has
 its own core), 8 microbatches, for interleaved, sequential, precomputed and none
-(policy-only), from the engine's own `step_time_s`. Modes take turns over several rounds
-(each round builds every mode's worker afresh), so that load from other processes on a
-shared box is spread over all modes; the 1-minute load average is recorded per job. Step 1 is warm-up and is excluded for
-every mode (for interleaved it also computes the current batch's reference, which later
-steps get from the previous step).
+(policy-only), from the engine's own `step_time_s`, on one of the `SHAPES`. Modes take
+turns over several rounds (each round builds every mode's worker afresh), so that load from
+other processes on a shared box is spread over all modes; the 1-minute load average is
+recorded per job, and ratios are also given per round. Step 1 is warm-up and is excluded
+for every mode (for interleaved it also computes the current batch's reference, which later
+steps get from the previous step). Every step's op timeline is recorded: the JSON has op
+costs per stage, and --timeline draws one step per mode.
 
-    python benchmarks/ref_cost.py                       # both parts, ~3 min on 2 cores
+    python benchmarks/ref_cost.py --rounds 5 --steps 3  # both parts, ~5 min on 2 cores
+    python benchmarks/ref_cost.py --shape last-heavy    # the output layer unbalances pp 2
     python benchmarks/ref_cost.py --simulated-only
     python benchmarks/ref_cost.py --tiny --steps 1      # smoke size
 """
@@ -20,6 +24,7 @@ steps get from the previous step).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +42,7 @@ SIM_MICROBATCHES = (4, 8, 16, 32)
 # "balanced": 5 layers split 3 / 2 (earlier stages take the extra layer), and a vocabulary at
 # which the output layer plus log-probs cost about one decoder layer, so both stages carry
 # the same work, as a practitioner would split a pipeline. "last-heavy": 4 layers split 2 / 2
-# with the output layer on top of stage 1, which makes that stage ~35% slower.
+# with the output layer on top of stage 1, which makes that stage ~30% slower.
 SHAPES = {
     "balanced": common.LlamaShape(hidden_size=512, num_layers=5, num_heads=8, num_kv_heads=4,
                                   intermediate_size=1408, vocab_size=6144),
@@ -113,8 +118,6 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
     # Paired by round: each round's median against the same round's policy-only median, so that
     # a slow spell on a shared box (it hits every mode of a round alike) cancels out.
     if "none" in out["modes"]:
-        import statistics
-
         per_round = [{job["name"]: statistics.median(common.reporting(results, i)["step_time_s"])
                       for i, job in enumerate(results[0]) if i // len(modes) == r} for r in range(rounds)]
         for mode, entry in out["modes"].items():
@@ -161,8 +164,6 @@ def _trace_stats(results: list[list[dict]], mode: str) -> dict:
                     sum(end - start for kind, _, _, start, end in trace if kind in COMPUTE_OPS))
                 wait_share.setdefault(stage, []).append(
                     sum(end - start for kind, _, _, start, end in trace if kind in WAIT_OPS) / span)
-    import statistics
-
     # One step to draw: the last round's step closest to that round's median step time.
     last = max(i for i, job in enumerate(results[0]) if job["name"] == mode)
     times = common.reporting(results, last)["step_time_s"]
