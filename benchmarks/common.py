@@ -70,6 +70,15 @@ class LlamaShape:
         }
 
 
+# Shapes several benchmarks share. SMALL: the hidden-512 model of benchmarks 1 (its
+# "last-heavy" split), 3 and 4, where compute dominates the Python and p2p overhead and a
+# step takes ~1-2 s. TINY: the smoke-test size.
+SMALL_SHAPE = LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+                         vocab_size=4096)
+TINY_SHAPE = LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                        vocab_size=256)
+
+
 def write_random_llama(
     directory: Path, *, shape: LlamaShape, dtype: str = "float32", seed: int = 0, device: str = "cpu"
 ) -> Path:

@@ -20,10 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 
-SHAPE = common.LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
-                          intermediate_size=1408, vocab_size=4096)
-TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=128, vocab_size=256)
+SHAPE = common.SMALL_SHAPE  # the model of benchmark 1, last-heavy split
 
 
 def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global_batch_size: int, num_steps: int,
@@ -70,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_dp_"))
-    result = run(shape=TINY_SHAPE if args.tiny else SHAPE, seq_len=16 if args.tiny else args.seq_len,
+    result = run(shape=common.TINY_SHAPE if args.tiny else SHAPE, seq_len=16 if args.tiny else args.seq_len,
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                  num_steps=args.steps, rounds=1 if args.tiny else args.rounds, dps=(1, 2), ref_mode=args.ref_mode, work_dir=work)
     result["machine"] = common.machine()

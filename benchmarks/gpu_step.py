@@ -25,6 +25,7 @@ without the attention term are written. The peak defaults to 989 TFLOP/s on H100
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,8 +40,7 @@ from benchmarks import common  # noqa: E402
 
 ONE_B = common.LlamaShape(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
-TINY = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=128, vocab_size=256, tie_word_embeddings=True)
+TINY = dataclasses.replace(common.TINY_SHAPE, tie_word_embeddings=True)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
 

@@ -26,8 +26,6 @@ from benchmarks import common  # noqa: E402
 
 SHAPE = common.LlamaShape(hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=4,
                           intermediate_size=2816, vocab_size=8192)
-TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=128, vocab_size=256)
 GOAL_RATIO = 1.1
 
 
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_memory_"))
     modes = tuple(m.strip() for m in args.modes.split(","))
-    result = run(shape=TINY_SHAPE if args.tiny else SHAPE, modes=modes, repeats=args.repeats,
+    result = run(shape=common.TINY_SHAPE if args.tiny else SHAPE, modes=modes, repeats=args.repeats,
                  seq_len=16 if args.tiny else args.seq_len, num_microbatches=args.microbatches, work_dir=work)
     result["machine"] = common.machine()
     mib = 1 / 2**20

@@ -46,11 +46,8 @@ SIM_MICROBATCHES = (4, 8, 16, 32)
 SHAPES = {
     "balanced": common.LlamaShape(hidden_size=512, num_layers=5, num_heads=8, num_kv_heads=4,
                                   intermediate_size=1408, vocab_size=6144),
-    "last-heavy": common.LlamaShape(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
-                                    intermediate_size=1408, vocab_size=4096),
+    "last-heavy": common.SMALL_SHAPE,
 }
-TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=128, vocab_size=256)
 
 
 # What the engine runs: steady-state interleaved steps carry reference forwards into the next
@@ -289,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"separate {r['ratio_closed_separate_pass']:.3f}  concatenated {r['ratio_closed_concatenated']:.3f}")
     if not args.simulated_only:
         work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_ref_cost_"))
-        shape = TINY_SHAPE if args.tiny else SHAPES[args.shape]
+        shape = common.TINY_SHAPE if args.tiny else SHAPES[args.shape]
         seq_len = 16 if args.tiny else args.seq_len
         result["measured"] = measured(shape=shape, seq_len=seq_len, micro_batch_size=args.micro_batch_size,
                                       num_microbatches=4 if args.tiny else args.microbatches,
