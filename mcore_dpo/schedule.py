@@ -32,6 +32,7 @@ print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interle
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import Counter
 from dataclasses import dataclass
@@ -427,6 +428,7 @@ def _interleave_late(
     return best
 
 
+@functools.lru_cache(maxsize=64)
 def build_plan(
     *,
     num_stages: int,
@@ -443,7 +445,8 @@ def build_plan(
     the plan's carry flags stay False.
 
     `costs` guide where the interleaved scheduler puts reference forwards; the
-    plan is valid whatever the real durations turn out to be.
+    plan is valid whatever the real durations turn out to be. Plans are immutable and
+    memoized: a run asks for the same few plans every step.
     """
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
@@ -478,9 +481,8 @@ def build_plan(
     # Next-batch reference forwards run in this step by each stage: a prefix of 0..m-1.
     next_refs = [[Op(OpKind.REF_FWD, mb, 1) for mb in range(m) if not (carry_out and mb in stage_range(s))]
                  for s in range(p)] if 1 in ref_batches else [[] for _ in range(p)]
-    prologue = plan_of([current + next_refs[s] + policy[s] for s in range(p)])
     if ref_mode == "sequential":
-        return prologue
+        return plan_of([current + policy[s] for s in range(p)])
     # Interleaved: build a few candidates, keep the fastest under `costs` whose
     # reference activations in flight stay within MAX_REF_ACTS_IN_FLIGHT.
     bases = [policy]
@@ -491,7 +493,7 @@ def build_plan(
         current_only = [_greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=(0,),
                                             costs=costs, max_in_flight=MAX_REF_ACTS_IN_FLIGHT)]
         bases = current_only + [[current + chain for chain in policy]]
-        candidates.append(prologue)
+        candidates.append(plan_of([current + next_refs[s] + policy[s] for s in range(p)]))  # prologue
     for base in bases:
         if not any(next_refs):
             candidates.append(plan_of(base))
