@@ -216,25 +216,17 @@ class RankJob:
 
 
 def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range, so that a port handed out for a
-    later job cannot meanwhile be taken by an outgoing connection (gloo opens many)."""
-    low = 32768
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random()
+    """A free TCP port below Linux's ephemeral range (32768 up), so that a port handed out
+    for a later job cannot meanwhile be taken by an outgoing connection (gloo opens many)."""
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = random.randrange(20000, 30000)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    with socket.socket() as s:  # fall back to any port the kernel picks
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    raise RuntimeError("no free TCP port found in 20000-29999")
 
 
 def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], data: dict, out_dir: str) -> None:
