@@ -35,9 +35,9 @@ from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
     ModelSpec,
-    _hf_entry_index,
-    _mcore_entries,
-    _mcore_name,
+    hf_entry_index,
+    mcore_entries,
+    mcore_name,
     check_layout,
     entry_blocks,
     hf_tensor_shapes,
@@ -137,8 +137,8 @@ def _write_mcore(
                 path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 writers.append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
-            for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-                name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+            for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+                name = mcore_name(template, layer=local, layer_spec=layer_spec)
                 hf_names = [t.format(layer=global_layer) for t in hf]
                 if kind == "vocab":
                     for tp_rank, writer in enumerate(writers):
@@ -315,7 +315,7 @@ def mcore_to_hf_dir(
     element_bytes = torch.empty((), dtype=torch_dtype).element_size()
     total_bytes = sum(element_bytes * torch.Size(shape).numel() for shape in shapes.values())
     view = source.hf_view()
-    index = _hf_entry_index(meta.spec, pp=meta.pp)
+    index = hf_entry_index(meta.spec, pp=meta.pp)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         writer = _ShardedWriter(tmp, files=files, plan=plan, shapes=shapes, dtype=torch_dtype, log=log)
         try:
@@ -328,7 +328,7 @@ def mcore_to_hf_dir(
                     for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
                         writer.write_rows(name, view.get_rows(name, lo, hi))
                     continue
-                mcore_name = _mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+                mcore_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
                 ranks = range(1) if kind == "replicated" else range(meta.tp)
                 parts = [source.shard_view(tp_rank, pp_rank)[mcore_name] for tp_rank in ranks]
                 _write_hf_entry(writer, spec=meta.spec, kind=kind, hf_names=hf_names, parts=parts)

@@ -37,8 +37,8 @@ from checkpoint_convert.mapping import (
     check_layout,
     hf_tensor_shapes,
     mcore_shard_shapes,
-    _hf_entry_index,
-    _mcore_name,
+    hf_entry_index,
+    mcore_name,
     mcore_to_hf_tensor,
     padded_vocab_size,
     spec_from_hf_config,
@@ -75,6 +75,15 @@ def _open_safetensors(path: Path) -> SafetensorsReader:
     return SafetensorsReader(path)
 
 
+def _check_shard_name(index_path: Path, file: object) -> None:
+    """A weight_map entry must be a plain file name inside the model directory: no absolute
+    path, no '..', no sub-directory (a crafted index could otherwise read any file)."""
+    if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+        raise ConversionError(
+            f"{index_path}: field 'weight_map' names {file!r}, which is not a file name inside the model directory"
+        )
+
+
 def _check_shapes(path: Path, handle: SafetensorsReader, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
     for name in names:
         shape = handle.shape(name)
@@ -96,6 +105,8 @@ class HFCheckpoint:
             weight_map = _read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"{index_path}: field 'weight_map' is missing or empty")
+            for file in set(weight_map.values()):
+                _check_shard_name(index_path, file)
         else:
             single = self.dir / "model.safetensors"
             if not single.exists():
@@ -312,7 +323,7 @@ class HFView:
         self._ckpt = checkpoint
         self.spec = checkpoint.spec
         self._cache: dict[str, torch.Tensor] = {}
-        self._index = _hf_entry_index(self.spec, pp=checkpoint.meta.pp)
+        self._index = hf_entry_index(self.spec, pp=checkpoint.meta.pp)
 
     @property
     def names(self) -> list[str]:
@@ -338,7 +349,7 @@ class HFView:
         if not 0 <= start <= stop <= self.spec.vocab_size:
             raise ValueError(f"tensor '{name}': rows [{start}, {stop}) outside [0, {self.spec.vocab_size}]")
         meta = self._ckpt.meta
-        mcore_name = _mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+        mcore_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
         rows_per_rank = padded_vocab_size(self.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor) // meta.tp
         blocks = []
         for tp_rank in range(meta.tp):

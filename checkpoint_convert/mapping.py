@@ -274,7 +274,7 @@ def _stage_of_layer(num_layers: int, *, pp: int, layer: int) -> tuple[int, int]:
     raise ValueError(f"layer {layer} out of range")
 
 
-def _mcore_name(template: str, *, layer: int | None, layer_spec: str) -> str:
+def mcore_name(template: str, *, layer: int | None, layer_spec: str) -> str:
     name = template.format(layer=layer) if layer is not None else template
     if layer_spec == "te":
         for old, new in TE_RENAMES.items():
@@ -326,7 +326,7 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
     return list(hf_tensor_shapes(spec))
 
 
-def _mcore_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
+def mcore_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
     """(mcore template, split kind, HF templates, local layer, global layer) for one stage, in order."""
     key_map = KEY_MAPS[spec.family]
     if pp_rank == 0:
@@ -355,8 +355,8 @@ def mcore_shard_shapes(
         hf_shapes["lm_head.weight"] = hf_shapes["model.embed_tokens.weight"]
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shapes = {}
-    for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-        name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+        name = mcore_name(template, layer=local, layer_spec=layer_spec)
         first = hf_shapes[hf[0].format(layer=global_layer)]
         if kind == "replicated":
             shape = first
@@ -419,8 +419,8 @@ def hf_to_mcore_shard(
     check_layout(spec, tp=tp, pp=pp, divisor=divisor)
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shard: dict[str, torch.Tensor] = {}
-    for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-        name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+        name = mcore_name(template, layer=local, layer_spec=layer_spec)
         hf_names = [t.format(layer=global_layer) for t in hf]
         if kind == "vocab":
             out = _pad_vocab(get(hf_names[0]), vocab_padded=vocab).chunk(tp, dim=0)[tp_rank]
@@ -501,11 +501,11 @@ def _gather_entry(
     return {n: torch.cat(b, dim=0).contiguous().clone() for n, b in zip(hf_names, blocks)}
 
 
-def _hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None]]:
+def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None]]:
     """HF name -> (mcore template, kind, HF names of the entry, pp_rank, local layer)."""
     index = {}
     for pp_rank in range(pp):
-        for template, kind, hf, local, global_layer in _mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+        for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
             if template == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # the first-stage embedding is the authoritative copy
             hf_names = [t.format(layer=global_layer) for t in hf]
@@ -528,12 +528,12 @@ def mcore_to_hf(
     """
     check_layout(spec, tp=tp, pp=pp)
     order = hf_tensor_names(spec)
-    index = _hf_entry_index(spec, pp=pp)
+    index = hf_entry_index(spec, pp=pp)
     pending: dict[str, torch.Tensor] = {}
     for hf_name in order:
         if hf_name not in pending:
             template, kind, hf_names, pp_rank, local = index[hf_name]
-            name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+            name = mcore_name(template, layer=local, layer_spec=layer_spec)
             pending.update(
                 _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
             )
@@ -551,9 +551,9 @@ def mcore_to_hf_tensor(
 ) -> dict[str, torch.Tensor]:
     """The HF tensor hf_name gathered from megatron shards, together with its siblings from
     the same fused entry (q/k/v, gate/up), so a caller can cache them."""
-    index = _hf_entry_index(spec, pp=pp)
+    index = hf_entry_index(spec, pp=pp)
     if hf_name not in index:
         raise ConversionError(f"tensor '{hf_name}' is not part of a {spec.architecture} checkpoint")
     template, kind, hf_names, pp_rank, local = index[hf_name]
-    name = _mcore_name(template, layer=local, layer_spec=layer_spec)
+    name = mcore_name(template, layer=local, layer_spec=layer_spec)
     return _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)

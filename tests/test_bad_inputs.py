@@ -155,6 +155,10 @@ MODEL_CASES = [
     _model("mismatched_shape", "{mismatched_shape}/model.safetensors",
            "tensor 'model.layers.1.mlp.down_proj.weight' has shape [64, 32], expected [32, 64]"),
     _model("missing_tensor", "{missing_tensor}", "tensor 'model.norm.weight' is missing"),
+    _model("weight_map_parent_dir", "{weight_map_parent_dir}/model.safetensors.index.json",
+           "field 'weight_map' names '../outside.safetensors', which is not a file name inside the model directory"),
+    _model("weight_map_absolute_path", "{weight_map_absolute_path}/model.safetensors.index.json",
+           "which is not a file name inside the model directory"),
     _model("unexpected_tensor", "{unexpected_tensor}/model.safetensors", "unexpected tensor 'model.extra_head.weight'"),
     _model("other_architecture", "{other_architecture}/config.json",
            "field 'architectures' is 'MixtralForCausalLM'; supported:"),
@@ -215,6 +219,22 @@ def _build_hf_variants(root: Path, plain: Path, model: Path) -> dict[str, Path]:
 
     out["missing_shard"] = save_hf(llama_gqa_untied(), root / "missing_shard", num_shards=2)
     (out["missing_shard"] / "model-00002-of-00002.safetensors").unlink()
+
+    # An index whose weight_map reaches outside the model directory (a real shard lies there, so
+    # only the name check can stop it).
+    for name, target in (("weight_map_parent_dir", "../outside.safetensors"), ("weight_map_absolute_path", None)):
+        out[name] = save_hf(llama_gqa_untied(), root / name, num_shards=2)
+        index_path = out[name] / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        moved = root / f"{name}_outside.safetensors"
+        shutil.copy(out[name] / "model-00002-of-00002.safetensors", moved)
+        if target is None:
+            target = str(moved)
+        else:
+            shutil.copy(moved, out[name] / target)
+        index["weight_map"] = {k: (target if v == "model-00002-of-00002.safetensors" else v)
+                               for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index))
 
     down = "model.layers.1.mlp.down_proj.weight"
     out["mismatched_shape"] = _copy(plain, root / "mismatched_shape")
