@@ -11,18 +11,19 @@
         trainer_state.json        step, data position, layout, resolved config
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)
 
-A checkpoint is written into a `.partial-*` directory, renamed to its final name, and only
-then made current by replacing `latest`. A kill at any moment leaves the previous checkpoint
+A checkpoint is written into a `.partial-*` directory, fsynced, renamed to its final name, and
+only then made current by replacing `latest` (a new file renamed over it; see durable.py). A kill at any moment leaves the previous checkpoint
 current and loadable. Only safetensors and JSON are written; nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
+
+from mcore_dpo import durable
 
 FORMAT = "mcore_dpo.trainer_checkpoint"
 FORMAT_VERSION = 1
@@ -45,19 +46,33 @@ def begin(output_dir: str | Path, *, step: int) -> Path:
 
 
 def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict, keep_last: int) -> Path:
-    """Finish a checkpoint written into `tmp`: state file, rename, then point `latest` at it."""
+    """Finish a checkpoint written into `tmp`: state file, fsync, rename, then point `latest` at it.
+
+    A checkpoint of the same step left by an earlier attempt (renamed, but never made current)
+    is moved aside, not deleted, until the new one has its name; a kill leaves the aside copy
+    as a `.partial-*` leftover that `remove_partials` clears."""
+    base = root(output_dir)
     state = {"format": FORMAT, "format_version": FORMAT_VERSION, **trainer_state}
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-    _fsync_tree(tmp)
-    final = root(output_dir) / name_of(step)
-    if final.exists():  # a checkpoint of the same step from an earlier attempt
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = root(output_dir) / f"latest.tmp-{uuid.uuid4().hex[:8]}"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root(output_dir) / "latest")
+    durable.write_file(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+    durable.fsync_tree(tmp)
+    final = base / name_of(step)
+    aside = None
+    if final.exists():
+        if final.name == _current_name(base):
+            raise CheckpointError(f"{final}: is the current checkpoint; a new checkpoint of step {step} cannot replace it")
+        aside = base / f"{final.name}.partial-replaced-{uuid.uuid4().hex[:8]}"
+        durable.move(final, aside)
+    durable.move(tmp, final)
+    durable.replace_file(base / "latest", final.name + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     prune(output_dir, keep_last=keep_last)
     return final
+
+
+def _current_name(base: Path) -> str | None:
+    pointer = base / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def latest(output_dir: str | Path) -> Path | None:
@@ -96,17 +111,10 @@ def prune(output_dir: str | Path, *, keep_last: int) -> None:
         return
     base = root(output_dir)
     steps = sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("step_") and ".partial-" not in p.name)
-    current = (base / "latest").read_text().strip() if (base / "latest").is_file() else None
+    current = _current_name(base)
     for path in steps[:-keep_last]:
         if path.name != current:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 class CheckpointError(ValueError):

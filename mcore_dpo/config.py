@@ -120,6 +120,15 @@ class TrainConfig:
     """Continue from OUTPUT's latest checkpoint when there is one (--no-resume refuses to run over it)."""
     max_restarts: int = 0
     """When a worker dies: rebuild the group and resume from the latest checkpoint, up to N times."""
+    resume_with_changes: bool = False
+    """Resume even when --data (its content), --seed, --global-batch-size, shuffling, the model or
+    the loss differ from the checkpoint's run (which changes the data order or the objective)."""
+
+    # --- logging ---
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)."""
+    wandb_project: str | None = None
+    """Weights & Biases project (with --wandb; default mcore_dpo)."""
 
     def loss_spec(self) -> LossSpec:
         types = tuple(t.strip() for t in self.loss_type.split(",") if t.strip())
@@ -178,6 +187,8 @@ class TrainConfig:
             spec.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.wandb_project is not None and not self.wandb:
+            raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         for name in ("model", "ref_model", "data", "eval_data"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):

@@ -426,8 +426,10 @@ def global_batch_order(
         )
     order = list(range(num_pairs))
     if shuffle:
-        # random.Random is pure Python: the same permutation on every host and version.
-        random.Random(seed + epoch).shuffle(order)
+        # random.Random is pure Python: the same permutation on every host and version. A string
+        # seed (hashed with SHA-512) keeps every (seed, epoch) apart; seed + epoch would give
+        # seed 1 epoch 1 the order of seed 2 epoch 0.
+        random.Random(f"{seed}/{epoch}").shuffle(order)
     num_batches = num_pairs // global_batch_size
     return [order[i * global_batch_size : (i + 1) * global_batch_size] for i in range(num_batches)]
 

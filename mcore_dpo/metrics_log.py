@@ -1,21 +1,23 @@
 """Run output for humans and tools: metrics.jsonl (one object per step), TensorBoard events,
-Weights & Biases when WANDB_API_KEY is set and wandb imports, and a progress display
+Weights & Biases when asked (`wandb_project`, from --wandb), and a progress display
 (a bar on a terminal, plain lines otherwise)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
+from mcore_dpo import durable
+
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, *, total_steps: int, keep_up_to_step: int = 0):
+    def __init__(self, out_dir: Path, *, total_steps: int, keep_up_to_step: int = 0, wandb_project: str | None = None,
+                 run_config: dict | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
-        self._truncate(keep_up_to_step)
+        self._start(keep_up_to_step)
         self.total_steps = total_steps
         self.start = time.monotonic()
         self._tb = None
@@ -26,26 +28,36 @@ class MetricsLog:
         except Exception as error:  # tensorboard is optional at run time
             print(f"tensorboard: disabled ({error})", file=sys.stderr)
         self._wandb = None
-        if os.environ.get("WANDB_API_KEY"):
-            try:
-                import wandb
+        if wandb_project is not None:  # only when asked (--wandb), whatever the environment holds
+            import wandb
 
-                self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "mcore_dpo"), dir=str(out_dir))
-            except Exception as error:
-                print(f"wandb: disabled ({error})", file=sys.stderr)
+            self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), config=run_config)
         self._tty = sys.stderr.isatty()
 
-    def _truncate(self, keep_up_to_step: int) -> None:
-        """On resume, drop the lines of steps after the checkpoint (they will run again)."""
+    def _start(self, keep_up_to_step: int) -> None:
+        """On resume, drop the lines of steps after the checkpoint (they will run again): the
+        kept lines go to a new file renamed over the old one, so a kill leaves one or the other.
+        Without a checkpoint the run starts over: an earlier metrics.jsonl is renamed to the
+        first free metrics.jsonl.N, never emptied."""
+        if not self.path.is_file():
+            return
+        if keep_up_to_step <= 0:
+            if self.path.stat().st_size > 0:
+                n = 1
+                while self.path.with_name(f"{self.path.name}.{n}").exists():
+                    n += 1
+                durable.move(self.path, self.path.with_name(f"{self.path.name}.{n}"))
+            return
+        lines = self.path.read_text().splitlines()
         kept = []
-        if keep_up_to_step > 0 and self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= keep_up_to_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    break  # a torn last line from a killed run
-        self.path.write_text("".join(line + "\n" for line in kept))
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= keep_up_to_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a torn last line from a killed run
+        if len(kept) < len(lines) or not self.path.read_text().endswith("\n"):
+            durable.replace_file(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -59,9 +59,10 @@ class StageContext:
     # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
     trace: list[tuple[str, int, int, float, float]] | None = None
 
-    def activation_shape(self, batch: int) -> tuple[int, int, int]:
-        mb = self.microbatches[batch][0]
-        rows, seq_len = mb.tokens.shape
+    def activation_shape(self, batch: int, mb: int) -> tuple[int, int, int]:
+        """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
+        hold fewer rows than the others)."""
+        rows, seq_len = self.microbatches[batch][mb].tokens.shape
         return (seq_len, rows, self.hidden_size)
 
     def mask(self, batch: int) -> torch.Tensor:
@@ -72,7 +73,7 @@ class StageContext:
 
 
 def _recv(ctx: StageContext, op: Op, *, src: int) -> torch.Tensor:
-    buf = torch.empty(ctx.activation_shape(op.batch), dtype=ctx.dtype, device=ctx.device)
+    buf = torch.empty(ctx.activation_shape(op.batch, op.microbatch), dtype=ctx.dtype, device=ctx.device)
     start = time.perf_counter()
     try:
         dist.recv(buf, src=src)

@@ -74,6 +74,15 @@ class _RayWorker:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def read_text(self, path: str) -> tuple[str, str | None]:
+        """(this node's address, the file's text as this process sees it, None when unreadable)."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError:
+            text = None
+        return ray.util.get_node_ip_address(), text
+
     def describe(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address()}
@@ -125,6 +134,13 @@ class WorkerGroup:
             remove_placement_group(self.placement)
         except Exception:
             pass
+
+
+def ranks_not_seeing(group: WorkerGroup, *, path: str, text: str) -> list[tuple[str, str]]:
+    """(rank name, node address) of every rank whose process reads something other than `text`
+    at `path` (a file the driver wrote): the ranks that do not share the driver's directory."""
+    seen = group.gather([actor.read_text.remote(path) for actor in group.actors])
+    return [(name, node) for name, (node, found) in zip(group.names, seen) if found != text]
 
 
 def _first_line(error: BaseException) -> str:

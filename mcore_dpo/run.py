@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from checkpoint_convert.mapping import check_layout
-from mcore_dpo import checkpoint
+from mcore_dpo import checkpoint, durable
 from mcore_dpo.config import TrainConfig, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
+from mcore_dpo.resume_check import changes, run_identity
 
 
 class InputError(ValueError):
@@ -33,6 +35,7 @@ class Prepared:
     train_stats: DataStats
     eval_pairs: list[TokenizedPair]
     eval_stats: DataStats | None = None
+    identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
 
 
 def prepare(config: TrainConfig) -> Prepared:
@@ -51,6 +54,11 @@ def prepare(config: TrainConfig) -> Prepared:
     if config.data is None:
         raise InputError("data: --data is required when --model is given")
     config.validate()
+    if config.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
     check_layout(spec, tp=config.tp, pp=config.pp, source=os.path.join(config.model, "config.json"))
     if config.ref_model and config.ref_mode != "none":
@@ -111,11 +119,19 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     prep = prepare(config)
     config = prep.config
     out = Path(config.output_dir)
+    prep.identity = run_identity(config)
     current = checkpoint.latest(out)  # a broken pointer or state file is reported now, before any worker
     if current is not None:
         if not config.resume:
             raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
-        checkpoint.read_state(current)
+        changed = changes(checkpoint.read_state(current).get("run", {}), prep.identity)
+        if changed and not config.resume_with_changes:
+            raise InputError(
+                f"{current / 'trainer_state.json'}: this run differs from the checkpoint's: {'; '.join(changed)}; "
+                "pass --resume-with-changes to continue anyway, or choose another --output-dir"
+            )
+        if changed:
+            log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
     out.mkdir(parents=True, exist_ok=True)
     write_resolved(config, str(out))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
@@ -153,7 +169,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     if resume_dir:
         log(f"resuming from {resume_dir} (step {start_step})")
     steps = step_batches(config, len(prep.train_pairs))
-    metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step)
+    metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,
+                             wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
+                             run_config=config.to_dict())
     group = ref_group = None
     try:
         if config.ref_mode == "separate":
@@ -163,8 +181,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         workers = {}
         for g in (ref_group, group):
             if g is not None:
+                _check_shared_output_dir(g, out)
                 workers.update(zip(g.names, g.processes))
-        (out / "workers.json").write_text(json.dumps(workers, indent=2) + "\n")
+        durable.replace_file(out / "workers.json", json.dumps(workers, indent=2) + "\n")
         pairs = prep.train_pairs
         if config.ref_mode == "precomputed":
             group.call("precompute_reference", pairs, prep.eval_pairs)
@@ -192,7 +211,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                 metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
             metrics_log.write(step, metrics)
             if config.save_interval and step % config.save_interval == 0 and not last:
-                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step)
+                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity)
         if config.export_hf:
             export_policy(group, config=config, spec=prep.spec, out=out)
             log(f"exported the policy to {out / 'hf'}")
@@ -234,25 +253,50 @@ def _one(results: list) -> dict:
     return found[0]
 
 
-def _model_meta(config: TrainConfig, spec, *, dtype: str):
+def _check_shared_output_dir(group, out: Path) -> None:
+    """Every rank must see the output directory the driver writes (checkpoints are written by
+    the ranks and read by the driver): each rank reads a token the driver just wrote there."""
+    from mcore_dpo import ray_workers
+
+    token_file = out / ".output-dir-token"
+    token = uuid.uuid4().hex
+    durable.replace_file(token_file, token + "\n")
+    missing = ray_workers.ranks_not_seeing(group, path=str(token_file), text=token + "\n")
+    if missing:
+        name, node = missing[0]
+        raise InputError(
+            f"output_dir: {out} on node {node} ({name}) is not the directory the driver wrote; "
+            "a multi-node run needs --output-dir on a file system every node shares"
+        )
+
+
+def _layer_spec_of(group) -> str:
+    """The layer spec the workers built their models with (Transformer Engine or local), which
+    names the tensors in their shards; the driver's own environment does not decide it."""
+    specs = {s for s in group.call("layer_spec") if s is not None}
+    assert len(specs) == 1, f"workers disagree on the layer spec: {sorted(specs)}"
+    return specs.pop()
+
+
+def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
     """checkpoint_convert metadata for shards of this run's layout, plus the source's
-    config/tokenizer files to carry along."""
+    config/tokenizer files to carry along (custom *.py code only with --trust-remote-code)."""
     from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, is_mcore_dir, open_hf_dir, open_mcore_dir
-    from mcore_dpo.model import layer_spec_name
-    from mcore_dpo.platform import transformer_engine_available
 
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)
-        hf_config, aux = src.meta.hf_config, list(src.hf_files_dir.iterdir())
+        hf_config, aux = src.meta.hf_config, sorted(p for p in src.hf_files_dir.iterdir() if p.is_file())
     else:
         src = open_hf_dir(config.model)
         hf_config, aux = src.config, src.aux_files()
+    if not config.trust_remote_code:
+        aux = [p for p in aux if p.suffix != ".py"]
     meta = McoreMeta(
         spec=spec,
         tp=config.tp,
         pp=config.pp,
         dtype=dtype,
-        layer_spec=layer_spec_name(use_te=transformer_engine_available()),
+        layer_spec=layer_spec,
         vocab_divisor=128,
         hf_config=hf_config,
         format_version=FORMAT_VERSION,
@@ -260,14 +304,15 @@ def _model_meta(config: TrainConfig, spec, *, dtype: str):
     return meta, aux
 
 
-def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int) -> Path:
+def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, identity: dict | None = None) -> Path:
     """Workers write their shards into a partial directory; the driver adds the metadata and
     makes it current atomically."""
     from checkpoint_convert.convert import write_mcore_meta
 
     tmp = checkpoint.begin(out, step=step)
     group.call("save_checkpoint", str(tmp), step=step)
-    meta, aux = _model_meta(config, spec, dtype="float32")  # fp32 master weights and moments
+    # fp32 master weights and moments
+    meta, aux = _model_meta(config, spec, dtype="float32", layer_spec=_layer_spec_of(group))
     for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
         write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
@@ -275,6 +320,7 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int) -
         "consumed_pairs": step * config.global_batch_size,
         "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp},
         "config": config.to_dict(),
+        "run": identity if identity is not None else run_identity(config),  # what a resume must agree on
     }
     return checkpoint.commit(out, tmp, step=step, trainer_state=state, keep_last=config.keep_last)
 
@@ -288,6 +334,6 @@ def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
         shutil.rmtree(final)
     final.mkdir(parents=True)
     group.call("write_policy", str(final))
-    meta, aux = _model_meta(config, spec, dtype=config.dtype)
+    meta, aux = _model_meta(config, spec, dtype=config.dtype, layer_spec=_layer_spec_of(group))
     write_mcore_meta(final, meta=meta, aux_files=aux)
     mcore_to_hf_dir(final, out / "hf", overwrite=True, log=lambda _msg: None)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
+from mcore_dpo import hooks
 from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
@@ -118,11 +119,14 @@ class _Rank:
     @torch.no_grad()
     def reference_table(self, pairs: Sequence[TokenizedPair]) -> torch.Tensor | None:
         """Forward-only reference pass over `pairs` (dp ranks take them round-robin): on the
-        last stage, [pairs, 2] summed log-probs of chosen and rejected; None elsewhere."""
+        last stage, [pairs, 2] summed log-probs of chosen and rejected; None elsewhere.
+
+        Chunks hold this group's share of a global batch (its own dp, which for the "ref" group
+        need not be the policy's), in whole microbatches; a chunk's last microbatch may be smaller."""
         dp, mesh = self.layout.dp, self.mesh
         mine = list(range(mesh.dp_rank, len(pairs), dp))
-        rows_per_chunk = max(1, self.config.global_batch_size // self.config.dp)
         b = self.config.micro_batch_size
+        rows_per_chunk = max(1, self.config.global_batch_size // dp // b) * b
         table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
         for lo in range(0, len(mine), rows_per_chunk):
             ids = mine[lo : lo + rows_per_chunk]
@@ -147,6 +151,10 @@ class _Rank:
         if dp > 1:
             dist.all_reduce(table, group=mesh.dp_group)
         return table.to(torch.float32)
+
+    def layer_spec(self) -> str:
+        """The layer spec this rank built its models with; it names the tensors of its shards."""
+        return layer_spec_name(use_te=self.use_te)
 
     def coordinates(self) -> tuple[int, int, int]:
         return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
@@ -251,7 +259,7 @@ class PolicyWorker(_Rank):
     # ------------------------------------------------------------------ step
     def train_step(self, batch: StepBatch) -> dict[str, float] | None:
         config, mesh = self.config, self.mesh
-        _maybe_inject_fault("step", step=batch.step, rank=self.rank, output_dir=config.output_dir)
+        hooks.fire("train_step", step=batch.step, rank=self.rank, output_dir=config.output_dir)
         start = time.perf_counter()
         spec = config.loss_spec()
         pairs = batch.pairs
@@ -436,7 +444,7 @@ class PolicyWorker(_Rank):
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
         """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
-        _maybe_inject_fault("save", step=step, rank=self.rank, output_dir=self.config.output_dir)
+        hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
         if self.mesh.dp_rank == 0:
             # The optimizer's fp32 master weights: exact resume also for bf16/fp16 parameters.
@@ -501,26 +509,3 @@ def _pair_logps(policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: 
         chosen_logit_sum=policy.logit_sum[:b],
         rejected_logit_sum=policy.logit_sum[b:],
     )
-
-
-def _maybe_inject_fault(point: str, *, step: int, rank: int, output_dir: str) -> None:
-    """Fault injection for the reliability tests: MCORE_DPO_FAULT="step:3,7" kills rank 0's
-    process at the start of steps 3 and 7, "save:4" in the middle of the step-4 checkpoint,
-    "hang:2" makes rank 0 stop responding at the start of step 2 (its peers time out).
-    Each fault fires once per run directory (a marker file remembers it)."""
-    spec = os.environ.get("MCORE_DPO_FAULT")
-    if not spec or rank != 0:
-        return
-    kind, _, steps = spec.partition(":")
-    point_of_kind = {"step": "step", "hang": "step", "save": "save"}
-    if point_of_kind.get(kind) != point or str(step) not in steps.split(","):
-        return
-    marker = Path(output_dir) / f".fault-{kind}-{step}"
-    if marker.exists():
-        return
-    marker.write_text("fired\n")
-    if kind == "hang":
-        time.sleep(3600)
-    if kind == "save":
-        time.sleep(0.5)  # let the other ranks get into their writes
-    os._exit(9)

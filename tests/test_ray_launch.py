@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+from faults import with_fault  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -157,7 +160,7 @@ def test_reference_as_its_own_worker_group(tmp_path):
 def test_a_stuck_peer_ends_in_an_error_naming_it(tmp_path):
     """A rank that stops responding: its pipeline neighbour's receive times out after
     --timeout-s and the run ends with a message naming the stage, the transfer and the peer."""
-    env = dict(_env(tmp_path), MCORE_DPO_FAULT="hang:2")
+    env = with_fault(_env(tmp_path), "hang:2")
     t0 = time.monotonic()
     result = _train(["--pp", "2", "--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
                      "--timeout-s", "10", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], env=env, timeout=300)

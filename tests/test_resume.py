@@ -1,6 +1,6 @@
 """Reliability: exact resume, resume after resharding, restarts after worker kills, and a kill
-during a checkpoint write. Runs the real CLI (Ray actors); faults are injected with the
-MCORE_DPO_FAULT hook (see mcore_dpo/worker.py), which kills rank 0's process outright."""
+during a checkpoint write. Runs the real CLI (Ray actors); faults are injected through
+mcore_dpo.hooks by tests/fault_hooks (see tests/faults.py), which kill rank 0's process outright."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+sys.path.insert(0, os.path.dirname(__file__))
+from faults import with_fault  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0"]
@@ -23,10 +26,7 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 
 
 def _run(args: list[str], out: Path, *, fault: str | None = None, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    env.pop("MCORE_DPO_FAULT", None)
-    if fault:
-        env["MCORE_DPO_FAULT"] = fault
+    env = with_fault(dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache)), fault)
     return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 

@@ -1,0 +1,91 @@
+"""What makes a resumed run the same run: the data (by content), the data order (seed, global
+batch size, shuffling), the model and the objective. A checkpoint records them
+(`run_identity`); a resume compares them (`changes`) and refuses a silent change.
+
+Not compared, on purpose: the layout (tp/pp/dp: resume reshards), max_steps (a run may be
+extended), the output and logging settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from mcore_dpo.config import TrainConfig
+
+IDENTITY_VERSION = 1
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_fingerprint(directory: str | Path) -> str:
+    """A model directory's identity without reading its weights: the content of its JSON files
+    (config, index, metadata) and the name and size of every other file. A move or copy of the
+    directory keeps it; new weights of another size, config or file set change it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        digest.update(rel.encode() + b"\0")
+        if path.suffix == ".json":
+            digest.update(path.read_bytes())
+        else:
+            digest.update(str(path.stat().st_size).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def run_identity(config: TrainConfig) -> dict:
+    """The fields a resume must agree on, as stored in trainer_state.json."""
+    return {
+        "version": IDENTITY_VERSION,
+        "data": file_sha256(config.data),
+        "seed": config.seed,
+        "global_batch_size": config.global_batch_size,
+        "shuffle": not config.no_shuffle,
+        "model": model_fingerprint(config.model),
+        "ref_model": model_fingerprint(config.ref_model) if config.ref_model else None,
+        "loss": {
+            "loss_type": config.loss_type,
+            "loss_weights": config.loss_weights,
+            "beta": config.beta,
+            "label_smoothing": config.label_smoothing,
+            "reference_free": config.ref_mode == "none",
+        },
+    }
+
+
+_FLAGS = {
+    "data": "--data (its content)",
+    "seed": "--seed",
+    "global_batch_size": "--global-batch-size",
+    "shuffle": "shuffle",
+    "model": "--model",
+    "ref_model": "--ref-model",
+    "loss": "the loss",
+}
+
+
+def changes(saved: dict, current: dict) -> list[str]:
+    """What differs between a checkpoint's run identity and this run's, one phrase each, e.g.
+    "--seed 1234 -> 5"; empty when the runs agree (or the checkpoint records no identity)."""
+    if not saved or saved.get("version") != current.get("version"):
+        return []
+    found = []
+    for key, label in _FLAGS.items():
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if key == "loss":
+            diff = [f"{k} {(old or {}).get(k)!r} -> {new.get(k)!r}" for k in new if (old or {}).get(k) != new.get(k)]
+            found.append(f"{label} ({', '.join(diff)})")
+        elif key in ("data", "model", "ref_model"):
+            found.append(f"{label} changed")
+        else:
+            found.append(f"{label} {old} -> {new}")
+    return found

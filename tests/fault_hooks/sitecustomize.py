@@ -1,0 +1,44 @@
+"""Fault injection for the reliability tests, loaded at start-up by every Python process whose
+PYTHONPATH holds this directory (tests/faults.py puts it there for the runs that need it, and
+Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_DPO_FAULT:
+
+    "step:3,7"  kills rank 0's process at the start of steps 3 and 7
+    "save:4"    kills rank 0's process in the middle of the step-4 checkpoint write
+    "hang:2"    makes rank 0 stop responding at the start of step 2 (its peers time out)
+
+Each fault fires once per run directory (a marker file remembers it).
+"""
+
+import os
+
+
+def _install(spec: str) -> None:
+    import time
+    from pathlib import Path
+
+    from mcore_dpo import hooks
+
+    kind, _, steps = spec.partition(":")
+    point = {"step": "train_step", "hang": "train_step", "save": "save_checkpoint"}[kind]
+
+    def fault(*, step: int, rank: int, output_dir: str) -> None:
+        if rank != 0 or str(step) not in steps.split(","):
+            return
+        marker = Path(output_dir) / f".fault-{kind}-{step}"
+        if marker.exists():
+            return
+        marker.write_text("fired\n")
+        if kind == "hang":
+            time.sleep(3600)
+        if kind == "save":
+            time.sleep(0.5)  # let the other ranks get into their writes
+        os._exit(9)
+
+    hooks.register(point, fault)
+
+
+if os.environ.get("MCORE_DPO_FAULT"):
+    try:
+        _install(os.environ["MCORE_DPO_FAULT"])
+    except ImportError:  # a helper process of Ray's without the project on its path
+        pass

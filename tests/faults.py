@@ -1,0 +1,19 @@
+"""Environment for a run with an injected fault: MCORE_DPO_FAULT (see
+tests/fault_hooks/sitecustomize.py) and that directory first on PYTHONPATH, so that the
+driver and every Ray worker process load the fault hooks at start-up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FAULT_HOOKS_DIR = Path(__file__).resolve().parent / "fault_hooks"
+
+
+def with_fault(env: dict, fault: str | None) -> dict:
+    env = dict(env)
+    env.pop("MCORE_DPO_FAULT", None)
+    if fault:
+        env["MCORE_DPO_FAULT"] = fault
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULT_HOOKS_DIR), env.get("PYTHONPATH")) if p)
+    return env
