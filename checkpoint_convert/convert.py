@@ -328,9 +328,9 @@ def mcore_to_hf_dir(
                     for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
                         writer.write_rows(name, view.get_rows(name, lo, hi))
                     continue
-                mcore_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+                shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
                 ranks = range(1) if kind == "replicated" else range(meta.tp)
-                parts = [source.shard_view(tp_rank, pp_rank)[mcore_name] for tp_rank in ranks]
+                parts = [source.shard_view(tp_rank, pp_rank)[shard_name] for tp_rank in ranks]
                 _write_hf_entry(writer, spec=meta.spec, kind=kind, hf_names=hf_names, parts=parts)
         except BaseException:
             writer.abort()

@@ -349,7 +349,7 @@ class HFView:
         if not 0 <= start <= stop <= self.spec.vocab_size:
             raise ValueError(f"tensor '{name}': rows [{start}, {stop}) outside [0, {self.spec.vocab_size}]")
         meta = self._ckpt.meta
-        mcore_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+        shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
         rows_per_rank = padded_vocab_size(self.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor) // meta.tp
         blocks = []
         for tp_rank in range(meta.tp):
@@ -357,7 +357,7 @@ class HFView:
             lo, hi = max(start, first), min(stop, first + rows_per_rank)
             if lo < hi:
                 shard = self._ckpt.shard_view(tp_rank, pp_rank)
-                blocks.append(shard.get_rows(mcore_name, lo - first, hi - first))
+                blocks.append(shard.get_rows(shard_name, lo - first, hi - first))
         if not blocks:  # start == stop
             return torch.empty((0, self.spec.hidden_size), dtype=DTYPES[meta.dtype])
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
