@@ -24,7 +24,9 @@ setup(
         "psutil>=7.2,<8",
     ],
     extras_require={
-        "test": ["pytest>=9.0,<10"],
+        "test": ["pytest>=9.0,<10", "wandb>=0.31,<0.32"],
+        # Weights & Biases logging (--wandb).
+        "wandb": ["wandb>=0.31,<0.32"],
         # GPU users: Transformer Engine (needs CUDA). NVIDIA apex is optional and built from source; see README.
         "gpu": ["transformer-engine[pytorch]>=2.20,<2.21"],
     },

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from checkpoint_convert.mapping import hf_tensor_shapes, spec_from_hf_config  # noqa: E402
 from mcore_dpo.data import TokenizedPair  # noqa: E402
+from mcore_dpo.ports import free_port  # noqa: E402
 
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 0
 FIRST_WORD_ID = 3  # ids below are special tokens
@@ -213,20 +212,6 @@ class RankJob:
     warmup_steps: int = 1
     precompute_pairs: int = 0  # ref_mode precomputed: the data set size of the one-off pass
     trace: bool = False  # record every measured step's op timeline on every rank
-
-
-def free_port() -> int:
-    """A free TCP port below Linux's ephemeral range (32768 up), so that a port handed out
-    for a later job cannot meanwhile be taken by an outgoing connection (gloo opens many)."""
-    for _ in range(200):
-        port = random.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port found in 20000-29999")
 
 
 def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], data: dict, out_dir: str) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
+from mcore_dpo.ports import free_port  # noqa: E402
 
 ONE_B = common.LlamaShape(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup_steps": args.warmup_steps,
     }
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    port = common.free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as rank_dir:
         if world_size == 1:
             _rank(0, 1, port, settings, rank_dir)

@@ -9,7 +9,6 @@ computed in fp32 on the CPU, so the comparison measures the conversion, not the 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
 from checkpoint_convert.mapping import ConversionError
+from mcore_dpo.ports import free_port
 
 _RENDEZVOUS_TIMEOUT_S = 120.0
 
@@ -39,12 +39,6 @@ class VerifyReport:
             f"verify tp={self.tp} pp={self.pp}: max |dlogit| {self.max_abs_diff:.3e}, "
             f"argmax agreement {self.argmax_agreement:.2%} over {self.num_positions} positions"
         )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: str) -> None:
@@ -129,7 +123,7 @@ def verify(
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.multiprocessing.spawn(
             _rank_main,
-            args=(world_size, _free_port(), str(checkpoint.dir), work_dir),
+            args=(world_size, free_port(), str(checkpoint.dir), work_dir),
             nprocs=world_size,
             join=True,
         )

@@ -5,7 +5,6 @@ worker group per role, rendezvous, and turning actor failures into one clear err
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,10 +57,9 @@ def coordinates_of(rank: int, *, tp: int, pp: int, dp: int) -> tuple[int, int, i
 @ray.remote
 def _node_address_and_port() -> tuple[str, int]:
     """Runs on bundle 0's node: its address as Ray knows it, and a free TCP port there."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    from mcore_dpo.ports import free_port
+
+    return ray.util.get_node_ip_address(), free_port(host="")
 
 
 class _RayWorker:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -24,6 +23,7 @@ from convert_helpers import save_hf  # noqa: E402
 
 from mcore_dpo.data import TokenizedPair, collate, padded_seq_len  # noqa: E402
 from mcore_dpo.loss import LossSpec, PairLogps, finalize_metrics, metric_sums, pair_losses  # noqa: E402
+from mcore_dpo.ports import free_port  # noqa: E402
 
 RTOL = 1e-5
 VOCAB = 100  # not a multiple of 128*tp: padded vocabulary columns must stay out of the softmax
@@ -128,12 +128,6 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
 
 
 # --------------------------------------------------------------------------- distributed harness
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

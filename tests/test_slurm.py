@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from mcore_dpo.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -63,20 +63,6 @@ def _ensure_slurm_installed() -> None:
     missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
     if missing:
         pytest.skip(f"SLURM cannot be installed: after apt-get, {', '.join(missing)} are still missing")
-
-
-def _free_port_block(count: int) -> int:
-    """A base port P with P .. P+count-1 all free (below Linux's ephemeral range)."""
-    for _ in range(200):
-        base = random.randrange(20000, 30000 - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free block of TCP ports found")
 
 
 def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
@@ -160,7 +146,7 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
-    ctld_port = _free_port_block(1 + len(NODES))
+    ctld_port = free_port(count=1 + len(NODES), host="")
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, host=host, ctld_port=ctld_port))
     env = dict(os.environ, SLURM_CONF=str(conf), OMP_NUM_THREADS="1")
@@ -254,7 +240,7 @@ def test_script_refuses_to_run_outside_slurm():
 
 def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster, tmp_path: Path):
     run_dir = tmp_path / "run"
-    ray_port = _free_port_block(RAY_PORTS)
+    ray_port = free_port(count=RAY_PORTS, host="")
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
         name="tiny",
@@ -275,7 +261,7 @@ def test_sbatch_tiny_run_completes_and_leaves_no_ray(slurm_cluster: SlurmCluster
 
 
 def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster, tmp_path: Path):
-    ray_port = _free_port_block(RAY_PORTS)
+    ray_port = free_port(count=RAY_PORTS, host="")
     join_timeout_s = 5
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
@@ -298,7 +284,7 @@ def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster
 
 def test_sbatch_two_nodes_tp2_pp2(slurm_cluster: SlurmCluster, tmp_path: Path):
     run_dir = tmp_path / "run"
-    ray_port = _free_port_block(RAY_PORTS)
+    ray_port = free_port(count=RAY_PORTS, host="")
     fields, output, wall_s = _submit_and_wait(
         slurm_cluster,
         name="two-nodes",

@@ -1,0 +1,104 @@
+"""Reference log-probs over data that does not fill whole microbatches, at pp 2: 41 pairs
+with micro_batch_size 4 leave every rank a chunk whose last microbatch holds fewer pairs, so the
+later stage must size each receive by that microbatch. Both users of the forward-only pass
+run: the "ref" worker group of --ref-mode separate (also with ref_dp 2 while the policy's dp
+is 1) and the policy group's --ref-mode precomputed table.
+
+The reference side is a single-process Hugging Face forward written here from the definition
+(sum of log p(token | prefix) over the completion tokens), not the engine's own functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+NUM_PAIRS = 41
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from mcore_dpo import defaults, ray_workers
+    from mcore_dpo.config import TrainConfig
+    from mcore_dpo.run import prepare
+
+    root = tmp_path_factory.mktemp("unaligned")
+    os.environ["MCORE_DPO_CACHE"] = str(root / "cache")  # the Ray workers inherit it
+    data = root / "prefs41.jsonl"
+    data.write_text("".join(Path(defaults.DEFAULT_TRAIN_DATA).read_text().splitlines(keepends=True)[:NUM_PAIRS]))
+    config = TrainConfig(data=str(data), global_batch_size=16, micro_batch_size=4, dp=1, pp=2, ref_mode="separate",
+                         ref_pp=2, ref_dp=1, output_dir=str(root / "out"))
+    prep = prepare(config)
+    assert len(prep.train_pairs) == NUM_PAIRS
+    started = ray_workers.connect(address=None, num_cpus=4)
+    try:
+        yield prep
+    finally:
+        ray_workers.disconnect(started)
+
+
+def _hf_reference_logps(model_dir: str, pairs) -> torch.Tensor:
+    """[pairs, 2]: summed log-probs of the chosen and the rejected completion given the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    table = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    with torch.no_grad():
+        for i, pair in enumerate(pairs):
+            for column, completion in enumerate((pair.chosen_ids, pair.rejected_ids)):
+                ids = torch.tensor([list(pair.prompt_ids) + list(completion)])
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+                prompt_len = len(pair.prompt_ids)
+                table[i, column] = sum(logp[t - 1, ids[0, t]] for t in range(prompt_len, ids.shape[1]))
+    return table
+
+
+def _one(results):
+    found = [r for r in results if r is not None]
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("ref_dp", [1, 2])
+def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp):
+    from dataclasses import replace
+
+    from mcore_dpo.run import Prepared, _start_group
+    from mcore_dpo.worker import ReferenceWorker
+
+    config = replace(prepared.config, ref_dp=ref_dp)
+    prep = Prepared(**{**prepared.__dict__, "config": config})
+    group = _start_group("ref", ReferenceWorker, prep, tp=1, pp=2, dp=ref_dp)
+    try:
+        table = _one(group.call("reference_logps", prep.train_pairs, timeout_s=300))
+    finally:
+        group.stop()
+    expected = _hf_reference_logps(config.model, prep.train_pairs)
+    assert table.shape == (NUM_PAIRS, 2)
+    err = (table.double() - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item(), err
+
+
+def test_precomputed_reference_at_pp2_on_unaligned_data(prepared):
+    """The policy group's one-off reference pass over 41 pairs (train and held-out) at pp 2.
+    Policy and reference start as the same weights, so every reward of an evaluation against
+    the precomputed table is zero: a row of the table that belonged to another pair would not be."""
+    from dataclasses import replace
+
+    from mcore_dpo.run import Prepared, _start_group
+    from mcore_dpo.worker import PolicyWorker
+
+    config = replace(prepared.config, ref_mode="precomputed")
+    prep = Prepared(**{**prepared.__dict__, "config": config})
+    group = _start_group("policy", PolicyWorker, prep, tp=1, pp=2, dp=1)
+    try:
+        group.call("precompute_reference", prep.train_pairs, prep.train_pairs, timeout_s=300)
+        metrics = _one(group.call("evaluate", prep.train_pairs, timeout_s=300))
+    finally:
+        group.stop()
+    scale = config.beta * max(abs(metrics["eval/logps/chosen"]), abs(metrics["eval/logps/rejected"]))
+    for key in ("eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margins"):
+        assert abs(metrics[key]) <= 1e-5 * scale, (key, metrics[key], scale)
