@@ -6,6 +6,9 @@ is 1) and the policy group's --ref-mode precomputed table.
 
 The reference side is a single-process Hugging Face forward written here from the definition
 (sum of log p(token | prefix) over the completion tokens), not the engine's own functions.
+
+The same Ray session also checks how the driver finds ranks that do not share its output
+directory (each rank reads a token file the driver wrote).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def prepared(tmp_path_factory):
     data = root / "prefs41.jsonl"
     data.write_text("".join(Path(defaults.DEFAULT_TRAIN_DATA).read_text().splitlines(keepends=True)[:NUM_PAIRS]))
     config = TrainConfig(data=str(data), global_batch_size=16, micro_batch_size=4, dp=1, pp=2, ref_mode="separate",
-                         ref_pp=2, ref_dp=1, output_dir=str(root / "out"))
+                         ref_pp=2, ref_dp=1, output_dir=str(root / "out"), timeout_s=60)
     prep = prepare(config)
     assert len(prep.train_pairs) == NUM_PAIRS
     started = ray_workers.connect(address=None, num_cpus=4)
@@ -102,3 +105,22 @@ def test_precomputed_reference_at_pp2_on_unaligned_data(prepared):
     scale = config.beta * max(abs(metrics["eval/logps/chosen"]), abs(metrics["eval/logps/rejected"]))
     for key in ("eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margins"):
         assert abs(metrics[key]) <= 1e-5 * scale, (key, metrics[key], scale)
+
+
+def test_ranks_read_the_drivers_token_file(prepared, tmp_path):
+    from mcore_dpo import ray_workers
+
+    group = ray_workers.create_group(role="probe", world_size=2, tp=1, pp=1, dp=2, factory=dict,
+                                     kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False,
+                                     placement_timeout_s=120)
+    try:
+        token = tmp_path / ".output-dir-token"
+        token.write_text("abc\n")
+        assert ray_workers.ranks_not_seeing(group, path=str(token), text="abc\n") == []
+        # what a rank on a node without this directory reports: another text, or none
+        missing = ray_workers.ranks_not_seeing(group, path=str(token), text="xyz\n")
+        assert [name for name, _ in missing] == group.names
+        assert all(node == group.processes[i]["node_ip"] for i, (_, node) in enumerate(missing))
+        assert len(ray_workers.ranks_not_seeing(group, path=str(tmp_path / "absent"), text="abc\n")) == 2
+    finally:
+        group.stop()
