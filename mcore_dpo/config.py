@@ -241,6 +241,21 @@ def load_yaml(path: str) -> dict:
     return out
 
 
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field's documentation: the string right under it in the class body."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2, no usage dump
         raise ConfigError(f"command line: {message}")
@@ -257,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None)
     parser.add_argument("--ray-address", default=None, help="join an existing Ray cluster (default: start a local one)")
+    docs = field_docs()
+    for action in parser._actions:  # --help shows each field's documentation
+        if action.help is None and action.dest in docs:
+            action.help = docs[action.dest].replace("%", "%%")
     return parser
 
 

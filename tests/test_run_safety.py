@@ -193,3 +193,15 @@ def test_an_output_dir_a_node_cannot_see_is_one_line_naming_the_node(tmp_path, m
     assert "\n" not in message and "node 10.1.2.3 (policy/tp0-pp1-dp0)" in message
     assert "file system every node shares" in message
     assert seen["token"][0] == seen["token"][1]  # the driver wrote the token before asking
+
+
+def test_help_documents_the_new_flags():
+    from mcore_dpo.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--resume-with-changes, --no-resume-with-changes Resume even when --data (its content)" in text
+    assert "--wandb, --no-wandb Also log metrics to Weights & Biases" in text
+    assert "--wandb-project WANDB_PROJECT Weights & Biases project" in text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for flag in ("--resume-with-changes", "--wandb", "--wandb-project"):
+        assert flag in readme, flag
