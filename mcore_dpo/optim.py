@@ -108,6 +108,16 @@ class CpuOptimizer:
                 out[key][name] = value.detach().to("cpu", torch.float32, copy=True)
         return out
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 masters that are copies, and moments."""
+        total = 0
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                total += master.numel() * master.element_size()
+            state = self.optimizer.state.get(master, {})
+            total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq") if k in state)
+        return total
+
     def checkpoint_tensors(self, kind: str, *, dp_rank: int) -> dict[str, torch.Tensor] | None:
         """"model" (the fp32 masters) or a moment name, whole per parameter name, on dp rank 0;
         None on other dp ranks (they hold the same state)."""
