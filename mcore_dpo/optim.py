@@ -100,12 +100,14 @@ class CpuOptimizer:
 
     def moments(self) -> dict[str, dict[str, torch.Tensor]]:
         """{"exp_avg": {param name: tensor}, "exp_avg_sq": {...}} on the CPU (zeros before step 1)."""
-        out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        return {key: self._moment(key) for key in ("exp_avg", "exp_avg_sq")}
+
+    def _moment(self, key: str) -> dict[str, torch.Tensor]:
+        out = {}
         for name, master in zip(self.names, self.masters):
             state = self.optimizer.state.get(master)
-            for key in out:
-                value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
-                out[key][name] = value.detach().to("cpu", torch.float32, copy=True)
+            value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
+            out[name] = value.detach().to("cpu", torch.float32, copy=True)
         return out
 
     def state_bytes(self) -> int:
@@ -123,7 +125,7 @@ class CpuOptimizer:
         None on other dp ranks (they hold the same state)."""
         if dp_rank != 0:
             return None
-        return self.master_weights() if kind == "model" else self.moments()[kind]
+        return self.master_weights() if kind == "model" else self._moment(kind)
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 weights the optimizer updates (what a checkpoint must keep), on the CPU."""
