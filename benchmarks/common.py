@@ -262,6 +262,7 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                 "step_time_s": step_times,
                 "tokens_per_step": tokens,
                 "ref_param_bytes": ref_bytes,
+                "optimizer_state_bytes": worker.optimizer.state_bytes(),  # fp32 master copies + moments
                 "precompute_s": precompute_s,
                 "baseline_rss_bytes": baseline_rss,
                 "peak_rss_bytes": peak_rss_bytes(),

@@ -3,8 +3,9 @@
     OUTPUT/checkpoints/
       latest                      name of the current checkpoint (replaced atomically)
       step_00000010/
-        model/                    policy weights, checkpoint_convert Megatron format (any tp/pp
-                                  can read it: mcore-to-hf exports it, resume reshards it)
+        model/                    policy weights (fp32 masters, whole: a dp-sharded optimizer
+                                  gathers its slices), checkpoint_convert Megatron format (any
+                                  tp/pp/dp can read it: mcore-to-hf exports it, resume reshards it)
         optim/exp_avg/            AdamW first moments, same format and layout as the weights
         optim/exp_avg_sq/         AdamW second moments
         rng/rank{r}.safetensors   each rank's RNG states

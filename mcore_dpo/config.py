@@ -93,7 +93,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True
-    """On GPUs, use megatron-core's distributed optimizer (state sharded over dp ranks)."""
+    """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU):
+    gradients are reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
+    the whole state on every dp rank (gradients all-reduced). Same results either way."""
 
     # --- run ---
     eval_interval: int = 40

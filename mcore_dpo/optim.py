@@ -1,11 +1,15 @@
 """The optimizer step and the learning-rate schedule.
 
-Two paths with the same semantics (AdamW with decoupled weight decay on matrices only --
+Two optimizers with the same semantics (AdamW with decoupled weight decay on matrices only --
 norms and biases are not decayed --, clipping by the global gradient norm over all
-model-parallel ranks, the LR set per step):
-- GPU: megatron-core's distributed optimizer (optimizer state sharded over dp ranks).
-- CPU (where megatron-core's optimizer needs CUDA): torch AdamW over megatron-core DDP's
-  `main_grad` buffers, already summed over microbatches and reduced over dp ranks.
+model-parallel ranks, fp32 masters for bf16/fp16 parameters, the LR set per step), on CPU and
+GPU alike:
+- `zero.ShardedOptimizer` (--distributed-optimizer, the default): state sharded over dp ranks.
+- `CpuOptimizer` (--no-distributed-optimizer): torch AdamW over megatron-core DDP's `main_grad`
+  buffers, already summed over microbatches and all-reduced over dp ranks; every dp rank holds
+  the whole state.
+(megatron-core's own optimizers build CUDA tensors and check for CUDA tensor types, so they do
+not run on a CPU; docs/DESIGN.md has the details.)
 """
 
 from __future__ import annotations
@@ -96,13 +100,32 @@ class CpuOptimizer:
 
     def moments(self) -> dict[str, dict[str, torch.Tensor]]:
         """{"exp_avg": {param name: tensor}, "exp_avg_sq": {...}} on the CPU (zeros before step 1)."""
-        out: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        return {key: self._moment(key) for key in ("exp_avg", "exp_avg_sq")}
+
+    def _moment(self, key: str) -> dict[str, torch.Tensor]:
+        out = {}
         for name, master in zip(self.names, self.masters):
             state = self.optimizer.state.get(master)
-            for key in out:
-                value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
-                out[key][name] = value.detach().to("cpu", torch.float32, copy=True)
+            value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
+            out[name] = value.detach().to("cpu", torch.float32, copy=True)
         return out
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 masters that are copies, and moments."""
+        total = 0
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                total += master.numel() * master.element_size()
+            state = self.optimizer.state.get(master, {})
+            total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq") if k in state)
+        return total
+
+    def checkpoint_tensors(self, kind: str, *, dp_rank: int) -> dict[str, torch.Tensor] | None:
+        """"model" (the fp32 masters) or a moment name, whole per parameter name, on dp rank 0;
+        None on other dp ranks (they hold the same state)."""
+        if dp_rank != 0:
+            return None
+        return self.master_weights() if kind == "model" else self._moment(kind)
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 weights the optimizer updates (what a checkpoint must keep), on the CPU."""
@@ -119,43 +142,3 @@ class CpuOptimizer:
                 "exp_avg": moments["exp_avg"][name].to(master.device, master.dtype).clone(),
                 "exp_avg_sq": moments["exp_avg_sq"][name].to(master.device, master.dtype).clone(),
             }
-
-
-class MegatronOptimizer:
-    """megatron-core's distributed optimizer (GPU): fp32 main params and Adam state sharded
-    over the data-parallel ranks."""
-
-    def __init__(self, *, ddp_model: torch.nn.Module, dtype: torch.dtype, betas: tuple[float, float], eps: float,
-                 weight_decay: float, clip_grad: float, lr: float):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            adam_eps=eps,
-            clip_grad=clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-        )
-        self.optimizer = get_megatron_optimizer(config, [ddp_model])
-
-    def step(self, *, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        return float(grad_norm) if grad_norm is not None else float("nan")
-
-    def moments(self):
-        raise NotImplementedError(
-            "checkpoints with megatron-core's distributed optimizer are not supported yet; "
-            "run with --no-distributed-optimizer to save and resume"
-        )
-
-    load_moments = master_weights = moments

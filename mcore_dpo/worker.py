@@ -30,9 +30,10 @@ from mcore_dpo.logprobs import SequenceLogps
 from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import build_stage_model, freeze, layer_spec_name, load_shard, open_weights
-from mcore_dpo.optim import CpuOptimizer, MegatronOptimizer, lr_at
+from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, wait_for_sends
 from mcore_dpo.schedule import build_plan
+from mcore_dpo.zero import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -186,21 +187,23 @@ class PolicyWorker(_Rank):
         self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
         if config.loss_spec().needs_reference and config.ref_mode != "separate":
             self.reference = freeze(self._build(config.ref_model or config.model))
-        use_megatron_optimizer = self.platform.is_cuda and config.distributed_optimizer
-        self.policy = self._wrap_ddp(self.policy, distributed_optimizer=use_megatron_optimizer)
+        # --distributed-optimizer: DDP reduce-scatters gradients and all-gathers parameters, the
+        # optimizer keeps only this dp rank's slice of the fp32 masters and moments (at dp 1, all).
+        sharded = config.distributed_optimizer
+        self.policy = self._wrap_ddp(self.policy, distributed_optimizer=sharded)
         # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.
-        betas = (config.adam_beta1, config.adam_beta2)
-        if use_megatron_optimizer:
-            self.optimizer = MegatronOptimizer(
-                ddp_model=self.policy, dtype=self.dtype, betas=betas, eps=config.adam_eps,
-                weight_decay=config.weight_decay, clip_grad=config.clip_grad, lr=config.lr,
+        named_params = [(n, p) for n, p in self.policy.module.named_parameters() if p.requires_grad]
+        common = dict(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                      weight_decay=config.weight_decay, clip_grad=config.clip_grad)
+        if sharded:
+            self.optimizer = ShardedOptimizer(
+                ddp_model=self.policy, named_params=named_params, params_once=self._unique_params(),
+                dp_group=self.mesh.dp_group, dp_rank=self.mesh.dp_rank, dp_size=self.layout.dp, **common,
             )  # fmt: skip
         else:
             self.optimizer = CpuOptimizer(
-                named_params=[(n, p) for n, p in self.policy.module.named_parameters() if p.requires_grad],
-                params_once=self._unique_params(),
-                group=self.mesh.model_parallel_group,
-                betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay, clip_grad=config.clip_grad,
+                named_params=named_params, params_once=self._unique_params(), group=self.mesh.model_parallel_group,
+                **common,
             )  # fmt: skip
         if resume_dir:
             self._load_checkpoint(resume_dir)
@@ -446,12 +449,14 @@ class PolicyWorker(_Rank):
         """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
         hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
-        if self.mesh.dp_rank == 0:
-            # The optimizer's fp32 master weights: exact resume also for bf16/fp16 parameters.
-            shards = {"model": self.optimizer.master_weights()}
-            shards.update({f"optim/{kind}": shard for kind, shard in self.optimizer.moments().items()})
-            for kind, shard in shards.items():
+        # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
+        # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
+        # its slices to dp rank 0); dp rank 0 writes.
+        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
+            shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
+            if shard is not None:
                 write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
+            del shard
         rng = {"torch": torch.get_rng_state()}
         if self.platform.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
@@ -484,6 +489,8 @@ class PolicyWorker(_Rank):
 
     def grad_shard(self) -> dict[str, torch.Tensor]:
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.gather_grads()
         return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from benchmarks import common, conversion, dp_scaling, gpu_step, memory, ref_cost, vs_trl  # noqa: E402
+from benchmarks import common, conversion, dp_scaling, gpu_step, memory, optimizer_memory, ref_cost, vs_trl  # noqa: E402
 
 
 def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -76,6 +76,21 @@ def test_memory_reports_reference_bytes_per_rank(tmp_path):
         for mode in ("interleaved", "none"):
             assert row[mode]["peak_rss_bytes"]["median"] >= row[mode]["baseline_rss_bytes"]["median"] > 0
         assert "interleaved_minus_none_over_ref_bytes" in row
+
+
+def test_optimizer_memory_halves_the_state_per_rank_at_dp2(tmp_path):
+    result = optimizer_memory.main(["--tiny", "--repeats", "1", "--dtype", "bfloat16", "--out", str(tmp_path / "o.json"),
+                                    "--work-dir", str(tmp_path)])
+    numel = sum(math.prod(s) for s in _weights(tmp_path / "model").values())
+    configs = result["configs"]
+    one = configs["dp1_sharded"]["0"]["optimizer_state_bytes"]["median"]
+    # bf16 parameters: fp32 master + two fp32 moments (fp32 norms need no master copy), untied
+    assert 8 * numel < one <= 12 * numel
+    assert sum(row["optimizer_state_bytes"]["median"] for row in configs["dp2_sharded"].values()) == one
+    for row in configs["dp2_sharded"].values():
+        assert abs(row["state_over_dp1"] - 0.5) < 0.05
+    for row in configs["dp2_replicated"].values():
+        assert row["state_over_dp1"] == 1.0
 
 
 def test_dp_scaling_runs_both_sizes(tmp_path):

@@ -96,6 +96,33 @@ def test_resume_after_resharding(baselines, cache, tmp_path):
         assert err <= 1e-6, (name, err)
 
 
+def test_resume_after_kill_at_another_dp(baselines, cache, tmp_path):
+    """Killed at step 3 under dp 2 (the sharded optimizer's state gathered into the step-2
+    checkpoint), resumed at dp 1: steps 1-2 are the uninterrupted run's, and the end state
+    equals it within 1e-5 (at another dp the gradient is reduced in another order)."""
+    base, layout = baselines["dp2"]
+    out = tmp_path / "run"
+    killed = _run([*layout, "--save-interval", "2"], out, fault="step:3", cache=cache)
+    assert killed.returncode != 0 and "died" in killed.stderr.strip().splitlines()[-1]
+    resumed = _run(["--dp", "1", "--save-interval", "2"], out, cache=cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    ours, ref = _metrics(out), _metrics(base)
+    assert [m["step"] for m in ours] == [m["step"] for m in ref]
+    for a, b in zip(ours, ref):
+        if a["step"] <= 2:
+            assert a == b
+        assert a.keys() == b.keys()
+        for key in b:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    assert sum(1 for m in ours if m["step"] >= 3 and "loss" in m) == 2
+    wa, wb = _weights(base), _weights(out)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        err = (wa[name] - wb[name]).abs().max().item()
+        assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+
+
 def test_restarts_after_three_kills(baselines, cache, tmp_path):
     """--max-restarts 3 with three worker kills at random steps: identical to the uninterrupted run."""
     base, layout = baselines["dp2"]

@@ -1,0 +1,222 @@
+"""The data-parallel-sharded optimizer (ZeRO stage 1), for CPU (gloo) and GPU (NCCL) alike.
+
+megatron-core's DistributedDataParallel, built with `use_distributed_optimizer=True`, lays
+every parameter and its gradient out in flat buffers cut into buckets, each bucket padded to a
+multiple of the dp size. Its `finish_grad_sync` reduce-scatters each bucket's gradients, so dp
+rank r ends up with the reduced gradients of the r-th 1/dp of every bucket; its
+`start_param_sync` all-gathers each bucket's parameters from the same 1/dp slices. This module
+owns exactly those slices: for each parameter, the piece that falls into this rank's slice
+gets an fp32 master copy (a view of the parameter itself when it is fp32) and AdamW moments.
+
+Semantics are the replicated optimizer's (`optim.CpuOptimizer`): AdamW with decoupled weight
+decay on parameters of >= 2 dims only, clipping by the global gradient norm (each logical
+parameter element counted once: dp slices are disjoint, tp-replicated parameters count on tp
+rank 0, the tied copy of the embedding on the last stage is skipped), fp32 masters for bf16 and
+fp16 parameters. Only elementwise collectives are used (reduce-scatter, all-gather, all-reduce),
+which gloo and NCCL both run, so the CPU tests run the code a GPU runs.
+
+Checkpoints: `master_weights()` / `moments()` return whole tensors per parameter name on dp
+rank 0 (None elsewhere), gathered one parameter at a time; `load_moments` takes whole tensors
+and keeps this rank's pieces, so a checkpoint written at one dp size loads at any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore_dpo.optim import clip_coefficient
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The elements [lo, hi) of the flattened parameter `name` that this dp rank owns."""
+
+    name: str
+    lo: int
+    hi: int
+
+
+def owned_range(*, param_start: int, param_end: int, bucket_offset: int, bucket_numel: int, dp_rank: int,
+                dp_size: int) -> tuple[int, int]:
+    """[lo, hi) within a parameter (flattened) that dp rank `dp_rank` owns; empty when lo >= hi.
+    `param_start`/`param_end` and `bucket_offset` are positions in the flat buffer; each bucket is
+    split into dp_size equal contiguous slices."""
+    if bucket_numel % dp_size:
+        raise ValueError(f"bucket of {bucket_numel} elements is not divisible by dp={dp_size}")
+    size = bucket_numel // dp_size
+    shard_lo = bucket_offset + dp_rank * size
+    shard_hi = shard_lo + size
+    lo, hi = max(param_start, shard_lo), min(param_end, shard_hi)
+    return (lo - param_start, hi - param_start) if lo < hi else (0, 0)
+
+
+def ddp_pieces(ddp_model: torch.nn.Module, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, dp_rank: int,
+               dp_size: int) -> list[Piece]:
+    """This rank's pieces of `named_params`, read from megatron-core DDP's buffer layout."""
+    where = {}
+    for buffer in list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", [])):
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            bucket = buffer.buckets[bucket_id]
+            where[param] = (start, end, bucket.offset, bucket.grad_data.numel())
+    pieces = []
+    for name, param in named_params:
+        start, end, offset, numel = where[param]
+        lo, hi = owned_range(param_start=start, param_end=end, bucket_offset=offset, bucket_numel=numel,
+                             dp_rank=dp_rank, dp_size=dp_size)
+        if lo < hi:
+            pieces.append(Piece(name=name, lo=lo, hi=hi))
+    return pieces
+
+
+class ShardedOptimizer:
+    """ZeRO-1 AdamW over megatron-core DDP built with use_distributed_optimizer=True.
+
+    step(): gradients are already reduce-scattered (DDP's finish_grad_sync); clip by the global
+    norm computed from the slices, AdamW on this rank's fp32 masters, write the updated pieces
+    into the parameters, then all-gather the parameters (DDP's start_param_sync)."""
+
+    def __init__(self, *, ddp_model: torch.nn.Module, named_params: list[tuple[str, torch.nn.Parameter]],
+                 params_once: list[torch.nn.Parameter], dp_group: object, dp_rank: int, dp_size: int,
+                 betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
+        self.ddp_model = ddp_model
+        self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
+        self.clip_grad = clip_grad
+        self.names = [n for n, _ in named_params]
+        self.params = dict(named_params)
+        once = {id(p) for p in params_once}
+        self.pieces = ddp_pieces(ddp_model, named_params, dp_rank=dp_rank, dp_size=dp_size)
+        self.counts_in_norm = [id(self.params[pc.name]) in once for pc in self.pieces]
+        self.masters: list[torch.nn.Parameter] = []
+        for pc in self.pieces:
+            flat = self._param_piece(pc)
+            # fp32 parameters are updated in place (the master is a view of the parameter).
+            master = flat if flat.dtype == torch.float32 else flat.detach().float().clone()
+            self.masters.append(torch.nn.Parameter(master))
+        # Decay follows the shape of the whole parameter, not of its 1-D piece.
+        decayed = [m for pc, m in zip(self.pieces, self.masters) if self.params[pc.name].dim() >= 2]
+        plain = [m for pc, m in zip(self.pieces, self.masters) if self.params[pc.name].dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}],
+            lr=0.0, betas=betas, eps=eps,
+        )  # fmt: skip
+
+    def _param_piece(self, pc: Piece) -> torch.Tensor:
+        return self.params[pc.name].data.view(-1)[pc.lo : pc.hi]
+
+    def _grad_piece(self, pc: Piece) -> torch.Tensor:
+        return self.params[pc.name].main_grad.view(-1)[pc.lo : pc.hi]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradients, from every rank's slices."""
+        device = next(iter(self.params.values())).device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for pc, counts in zip(self.pieces, self.counts_in_norm):
+            if counts:
+                total += self._grad_piece(pc).double().pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)  # every rank of the group: dp slices x model-parallel pieces
+        return float(total.sqrt())
+
+    def step(self, *, lr: float) -> float:
+        grad_norm = self.grad_norm()
+        clip = clip_coefficient(grad_norm, max_norm=self.clip_grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for pc, master in zip(self.pieces, self.masters):
+            grad = self._grad_piece(pc)
+            master.grad = (grad * clip if clip != 1.0 else grad).to(master.dtype)
+        self.optimizer.step()
+        with torch.no_grad():
+            for pc, master in zip(self.pieces, self.masters):
+                master.grad = None
+                piece = self._param_piece(pc)
+                if piece.data_ptr() != master.data_ptr():
+                    piece.copy_(master)
+        self.ddp_model.start_param_sync(force_sync=True)
+        return grad_norm
+
+    # ------------------------------------------------------------------ memory
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 masters that are copies, and moments."""
+        total = 0
+        for pc, master in zip(self.pieces, self.masters):
+            if self._param_piece(pc).data_ptr() != master.data_ptr():
+                total += master.numel() * master.element_size()
+            state = self.optimizer.state.get(master, {})
+            total += sum(state[k].numel() * state[k].element_size() for k in MOMENT_KEYS if k in state)
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather(self, value_of) -> dict[str, torch.Tensor] | None:
+        """Whole fp32 tensors per parameter name on dp rank 0, one parameter at a time. The pieces
+        are disjoint: a sum over the dp group of the int32 bit patterns (zeros elsewhere) rebuilds
+        each tensor bit for bit (a float sum would turn -0.0 into +0.0)."""
+        mine = {pc.name: (pc, value_of(i)) for i, pc in enumerate(self.pieces)}
+        out: dict[str, torch.Tensor] | None = {} if self.dp_rank == 0 else None
+        dst = dist.get_global_rank(self.dp_group, 0) if self.dp_size > 1 else None
+        for name in self.names:
+            param = self.params[name]
+            full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            if name in mine:
+                pc, value = mine[name]
+                full[pc.lo : pc.hi] = value
+            if self.dp_size > 1:
+                dist.reduce(full.view(torch.int32), dst=dst, group=self.dp_group)
+            if out is not None:
+                out[name] = full.view(param.shape).to("cpu", copy=True)
+        return out
+
+    def checkpoint_tensors(self, kind: str, *, dp_rank: int) -> dict[str, torch.Tensor] | None:
+        """"model" (the fp32 masters) or a moment name, whole per parameter name, on dp rank 0;
+        None on other dp ranks. Every dp rank must call it (it gathers)."""
+        assert dp_rank == self.dp_rank
+        if kind == "model":
+            return self.master_weights()
+        return self._gather(lambda i: self._moment(i, kind))
+
+    def _moment(self, i: int, key: str) -> torch.Tensor:
+        state = self.optimizer.state.get(self.masters[i])
+        return state[key].detach().float() if state else torch.zeros_like(self.masters[i], dtype=torch.float32)
+
+    def master_weights(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 weights the optimizer updates, whole, on dp rank 0 (None on other dp ranks)."""
+        return self._gather(lambda i: self.masters[i].detach().float())
+
+    def moments(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """{"exp_avg": {name: tensor}, "exp_avg_sq": {...}}, whole, on dp rank 0 (zeros before step 1)."""
+        out = {key: self._gather(lambda i, key=key: self._moment(i, key)) for key in MOMENT_KEYS}
+        return out if self.dp_rank == 0 else None
+
+    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], *, masters: dict[str, torch.Tensor],
+                     step: int) -> None:
+        """Restore this rank's pieces of the fp32 masters and AdamW moments from whole tensors
+        (written at any dp size), then make the parameters equal to the masters."""
+        with torch.no_grad():
+            for pc, master in zip(self.pieces, self.masters):
+                master.data.copy_(masters[pc.name].reshape(-1)[pc.lo : pc.hi].to(master.device, torch.float32))
+                self.optimizer.state[master] = {
+                    "step": torch.tensor(float(step)),
+                    **{k: moments[k][pc.name].reshape(-1)[pc.lo : pc.hi].to(master.device, torch.float32).clone()
+                       for k in MOMENT_KEYS},
+                }
+                piece = self._param_piece(pc)
+                if piece.data_ptr() != master.data_ptr():
+                    piece.copy_(master)
+        self.ddp_model.start_param_sync(force_sync=True)
+
+    def gather_grads(self) -> None:
+        """Make every parameter's main_grad hold the reduced gradient (after finish_grad_sync each
+        rank holds only its slices): all-gather each bucket's gradient slices. For tests."""
+        if self.dp_size == 1:
+            return
+        for buffer in list(self.ddp_model.buffers) + list(getattr(self.ddp_model, "expert_parallel_buffers", [])):
+            for bucket in buffer.buckets:
+                size = bucket.grad_data.numel() // self.dp_size
+                mine = bucket.grad_data[self.dp_rank * size : (self.dp_rank + 1) * size].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, mine, group=self.dp_group)

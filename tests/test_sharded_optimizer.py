@@ -1,0 +1,247 @@
+"""The data-parallel-sharded optimizer (--distributed-optimizer): slice arithmetic, dp 2 against
+dp 1, against the replicated optimizer (fp32 and bf16 masters), and checkpoints written at one
+dp size restored bit for bit at another.
+
+Rank processes are real gloo ranks (the harness of tests/parity.py); the HF parity of the
+sharded optimizer at every layout is in tests/test_parity.py (it is the default there).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+from mcore_dpo.zero import owned_range
+from parity import PAD, assert_close, free_port, make_pairs, write_models
+
+GLOBAL_BATCH = 8
+MICRO_BATCH = 2
+STEPS = 3
+
+
+# --------------------------------------------------------------------------- slice arithmetic
+@pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
+def test_owned_ranges_cover_every_element_once(dp_size):
+    """Parameters laid out in buckets (with gaps, as DDP pads them): over the dp ranks, every
+    element of every parameter is owned exactly once."""
+    gen = torch.Generator().manual_seed(dp_size)
+    offset, layout = 0, []  # (param_start, param_end, bucket_offset, bucket_numel)
+    for _bucket in range(3):
+        start, params = offset, []
+        for _ in range(int(torch.randint(1, 6, (), generator=gen))):
+            start += int(torch.randint(0, 5, (), generator=gen))  # padding before a parameter
+            numel = int(torch.randint(1, 40, (), generator=gen))
+            params.append((start, start + numel))
+            start += numel
+        numel = -(-(start - offset) // dp_size) * dp_size
+        layout += [(s, e, offset, numel) for s, e in params]
+        offset += numel
+    for start, end, b_off, b_numel in layout:
+        owned = torch.zeros(end - start, dtype=torch.int64)
+        for rank in range(dp_size):
+            lo, hi = owned_range(param_start=start, param_end=end, bucket_offset=b_off, bucket_numel=b_numel,
+                                 dp_rank=rank, dp_size=dp_size)
+            owned[lo:hi] += 1
+        assert owned.eq(1).all(), (start, end, owned.tolist())
+
+
+def test_a_bucket_not_divisible_by_dp_is_refused():
+    with pytest.raises(ValueError, match="not divisible"):
+        owned_range(param_start=0, param_end=3, bucket_offset=0, bucket_numel=5, dp_rank=0, dp_size=2)
+
+
+# --------------------------------------------------------------------------- rank harness
+def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
+    """What the driver's save does (mcore_dpo/run.py), without the rename: shards from every
+    rank, then the metadata and the state file."""
+    import json
+
+    from checkpoint_convert.convert import write_mcore_meta
+    from mcore_dpo import checkpoint
+    from mcore_dpo.run import _model_meta
+
+    worker.save_checkpoint(directory, step=step)
+    if rank == 0:
+        meta, aux = _model_meta(config, worker.spec, dtype="float32")
+        for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
+            write_mcore_meta(Path(directory) / kind, meta=meta, aux_files=aux)
+        state = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "step": step}
+        Path(directory, "trainer_state.json").write_text(json.dumps(state))
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        from mcore_dpo.config import TrainConfig
+        from mcore_dpo.model import open_weights
+        from mcore_dpo.worker import PolicyWorker, StepBatch
+
+        worker = None
+        for job in jobs:
+            config = TrainConfig(**job["config"])
+            worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=PAD, rank=rank,
+                                  master_addr="127.0.0.1", master_port=port, resume_dir=job["resume"])
+            name, batches, first = job["name"], job["batches"], job["first_step"]
+            if first - 1 in job["save_at"]:  # restored, not stepped
+                _save(worker, config, os.path.join(out_dir, f"{name}_step{first - 1}"), step=first - 1, rank=rank)
+            for k in range(first, len(batches) + 1):
+                metrics = worker.train_step(StepBatch(step=k, pairs=batches[k - 1]))
+                if metrics is not None:
+                    save_file({"grad_norm": torch.tensor(metrics["grad_norm"], dtype=torch.float64),
+                               "loss": torch.tensor(metrics["loss"], dtype=torch.float64)},
+                              os.path.join(out_dir, f"{name}_metrics{k}.safetensors"))
+                if k in job["save_at"]:
+                    _save(worker, config, os.path.join(out_dir, f"{name}_step{k}"), step=k, rank=rank)
+            bytes_ = torch.tensor([worker.optimizer.state_bytes()], dtype=torch.int64)
+            save_file({"state_bytes": bytes_}, os.path.join(out_dir, f"{name}_bytes_rank{rank}.safetensors"))
+        worker.shutdown()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, jobs, str(out_dir))) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    errors = sorted(out_dir.glob("error_rank*.txt"))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError(errors[0].read_text())
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+STEPS_BEFORE_RESUME = 2
+
+
+def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", clip_grad: float = 1.0,
+         resume: Path | None = None, save_at: tuple[int, ...] = (STEPS,)) -> dict:
+    policy_dir, ref_dir = models
+    pairs = make_pairs(STEPS * GLOBAL_BATCH, seed=11)
+    return {
+        "name": name,
+        "config": dict(model=str(policy_dir), ref_model=str(ref_dir), dp=dp, micro_batch_size=MICRO_BATCH,
+                       global_batch_size=GLOBAL_BATCH, max_steps=STEPS, lr=1e-3, adam_eps=1e-4, weight_decay=0.1,
+                       clip_grad=clip_grad, dtype=dtype, ref_mode="sequential", timeout_s=120.0,
+                       distributed_optimizer=sharded),
+        "batches": [pairs[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(STEPS)],
+        "first_step": 1 if resume is None else STEPS_BEFORE_RESUME + 1,
+        "resume": str(resume) if resume else None,
+        "save_at": list(save_at),
+    }
+
+
+def _state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{kind: {name: tensor}} of a checkpoint written at tp 1, pp 1."""
+    from checkpoint_convert.io import open_mcore_dir
+
+    return {kind: open_mcore_dir(directory / kind).shard(0, 0)
+            for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq")}
+
+
+def _assert_states_equal(a: dict, b: dict, *, what: str) -> None:
+    for kind in a:
+        assert a[kind].keys() == b[kind].keys(), (what, kind)
+        for name in a[kind]:
+            assert torch.equal(a[kind][name], b[kind][name]), f"{what}: {kind} {name} differs"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return write_models("llama", tmp_path_factory.mktemp("sharded_models"))
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(models, tmp_path_factory):
+    """At dp 2: the sharded optimizer (fp32, saved at steps 2 and 3), and bf16 parameters with
+    clipping off under both optimizers."""
+    out = tmp_path_factory.mktemp("dp2")
+    jobs = [_job("sharded", models, dp=2, sharded=True, save_at=(STEPS_BEFORE_RESUME, STEPS)),
+            _job("sharded_bf16", models, dp=2, sharded=True, dtype="bfloat16", clip_grad=0.0),
+            _job("replicated_bf16", models, dp=2, sharded=False, dtype="bfloat16", clip_grad=0.0)]
+    _run(world_size=2, jobs=jobs, out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp1_runs(models, dp2_runs, tmp_path_factory):
+    """At dp 1: the replicated optimizer; and the dp-2 checkpoint of step 2 restored, written
+    again before any step, and trained on to step 3."""
+    out = tmp_path_factory.mktemp("dp1")
+    resumed = _job("resumed", models, dp=1, sharded=True, resume=dp2_runs / f"sharded_step{STEPS_BEFORE_RESUME}",
+                   save_at=(STEPS_BEFORE_RESUME, STEPS))
+    _run(world_size=1, jobs=[_job("replicated", models, dp=1, sharded=False), resumed], out_dir=out)
+    return out
+
+
+def test_dp2_sharded_equals_dp1_within_1e_5(dp1_runs, dp2_runs):
+    """Weights, moments, loss and grad norm of 3 steps at dp 2 (sharded) against dp 1."""
+    ours, ref = _state(dp2_runs / f"sharded_step{STEPS}"), _state(dp1_runs / f"replicated_step{STEPS}")
+    for kind in ref:
+        for name, value in ref[kind].items():
+            assert_close(ours[kind][name], value, what=f"{kind} {name}")
+    for k in range(1, STEPS + 1):
+        from safetensors.torch import load_file
+
+        a = load_file(str(dp2_runs / f"sharded_metrics{k}.safetensors"))
+        b = load_file(str(dp1_runs / f"replicated_metrics{k}.safetensors"))
+        for key in ("loss", "grad_norm"):
+            assert_close(a[key], b[key], what=f"step {k} {key}")
+
+
+def test_sharded_equals_replicated_bitwise_at_dp2(dp2_runs):
+    """bf16 parameters, clipping off: both optimizers see the same reduced gradients, so the
+    fp32 masters and moments agree bit for bit after 3 steps."""
+    sharded, replicated = _state(dp2_runs / f"sharded_bf16_step{STEPS}"), _state(dp2_runs / f"replicated_bf16_step{STEPS}")
+    _assert_states_equal(sharded, replicated, what="bf16")
+    model = sharded["model"]
+    assert all(t.dtype == torch.float32 for t in model.values())
+    # The masters hold what bf16 cannot: they are not all representable in bf16.
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in model.values())
+
+
+def test_state_per_rank_halves_at_dp2(dp2_runs):
+    """bf16 parameters: fp32 masters plus two moments, per rank."""
+    from safetensors.torch import load_file
+
+    def state_bytes(name: str) -> list[int]:
+        return [int(load_file(str(dp2_runs / f"{name}_bytes_rank{r}.safetensors"))["state_bytes"]) for r in (0, 1)]
+
+    sharded, replicated = state_bytes("sharded_bf16"), state_bytes("replicated_bf16")
+    assert replicated[0] == replicated[1] and sum(sharded) == replicated[0], (sharded, replicated)
+    for b in sharded:  # half, up to where DDP's padding puts the slice boundary
+        assert abs(b / replicated[0] - 0.5) < 0.05, (sharded, replicated)
+
+
+def test_dp2_checkpoint_restores_bit_exactly_at_dp1(dp1_runs, dp2_runs):
+    """A step-2 checkpoint written at dp 2 (gathered from the slices), restored at dp 1 and
+    written again: the same bytes; training on from it matches the uninterrupted dp-2 run."""
+    before = _state(dp2_runs / f"sharded_step{STEPS_BEFORE_RESUME}")
+    _assert_states_equal(_state(dp1_runs / f"resumed_step{STEPS_BEFORE_RESUME}"), before, what="dp2 -> dp1")
+    ours, ref = _state(dp1_runs / f"resumed_step{STEPS}"), _state(dp2_runs / f"sharded_step{STEPS}")
+    for kind in ref:
+        for name, value in ref[kind].items():
+            assert_close(ours[kind][name], value, what=f"resumed {kind} {name}")
+        # Not the checkpoint read back: a step was taken.
+        assert any(not torch.equal(ours[kind][n], before[kind][n]) for n in before[kind])
+
+
+def test_the_flag_reaches_the_config_from_the_command_line():
+    from mcore_dpo.config import resolve
+
+    assert resolve(["--dp", "2"])[0].distributed_optimizer is True
+    assert resolve(["--dp", "2", "--no-distributed-optimizer"])[0].distributed_optimizer is False
