@@ -6,6 +6,7 @@ engine -> metrics.jsonl / TensorBoard / hf/ export, on the tiny default model an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from convert_helpers import llama_gqa_untied, save_hf  # noqa: E402
 
+from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve  # noqa: E402
 from mcore_dpo.train import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,6 +121,38 @@ def test_unknown_flag_and_bad_values(capsys, tmp_path):
     assert "tp" in _run_bad(capsys, ["--config", str(yaml_file)])
 
 
+BOOL_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)]
+
+
+def test_every_boolean_field_has_a_flag_per_polarity():
+    assert "no_shuffle" in BOOL_FIELDS and "resume" in BOOL_FIELDS
+    assert bool_flags("no_shuffle") == ("--no-shuffle", "--shuffle")
+    assert bool_flags("export_hf") == ("--export-hf", "--no-export-hf")
+
+
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+def test_boolean_flags_parse_in_both_polarities(name, tmp_path):
+    """Each boolean field through the real parser: its positive flag sets it, its negative flag
+    clears it, no flag keeps the default, and the flag beats the YAML file in both directions."""
+    on, off = bool_flags(name)
+    default = getattr(TrainConfig(), name)
+    assert getattr(resolve([on])[0], name) is True
+    assert getattr(resolve([off])[0], name) is False
+    assert getattr(resolve([])[0], name) is default
+    yaml_file = tmp_path / "c.yaml"
+    for file_value, flag, expected in ((True, off, False), (False, on, True)):
+        yaml_file.write_text(f"{name}: {str(file_value).lower()}\n")
+        assert getattr(resolve(["--config", str(yaml_file)])[0], name) is file_value
+        assert getattr(resolve(["--config", str(yaml_file), flag])[0], name) is expected
+
+
+@pytest.mark.parametrize("argv", [["--no-no-shuffle"], ["--no-shuf"], ["--max-step", "3"]],
+                         ids=["double-negation", "abbreviated-bool", "abbreviated-int"])
+def test_double_negations_and_abbreviations_are_errors(argv):
+    with pytest.raises(ConfigError, match="unrecognized arguments"):
+        resolve(argv)
+
+
 def test_default_run_learns_and_writes_everything(tmp_path):
     """`python -m mcore_dpo.train` on the embedded default: held-out reward accuracy rises from
     chance (policy == reference at the start: every margin is 0) to >= 0.9."""
@@ -150,13 +184,18 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
 def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
-    and loads in transformers."""
+    and loads in transformers. The run also passes --no-shuffle: the written config.yaml says
+    no_shuffle: true."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
-                           "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out)],
+                           "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle", "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    import yaml
+
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["no_shuffle"] is True and written["dtype"] == "bfloat16"
     from safetensors.torch import load_file
 
     tensors = {}
