@@ -441,6 +441,37 @@ def global_batch_order(
     return [order[i * global_batch_size : (i + 1) * global_batch_size] for i in range(num_batches)]
 
 
+def eval_passes(
+    *, num_pairs: int, global_batch_size: int, dp: int, dp_rank: int, micro_batch_size: int
+) -> list[tuple[range, list[list[int]]]]:
+    """How one data-parallel rank evaluates `num_pairs` held-out pairs: every pair once over all
+    ranks, the last chunk possibly partial.
+
+    The pairs are taken in chunks of global_batch_size (the last one may be smaller); each rank
+    takes a contiguous share of a chunk (shares differ by at most one pair) and cuts it into
+    microbatches of micro_batch_size. Returns one entry per forward-only pass: the chunk (its
+    pairs set the padded length) and the pass's microbatches (pair indices), all of one size,
+    since pipeline receive buffers are sized by the first microbatch. A full chunk is one pass,
+    split exactly as a training step splits a global batch; a share that does not fill its last
+    microbatch runs it as a second pass of its own.
+    """
+    if global_batch_size <= 0 or micro_batch_size <= 0 or dp <= 0 or not 0 <= dp_rank < dp:
+        raise ValueError(f"eval_passes: bad sizes (global_batch_size={global_batch_size}, "
+                         f"micro_batch_size={micro_batch_size}, dp={dp}, dp_rank={dp_rank})")
+    passes = []
+    for lo in range(0, num_pairs, global_batch_size):
+        chunk = range(lo, min(lo + global_batch_size, num_pairs))
+        share, extra = divmod(len(chunk), dp)
+        start = lo + dp_rank * share + min(dp_rank, extra)
+        mine = list(range(start, start + share + (1 if dp_rank < extra else 0)))
+        num_full = len(mine) // micro_batch_size * micro_batch_size
+        full = [mine[k : k + micro_batch_size] for k in range(0, num_full, micro_batch_size)]
+        for microbatches in (full, [mine[num_full:]] if num_full < len(mine) else []):
+            if microbatches:
+                passes.append((chunk, microbatches))
+    return passes
+
+
 def padded_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int = 8) -> int:
     """Longest prompt+completion among `pairs`, rounded up to a multiple of `multiple`."""
     if not pairs:

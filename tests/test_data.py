@@ -14,6 +14,7 @@ from mcore_dpo.data import (
     DataError,
     TokenizedPair,
     collate,
+    eval_passes,
     global_batch_order,
     load_pairs,
     padded_seq_len,
@@ -453,6 +454,29 @@ def test_global_batch_order_needs_one_full_batch():
     with pytest.raises(DataError, match="fewer than global_batch_size 8"):
         global_batch_order(num_pairs=7, global_batch_size=8, seed=0, shuffle=True, epoch=0)
     assert len(global_batch_order(num_pairs=8, global_batch_size=8, seed=0, shuffle=True, epoch=0)) == 1
+
+
+@pytest.mark.parametrize("num_pairs, gbs, dp, b", [(200, 64, 1, 8), (13, 8, 2, 2), (5, 8, 2, 2), (3, 8, 4, 2),
+                                                    (64, 64, 2, 8), (1, 16, 1, 4)])
+def test_eval_passes_cover_every_pair_once_in_equal_microbatches(num_pairs, gbs, dp, b):
+    seen = []
+    for rank in range(dp):
+        for chunk, microbatches in eval_passes(num_pairs=num_pairs, global_batch_size=gbs, dp=dp, dp_rank=rank,
+                                               micro_batch_size=b):
+            assert len({len(ids) for ids in microbatches}) == 1 and 1 <= len(microbatches[0]) <= b
+            for ids in microbatches:
+                assert all(i in chunk for i in ids) and len(chunk) <= gbs
+                seen.extend(ids)
+    assert sorted(seen) == list(range(num_pairs))  # the default eval set: all 200, not 192
+
+
+def test_eval_passes_split_a_full_chunk_as_a_training_step():
+    passes = eval_passes(num_pairs=20, global_batch_size=8, dp=2, dp_rank=1, micro_batch_size=2)
+    assert passes[0] == (range(0, 8), [[4, 5], [6, 7]])
+    assert passes[1] == (range(8, 16), [[12, 13], [14, 15]])
+    assert passes[2:] == [(range(16, 20), [[18, 19]])]
+    rank0 = eval_passes(num_pairs=13, global_batch_size=8, dp=2, dp_rank=0, micro_batch_size=2)
+    assert rank0[1:] == [(range(8, 13), [[8, 9]]), (range(8, 13), [[10]])]  # a smaller last microbatch: own pass
 
 
 def _pair(prompt_len: int, chosen_len: int, rejected_len: int, *, line: int = 1) -> TokenizedPair:
