@@ -263,16 +263,33 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ConfigError(f"command line: {message}")
 
 
+def bool_flags(name: str) -> tuple[str, str]:
+    """(flag that sets the field true, flag that sets it false) of a boolean field.
+
+    `resume` -> (--resume, --no-resume); a field named `no_X` -> (--no-X, --X), so
+    `--no-shuffle` sets no_shuffle and there is no `--no-no-shuffle`.
+    """
+    flag = "--" + name.replace("_", "-")
+    if flag.startswith("--no-"):
+        return flag, "--" + flag[len("--no-"):]
+    return flag, "--no-" + flag[2:]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="python -m mcore_dpo.train", description="DPO on megatron-core, launched by Ray.")
+    # allow_abbrev=False: a prefix such as --no-shuf is an error, not a guess.
+    parser = _OneLineParser(prog="python -m mcore_dpo.train", description="DPO on megatron-core, launched by Ray.",
+                            allow_abbrev=False)
     parser.add_argument("--config", help="YAML file of config fields (flags override it)")
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            # Two explicit flags, not BooleanOptionalAction: that one reads any --no-... spelling
+            # as a negation, so --no-shuffle would set no_shuffle to false.
+            on, off = bool_flags(f.name)
+            parser.add_argument(on, dest=f.name, action="store_const", const=True, default=None)
+            parser.add_argument(off, dest=f.name, action="store_const", const=False, default=None)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None)
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None)
     parser.add_argument("--ray-address", default=None, help="join an existing Ray cluster (default: start a local one)")
     docs = field_docs()
     for action in parser._actions:  # --help shows each field's documentation

@@ -288,29 +288,44 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def _encode_with_specials(tokenizer, text: str) -> list[int]:
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    bos = tokenizer.bos_token_id
-    # Chat templates that write the BOS themselves would otherwise get a second one.
-    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
-        ids = ids[1:]
-    return ids
+def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def _encode_plain(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _common_prefix_length(ids: Sequence[int], other_ids: Sequence[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other_ids):
+        if token != other_token:
+            break
+        length += 1
+    return length
+
+
+def split_at_prompt(
+    prompt_ids: Sequence[int], prompt_chosen_ids: Sequence[int], prompt_rejected_ids: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids from the tokenized prompt and the tokenized prompt+completion
+    strings, cut as TRL's DPOTrainer cuts them.
+
+    The prompt is the longest start that the tokenized prompt shares with BOTH tokenized
+    prompt+completion sequences; each completion is the rest of its sequence. So prompt +
+    completion is always exactly the tokenized prompt+completion string. When a token merges
+    across the boundary (a completion with no leading space) the cut falls before the merged
+    token: the prompt loses its last token(s), and the completion begins with text of the prompt.
+    """
+    cut = min(_common_prefix_length(prompt_ids, prompt_chosen_ids), _common_prefix_length(prompt_ids, prompt_rejected_ids))
+    return list(prompt_ids[:cut]), list(prompt_chosen_ids[cut:]), list(prompt_rejected_ids[cut:])
 
 
 def _tokenize_text_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
-    eos = tokenizer.eos_token_id
-    prompt_ids = _encode_with_specials(tokenizer, pair.prompt)
-    completions = []
-    for text in (pair.chosen, pair.rejected):
-        ids = _encode_plain(tokenizer, text)
-        if not ids or ids[-1] != eos:
-            ids.append(eos)
-        completions.append(ids)
-    return prompt_ids, completions[0], completions[1]
+    # As TRL: the EOS *string* closes each completion unless it already ends with it; the
+    # tokenizer's own special tokens (the BOS) come once, at the start of the prompt.
+    eos = tokenizer.eos_token
+    full = [
+        _encode(tokenizer, pair.prompt + (text if text.endswith(eos) else text + eos), add_special_tokens=True)
+        for text in (pair.chosen, pair.rejected)
+    ]
+    return split_at_prompt(_encode(tokenizer, pair.prompt, add_special_tokens=True), *full)
 
 
 def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
@@ -321,25 +336,14 @@ def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt:
 
 
 def _tokenize_conversation_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
-    prompt_text = _render(tokenizer, pair.prompt, add_generation_prompt=True)
-    prompt_ids = _encode_with_specials(tokenizer, prompt_text)
-    completions = []
-    for key, messages in (("chosen", pair.chosen), ("rejected", pair.rejected)):
-        full_text = _render(tokenizer, pair.prompt + messages, add_generation_prompt=False)
-        if not full_text.startswith(prompt_text):
-            raise _BadRow(f"chat template does not render the prompt as a prefix of the conversation with '{key}'")
-        # Prefer the ids of the whole conversation, so prompt + completion equals how the
-        # model sees the full text; fall back to encoding the rest on its own when the
-        # tokenizer merges across the prompt boundary.
-        full_ids = _encode_with_specials(tokenizer, full_text)
-        if full_ids[: len(prompt_ids)] == prompt_ids and len(full_ids) > len(prompt_ids):
-            ids = full_ids[len(prompt_ids) :]
-        else:
-            ids = _encode_plain(tokenizer, full_text[len(prompt_text) :])
-        if not ids:
-            raise _BadRow(f"'{key}' renders to no tokens")
-        completions.append(ids)
-    return prompt_ids, completions[0], completions[1]
+    # As TRL (and apply_chat_template(tokenize=True)): the rendered text is tokenized without
+    # adding special tokens; the template writes the BOS if the model wants one.
+    prompt_ids = _encode(tokenizer, _render(tokenizer, pair.prompt, add_generation_prompt=True), add_special_tokens=False)
+    full = [
+        _encode(tokenizer, _render(tokenizer, pair.prompt + messages, add_generation_prompt=False), add_special_tokens=False)
+        for messages in (pair.chosen, pair.rejected)
+    ]
+    return split_at_prompt(prompt_ids, *full)
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -352,8 +356,10 @@ def load_pairs(
 ) -> tuple[list[TokenizedPair], DataStats]:
     """Reads, validates and tokenizes every row of `path`, keeping file order.
 
-    A pair whose prompt alone has >= max_length tokens is dropped and counted; the others
-    are cut to max_length tokens, keeping the start (the prompt, then the completion's head).
+    Tokenized as TRL's DPOTrainer does (docs/DATA.md): prompt + completion as one string, cut
+    where it stops matching the tokenized prompt (`split_at_prompt`). A pair whose prompt alone
+    has >= max_length tokens is dropped and counted; the others are cut to max_length tokens,
+    keeping the start (the prompt, then the completion's head).
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row: must be 'error' or 'skip', got {on_bad_row!r}")
@@ -381,7 +387,10 @@ def load_pairs(
                 prompt_ids, chosen_ids, rejected_ids = _tokenize_text_pair(tokenizer, raw)
             if not prompt_ids:
                 # Without a prompt token nothing predicts the first completion token.
-                raise _BadRow("'prompt' tokenizes to no tokens")
+                raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
+            for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+                if not ids:
+                    raise _BadRow(f"'{key}' tokenizes to no tokens after the prompt")
         except _BadRow as problem:
             if on_bad_row == "error":
                 raise DataError(f"{path}:{line}: {problem}") from None
@@ -432,6 +441,37 @@ def global_batch_order(
         random.Random(f"{seed}/{epoch}").shuffle(order)
     num_batches = num_pairs // global_batch_size
     return [order[i * global_batch_size : (i + 1) * global_batch_size] for i in range(num_batches)]
+
+
+def eval_passes(
+    *, num_pairs: int, global_batch_size: int, dp: int, dp_rank: int, micro_batch_size: int
+) -> list[tuple[range, list[list[int]]]]:
+    """How one data-parallel rank evaluates `num_pairs` held-out pairs: every pair once over all
+    ranks, the last chunk possibly partial.
+
+    The pairs are taken in chunks of global_batch_size (the last one may be smaller); each rank
+    takes a contiguous share of a chunk (shares differ by at most one pair) and cuts it into
+    microbatches of micro_batch_size. Returns one entry per forward-only pass: the chunk (its
+    pairs set the padded length) and the pass's microbatches (pair indices), all of one size,
+    since pipeline receive buffers are sized by the first microbatch. A full chunk is one pass,
+    split exactly as a training step splits a global batch; a share that does not fill its last
+    microbatch runs it as a second pass of its own.
+    """
+    if global_batch_size <= 0 or micro_batch_size <= 0 or dp <= 0 or not 0 <= dp_rank < dp:
+        raise ValueError(f"eval_passes: bad sizes (global_batch_size={global_batch_size}, "
+                         f"micro_batch_size={micro_batch_size}, dp={dp}, dp_rank={dp_rank})")
+    passes = []
+    for lo in range(0, num_pairs, global_batch_size):
+        chunk = range(lo, min(lo + global_batch_size, num_pairs))
+        share, extra = divmod(len(chunk), dp)
+        start = lo + dp_rank * share + min(dp_rank, extra)
+        mine = list(range(start, start + share + (1 if dp_rank < extra else 0)))
+        num_full = len(mine) // micro_batch_size * micro_batch_size
+        full = [mine[k : k + micro_batch_size] for k in range(0, num_full, micro_batch_size)]
+        for microbatches in (full, [mine[num_full:]] if num_full < len(mine) else []):
+            if microbatches:
+                passes.append((chunk, microbatches))
+    return passes
 
 
 def padded_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int = 8) -> int:

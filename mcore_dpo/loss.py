@@ -41,9 +41,13 @@ Differences from TRL worth knowing:
   (`delta`); here delta = 0, which keeps the loss a pure function of the
   batch and identical for any split.
 - ipo and sigmoid_norm divide by the token counts inside their own formula
-  only; TRL instead turns the log-probs of every loss type (and the logged
-  logps/rewards) into per-token means whenever "ipo" is requested. Here the
-  metrics always use the summed log-probs.
+  only, as TRL 1.16's ipo does; the logged logps/rewards are sums over the
+  completion tokens for every loss type, as in TRL 1.16. (TRL releases before
+  1.0 turned every log-prob into a per-token mean when "ipo" was asked.)
+- logits/chosen and logits/rejected: the exact mean over every completion
+  token of the global batch (finalize_metrics divides global sums). TRL logs
+  the mean of per-microbatch token means, which differs when microbatches hold
+  different token counts (docs/DESIGN.md, "Metrics").
 - label_smoothing is used by cdpo, robust and exo_pair only; plain sigmoid
   never smooths (ask for "cdpo" for that).
 """

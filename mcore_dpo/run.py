@@ -90,6 +90,12 @@ def prepare(config: TrainConfig) -> Prepared:
         eval_pairs, eval_stats = load_pairs(
             config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row
         )
+        # Any number of held-out pairs evaluates (the last chunk may be partial), but not none.
+        if not eval_pairs:
+            raise InputError(
+                f"{config.eval_data}: no usable pairs to evaluate ({eval_stats.num_dropped_prompt_too_long} with a "
+                f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
+            )
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
                     eval_pairs=eval_pairs, eval_stats=eval_stats)
 

@@ -25,7 +25,7 @@ from mcore_dpo import hooks
 from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.data import Microbatch, TokenizedPair, collate, padded_seq_len
+from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len
 from mcore_dpo.logprobs import SequenceLogps
 from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
@@ -378,7 +378,8 @@ class PolicyWorker(_Rank):
     # ------------------------------------------------------------------ forward-only passes
     @torch.no_grad()
     def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
-        """Policy and reference forward over held-out pairs (in global-batch chunks). The
+        """Policy and reference forward over EVERY held-out pair (in global-batch chunks, the last
+        one possibly partial; see `eval_passes`); metrics are means over all of them. The
         reference log-probs come from `ref_logps` ([pairs, 2], separate mode), the table
         precomputed for these pairs, or the colocated reference model."""
         if ref_logps is None:
@@ -386,22 +387,22 @@ class PolicyWorker(_Rank):
         config = self.config
         spec = config.loss_spec()
         sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
-        gbs = config.global_batch_size
-        for lo in range(0, len(pairs) - gbs + 1, gbs):
-            chunk = pairs[lo : lo + gbs]
-            mbs, local_ids = self._local_microbatches(chunk)
+        # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
+        num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
+        passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
+                             dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
+        for chunk, groups in passes:
+            seq_len = padded_seq_len([pairs[i] for i in chunk])
+            mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
-            num_pairs = len(chunk)
-            chosen_tokens = sum(len(p.chosen_ids) for p in chunk)
-            b = config.micro_batch_size
 
-            def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
+            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx) -> torch.Tensor:
+                ids = groups[mb]
                 if ref_logps is not None:
-                    positions = [lo + i for i in local_ids[mb * b : (mb + 1) * b]]
-                    ref = _table_rows(ref_logps, positions, device=self.platform.device)
+                    ref = _table_rows(ref_logps, ids, device=self.platform.device)
                 else:
                     ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-                pl = _pair_logps(logps, ref, b=b)
+                pl = _pair_logps(logps, ref, b=len(ids))
                 for key, value in metric_sums(
                     pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens
                 ).items():

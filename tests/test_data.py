@@ -1,6 +1,7 @@
 """Tests for mcore_dpo.data: formats, file types, truncation, bad rows, batching, collate."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pyarrow as pa
@@ -13,9 +14,11 @@ from mcore_dpo.data import (
     DataError,
     TokenizedPair,
     collate,
+    eval_passes,
     global_batch_order,
     load_pairs,
     padded_seq_len,
+    split_at_prompt,
 )
 from mcore_dpo.defaults import DEFAULT_TOKENIZER_DIR
 
@@ -76,14 +79,19 @@ def test_eos_not_appended_twice(tmp_path, tokenizer):
 
 
 def test_conversational_format_follows_the_chat_template(tmp_path, tokenizer):
+    # The rendered conversation is tokenized without adding special tokens, as TRL (and
+    # apply_chat_template(tokenize=True)) does: this template writes no BOS, so there is none.
     pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW]), tokenizer=tokenizer, max_length=64)
     pair = pairs[0]
     prompt_text = tokenizer.apply_chat_template(CHAT_ROW["prompt"], add_generation_prompt=True, tokenize=False)
-    assert list(pair.prompt_ids) == _ids(tokenizer, prompt_text, specials=True)
+    assert list(pair.prompt_ids) == _ids(tokenizer, prompt_text, specials=False)
+    assert tokenizer.bos_token_id not in pair.prompt_ids
     for completion_ids, key in ((pair.chosen_ids, "chosen"), (pair.rejected_ids, "rejected")):
         full_text = tokenizer.apply_chat_template(CHAT_ROW["prompt"] + CHAT_ROW[key], tokenize=False)
         # Prompt + completion is exactly the tokenized full conversation.
-        assert list(pair.prompt_ids + completion_ids) == _ids(tokenizer, full_text, specials=True)
+        assert list(pair.prompt_ids + completion_ids) == _ids(tokenizer, full_text, specials=False)
+        assert list(pair.prompt_ids + completion_ids) == tokenizer.apply_chat_template(
+            CHAT_ROW["prompt"] + CHAT_ROW[key], tokenize=True, return_dict=True)["input_ids"]
         assert completion_ids[-1] == tokenizer.eos_token_id  # the template closes the turn
     assert tokenizer.decode(pair.chosen_ids, skip_special_tokens=True).strip() == "apple and pear ."
 
@@ -119,6 +127,102 @@ def test_implicit_prompt_from_conversations(tmp_path, tokenizer):
     implicit, _ = load_pairs(path_implicit, tokenizer=tokenizer, max_length=64)
     explicit, _ = load_pairs(path_explicit, tokenizer=tokenizer, max_length=64)
     assert implicit == explicit
+
+
+# ----------------------------------------------------------------------------- the prompt/completion boundary
+
+
+@pytest.fixture(scope="module")
+def merging_tokenizer():
+    """A character BPE with one merge, "a" + "b" -> "ab": a prompt ending in "a" followed by a
+    completion starting with "b" (no space between) tokenizes differently together than apart."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "<bos>", "<eos>", *"abcxy ", "ab"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
+    backend.add_special_tokens(["<pad>", "<unk>", "<bos>", "<eos>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    assert tokenizer("x a")["input_ids"] == [2, 7, 9, 4]  # <bos> x ' ' a
+    assert tokenizer("x ab")["input_ids"] == [2, 7, 9, 10]  # <bos> x ' ' ab: the merge crosses the boundary
+    return tokenizer
+
+
+def _tokens(tokenizer, ids) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(list(ids))
+
+
+def test_split_at_prompt_cuts_at_the_prefix_shared_with_both_completions():
+    assert split_at_prompt([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5]) == ([1, 2, 3], [4], [5])
+    assert split_at_prompt([1, 2, 3], [1, 2, 9, 4], [1, 2, 3, 5]) == ([1, 2], [9, 4], [3, 5])
+    assert split_at_prompt([1, 2, 3], [1, 2, 3, 4], [1, 7]) == ([1], [2, 3, 4], [7])
+    assert split_at_prompt([1, 2], [8, 4], [1, 2, 5]) == ([], [8, 4], [1, 2, 5])
+
+
+def test_completion_that_merges_with_the_prompt_is_cut_as_trl_cuts_it(tmp_path, merging_tokenizer):
+    """Prompt "x a", chosen "b y" (no leading space: "a"+"b" merge), rejected " c" (no merge).
+    The prompt is the longest start the tokenized prompt shares with BOTH tokenized
+    prompt+completion strings; each completion is the rest of its string. So the prompt loses its
+    "a", the chosen completion starts with the merged "ab" and the rejected one with the "a"."""
+    tok = merging_tokenizer
+    row = {"prompt": "x a", "chosen": "b y", "rejected": " c"}
+    pairs, stats = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tok, max_length=64)
+    pair = pairs[0]
+    assert _tokens(tok, pair.prompt_ids) == ["<bos>", "x", " "]
+    assert _tokens(tok, pair.chosen_ids) == ["ab", " ", "y", "<eos>"]
+    assert _tokens(tok, pair.rejected_ids) == ["a", " ", "c", "<eos>"]
+    # The training sequences are exactly the tokenized prompt+completion strings, one BOS, EOS appended.
+    assert list(pair.prompt_ids + pair.chosen_ids) == tok("x ab y<eos>")["input_ids"]
+    assert list(pair.prompt_ids + pair.rejected_ids) == tok("x a c<eos>")["input_ids"]
+    # The loss covers exactly the completion tokens, the merged one included.
+    batch = collate(pairs, pad_token_id=tok.pad_token_id, seq_len=padded_seq_len(pairs))
+    assert batch.labels[0][batch.loss_mask[0].bool()].tolist() == list(pair.chosen_ids)
+    assert batch.labels[1][batch.loss_mask[1].bool()].tolist() == list(pair.rejected_ids)
+
+
+def test_no_merge_keeps_the_whole_prompt_and_an_eos_string_is_not_doubled(tmp_path, merging_tokenizer):
+    tok = merging_tokenizer
+    row = {"prompt": "x a", "chosen": " b y<eos>", "rejected": " c"}
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tok, max_length=64)
+    assert _tokens(tok, pairs[0].prompt_ids) == ["<bos>", "x", " ", "a"]
+    assert _tokens(tok, pairs[0].chosen_ids) == [" ", "b", " ", "y", "<eos>"]
+    assert _tokens(tok, pairs[0].rejected_ids) == [" ", "c", "<eos>"]
+
+
+def test_truncation_and_dropping_use_the_prompt_after_the_cut(tmp_path, merging_tokenizer):
+    tok = merging_tokenizer
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x a", "chosen": "b y", "rejected": " c"}])
+    pairs, stats = load_pairs(path, tokenizer=tok, max_length=4)  # prompt: 3 tokens after the cut
+    assert stats.num_dropped_prompt_too_long == 0
+    assert _tokens(tok, pairs[0].prompt_ids) == ["<bos>", "x", " "]
+    assert _tokens(tok, pairs[0].chosen_ids) == ["ab"] and _tokens(tok, pairs[0].rejected_ids) == ["a"]
+    pairs, stats = load_pairs(path, tokenizer=tok, max_length=3)
+    assert pairs == [] and stats.num_dropped_prompt_too_long == 1
+
+
+def test_conversation_merging_across_the_boundary(tmp_path, merging_tokenizer):
+    """A chat template that writes no BOS and no separator after the prompt: nothing is added to
+    the rendered text, and the cut follows the same rule as for plain text."""
+    tok = copy.deepcopy(merging_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}"
+                         "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+    row = {"prompt": [{"role": "user", "content": "x a"}], "chosen": [{"role": "assistant", "content": "b y"}],
+           "rejected": [{"role": "assistant", "content": " c"}]}
+    pairs, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tok, max_length=64)
+    assert _tokens(tok, pairs[0].prompt_ids) == ["x", " "]
+    assert _tokens(tok, pairs[0].chosen_ids) == ["ab", " ", "y", "<eos>"]
+    assert _tokens(tok, pairs[0].rejected_ids) == ["a", " ", "c", "<eos>"]
+
+
+def test_prompt_swallowed_by_a_merge_is_a_bad_row(tmp_path, merging_tokenizer):
+    tok = copy.deepcopy(merging_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    row = {"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
+           "rejected": [{"role": "assistant", "content": "c"}]}
+    with pytest.raises(DataError, match=r"d\.jsonl:1: 'prompt' tokenizes to no tokens that prompt \+ completion"):
+        load_pairs(_write_jsonl(tmp_path / "d.jsonl", [row]), tokenizer=tok, max_length=64)
 
 
 # ----------------------------------------------------------------------------- file types
@@ -350,6 +454,29 @@ def test_global_batch_order_needs_one_full_batch():
     with pytest.raises(DataError, match="fewer than global_batch_size 8"):
         global_batch_order(num_pairs=7, global_batch_size=8, seed=0, shuffle=True, epoch=0)
     assert len(global_batch_order(num_pairs=8, global_batch_size=8, seed=0, shuffle=True, epoch=0)) == 1
+
+
+@pytest.mark.parametrize("num_pairs, gbs, dp, b", [(200, 64, 1, 8), (13, 8, 2, 2), (5, 8, 2, 2), (3, 8, 4, 2),
+                                                    (64, 64, 2, 8), (1, 16, 1, 4)])
+def test_eval_passes_cover_every_pair_once_in_equal_microbatches(num_pairs, gbs, dp, b):
+    seen = []
+    for rank in range(dp):
+        for chunk, microbatches in eval_passes(num_pairs=num_pairs, global_batch_size=gbs, dp=dp, dp_rank=rank,
+                                               micro_batch_size=b):
+            assert len({len(ids) for ids in microbatches}) == 1 and 1 <= len(microbatches[0]) <= b
+            for ids in microbatches:
+                assert all(i in chunk for i in ids) and len(chunk) <= gbs
+                seen.extend(ids)
+    assert sorted(seen) == list(range(num_pairs))  # the default eval set: all 200, not 192
+
+
+def test_eval_passes_split_a_full_chunk_as_a_training_step():
+    passes = eval_passes(num_pairs=20, global_batch_size=8, dp=2, dp_rank=1, micro_batch_size=2)
+    assert passes[0] == (range(0, 8), [[4, 5], [6, 7]])
+    assert passes[1] == (range(8, 16), [[12, 13], [14, 15]])
+    assert passes[2:] == [(range(16, 20), [[18, 19]])]
+    rank0 = eval_passes(num_pairs=13, global_batch_size=8, dp=2, dp_rank=0, micro_batch_size=2)
+    assert rank0[1:] == [(range(8, 13), [[8, 9]]), (range(8, 13), [[10]])]  # a smaller last microbatch: own pass
 
 
 def _pair(prompt_len: int, chosen_len: int, rejected_len: int, *, line: int = 1) -> TokenizedPair:

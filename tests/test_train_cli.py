@@ -6,6 +6,7 @@ engine -> metrics.jsonl / TensorBoard / hf/ export, on the tiny default model an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from convert_helpers import llama_gqa_untied, save_hf  # noqa: E402
 
+from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve  # noqa: E402
 from mcore_dpo.train import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +34,8 @@ def hf_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def good_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prefs.jsonl"
-    rows = [{"prompt": f"w{i} w{i + 1}", "chosen": f"w{i + 2}", "rejected": f"w{i + 3}"} for i in range(3, 40)]
+    # Completions start with a space: prompt + completion is tokenized as one string.
+    rows = [{"prompt": f"w{i} w{i + 1}", "chosen": f" w{i + 2}", "rejected": f" w{i + 3}"} for i in range(3, 40)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -87,10 +90,20 @@ def test_unsupported_architecture(capsys, hf_model, good_data, tmp_path):
 
 def test_data_row_without_chosen(capsys, hf_model, tmp_path):
     data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps({"prompt": "w3", "chosen": "w4", "rejected": "w5"}) + "\n"
-                    + json.dumps({"prompt": "w3", "rejected": "w5"}) + "\n")
+    data.write_text(json.dumps({"prompt": "w3", "chosen": " w4", "rejected": " w5"}) + "\n"
+                    + json.dumps({"prompt": "w3", "rejected": " w5"}) + "\n")
     err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(data), "--output-dir", str(tmp_path / "o")])
     assert "bad.jsonl:2" in err and "chosen" in err, err
+
+
+def test_eval_data_without_a_usable_pair(capsys, hf_model, good_data, tmp_path):
+    """Every held-out prompt fills --max-length: one line before any worker starts, not an
+    error from the workers after they started."""
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text(json.dumps({"prompt": "w3 w4 w5 w6", "chosen": " w7", "rejected": " w8"}) + "\n")
+    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--eval-data", str(eval_data),
+                            "--max-length", "4", "--global-batch-size", "8", "--output-dir", str(tmp_path / "o")])
+    assert "eval.jsonl: no usable pairs" in err and "max_length 4" in err, err
 
 
 def test_tokenizer_larger_than_model_vocabulary(capsys, hf_model, good_data, tmp_path):
@@ -117,6 +130,38 @@ def test_unknown_flag_and_bad_values(capsys, tmp_path):
     assert "bogus_key" in _run_bad(capsys, ["--config", str(yaml_file)])
     yaml_file.write_text("tp: two\n")
     assert "tp" in _run_bad(capsys, ["--config", str(yaml_file)])
+
+
+BOOL_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)]
+
+
+def test_every_boolean_field_has_a_flag_per_polarity():
+    assert "no_shuffle" in BOOL_FIELDS and "resume" in BOOL_FIELDS
+    assert bool_flags("no_shuffle") == ("--no-shuffle", "--shuffle")
+    assert bool_flags("export_hf") == ("--export-hf", "--no-export-hf")
+
+
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+def test_boolean_flags_parse_in_both_polarities(name, tmp_path):
+    """Each boolean field through the real parser: its positive flag sets it, its negative flag
+    clears it, no flag keeps the default, and the flag beats the YAML file in both directions."""
+    on, off = bool_flags(name)
+    default = getattr(TrainConfig(), name)
+    assert getattr(resolve([on])[0], name) is True
+    assert getattr(resolve([off])[0], name) is False
+    assert getattr(resolve([])[0], name) is default
+    yaml_file = tmp_path / "c.yaml"
+    for file_value, flag, expected in ((True, off, False), (False, on, True)):
+        yaml_file.write_text(f"{name}: {str(file_value).lower()}\n")
+        assert getattr(resolve(["--config", str(yaml_file)])[0], name) is file_value
+        assert getattr(resolve(["--config", str(yaml_file), flag])[0], name) is expected
+
+
+@pytest.mark.parametrize("argv", [["--no-no-shuffle"], ["--no-shuf"], ["--max-step", "3"]],
+                         ids=["double-negation", "abbreviated-bool", "abbreviated-int"])
+def test_double_negations_and_abbreviations_are_errors(argv):
+    with pytest.raises(ConfigError, match="unrecognized arguments"):
+        resolve(argv)
 
 
 def test_default_run_learns_and_writes_everything(tmp_path):
@@ -150,13 +195,26 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
 def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
-    and loads in transformers."""
+    and loads in transformers. The same run checks two more things end to end: --no-shuffle
+    reaches the written config.yaml as no_shuffle: true, and a held-out set of 5 pairs (fewer
+    than the global batch of 16) is evaluated at the start and the end."""
+    from mcore_dpo.defaults import DEFAULT_EVAL_DATA
+
     out = tmp_path / "run"
+    small_eval = tmp_path / "eval5.jsonl"
+    small_eval.write_text("".join(Path(DEFAULT_EVAL_DATA).read_text().splitlines(keepends=True)[:5]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
-                           "--global-batch-size", "16", "--micro-batch-size", "8", "--output-dir", str(out)],
+                           "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle",
+                           "--eval-data", str(small_eval), "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    import yaml
+
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["no_shuffle"] is True and written["dtype"] == "bfloat16"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
     from safetensors.torch import load_file
 
     tensors = {}
