@@ -16,9 +16,11 @@ Exits 1 when any line is an ERROR, else 0. The ranges are setup.py's (a test kee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import platform as _py_platform
 import sys
 import warnings
@@ -72,8 +74,7 @@ def installed_version(distribution: str, module: str) -> str | None:
     if importlib.util.find_spec(module.split(".")[0]) is None:
         return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet():
             return str(getattr(importlib.import_module(module), "__version__"))
     except Exception:
         return None
@@ -82,12 +83,24 @@ def installed_version(distribution: str, module: str) -> str | None:
 def import_error(module: str) -> str | None:
     """None when the module imports, else the error in one line."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # megatron-core warns on import when TE and apex are absent
+        with _quiet():
             importlib.import_module(module)
     except Exception as error:  # any failure here is what a run would hit first
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
     return None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep import-time warnings and log lines out of the report (megatron-core warns when TE
+    and apex are absent; torch logs that it found no CUDA runtime)."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def range_line(name: str, version: str, spec: str, *, breaks_below: bool) -> Line:

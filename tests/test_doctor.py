@@ -162,3 +162,11 @@ def test_optional_integrations_are_not_needed_to_import_anything():
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout.split()[0]) >= 20
+
+
+def test_container_list_is_setup_py_without_the_container_stack():
+    """scripts/container-requirements.txt: install_requires less torch and megatron-core."""
+    lines = (REPO / "scripts" / "container-requirements.txt").read_text().splitlines()
+    listed = dict(_split(line) for line in lines if line.strip() and not line.startswith("#"))
+    required = dict(_split(r) for r in _setup_kwargs()["install_requires"])
+    assert listed == {name: spec for name, spec in required.items() if name not in ("torch", "megatron-core")}
