@@ -5,28 +5,31 @@ setup(
     name="mcore_dpo",
     version="0.1.0",
     description="Preference optimization (DPO family) on megatron-core with TP/PP/DP, launched by Ray",
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.10,<3.13",
     packages=find_packages(include=["mcore_dpo", "mcore_dpo.*", "checkpoint_convert", "checkpoint_convert.*"]),
     package_data={"mcore_dpo": ["assets/*", "assets/**/*"]},
     include_package_data=True,
-    # Ranges were tested as pinned in the README; torch 2.13.0 is the CPU build this project is tested with.
+    # Each range is tested at both ends (docs/COMPATIBILITY.md, scripts/compat_check.sh); the README's
+    # commands pin torch 2.13.0, the CPU build the main suite runs on. megatron-core 0.17+ needs Python 3.12+.
     install_requires=[
-        "torch>=2.13.0,<2.14",
-        "megatron-core>=0.16.1,<0.17",
-        "ray>=2.60,<2.61",
-        "transformers>=5.24,<5.25",
+        "torch>=2.13.0,<2.16",
+        "megatron-core>=0.16.1,<0.20",
+        "ray>=2.55,<2.61",
+        "transformers>=5.20,<5.25",
         "safetensors>=0.8,<0.9",
-        "datasets>=5.2,<5.3",
+        "datasets>=5.0,<5.3",
         "pyyaml>=6.0,<7",
-        "tensorboard>=2.21,<2.22",
-        "matplotlib>=3.11,<3.12",
-        "tqdm>=4.70,<5",
-        "psutil>=7.2,<8",
+        "tensorboard>=2.16,<2.22",
+        "matplotlib>=3.9,<3.12",
+        "packaging>=24.2",
     ],
     extras_require={
-        "test": ["pytest>=9.0,<10", "wandb>=0.31,<0.32"],
+        # Everything the test suite imports beyond install_requires.
+        "test": ["pytest>=9.0,<10", "pyarrow>=15", "tokenizers>=0.22,<1", "wandb>=0.31,<0.32"],
         # Weights & Biases logging (--wandb).
         "wandb": ["wandb>=0.31,<0.32"],
+        # benchmarks/vs_trl.py (TRL's DPOTrainer as the baseline); never imported by the package.
+        "bench": ["trl>=1.16,<1.17"],
         # GPU users: Transformer Engine (needs CUDA). NVIDIA apex is optional and built from source; see README.
         "gpu": ["transformer-engine[pytorch]>=2.20,<2.21"],
     },
