@@ -114,8 +114,10 @@ def _store(ctx: StageContext, op: Op, buf: torch.Tensor) -> None:
         ctx._ref_in[(op.batch, op.microbatch)] = buf
 
 
-def _transfer(ctx: StageContext, parts: Sequence[Op]) -> None:
-    """Post `parts` together and wait until all have completed."""
+def transfer(ctx: StageContext, op: Op) -> None:
+    """Run one transfer op (a send, a receive, or a P2P op of several): post its transfers
+    together and wait until all have completed."""
+    parts = op.parts if op.kind is OpKind.P2P else (op,)
     mesh = ctx.mesh
     p2p_ops, received, words = [], [], []
     for op in parts:
@@ -171,10 +173,8 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
             _reference_forward(ctx, mb, batch)
         elif kind is OpKind.KEEP_REF_ACT:
             ctx.kept_out[mb] = ctx._ref_out.pop((batch, mb))
-        elif kind is OpKind.P2P:
-            _transfer(ctx, op.parts)
-        elif kind in SEND_KINDS or kind in RECV_KINDS:
-            _transfer(ctx, (op,))
+        elif kind is OpKind.P2P or kind in SEND_KINDS or kind in RECV_KINDS:
+            transfer(ctx, op)
         else:  # pragma: no cover - the plan validator rejects unknown ops
             raise ValueError(f"unknown op {op}")
         if ctx.trace is not None:

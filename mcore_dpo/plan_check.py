@@ -229,20 +229,31 @@ def advance(keys: list[list[list[Key]]], *, ptr: list[int], done: set[Key]) -> N
                 moved = True
 
 
+def waits_for(keys: list[list[list[Key]]], ptr: list[int], done: set[Key]) -> dict:
+    """{(stage, neighbour it waits for): its undelivered messages} where a rendezvous run stopped."""
+    waits: dict[tuple[int, int], list[Key]] = {}
+    for s in range(len(keys)):
+        for key in keys[s][ptr[s]] if ptr[s] < len(keys[s]) else ():
+            (src, dst), _ = key
+            if key not in done:
+                waits.setdefault((s, dst if s == src else src), []).append(key)
+    return waits
+
+
 def _check_rendezvous(stages: Stages) -> None:
     keys = message_keys(stages)
     ptr, done = rendezvous_run(stages, keys)
-    stuck = [s for s in range(len(stages)) if ptr[s] < len(stages[s])]
-    if not stuck:
+    waits = waits_for(keys, ptr, done)
+    if not waits:
         return
-    s = stuck[0]
-    key = next(k for k in keys[s][ptr[s]] if k not in done)
-    (src, dst), _ = key
-    other = dst if s == src else src
-    there = (f"at op {ptr[other]} ({op_word(stages[other][ptr[other]])})" if ptr[other] < len(stages[other])
-             else "done")
-    raise PlanError(f"plan deadlock under rendezvous transfers: stage {s} waits at op {ptr[s]} "
-                    f"({op_word(stages[s][ptr[s]])}) for stage {other}, which is {there}")
+    # Stages wait only for neighbours: a deadlock has two that wait for each other.
+    s, t = min(((a, b) for a, b in waits if (b, a) in waits), default=min(waits))
+
+    def where(stage: int) -> str:
+        return f"op {ptr[stage]} ({op_word(stages[stage][ptr[stage]])})"
+
+    raise PlanError(f"plan deadlock under rendezvous transfers: stage {s} waits at {where(s)} for stage {t}, "
+                    f"which waits at {where(t)}")
 
 
 def timeline(stages: Stages, costs: Costs) -> SimResult:

@@ -65,6 +65,7 @@ from mcore_dpo.plan_check import (
     timeline,
     validate_plan,
     validate_stages,
+    waits_for,
 )
 
 __all__ = [
@@ -500,12 +501,7 @@ def pair_crossing_transfers(stages: Stages, *, prefer: str = "timed", costs: Cos
         return max(0.0, sent_at[key] - start_at[dst][ptr[dst]])
     while True:
         advance(keys, ptr=ptr, done=done)
-        waits: dict[tuple[int, int], list[Key]] = {}  # (stage, stage it waits for) -> its undelivered messages
-        for s in range(len(lists)):
-            for key in keys[s][ptr[s]] if ptr[s] < len(lists[s]) else ():
-                (src, dst), _ = key
-                if key not in done:
-                    waits.setdefault((s, dst if s == src else src), []).append(key)
+        waits = waits_for(keys, ptr, done)
         moves: dict[int, list[Key]] = {}  # receiving stage -> messages it posts now
         for (s, t), pending in waits.items():
             if s > t or (t, s) not in waits:
