@@ -139,7 +139,9 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
 
 
 COMPUTE_OPS = ("fwd", "bwd", "ref_fwd")
-WAIT_OPS = ("recv_act", "recv_grad", "recv_ref_act")
+# Transfer ops: each waits until its messages are through (a send until the peer has received it).
+WAIT_OPS = ("recv_act", "recv_grad", "recv_ref_act", "send_act", "send_grad", "send_ref_act", "send_kept_ref_act",
+            "p2p")
 
 
 def _trace_stats(results: list[list[dict]], mode: str) -> dict:

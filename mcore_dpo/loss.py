@@ -328,10 +328,20 @@ def pair_losses(
 def metric_sums(
     logps: PairLogps, *, spec: LossSpec, num_pairs_global: int, chosen_tokens_global: int
 ) -> dict[str, float]:
-    """Additive metric sums of one microbatch, keyed by METRIC_SUM_KEYS; values are Python floats.
+    """metric_sum_vector as a dict of Python floats keyed by METRIC_SUM_KEYS (reads the device)."""
+    vector = metric_sum_vector(
+        logps, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global
+    )
+    return dict(zip(METRIC_SUM_KEYS, vector.tolist()))
 
-    Add the dicts key by key over microbatches and data-parallel ranks, then
-    call finalize_metrics. The values leave the device in one transfer.
+
+def metric_sum_vector(
+    logps: PairLogps, *, spec: LossSpec, num_pairs_global: int, chosen_tokens_global: int
+) -> torch.Tensor:
+    """Additive metric sums of one microbatch: float64 [len(METRIC_SUM_KEYS)], on the device.
+
+    Add the vectors over microbatches and data-parallel ranks, then read them once and call
+    finalize_metrics: nothing here waits for the device.
     """
     with torch.no_grad():
         losses = pair_losses(
@@ -344,7 +354,7 @@ def metric_sums(
         rejected_rewards = spec.beta * terms.rejected_logratio
         values = torch.stack(
             [
-                torch.tensor(float(losses.numel()), dtype=dtype, device=losses.device),
+                torch.full((), float(losses.numel()), dtype=dtype, device=losses.device),
                 losses.to(dtype).sum(),
                 chosen_rewards.to(dtype).sum(),
                 rejected_rewards.to(dtype).sum(),
@@ -360,7 +370,7 @@ def metric_sums(
                 terms.chosen_nll_sum.to(dtype).sum(),
             ]
         )
-    return dict(zip(METRIC_SUM_KEYS, values.tolist()))
+    return values
 
 
 def finalize_metrics(sums: dict[str, float], *, spec: LossSpec) -> dict[str, float]:

@@ -1,9 +1,15 @@
 """The executor: runs one stage's list of plan ops over torch.distributed point-to-point.
 
-Device-agnostic: gloo on the CPU, NCCL on GPUs. Sends are non-blocking (a sent buffer is
-released once delivered; all are waited for at the end of the step); receives block. The plan
-(`schedule.py`) guarantees that this never deadlocks and that sends and receives pair
-up in order between neighbouring stages.
+Device-agnostic: gloo on the CPU, NCCL on GPUs, the same code on both. Each transfer op of
+the plan (a lone send or receive, or a P2P op of several) is posted as one
+`batch_isend_irecv` and waited for before the next op: a send ends once the peer has
+received it, which is the rendezvous semantics the plan is checked under (`plan_check.py`),
+so a plan that would hang on NCCL also hangs here. gloo itself holds a send until the
+peer's receive is posted, once the send is waited for.
+
+Every transfer goes through `batch_isend_irecv`, even one alone: NCCL runs batched
+point-to-point ops on the group's communicator and single ones on a separate two-rank
+communicator, and messages between two ranks stay in order only within one communicator.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from mcore_dpo.data import Microbatch
 from mcore_dpo.logprobs import SequenceLogps, sequence_logps
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import causal_mask, stage_forward
-from mcore_dpo.schedule import Op, OpKind
+from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
+from mcore_dpo.platform import IntervalClock
+from mcore_dpo.schedule import Op, OpKind, forward_only_stages
 
 # loss_fn(microbatch_index, policy_logps) -> scalar loss to back-propagate (last stage only)
 LossFn = Callable[[int, SequenceLogps], torch.Tensor]
@@ -53,9 +61,9 @@ class StageContext:
     # and the ones the previous step kept, to send first thing.
     kept_out: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    _pending_sends: list[tuple[object, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
+    # Sums the time this stage is blocked in transfers (its bubble); see IntervalClock.
+    wait_clock: IntervalClock | None = None
     # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
     trace: list[tuple[str, int, int, float, float]] | None = None
 
@@ -72,16 +80,8 @@ class StageContext:
         return self._masks[batch]
 
 
-def _recv(ctx: StageContext, op: Op, *, src: int) -> torch.Tensor:
-    buf = torch.empty(ctx.activation_shape(op.batch, op.microbatch), dtype=ctx.dtype, device=ctx.device)
-    start = time.perf_counter()
-    try:
-        dist.recv(buf, src=src)
-    except RuntimeError as error:  # a dead or stuck peer: the process group's timeout ends the wait
-        raise PeerError(f"pipeline stage {ctx.mesh.pp_rank}: {op.kind.value} of microbatch {op.microbatch} "
-                        f"from rank {src} failed: {_first_line(error)}") from None
-    ctx.wait_s += time.perf_counter() - start
-    return buf
+_SEND_TO_NEXT = (OpKind.SEND_ACT, OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)
+_RECV_FROM_PREV = (OpKind.RECV_ACT, OpKind.RECV_REF_ACT)
 
 
 class PeerError(RuntimeError):
@@ -93,23 +93,56 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _send(ctx: StageContext, tensor: torch.Tensor, *, dst: int) -> None:
-    tensor = tensor.detach().contiguous()
-    work = dist.isend(tensor, dst=dst)
-    # Keep the buffer alive until its send completes; drop the ones already delivered.
-    ctx._pending_sends = [entry for entry in ctx._pending_sends if not entry[0].is_completed()]
-    ctx._pending_sends.append((work, tensor, dst))
+def _outgoing(ctx: StageContext, op: Op) -> torch.Tensor:
+    """The tensor a send op hands over (dropped here once sent)."""
+    if op.kind is OpKind.SEND_ACT:
+        tensor = ctx._policy_out.pop(op.microbatch)
+    elif op.kind is OpKind.SEND_GRAD:
+        tensor = ctx._grad_out.pop(op.microbatch)
+    elif op.kind is OpKind.SEND_REF_ACT:
+        tensor = ctx._ref_out.pop((op.batch, op.microbatch))
+    else:
+        tensor = ctx.kept_in.pop(op.microbatch)
+    return tensor.detach().contiguous()
 
 
-def wait_for_sends(ctx: StageContext) -> None:
-    start = time.perf_counter()
-    for work, _, dst in ctx._pending_sends:
-        try:
+def _store(ctx: StageContext, op: Op, buf: torch.Tensor) -> None:
+    if op.kind is OpKind.RECV_ACT:
+        ctx._policy_in[op.microbatch] = buf if ctx.forward_only else buf.requires_grad_()
+    elif op.kind is OpKind.RECV_GRAD:
+        ctx._grad_in[op.microbatch] = buf
+    else:
+        ctx._ref_in[(op.batch, op.microbatch)] = buf
+
+
+def transfer(ctx: StageContext, op: Op) -> None:
+    """Run one transfer op (a send, a receive, or a P2P op of several): post its transfers
+    together and wait until all have completed."""
+    parts = op.parts if op.kind is OpKind.P2P else (op,)
+    mesh = ctx.mesh
+    p2p_ops, received, words = [], [], []
+    for op in parts:
+        if op.kind in _SEND_TO_NEXT or op.kind is OpKind.SEND_GRAD:
+            peer = mesh.next_rank if op.kind in _SEND_TO_NEXT else mesh.prev_rank
+            p2p_ops.append(dist.P2POp(dist.isend, _outgoing(ctx, op), peer))
+            words.append(f"{op.kind.value} of microbatch {op.microbatch} to rank {peer}")
+        else:
+            peer = mesh.prev_rank if op.kind in _RECV_FROM_PREV else mesh.next_rank
+            buf = torch.empty(ctx.activation_shape(op.batch, op.microbatch), dtype=ctx.dtype, device=ctx.device)
+            p2p_ops.append(dist.P2POp(dist.irecv, buf, peer))
+            received.append((op, buf))
+            words.append(f"{op.kind.value} of microbatch {op.microbatch} from rank {peer}")
+    if ctx.wait_clock is not None:
+        ctx.wait_clock.start()
+    try:
+        for work in dist.batch_isend_irecv(p2p_ops):
             work.wait()
-        except RuntimeError as error:
-            raise PeerError(f"pipeline stage {ctx.mesh.pp_rank}: send to rank {dst} failed: {_first_line(error)}") from None
-    ctx._pending_sends.clear()
-    ctx.wait_s += time.perf_counter() - start
+    except RuntimeError as error:  # a dead or stuck peer: the process group's timeout ends the wait
+        raise PeerError(f"pipeline stage {mesh.pp_rank}: {' + '.join(words)} failed: {_first_line(error)}") from None
+    if ctx.wait_clock is not None:
+        ctx.wait_clock.stop()
+    for op, buf in received:
+        _store(ctx, op, buf)
 
 
 def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:
@@ -130,34 +163,19 @@ def _last_stage_logps(ctx: StageContext, output: torch.Tensor, batch: int, mb: i
 
 def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
     """Run one stage's ops in order."""
-    mesh = ctx.mesh
     for op in ops:
         kind, mb, batch = op.kind, op.microbatch, op.batch
         start = time.perf_counter() if ctx.trace is not None else 0.0
-        if kind is OpKind.RECV_ACT:
-            buf = _recv(ctx, op, src=mesh.prev_rank)
-            ctx._policy_in[mb] = buf if ctx.forward_only else buf.requires_grad_()
-        elif kind is OpKind.FWD:
+        if kind is OpKind.FWD:
             _policy_forward(ctx, mb)
-        elif kind is OpKind.SEND_ACT:
-            _send(ctx, ctx._policy_out.pop(mb), dst=mesh.next_rank)
-        elif kind is OpKind.RECV_GRAD:
-            ctx._grad_in[mb] = _recv(ctx, op, src=mesh.next_rank)
         elif kind is OpKind.BWD:
             _policy_backward(ctx, mb)
-        elif kind is OpKind.SEND_GRAD:
-            _send(ctx, ctx._grad_out.pop(mb), dst=mesh.prev_rank)
-        elif kind is OpKind.RECV_REF_ACT:
-            ctx._ref_in[(batch, mb)] = _recv(ctx, op, src=mesh.prev_rank)
         elif kind is OpKind.REF_FWD:
             _reference_forward(ctx, mb, batch)
-        elif kind is OpKind.SEND_REF_ACT:
-            # The reference activation is dropped as soon as it is handed to the send.
-            _send(ctx, ctx._ref_out.pop((batch, mb)), dst=mesh.next_rank)
         elif kind is OpKind.KEEP_REF_ACT:
             ctx.kept_out[mb] = ctx._ref_out.pop((batch, mb))
-        elif kind is OpKind.SEND_KEPT_REF_ACT:
-            _send(ctx, ctx.kept_in.pop(mb), dst=mesh.next_rank)
+        elif kind is OpKind.P2P or kind in SEND_KINDS or kind in RECV_KINDS:
+            transfer(ctx, op)
         else:  # pragma: no cover - the plan validator rejects unknown ops
             raise ValueError(f"unknown op {op}")
         if ctx.trace is not None:
@@ -201,20 +219,8 @@ def _reference_forward(ctx: StageContext, mb: int, batch: int) -> None:
         ctx._ref_out[(batch, mb)] = out
 
 
-def forward_only_ops(*, mesh: Mesh, num_microbatches: int, policy: bool, reference: bool) -> list[Op]:
-    """Ops of a forward-only pass (evaluation, precomputing the reference): a plain chain per
-    microbatch, reference first. Sends never block, so the chain cannot deadlock."""
-    ops: list[Op] = []
-    for mb in range(num_microbatches):
-        for enabled, recv, fwd, send in (
-            (reference, OpKind.RECV_REF_ACT, OpKind.REF_FWD, OpKind.SEND_REF_ACT),
-            (policy, OpKind.RECV_ACT, OpKind.FWD, OpKind.SEND_ACT),
-        ):
-            if not enabled:
-                continue
-            if not mesh.is_first_stage:
-                ops.append(Op(recv, mb))
-            ops.append(Op(fwd, mb))
-            if not mesh.is_last_stage:
-                ops.append(Op(send, mb))
-    return ops
+def forward_only_ops(*, mesh: Mesh, num_microbatches: int, policy: bool, reference: bool) -> tuple[Op, ...]:
+    """This stage's ops of a forward-only pass (evaluation, precomputing the reference)."""
+    stages = forward_only_stages(num_stages=mesh.layout.pp, num_microbatches=num_microbatches, policy=policy,
+                                 reference=reference)
+    return stages[mesh.pp_rank]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,50 @@ def synchronize(platform: Platform) -> None:
     """Wait for queued device work (for honest step timings)."""
     if platform.is_cuda:
         torch.cuda.synchronize(platform.device)
+
+
+class IntervalClock:
+    """Adds up the time between each start() and the next stop().
+
+    On the CPU: host time (perf_counter). On a GPU: CUDA events recorded on the current
+    stream, so an interval is what the device spent there, e.g. the compute stream waiting
+    for a NCCL transfer that the host only queued. The events are read once, in total_s(),
+    after the step's work is done (no host sync per interval).
+    """
+
+    def __init__(self, platform: Platform):
+        self._cuda = platform.is_cuda
+        self._host_s = 0.0
+        self._start: float | torch.cuda.Event | None = None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _now(self) -> float | torch.cuda.Event:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> None:
+        if self._start is None:
+            raise RuntimeError("IntervalClock.stop() without start()")
+        end = self._now()
+        if self._cuda:
+            self._events.append((self._start, end))
+        else:
+            self._host_s += end - self._start
+        self._start = None
+
+    def total_s(self) -> float:
+        """Seconds in all closed intervals (on a GPU: waits for the last recorded event)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._host_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        return self._host_s
 
 
 def max_memory_bytes(platform: Platform) -> int:

@@ -1,14 +1,8 @@
-"""The pipeline schedule of one training step, as a plan.
+"""Building the pipeline schedule of one training step, as a plan (see `plan.py`).
 
-A plan is, for each pipeline stage, the ordered list of ops (policy forward,
-policy backward, reference forward, and the point-to-point sends/receives
-between neighbouring stages) that the executor runs top to bottom. Sends are
-non-blocking, receives block until their message has arrived, and messages
-between one ordered pair of stages are matched in order (as NCCL does).
-
-The point of building the schedule as data: the frozen reference forward can
-be placed into the bubbles of the policy 1F1B schedule, and the result can be
-checked (`validate_plan`) and timed (`simulate`) without any process.
+The point of building the schedule as data: the frozen reference forward can be placed
+into the bubbles of the policy 1F1B schedule, and the result can be checked
+(`validate_plan`) and timed (`simulate`, both in `plan_check.py`) without any process.
 
 Reference modes (`REF_MODES`):
 - "none" / "precomputed": policy-only 1F1B.
@@ -26,110 +20,59 @@ step is built with `carry_in=True`: stage s-1 sends the kept activation first
 thing (SEND_KEPT_REF_ACT), and stage s runs the carried reference forwards in
 its warm-up idle time. Every message stays inside one step.
 
+Transfers: each send goes right after the op that produced its tensor and each receive
+right before its consumer; then `pair_crossing_transfers` makes the lists safe under
+rendezvous transfers (a send waits for the matching receive, as on NCCL): where a stage
+would wait in a send whose receive its peer has not posted, the peer posts that receive
+together with the transfer it waits in (one P2P op), as megatron-core pairs
+send_forward_recv_backward. Forward-only passes (`forward_only_stages`) are chains that
+need no pairing.
+
 Look at a plan:  python -c "from mcore_dpo.schedule import *;
 print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interleaved')))"
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
-from collections import Counter
-from dataclasses import dataclass
-from enum import Enum
 
+from mcore_dpo.plan import (
+    COMPUTE_KINDS,
+    MAX_REF_ACTS_IN_FLIGHT,
+    REF_MODES,
+    Costs,
+    Op,
+    OpKind,
+    Plan,
+    PlanError,
+    SimResult,
+    carried,
+    check_costs,
+    cost_of,
+    format_plan,
+    kept,
+    p2p,
+    transfers,
+)
+from mcore_dpo.plan_check import (
+    Stages,
+    closed_form_makespans,
+    advance,
+    message_keys,
+    simulate,
+    timeline,
+    validate_plan,
+    validate_stages,
+    waits_for,
+)
 
-class OpKind(str, Enum):
-    FWD = "fwd"  # policy forward of microbatch mb (on the last stage this includes the loss)
-    BWD = "bwd"  # policy backward of mb
-    REF_FWD = "ref_fwd"  # reference forward of mb (no grad; last stage: ref log-probs)
-    RECV_ACT = "recv_act"  # policy activations, stage s -> s+1
-    SEND_ACT = "send_act"
-    RECV_GRAD = "recv_grad"  # activation grads, stage s+1 -> s
-    SEND_GRAD = "send_grad"
-    RECV_REF_ACT = "recv_ref_act"  # reference activations, s -> s+1
-    SEND_REF_ACT = "send_ref_act"
-    KEEP_REF_ACT = "keep_ref_act"  # hold a next-batch reference activation for the next step
-    SEND_KEPT_REF_ACT = "send_kept_ref_act"  # send the one held since the last step (batch 0 now)
-
-
-REF_MODES = ("interleaved", "sequential", "precomputed", "none")
-
-# Reference activations produced by a stage and not yet consumed by the next
-# stage, per link (one stage-output tensor each, far less than the activations
-# 1F1B stashes for backward). The interleaved planner never exceeds this; 3 is
-# what the bubble-filling optimum needs at p=4, m=8.
-MAX_REF_ACTS_IN_FLIGHT = 3
-
-_COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.REF_FWD)
-# send/recv kind -> (payload, stage offset of the peer)
-_SENDS = {OpKind.SEND_ACT: ("act", 1), OpKind.SEND_REF_ACT: ("ref_act", 1), OpKind.SEND_GRAD: ("grad", -1),
-          OpKind.SEND_KEPT_REF_ACT: ("ref_act", 1)}
-_RECVS = {OpKind.RECV_ACT: ("act", -1), OpKind.RECV_REF_ACT: ("ref_act", -1), OpKind.RECV_GRAD: ("grad", 1)}
-_SHORT = {
-    OpKind.FWD: "F", OpKind.BWD: "B", OpKind.REF_FWD: "R",
-    OpKind.RECV_ACT: "ra", OpKind.SEND_ACT: "sa", OpKind.RECV_GRAD: "rg",
-    OpKind.SEND_GRAD: "sg", OpKind.RECV_REF_ACT: "rr", OpKind.SEND_REF_ACT: "sr",
-    OpKind.KEEP_REF_ACT: "kr", OpKind.SEND_KEPT_REF_ACT: "sk",
-}
-
-
-class PlanError(ValueError):
-    """A plan breaks a rule the executor relies on (message is one line)."""
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: OpKind
-    microbatch: int
-    batch: int = 0  # 0 = this step's global batch, 1 = the NEXT global batch (reference only)
-    # The peer is implied: ACT/REF_ACT go to stage+1 (come from stage-1), GRAD the other way.
-
-
-@dataclass(frozen=True)
-class Plan:
-    num_stages: int
-    num_microbatches: int
-    ref_mode: str
-    stages: tuple[tuple[Op, ...], ...]  # stages[s] = ordered ops of stage s
-    # Global batches whose reference forwards this plan computes (0 = this batch,
-    # 1 = the next one); the validator checks the ops against it.
-    ref_batches: tuple[int, ...] = ()
-    carry_in: bool = False  # starts with the reference forwards the previous plan carried out
-    carry_out: bool = False  # leaves `carried` next-batch reference forwards to the next plan
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Op durations in arbitrary time units (usually: one policy forward = 1)."""
-
-    fwd: float = 1.0
-    bwd: float = 2.0
-    ref_fwd: float = 1.0
-    comm: float = 0.0  # latency of one point-to-point message
-
-
-@dataclass(frozen=True)
-class SimResult:
-    makespan: float
-    busy_time_per_stage: tuple[float, ...]
-    bubble_fraction: float  # idle share of num_stages * makespan
-    op_times: tuple[tuple[tuple[float, float], ...], ...]  # [stage][op index] = (start, end)
-    max_ref_acts_in_flight: int  # worst link: ref activations produced, not yet consumed downstream
-
-
-def _cost(kind: OpKind, costs: Costs) -> float:
-    if kind == OpKind.FWD:
-        return costs.fwd
-    return costs.bwd if kind == OpKind.BWD else costs.ref_fwd
-
-
-def _check_costs(costs: Costs) -> None:
-    for name in ("fwd", "bwd", "ref_fwd"):
-        if not getattr(costs, name) > 0:
-            raise ValueError(f"Costs.{name} must be > 0, got {getattr(costs, name)!r}")
-    if not costs.comm >= 0:
-        raise ValueError(f"Costs.comm must be >= 0, got {costs.comm!r}")
+__all__ = [
+    "MAX_REF_ACTS_IN_FLIGHT", "REF_MODES", "Costs", "Op", "OpKind", "Plan", "PlanError", "SimResult", "build_plan",
+    "carried", "closed_form_makespans", "format_plan", "forward_only_stages", "pair_crossing_transfers", "simulate",
+    "validate_plan", "validate_stages",
+]
 
 
 def _expected_ref_batches(ref_mode: str, ref_current: bool, ref_next: bool) -> tuple[int, ...]:
@@ -138,27 +81,6 @@ def _expected_ref_batches(ref_mode: str, ref_current: bool, ref_next: bool) -> t
     if ref_mode == "interleaved":
         return tuple(b for b, on in ((0, ref_current), (1, ref_next)) if on)
     return ()
-
-
-def carried(stage: int, *, num_stages: int, num_microbatches: int) -> range:
-    """Microbatches whose next-batch reference forward `stage` leaves to the start of the
-    next step in a carrying plan: the last min(stage, m). One forward per stage above it is
-    the warm-up idle time it fills. The sets grow with the stage, so what stage s runs
-    early, stage s+1 also runs early, and only the first of stage s+1's extra ones crosses
-    the step boundary, as an activation that stage s keeps."""
-    if num_stages < 2:
-        return range(0)
-    count = min(stage, num_microbatches)
-    return range(num_microbatches - count, num_microbatches)
-
-
-def _kept(stage: int, *, num_stages: int, num_microbatches: int) -> range:
-    """Next-batch reference activations that `stage` keeps for the next step (carry_out)."""
-    if stage >= num_stages - 1:
-        return range(0)
-    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    theirs = carried(stage + 1, num_stages=num_stages, num_microbatches=num_microbatches)
-    return range(theirs.start, mine.start)
 
 
 # ----------------------------------------------------------------------------- building
@@ -185,8 +107,8 @@ def _add_comm(
     with carry_out, the ones to keep are kept instead of sent.
     """
     num_stages, m = len(compute_orders), num_microbatches
-    kept = [set(_kept(s, num_stages=num_stages, num_microbatches=m)) if carry_out else set() for s in range(num_stages)]
-    kept_in = [list(_kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
+    keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_out else set() for s in range(num_stages)]
+    kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
     # Send order per link (src, dst) = order of the producing ops on src.
     link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for s, ops in enumerate(compute_orders):
@@ -194,7 +116,7 @@ def _add_comm(
             link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0))
         for op in ops:
             if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s < num_stages - 1:
-                if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in kept[s]:
+                if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in keep_out[s]:
                     continue
                 payload = "act" if op.kind == OpKind.FWD else "ref_act"
                 link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
@@ -223,7 +145,7 @@ def _add_comm(
             if op.kind == OpKind.FWD and s < num_stages - 1:
                 out.append(Op(OpKind.SEND_ACT, op.microbatch))
             elif op.kind == OpKind.REF_FWD and s < num_stages - 1:
-                keep = op.batch == 1 and op.microbatch in kept[s]
+                keep = op.batch == 1 and op.microbatch in keep_out[s]
                 out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch))
             elif op.kind == OpKind.BWD and s > 0:
                 out.append(Op(OpKind.SEND_GRAD, op.microbatch))
@@ -269,7 +191,7 @@ def _greedy_interleaved(
         return end[src] + comm if src in end else None
 
     def start(s: int, op: Op, t: float) -> None:
-        finish = t + _cost(op.kind, costs)
+        finish = t + cost_of(op.kind, costs)
         end[(s, op)] = finish
         free_at[s] = finish
         orders[s].append(op)
@@ -338,12 +260,12 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
                     if consumer not in latest_start:
                         break
                     due = min(due, latest_start[consumer] - costs.comm)
-                latest_start[(s, op)] = next_start[s] = due - _cost(op.kind, costs)
+                latest_start[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
                 ptr[s] -= 1
                 progress = True
         if not progress:
             raise RuntimeError("base schedule has a dependency cycle (bug)")
-    return [[(latest_start[(s, op)], latest_start[(s, op)] + _cost(op.kind, costs)) for op in ops]
+    return [[(latest_start[(s, op)], latest_start[(s, op)] + cost_of(op.kind, costs)) for op in ops]
             for s, ops in enumerate(orders)]
 
 
@@ -400,11 +322,11 @@ def _interleave_late(
     as possible) before looking for idle time.
     """
     base_plan = _add_comm(base, num_microbatches=num_microbatches, carry_in=carry_in)
-    run = _execute(base_plan, costs)
+    run = timeline(base_plan, costs)
     if late_base:
         base_times = _latest_times(base, costs=costs, makespan=run.makespan)
     else:
-        base_times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in _COMPUTE]
+        base_times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in COMPUTE_KINDS]
                       for s, ops in enumerate(base_plan)]
 
     def fit(makespan: float) -> list[list[Op]] | None:
@@ -448,6 +370,17 @@ def build_plan(
     plan is valid whatever the real durations turn out to be. Plans are immutable and
     memoized: a run asks for the same few plans every step.
     """
+    return _build_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
+                       ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
+                       costs=costs, pair_transfers=True)
+
+
+def _build_plan(
+    *, num_stages: int, num_microbatches: int, ref_mode: str, ref_current: bool, ref_next: bool, carry_in: bool,
+    carry_out: bool, costs: Costs, pair_transfers: bool,
+) -> Plan:
+    """build_plan; pair_transfers=False leaves every transfer on its own (safe only where sends
+    never wait, i.e. buffered; kept to show what the rendezvous check rejects)."""
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -460,14 +393,22 @@ def build_plan(
         raise ValueError("carry_in and ref_current exclude each other: a carrying step already has this batch's reference")
     if carry_out and not ref_next:
         raise ValueError("carry_out needs ref_next: only the next batch's reference forwards can be carried")
-    _check_costs(costs)
+    check_costs(costs)
     p, m = num_stages, num_microbatches
     carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
     ref_batches = _expected_ref_batches(ref_mode, ref_current, ref_next)
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        stages = _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out)
-        return Plan(p, m, ref_mode, stages, ref_batches, carry_in, carry_out)
+        return Plan(p, m, ref_mode, _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out),
+                    ref_batches, carry_in, carry_out)
+
+    def finish(plan: Plan) -> Plan:
+        """The plan with its crossing transfers paired, the fastest way under `costs`."""
+        if not pair_transfers:
+            return plan
+        variants = sorted({pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs) for prefer in _PREFER},
+                          key=repr)
+        return dataclasses.replace(plan, stages=min(variants, key=lambda v: timeline(v, costs).makespan))
 
     def stage_range(s: int) -> range:
         return carried(s, num_stages=p, num_microbatches=m)
@@ -476,13 +417,13 @@ def build_plan(
     policy = [[Op(OpKind.REF_FWD, mb, 0) for mb in (stage_range(s) if carry_in else ())]
               + _one_f_one_b(stage=s, num_stages=p, num_microbatches=m) for s in range(p)]
     if not ref_batches:
-        return plan_of(policy)
+        return finish(plan_of(policy))
     current = [Op(OpKind.REF_FWD, mb, 0) for mb in range(m)] if 0 in ref_batches else []
     # Next-batch reference forwards run in this step by each stage: a prefix of 0..m-1.
     next_refs = [[Op(OpKind.REF_FWD, mb, 1) for mb in range(m) if not (carry_out and mb in stage_range(s))]
                  for s in range(p)] if 1 in ref_batches else [[] for _ in range(p)]
     if ref_mode == "sequential":
-        return plan_of([current + policy[s] for s in range(p)])
+        return finish(plan_of([current + policy[s] for s in range(p)]))
     # Interleaved: build a few candidates, keep the fastest under `costs` whose
     # reference activations in flight stay within MAX_REF_ACTS_IN_FLIGHT.
     bases = [policy]
@@ -508,216 +449,117 @@ def build_plan(
             candidates.append(plan_of(orders))
     scored = []
     for index, plan in enumerate(candidates):
-        run = _execute(plan.stages, costs)  # our own plans: no need to re-check their structure
+        run = timeline(plan.stages, costs)  # our own plans: no need to re-check their structure
         over = run.max_ref_acts_in_flight > MAX_REF_ACTS_IN_FLIGHT  # greedy ones never are
         scored.append((over, run.makespan, run.max_ref_acts_in_flight, index))
-    return candidates[min(scored)[-1]]
+    return finish(candidates[min(scored)[-1]])
 
 
-# ----------------------------------------------------------------------------- checking
+# ----------------------------------------------------------------------------- transfers
 
 
-def _message(op: Op) -> tuple[str, int, int]:
-    payload = (_SENDS.get(op.kind) or _RECVS[op.kind])[0]
-    return (payload, op.microbatch, op.batch)
+# The builder pairs one plan's transfers in each `_PREFER` way, from the same unpaired times.
+_timeline_once = functools.lru_cache(maxsize=4)(timeline)
+
+# Which stage posts a receive early when two stages each wait in a send to the other.
+_PREFER = ("timed", "downstream", "upstream", "both")
 
 
-def _expected_ops(
-    *, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...], carry_in: bool,
-    carry_out: bool,
-) -> Counter:
-    first, last = stage == 0, stage == num_stages - 1
-    shape = dict(num_stages=num_stages, num_microbatches=num_microbatches)
-    mine, kept = carried(stage, **shape), _kept(stage, **shape)
-    expected: Counter = Counter()
-    for mb in range(num_microbatches):
-        expected[Op(OpKind.FWD, mb)] += 1
-        expected[Op(OpKind.BWD, mb)] += 1
-        if not first:
-            expected[Op(OpKind.RECV_ACT, mb)] += 1
-            expected[Op(OpKind.SEND_GRAD, mb)] += 1
-        if not last:
-            expected[Op(OpKind.SEND_ACT, mb)] += 1
-            expected[Op(OpKind.RECV_GRAD, mb)] += 1
-        for batch in ref_batches:
-            if batch == 1 and carry_out and mb in mine:
-                continue  # left to the start of the next step
-            expected[Op(OpKind.REF_FWD, mb, batch)] += 1
-            if not first:
-                expected[Op(OpKind.RECV_REF_ACT, mb, batch)] += 1
-            if not last:
-                keep = batch == 1 and carry_out and mb in kept
-                expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch)] += 1
-    if carry_in:
-        for mb in mine:
-            expected[Op(OpKind.REF_FWD, mb, 0)] += 1
-            if not first:
-                expected[Op(OpKind.RECV_REF_ACT, mb, 0)] += 1
-            if not last:
-                expected[Op(OpKind.SEND_REF_ACT, mb, 0)] += 1
-        for mb in kept:
-            expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0)] += 1
-    return expected
+def pair_crossing_transfers(stages: Stages, *, prefer: str = "timed", costs: Costs = Costs()) -> Stages:
+    """The same op lists, made deadlock-free under rendezvous transfers.
 
+    Runs the lists under the rendezvous model (`plan_check.rendezvous_run`) until it stops.
+    Stages only wait for their neighbours, so a deadlock is two neighbours each waiting for
+    the other. At least one of them waits in a send whose receive the other has not posted
+    (two stages each waiting only to receive would also hang with buffered sends, which the
+    unpaired plan never does): that receive moves into the op the other stage waits in, so
+    the two are posted together (a P2P op), and the run goes on. Moving a receive earlier
+    keeps every dependency (its tensor is used later, as before) and the order of messages
+    on each link (it is the next receive on its link). Lists that need no pairing come back
+    unchanged.
 
-def _check_structure(plan: Plan) -> None:
-    p, m = plan.num_stages, plan.num_microbatches
-    if plan.ref_mode not in REF_MODES:
-        raise PlanError(f"plan.ref_mode must be one of {REF_MODES}, got {plan.ref_mode!r}")
-    if not isinstance(m, int) or m < 1:
-        raise PlanError(f"plan.num_microbatches must be an int >= 1, got {m!r}")
-    if not isinstance(p, int) or p < 1 or len(plan.stages) != p:
-        raise PlanError(f"plan.num_stages={p!r} but plan.stages has {len(plan.stages)} stages")
-    allowed = {"none": [()], "precomputed": [()], "sequential": [(0,)],
-               "interleaved": [(), (0,), (1,), (0, 1)]}[plan.ref_mode]
-    if tuple(plan.ref_batches) not in allowed:
-        raise PlanError(f"plan.ref_batches={plan.ref_batches!r} is not allowed for ref_mode {plan.ref_mode!r}")
-    if (plan.carry_in or plan.carry_out) and (plan.ref_mode != "interleaved" or p < 2):
-        raise PlanError(f"plan carries reference forwards, which needs ref_mode 'interleaved' and >= 2 stages "
-                        f"(got {plan.ref_mode!r}, {p} stages)")
-    if plan.carry_in and 0 in plan.ref_batches:
-        raise PlanError("plan.carry_in with batch 0 in plan.ref_batches: this batch's reference would run twice")
-    if plan.carry_out and 1 not in plan.ref_batches:
-        raise PlanError("plan.carry_out without batch 1 in plan.ref_batches: nothing to carry")
+    When both wait in a send to the other, either move resolves the pair: `prefer`
+    "downstream" moves only the receive of the message that flows down the pipeline,
+    "upstream" only the other, "both" both, and "timed" the one whose receiver would wait
+    least for its message when the unpaired lists run under `costs` with buffered sends.
+    They differ in how long a stage then waits; the builder keeps the fastest.
+    """
+    if prefer not in _PREFER:
+        raise ValueError(f"prefer must be one of {_PREFER}, got {prefer!r}")
+    lists = [list(ops) for ops in stages]
+    keys = message_keys(stages)
+    ptr, done = [0] * len(lists), set()
+    # Buffered-send times of the unpaired lists: when each op starts, when each message is sent.
+    run = _timeline_once(stages, costs)
+    start_at = [[start for start, _ in times] for times in run.op_times]
+    sent_at = {key: start_at[s][i] for s in range(len(lists)) for i, op_keys in enumerate(keys[s])
+               for key in op_keys if key[0][0] == s}
 
-    for s, ops in enumerate(plan.stages):
-        for i, op in enumerate(ops):
-            if not isinstance(op, Op) or not isinstance(op.kind, OpKind):
-                raise PlanError(f"plan stage {s} op {i}: not an Op with an OpKind: {op!r}")
-        have = Counter(ops)
-        want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches,
-                             carry_in=plan.carry_in, carry_out=plan.carry_out)
-        for op in [] if have == want else sorted(set(have) | set(want), key=repr):
-            if have[op] != want[op]:
-                raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch} "
-                                f"appears {have[op]} times, expected {want[op]}")
-        pos = {op: i for i, op in enumerate(ops)}
-
-        def before(a: Op, b: Op, why: str) -> None:
-            if pos[a] > pos[b]:
-                raise PlanError(f"plan stage {s}: {a.kind.value} mb={a.microbatch} batch={a.batch} "
-                                f"comes after {b.kind.value} mb={b.microbatch} ({why})")
-
-        for mb in range(m):
-            fwd, bwd = Op(OpKind.FWD, mb), Op(OpKind.BWD, mb)
-            before(fwd, bwd, "backward needs its forward")
-            if s > 0:
-                before(Op(OpKind.RECV_ACT, mb), fwd, "forward needs its input")
-                before(bwd, Op(OpKind.SEND_GRAD, mb), "grad is sent after the backward")
-            if s < p - 1:
-                before(fwd, Op(OpKind.SEND_ACT, mb), "activation is sent after the forward")
-                before(Op(OpKind.RECV_GRAD, mb), bwd, "backward needs the output grad")
-        for ref in [op for op in ops if op.kind == OpKind.REF_FWD]:
-            mb, batch = ref.microbatch, ref.batch
-            if s > 0:
-                before(Op(OpKind.RECV_REF_ACT, mb, batch), ref, "reference forward needs its input")
-            if s < p - 1:
-                kept = Op(OpKind.KEEP_REF_ACT, mb, batch)
-                before(ref, kept if kept in pos else Op(OpKind.SEND_REF_ACT, mb, batch),
-                       "activation is sent after the forward, or kept")
-            if s == p - 1 and batch == 0:
-                before(ref, Op(OpKind.FWD, mb), "the loss needs this batch's reference log-probs")
-
-    # NCCL matches point-to-point messages between two ranks in order.
-    for s in range(p):
-        for dst in (s - 1, s + 1):
-            if not 0 <= dst < p:
+    def delay(key: Key) -> float:
+        """How long the receiver of `key` would wait for it, posting it in its current op."""
+        dst = key[0][1]
+        return max(0.0, sent_at[key] - start_at[dst][ptr[dst]])
+    while True:
+        advance(keys, ptr=ptr, done=done)
+        waits = waits_for(keys, ptr, done)
+        moves: dict[int, list[Key]] = {}  # receiving stage -> messages it posts now
+        for (s, t), pending in waits.items():
+            if s > t or (t, s) not in waits:
                 continue
-            sent = [_message(op) for op in plan.stages[s] if op.kind in _SENDS and s + _SENDS[op.kind][1] == dst]
-            got = [_message(op) for op in plan.stages[dst] if op.kind in _RECVS and dst + _RECVS[op.kind][1] == s]
-            for k, (a, b) in enumerate(zip(sent, got)):
-                if a != b:
-                    raise PlanError(f"plan link stage {s}->{dst}: message {k} is sent as {a} "
-                                    f"but received as {b} (p2p is matched in order)")
-
-
-def _execute(stages: tuple[tuple[Op, ...], ...], costs: Costs) -> SimResult:
-    """Run per-stage op lists in time: compute takes its cost, sends don't block, recvs wait."""
-    p = len(stages)
-    clock, ptr = [0.0] * p, [0] * p
-    links: dict[tuple[int, int], list[tuple[tuple[str, int, int], float]]] = {}
-    taken: Counter = Counter()
-    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            ops = stages[s]
-            while ptr[s] < len(ops):
-                op, t = ops[ptr[s]], clock[s]
-                if op.kind in _COMPUTE:
-                    clock[s] = t + _cost(op.kind, costs)
-                elif op.kind in _SENDS:
-                    links.setdefault((s, s + _SENDS[op.kind][1]), []).append((_message(op), t + costs.comm))
-                elif op.kind == OpKind.KEEP_REF_ACT:
-                    pass  # held in memory for the next step
+            # Every send has its receive (message_keys checks), so neither stage is done.
+            down = [key for key in pending + waits[(t, s)] if key not in keys[key[0][1]][ptr[key[0][1]]]]
+            if prefer != "both" and len({link for link, _ in down}) == 2:
+                downstream = prefer == "downstream"
+                if prefer == "timed":
+                    worst = {d: max((delay(key) for key in down if (key[0][1] > key[0][0]) == d)) for d in (True, False)}
+                    downstream = worst[True] <= worst[False]
+                down = [key for key in down if (key[0][1] > key[0][0]) == downstream]
+            for key in down:
+                moves.setdefault(key[0][1], []).append(key)
+        if not moves:
+            if any(ptr[s] < len(lists[s]) for s in range(len(lists))):
+                raise PlanError("transfers cannot be paired: the plan waits for a message nobody sends")
+            return tuple(map(tuple, lists))
+        for dst, wanted in moves.items():
+            # Each wanted receive is the next one on its link: a short scan ahead finds it.
+            found, i = [], ptr[dst] + 1
+            while len(found) < len(wanted):
+                found += [(i, key) for key in keys[dst][i] if key in wanted]
+                i += 1
+            moved = []
+            for i, key in reversed(found):  # later ops first, so earlier indices stay put
+                parts = list(transfers(lists[dst][i]))
+                part = parts.pop(keys[dst][i].index(key))
+                keys[dst][i] = [k for k in keys[dst][i] if k != key]
+                moved.append((key, part))
+                if parts:
+                    lists[dst][i] = p2p(parts)
                 else:
-                    link = (s + _RECVS[op.kind][1], s)
-                    queue = links.get(link, [])
-                    if taken[link] >= len(queue):
-                        break  # blocked until the peer sends
-                    msg, arrival = queue[taken[link]]
-                    if msg != _message(op):
-                        raise PlanError(f"plan link stage {link[0]}->{s}: received {msg}, "
-                                        f"stage {s} expected {_message(op)}")
-                    taken[link] += 1
-                    clock[s] = max(t, arrival)
-                times[s].append((t, clock[s]))
-                ptr[s] += 1
-                progress = True
-    for s in range(p):
-        if ptr[s] < len(stages[s]):
-            op = stages[s][ptr[s]]
-            raise PlanError(f"plan deadlock: stage {s} waits forever at op {ptr[s]} "
-                            f"({op.kind.value} mb={op.microbatch} batch={op.batch})")
-
-    makespan = max(clock)
-    busy = tuple(
-        sum(end - start for op, (start, end) in zip(stages[s], times[s]) if op.kind in _COMPUTE)
-        for s in range(p)
-    )
-    worst = 0
-    for s in range(p - 1):
-        # +1 when stage s sends a reference activation, -1 when stage s+1 starts on it.
-        deltas = [(times[s][i][1], 1) for i, op in enumerate(stages[s])
-                  if op.kind in (OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)]
-        deltas += [(times[s + 1][i][0], -1) for i, op in enumerate(stages[s + 1]) if op.kind == OpKind.REF_FWD]
-        level = 0
-        for _, delta in sorted(deltas):
-            level += delta
-            worst = max(worst, level)
-    bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, busy, bubble, tuple(tuple(ts) for ts in times), worst)
+                    del lists[dst][i], keys[dst][i], start_at[dst][i]
+            now = ptr[dst]
+            moved.sort()
+            lists[dst][now] = p2p(transfers(lists[dst][now]) + tuple(part for _, part in moved))
+            keys[dst][now] = keys[dst][now] + [key for key, _ in moved]
 
 
-def validate_plan(plan: Plan) -> None:
-    """Raise PlanError (one line) unless every stage's op list is complete, ordered and deadlock-free."""
-    _check_structure(plan)
-    _execute(plan.stages, Costs())
-
-
-def simulate(plan: Plan, *, costs: Costs = Costs()) -> SimResult:
-    """Validate the plan, then time it under `costs`."""
-    _check_costs(costs)
-    _check_structure(plan)
-    return _execute(plan.stages, costs)
-
-
-def closed_form_makespans(*, num_stages: int, num_microbatches: int, costs: Costs = Costs()) -> dict[str, float]:
-    """Textbook step times with free communication (comm is ignored)."""
-    slots = num_microbatches + num_stages - 1
-    policy = slots * (costs.fwd + costs.bwd)
-    return {
-        "1f1b": policy,
-        "separate_pass": policy + slots * costs.ref_fwd,
-        "concatenated": slots * (costs.fwd + costs.bwd + costs.ref_fwd),
-    }
-
-
-def format_plan(plan: Plan) -> str:
-    """One line per stage, e.g. `stage 1: ra0 F0 sa0 rr0n R0n sr0n ...` (n = next batch)."""
-    lines = []
-    for s, ops in enumerate(plan.stages):
-        words = [f"{_SHORT[op.kind]}{op.microbatch}{'n' if op.batch else ''}" for op in ops]
-        lines.append(f"stage {s}: " + " ".join(words))
-    return "\n".join(lines)
+def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool, reference: bool) -> Stages:
+    """Ops of a forward-only pass (evaluation, precomputing the reference): a chain per
+    microbatch on every stage, reference first. Messages only flow downstream, so a send
+    never waits for a stage that waits for it (`validate_stages` checks it)."""
+    stages = []
+    for s in range(num_stages):
+        ops: list[Op] = []
+        for mb in range(num_microbatches):
+            for enabled, recv, fwd, send in (
+                (reference, OpKind.RECV_REF_ACT, OpKind.REF_FWD, OpKind.SEND_REF_ACT),
+                (policy, OpKind.RECV_ACT, OpKind.FWD, OpKind.SEND_ACT),
+            ):
+                if not enabled:
+                    continue
+                if s > 0:
+                    ops.append(Op(recv, mb))
+                ops.append(Op(fwd, mb))
+                if s < num_stages - 1:
+                    ops.append(Op(send, mb))
+        stages.append(tuple(ops))
+    return tuple(stages)

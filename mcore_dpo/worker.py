@@ -27,11 +27,11 @@ from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len
 from mcore_dpo.logprobs import SequenceLogps
-from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sum_vector, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import build_stage_model, freeze, layer_spec_name, load_shard, open_weights
 from mcore_dpo.optim import CpuOptimizer, lr_at
-from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, wait_for_sends
+from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
 from mcore_dpo.zero import ShardedOptimizer
 
@@ -114,6 +114,7 @@ class _Rank:
             dtype=self.dtype,
             device=self.platform.device,
             vocab_size=self.spec.vocab_size,
+            wait_clock=plat.IntervalClock(self.platform),
             **kwargs,
         )
 
@@ -139,7 +140,6 @@ class _Rank:
             ]
             ctx = self._context({0: mbs}, forward_only=True)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
-            wait_for_sends(ctx)
             if mesh.is_last_stage:
                 for mb in range(len(mbs)):
                     logps = ctx.ref_logps.pop((0, mb))
@@ -263,7 +263,9 @@ class PolicyWorker(_Rank):
     def train_step(self, batch: StepBatch) -> dict[str, float] | None:
         config, mesh = self.config, self.mesh
         hooks.fire("train_step", step=batch.step, rank=self.rank, output_dir=config.output_dir)
-        start = time.perf_counter()
+        start = time.perf_counter()  # host clock: the op trace's origin
+        step_clock = plat.IntervalClock(self.platform)
+        step_clock.start()
         spec = config.loss_spec()
         pairs = batch.pairs
         mbs, local_ids = self._local_microbatches(pairs)
@@ -286,7 +288,8 @@ class PolicyWorker(_Rank):
         )
         num_pairs_global = len(pairs)
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
-        sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
+        # Metric sums stay on the device until the step's end: one read per step, not per microbatch.
+        sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
         ctx = self._context(microbatches, trace=[] if self.trace_ops else None, kept_in=self._kept_ref_acts)
         self._kept_ref_acts = {}
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
@@ -304,17 +307,15 @@ class PolicyWorker(_Rank):
                 ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
             pl = _pair_logps(logps, ref, b=b)
             losses = pair_losses(pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global)
-            for key, value in metric_sums(
+            sums.add_(metric_sum_vector(
                 pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global
-            ).items():
-                sums[key] += value
+            ))  # fmt: skip
             # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
             return losses.sum() / num_pairs_global * self.layout.dp
 
         ctx.loss_fn = loss_fn
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
-        wait_for_sends(ctx)
         self._sync_tied_embedding_grads()  # before the dp reduction: sums commute, shards need not line up
         self.policy.finish_grad_sync()
         self._ref_next = {mb: v for (offset, mb), v in ctx.ref_logps.items() if offset == 1}
@@ -334,9 +335,12 @@ class PolicyWorker(_Rank):
             ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
             self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]
         metrics = self._reduce_metrics(sums, spec=spec)
-        plat.synchronize(self.platform)
-        elapsed = time.perf_counter() - start
-        bubble, peak_bytes = self._over_ranks(mean=ctx.wait_s / elapsed, max_=plat.max_memory_bytes(self.platform))
+        step_clock.stop()
+        elapsed = step_clock.total_s()
+        # Time blocked in transfers (device time on a GPU, see IntervalClock) over the step time.
+        bubble, peak_bytes = self._over_ranks(
+            mean=ctx.wait_clock.total_s() / elapsed, max_=plat.max_memory_bytes(self.platform)
+        )
         if metrics is None:
             return None
         tokens = sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
@@ -363,12 +367,13 @@ class PolicyWorker(_Rank):
         weight = module.shared_embedding_or_output_weight()
         dist.all_reduce(weight.main_grad, group=self.mesh.embedding_group)
 
-    def _reduce_metrics(self, sums: dict[str, float], *, spec) -> dict[str, float] | None:
-        """Sum the last stage's metric sums over dp ranks; tp rank 0 of the last stage reports."""
+    def _reduce_metrics(self, sums: torch.Tensor, *, spec) -> dict[str, float] | None:
+        """Sum the last stage's metric sums ([METRIC_SUM_KEYS] on the device) over dp ranks and
+        read them; tp rank 0 of the last stage reports."""
         mesh = self.mesh
         if not mesh.is_last_stage:
             return None
-        vec = torch.tensor([sums[k] for k in METRIC_SUM_KEYS], dtype=torch.float64, device=self.platform.device)
+        vec = sums
         if self.layout.dp > 1:
             dist.all_reduce(vec, group=mesh.dp_group)
         if not mesh.returns_result:
@@ -386,7 +391,7 @@ class PolicyWorker(_Rank):
             ref_logps = self._ref_eval
         config = self.config
         spec = config.loss_spec()
-        sums = dict.fromkeys(METRIC_SUM_KEYS, 0.0)
+        sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
         passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
@@ -403,10 +408,7 @@ class PolicyWorker(_Rank):
                 else:
                     ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
                 pl = _pair_logps(logps, ref, b=len(ids))
-                for key, value in metric_sums(
-                    pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens
-                ).items():
-                    sums[key] += value
+                sums.add_(metric_sum_vector(pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens))
                 return torch.zeros(())
 
             ctx.loss_fn = loss_fn
@@ -415,7 +417,6 @@ class PolicyWorker(_Rank):
                 reference=self.reference is not None and ref_logps is None,
             )  # fmt: skip
             run_ops(ops, ctx)
-            wait_for_sends(ctx)
         metrics = self._reduce_metrics(sums, spec=spec)
         if metrics is None:
             return None

@@ -1,0 +1,172 @@
+"""What a pipeline plan is: its ops, the plan itself, op costs, and the carrying rule.
+
+A plan is, for each pipeline stage, the ordered list of ops the executor runs top to
+bottom: compute (policy forward, policy backward, reference forward) and point-to-point
+transfers between neighbouring stages. `schedule.py` builds plans, `plan_check.py` checks
+and times them; this module only defines them.
+
+Transfers follow rendezvous semantics (what NCCL does with a large message): a send
+completes only once the peer has posted the matching receive, messages on one link and
+direction are matched in order, and a rank runs its ops one after the other. Where two
+peers would each wait for the other, the plan pairs the crossing send and receive into one
+P2P op: its transfers are posted together (`torch.distributed.batch_isend_irecv`) and
+the op ends when all of them have completed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class OpKind(str, Enum):
+    FWD = "fwd"  # policy forward of microbatch mb (on the last stage this includes the loss)
+    BWD = "bwd"  # policy backward of mb
+    REF_FWD = "ref_fwd"  # reference forward of mb (no grad; last stage: ref log-probs)
+    RECV_ACT = "recv_act"  # policy activations, stage s -> s+1
+    SEND_ACT = "send_act"
+    RECV_GRAD = "recv_grad"  # activation grads, stage s+1 -> s
+    SEND_GRAD = "send_grad"
+    RECV_REF_ACT = "recv_ref_act"  # reference activations, s -> s+1
+    SEND_REF_ACT = "send_ref_act"
+    KEEP_REF_ACT = "keep_ref_act"  # hold a next-batch reference activation for the next step
+    SEND_KEPT_REF_ACT = "send_kept_ref_act"  # send the one held since the last step (batch 0 now)
+    P2P = "p2p"  # several sends/receives posted together (Op.parts); ends when all have completed
+
+
+REF_MODES = ("interleaved", "sequential", "precomputed", "none")
+
+# Reference activations produced by a stage and not yet consumed by the next
+# stage, per link (one stage-output tensor each, far less than the activations
+# 1F1B stashes for backward). The interleaved planner never exceeds this; 3 is
+# what the bubble-filling optimum needs at p=4, m=8.
+MAX_REF_ACTS_IN_FLIGHT = 3
+
+COMPUTE_KINDS = (OpKind.FWD, OpKind.BWD, OpKind.REF_FWD)
+# send/recv kind -> (payload, stage offset of the peer)
+SEND_KINDS = {OpKind.SEND_ACT: ("act", 1), OpKind.SEND_REF_ACT: ("ref_act", 1), OpKind.SEND_GRAD: ("grad", -1),
+              OpKind.SEND_KEPT_REF_ACT: ("ref_act", 1)}
+RECV_KINDS = {OpKind.RECV_ACT: ("act", -1), OpKind.RECV_REF_ACT: ("ref_act", -1), OpKind.RECV_GRAD: ("grad", 1)}
+_SHORT = {
+    OpKind.FWD: "F", OpKind.BWD: "B", OpKind.REF_FWD: "R",
+    OpKind.RECV_ACT: "ra", OpKind.SEND_ACT: "sa", OpKind.RECV_GRAD: "rg",
+    OpKind.SEND_GRAD: "sg", OpKind.RECV_REF_ACT: "rr", OpKind.SEND_REF_ACT: "sr",
+    OpKind.KEEP_REF_ACT: "kr", OpKind.SEND_KEPT_REF_ACT: "sk",
+}
+
+
+class PlanError(ValueError):
+    """A plan breaks a rule the executor relies on (message is one line)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    microbatch: int
+    batch: int = 0  # 0 = this step's global batch, 1 = the NEXT global batch (reference only)
+    # The peer is implied: ACT/REF_ACT go to stage+1 (come from stage-1), GRAD the other way.
+    parts: tuple[Op, ...] = ()  # P2P only: its sends and receives (microbatch is -1 then)
+
+
+def p2p(parts: list[Op] | tuple[Op, ...]) -> Op:
+    """One transfer op for `parts`: the op itself when there is one, else a P2P op."""
+    parts = tuple(parts)
+    return parts[0] if len(parts) == 1 else Op(OpKind.P2P, -1, 0, parts)
+
+
+def transfers(op: Op) -> tuple[Op, ...]:
+    """The sends and receives an op posts (none for compute and KEEP_REF_ACT)."""
+    if op.kind is OpKind.P2P:
+        return op.parts
+    return (op,) if op.kind in SEND_KINDS or op.kind in RECV_KINDS else ()
+
+
+def message(op: Op) -> tuple[str, int, int]:
+    """(payload, microbatch, batch) of a send or receive."""
+    payload = (SEND_KINDS.get(op.kind) or RECV_KINDS[op.kind])[0]
+    return (payload, op.microbatch, op.batch)
+
+
+def peer(op: Op, *, stage: int) -> int:
+    """The stage a send goes to or a receive comes from."""
+    return stage + (SEND_KINDS.get(op.kind) or RECV_KINDS[op.kind])[1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_stages: int
+    num_microbatches: int
+    ref_mode: str
+    stages: tuple[tuple[Op, ...], ...]  # stages[s] = ordered ops of stage s
+    # Global batches whose reference forwards this plan computes (0 = this batch,
+    # 1 = the next one); the validator checks the ops against it.
+    ref_batches: tuple[int, ...] = ()
+    carry_in: bool = False  # starts with the reference forwards the previous plan carried out
+    carry_out: bool = False  # leaves `carried` next-batch reference forwards to the next plan
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Op durations in arbitrary time units (usually: one policy forward = 1)."""
+
+    fwd: float = 1.0
+    bwd: float = 2.0
+    ref_fwd: float = 1.0
+    comm: float = 0.0  # latency of one point-to-point message
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    busy_time_per_stage: tuple[float, ...]
+    bubble_fraction: float  # idle share of num_stages * makespan
+    op_times: tuple[tuple[tuple[float, float], ...], ...]  # [stage][op index] = (start, end)
+    max_ref_acts_in_flight: int  # worst link: ref activations produced, not yet consumed downstream
+
+
+def cost_of(kind: OpKind, costs: Costs) -> float:
+    if kind == OpKind.FWD:
+        return costs.fwd
+    return costs.bwd if kind == OpKind.BWD else costs.ref_fwd
+
+
+def check_costs(costs: Costs) -> None:
+    for name in ("fwd", "bwd", "ref_fwd"):
+        if not getattr(costs, name) > 0:
+            raise ValueError(f"Costs.{name} must be > 0, got {getattr(costs, name)!r}")
+    if not costs.comm >= 0:
+        raise ValueError(f"Costs.comm must be >= 0, got {costs.comm!r}")
+
+
+def carried(stage: int, *, num_stages: int, num_microbatches: int) -> range:
+    """Microbatches whose next-batch reference forward `stage` leaves to the start of the
+    next step in a carrying plan: the last min(stage, m). One forward per stage above it is
+    the warm-up idle time it fills. The sets grow with the stage, so what stage s runs
+    early, stage s+1 also runs early, and only the first of stage s+1's extra ones crosses
+    the step boundary, as an activation that stage s keeps."""
+    if num_stages < 2:
+        return range(0)
+    count = min(stage, num_microbatches)
+    return range(num_microbatches - count, num_microbatches)
+
+
+def kept(stage: int, *, num_stages: int, num_microbatches: int) -> range:
+    """Next-batch reference activations that `stage` keeps for the next step (carry_out)."""
+    if stage >= num_stages - 1:
+        return range(0)
+    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    theirs = carried(stage + 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    return range(theirs.start, mine.start)
+
+
+def op_word(op: Op) -> str:
+    """Short name of one op as format_plan writes it."""
+    if op.kind is OpKind.P2P:
+        return "[" + "+".join(op_word(part) for part in op.parts) + "]"
+    return f"{_SHORT[op.kind]}{op.microbatch}{'n' if op.batch else ''}"
+
+
+def format_plan(plan: Plan) -> str:
+    """One line per stage, e.g. `stage 1: ra0 F0 [sa0+rg0] rr0n R0n sr0n ...` (n = next
+    batch; [..] = transfers posted together)."""
+    return "\n".join(f"stage {s}: " + " ".join(map(op_word, ops)) for s, ops in enumerate(plan.stages))
