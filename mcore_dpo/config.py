@@ -94,6 +94,9 @@ class TrainConfig:
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True
     """On GPUs, use megatron-core's distributed optimizer (state sharded over dp ranks)."""
+    sequence_parallel: bool | None = None
+    """Split the activations outside the tensor-parallel linears over tp along the sequence.
+    Default (unset): on for tp > 1 on GPUs, off on the CPU; --sequence-parallel needs tp > 1."""
 
     # --- run ---
     eval_interval: int = 40
@@ -152,6 +155,8 @@ class TrainConfig:
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
                 f"= {self.dp}*{self.micro_batch_size}"
             )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
         if self.ref_mode not in RUN_REF_MODES:
             raise ConfigError(f"ref_mode: {self.ref_mode!r} is not one of {', '.join(RUN_REF_MODES)}")
         if self.lr_schedule not in ("constant", "cosine"):

@@ -58,10 +58,13 @@ class StageContext:
     wait_s: float = 0.0  # time blocked on receives and on outstanding sends: this stage's bubble
     # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
     trace: list[tuple[str, int, int, float, float]] | None = None
+    sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
 
     def activation_shape(self, batch: int) -> tuple[int, int, int]:
         mb = self.microbatches[batch][0]
         rows, seq_len = mb.tokens.shape
+        if self.sequence_parallel:  # each tp rank holds its slice of the sequence
+            seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
     def mask(self, batch: int) -> torch.Tensor:
