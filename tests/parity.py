@@ -137,6 +137,9 @@ def free_port() -> int:
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # fp32 means fp32 on a GPU too (settings of the parent process do not reach these ranks).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     try:
         from mcore_dpo.config import TrainConfig
         from mcore_dpo.model import open_weights
@@ -155,10 +158,11 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
             metrics = []
             tp, pp, dp = worker.coordinates()
             tag = f"job{j}_tp{tp}_pp{pp}_dp{dp}"
+            grads_before_step = _record_grads_before_step(worker)
             for k, pairs in enumerate(batches):
                 nxt = batches[k + 1] if k + 1 < len(batches) else None
                 metrics.append(worker.train_step(StepBatch(step=k + 1, pairs=pairs, next_pairs=nxt, pair_ids=ids[k])))
-                save_file(worker.grad_shard(), os.path.join(out_dir, f"{tag}_grads{k + 1}.safetensors"))
+                save_file(grads_before_step.pop(), os.path.join(out_dir, f"{tag}_grads{k + 1}.safetensors"))
             save_file(worker.policy_shard() or {}, os.path.join(out_dir, f"{tag}_weights.safetensors"))
             if any(m is not None for m in metrics):
                 Path(out_dir, f"job{j}_metrics.json").write_text(json.dumps(metrics))
@@ -166,6 +170,20 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     except BaseException:
         Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _record_grads_before_step(worker) -> list[dict[str, torch.Tensor]]:
+    """The reference's gradients are taken before clipping: record ours at the same point (an
+    optimizer may clip or shard the gradient buffers in place during its step)."""
+    recorded: list[dict[str, torch.Tensor]] = []
+    step = worker.optimizer.step
+
+    def recording_step(**kwargs):
+        recorded.append(worker.grad_shard())
+        return step(**kwargs)
+
+    worker.optimizer.step = recording_step
+    return recorded
 
 
 def run_ranks(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
