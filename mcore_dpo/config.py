@@ -96,6 +96,9 @@ class TrainConfig:
     """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU):
     gradients are reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
     the whole state on every dp rank (gradients all-reduced). Same results either way."""
+    sequence_parallel: bool | None = None
+    """Split the activations outside the tensor-parallel linears over tp along the sequence.
+    Default (unset): on for tp > 1 on GPUs, off on the CPU; --sequence-parallel needs tp > 1."""
 
     # --- run ---
     eval_interval: int = 40
@@ -163,6 +166,8 @@ class TrainConfig:
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
                 f"= {self.dp}*{self.micro_batch_size}"
             )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
         if self.ref_mode not in RUN_REF_MODES:
             raise ConfigError(f"ref_mode: {self.ref_mode!r} is not one of {', '.join(RUN_REF_MODES)}")
         if self.lr_schedule not in ("constant", "cosine"):

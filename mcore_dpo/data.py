@@ -17,6 +17,7 @@ order, whatever its tp/pp/dp rank, so ranks never disagree on which pairs a step
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -482,6 +483,12 @@ def padded_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int = 8) -> int:
         raise ValueError(f"padded_seq_len: multiple must be positive, got {multiple}")
     longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
     return -(-longest // multiple) * multiple
+
+
+def seq_len_multiple(*, tp: int, sequence_parallel: bool) -> int:
+    """What padded_seq_len rounds up to: 8, and a multiple of tp when the sequence is split
+    over the tp ranks (sequence parallelism). The extra positions are padding (loss mask 0)."""
+    return math.lcm(8, tp) if sequence_parallel else 8
 
 
 def collate(pairs: Sequence[TokenizedPair], *, pad_token_id: int, seq_len: int) -> Microbatch:

@@ -20,7 +20,9 @@ def layer_spec_name(*, use_te: bool) -> str:
     return "te" if use_te else "local"
 
 
-def transformer_config(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool):
+def transformer_config(
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False
+):
     from megatron.core.transformer import TransformerConfig
 
     layout = mesh.layout
@@ -50,6 +52,8 @@ def transformer_config(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gp
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
+        # Activations outside the tensor-parallel linears are split over tp along the sequence.
+        sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=layout.pp,
         pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
         params_dtype=dtype,
@@ -70,16 +74,22 @@ def transformer_config(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gp
     )
 
 
-def build_stage_model(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool):
-    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last."""
+def build_stage_model(
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False
+):
+    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
+    With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
+    between pipeline stages) are [s/tp, b, h]."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
-    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu)
+    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
     if use_te:
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        if sequence_parallel:
+            layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -98,6 +108,46 @@ def build_stage_model(spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+class SequenceParallelRMSNorm:
+    """torch RMSNorm whose weight is marked `sequence_parallel` (megatron-core's torch-norm
+    wrapper refuses sequence parallelism, and its apex norm needs CUDA). An RMSNorm acts on each
+    token alone, so it runs unchanged on [s/tp, b, h]; only its weight gradient, which then
+    covers this rank's tokens, must be summed over tp (`allreduce_sequence_parallel_grads`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
+    """The local layer spec for one stage, every norm (the final one too) sequence-parallel."""
+    import copy
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> None:
+    """Sum the gradients (`main_grad`) of sequence-parallel parameters over the tp group: each
+    tp rank saw only its share of the sequence. What megatron-core's finalize_model_grads does
+    for these parameters; the tp copies are then equal, so the gradient norm counts them once."""
+    import torch.distributed as dist
+
+    grads = [p.main_grad for p in model.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    if not grads or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 def llama3_inv_freq(*, head_dim: int, rope_theta: float, rope_scaling: dict) -> torch.Tensor:

@@ -66,11 +66,14 @@ class StageContext:
     wait_clock: IntervalClock | None = None
     # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
     trace: list[tuple[str, int, int, float, float]] | None = None
+    sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
 
     def activation_shape(self, batch: int, mb: int) -> tuple[int, int, int]:
         """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
         hold fewer rows than the others)."""
         rows, seq_len = self.microbatches[batch][mb].tokens.shape
+        if self.sequence_parallel:  # each tp rank holds its slice of the sequence
+            seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
     def mask(self, batch: int) -> torch.Tensor:

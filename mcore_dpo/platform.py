@@ -165,6 +165,15 @@ def max_memory_bytes(platform: Platform) -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
+def use_sequence_parallel(platform: Platform, *, requested: bool | None, tp: int) -> bool:
+    """Sequence parallelism for a group of tensor-parallel size `tp`: as asked, or by default
+    (None) on GPUs whenever tp > 1 (it divides the activations outside the tp linears by tp).
+    On the CPU it stays off unless asked: its gathers cost more there than the memory it saves."""
+    if tp <= 1:
+        return False
+    return platform.is_cuda if requested is None else requested
+
+
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports (it needs CUDA)."""
     if not torch.cuda.is_available():

@@ -25,11 +25,12 @@ from mcore_dpo import hooks
 from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len
+from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
 from mcore_dpo.logprobs import SequenceLogps
 from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sum_vector, pair_losses
 from mcore_dpo.mesh import Layout, Mesh, initialize
-from mcore_dpo.model import build_stage_model, freeze, layer_spec_name, load_shard, open_weights
+from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
+                             open_weights)
 from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
@@ -85,12 +86,15 @@ class _Rank:
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         self.use_te = plat.transformer_engine_available()
+        self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=config.sequence_parallel, tp=layout.tp)
+        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
         self.reference: torch.nn.Module | None = None
 
     def _build(self, weights_dir: str) -> torch.nn.Module:
         with plat.building_models(self.platform):
             model = build_stage_model(
-                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te
+                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
+                sequence_parallel=self.sequence_parallel,
             ).to(self.platform.device)
         shard = hf_to_mcore_shard(
             self.spec,
@@ -115,6 +119,7 @@ class _Rank:
             device=self.platform.device,
             vocab_size=self.spec.vocab_size,
             wait_clock=plat.IntervalClock(self.platform),
+            sequence_parallel=self.sequence_parallel,
             **kwargs,
         )
 
@@ -133,7 +138,7 @@ class _Rank:
         for lo in range(0, len(mine), rows_per_chunk):
             ids = mine[lo : lo + rows_per_chunk]
             chunk = [pairs[i] for i in ids]
-            seq_len = padded_seq_len(chunk)
+            seq_len = padded_seq_len(chunk, multiple=self.seq_multiple)
             mbs = [
                 collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
                 for k in range(0, len(chunk), b)
@@ -251,7 +256,7 @@ class PolicyWorker(_Rank):
         per_rank = len(pairs) // self.layout.dp
         lo = self.mesh.dp_rank * per_rank
         mine = list(range(lo, lo + per_rank))
-        seq_len = padded_seq_len(pairs)
+        seq_len = padded_seq_len(pairs, multiple=self.seq_multiple)
         b = self.config.micro_batch_size
         mbs = [
             collate([pairs[i] for i in mine[k : k + b]], pad_token_id=self.pad_token_id, seq_len=seq_len)
@@ -317,6 +322,7 @@ class PolicyWorker(_Rank):
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
         self._sync_tied_embedding_grads()  # before the dp reduction: sums commute, shards need not line up
+        allreduce_sequence_parallel_grads(self.policy, tp_group=mesh.tp_group)  # the same holds for these
         self.policy.finish_grad_sync()
         self._ref_next = {mb: v for (offset, mb), v in ctx.ref_logps.items() if offset == 1}
         self._next_ref_ready = ref_next  # on every stage, so that all stages build the same plan
@@ -397,7 +403,7 @@ class PolicyWorker(_Rank):
         passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
                              dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
         for chunk, groups in passes:
-            seq_len = padded_seq_len([pairs[i] for i in chunk])
+            seq_len = padded_seq_len([pairs[i] for i in chunk], multiple=self.seq_multiple)
             mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
 

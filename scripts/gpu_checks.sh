@@ -1,17 +1,118 @@
 #!/usr/bin/env bash
-# GPU checks, run from the repository root on a CUDA machine (one GPU is enough):
-#   1. tests/test_gpu.py: parity of the engine on the GPU (NCCL, megatron-core's distributed
-#      optimizer and the AdamW path) against the single-process HF reference;
-#   2. benchmarks/gpu_step.py: one DPO step configuration, ~1B Llama, bf16, reference interleaved.
-# Results go to $OUT (default /tmp/gpu_checks).
+# GPU checks, from the repository root, on one CUDA GPU, in one call (at most 8 minutes on an
+# H200; every check has a time limit and the whole script a deadline):
+#
+#   bash scripts/gpu_checks.sh            # on a GPU machine
+#   bash scripts/gpu_checks.sh --cpu      # dry run on the CPU at the smallest sizes: everything
+#                                         # but the CUDA-only parts (tests/test_gpu_checks_script.py)
+#
+# Checks (one row each in the summary table; logs and JSON in $OUT, default /tmp/gpu_checks):
+#   parity-megatron-opt  tests/test_gpu.py: world size 1, megatron-core's distributed optimizer,
+#                        every metric, gradient and weight against the HF reference (fp32, TF32 off)
+#   parity-adamw         the same with the AdamW path
+#   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
+#   bf16-resume          CLI run in bf16 with the distributed optimizer: checkpoint every 2 steps,
+#                        kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
+#   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
+#   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
+#                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
+# Exit code: 0 when no check failed (SKIP is not a failure), 1 otherwise.
 set -u
+cd "$(dirname "$0")/.."
+
+MODE=gpu
+if [ "${1:-}" = "--cpu" ]; then
+  MODE=cpu
+fi
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
-python3 -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2>&1
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py > "$OUT/test_gpu.txt" 2>&1
-echo "test_gpu exit $?" >> "$OUT/test_gpu.txt"
-timeout 240 python3 benchmarks/gpu_step.py --out "$OUT/gpu_step.json" > "$OUT/gpu_step.log" 2>&1
-echo "gpu_step exit $?" >> "$OUT/gpu_step.log"
-tail -5 "$OUT/test_gpu.txt" "$OUT/gpu_step.log"
+export MCORE_DPO_CACHE="$OUT/cache"
+PY=${PYTHON:-python3}
+DEADLINE_S=${DEADLINE_S:-470}
+LIMIT_SCALE=1
+START=$(date +%s)
+STEP_ARGS=(--model-dir "$OUT/llama_1b")  # written once with random weights, reused by a rerun
+if [ "$MODE" = cpu ]; then
+  export MCORE_DPO_FORCE_CPU=1 MCORE_DPO_GPU_CHECKS_ON_CPU=1 OMP_NUM_THREADS=1
+  STEP_ARGS=(--tiny)
+  DEADLINE_S=${DEADLINE_S_CPU:-3000}
+  LIMIT_SCALE=${CPU_LIMIT_SCALE:-8}  # a shared 2-core box runs these far slower than a GPU
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+fi
+$PY -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2>&1
+
+ROWS=()
+FAILED=0
+
+# run_check NAME LIMIT_S DETAIL_CMD -- COMMAND...: runs COMMAND with its output in $OUT/NAME.log.
+run_check() {
+  local name=$1 limit=$(($2 * LIMIT_SCALE)) detail_cmd=$3
+  shift 4
+  local left=$((DEADLINE_S - ($(date +%s) - START)))
+  if [ "$left" -lt 20 ]; then
+    ROWS+=("$name|SKIP|0|no time left before the ${DEADLINE_S}s deadline")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0 status detail rc
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    status=PASS
+    grep -q "skipped" "$OUT/$name.log" && ! grep -qE "[0-9]+ passed" "$OUT/$name.log" && status=SKIP
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    status=FAIL; FAILED=1
+  else
+    status=FAIL; FAILED=1
+  fi
+  detail=$(eval "$detail_cmd" 2>/dev/null | tr '|\n' '/ ' | cut -c1-110)
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && detail="timed out after ${limit}s; $detail"
+  ROWS+=("$name|$status|$(($(date +%s) - t0))|$detail")
+}
+
+pytest_summary() {  # the last summary line of a pytest log, and a skip reason if any
+  grep -E "^(SKIPPED|FAILED|ERROR)" "$OUT/$1.log" | head -2
+  grep -E "[0-9]+ (passed|failed|skipped|error)" "$OUT/$1.log" | tail -1
+}
+
+PYTEST=($PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py)
+run_check parity-megatron-opt 150 "pytest_summary parity-megatron-opt" -- "${PYTEST[@]}" -k "parity_on_gpu and megatron"
+run_check parity-adamw 150 "pytest_summary parity-adamw" -- "${PYTEST[@]}" -k "parity_on_gpu and adamw"
+run_check te-vs-local 90 "pytest_summary te-vs-local" -- "${PYTEST[@]}" -k "transformer_engine_spec"
+run_check bf16-resume 240 "pytest_summary bf16-resume" -- "${PYTEST[@]}" -k "exact_resume"
+
+convert_verify() {
+  local hf
+  hf=$($PY -c "from mcore_dpo.defaults import ensure_default_model; print(ensure_default_model())") || return 1
+  rm -rf "$OUT/convert_mcore"
+  $PY -m checkpoint_convert hf-to-mcore --hf-dir "$hf" --out "$OUT/convert_mcore" --tp 1 --pp 1 || return 1
+  $PY -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$OUT/convert_mcore"
+}
+run_check convert-verify 120 "grep -E '^verify' $OUT/convert-verify.log | tail -1" -- bash -c "$(declare -f convert_verify); PY='$PY' OUT='$OUT' convert_verify"
+
+step_detail() {
+  $PY - "$OUT/gpu_step.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+mfu = r["mfu"].get("dense")
+print(f"{r['device_name']} {r['layer_spec']} {r['dtype']}: {r['step_time_s']['median']:.3f} s/step, "
+      f"{r['tokens_per_s_per_device']:.0f} tok/s/dev, MFU(8N) " + (f"{mfu:.1%}" if mfu is not None else "n/a"))
+EOF
+}
+rm -f "$OUT/gpu_step.json"
+run_check gpu-step 180 step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}"
+
+{
+  echo "GPU checks ($MODE mode), $(cat "$OUT/versions.txt" | head -1), total $(($(date +%s) - START)) s"
+  printf '| %-20s | %-6s | %7s | %s\n' check status seconds detail
+  printf '|%s|%s|%s|%s\n' "----------------------" "--------" "---------" "------"
+  for row in "${ROWS[@]}"; do
+    IFS='|' read -r name status secs detail <<< "$row"
+    printf '| %-20s | %-6s | %7s | %s\n' "$name" "$status" "$secs" "$detail"
+  done
+} | tee "$OUT/summary.md"
+exit $FAILED

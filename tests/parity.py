@@ -251,6 +251,9 @@ def _ref_rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # fp32 means fp32 on a GPU too (settings of the parent process do not reach these ranks).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     try:
         from mcore_dpo.config import TrainConfig
         from mcore_dpo.model import open_weights

@@ -9,8 +9,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from checkpoint_convert.mapping import padded_vocab_size
+from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig, load_yaml
+from mcore_dpo.memory_estimate import LayerShape, activation_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -19,10 +23,11 @@ PATH_FIELDS = ("model", "ref_model", "data", "eval_data")
 
 # Per-parameter bytes, as the headers state: bf16 weights + fp32 main grads + frozen bf16
 # reference, plus fp32 master weights and Adam moments (sharded over dp by the distributed
-# optimizer).
+# optimizer). Activations: mcore_dpo.memory_estimate (checked against measured tensors in
+# tests/test_memory_estimate.py), with the attention implementation the header names.
 REPLICATED_BYTES_PER_PARAM = 2 + 4 + 2
 OPTIMIZER_BYTES_PER_PARAM = 12
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+GPU = plat.Platform(device=torch.device("cuda", 0), backend="nccl")  # the default the headers assume
 
 
 def header_values(path: Path) -> dict[str, str]:
@@ -55,16 +60,19 @@ def param_count(arch: dict[str, str]) -> int:
     return embeddings + layers * per_layer + hidden
 
 
-def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig) -> float:
+def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig, attention: str) -> float:
     params = param_count(arch)
-    hidden, layers, vocab = int(arch["hidden"]), int(arch["layers"]), int(arch["vocab"])
     rows = 2 * config.micro_batch_size
     optimizer_shards = config.dp if config.distributed_optimizer else 1
     bytes_per_param = REPLICATED_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards
     weights = params * bytes_per_param / (config.tp * config.pp)
-    activations = layers * config.max_length * rows * hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN / config.tp
-    logits = rows * config.max_length * vocab * 4 / config.tp
-    return (weights + activations + logits) / 1e9
+    shape = LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
+                       head_dim=int(arch["head_dim"]), ffn=int(arch["ffn"]),
+                       vocab=padded_vocab_size(int(arch["vocab"]), tp=config.tp))
+    sequence_parallel = plat.use_sequence_parallel(GPU, requested=config.sequence_parallel, tp=config.tp)
+    activations = activation_bytes(shape, layers=int(arch["layers"]), seq_len=config.max_length, rows=rows,
+                                   tp=config.tp, sequence_parallel=sequence_parallel, attention=attention, dtype_bytes=2)
+    return (weights + activations) / 1e9
 
 
 def config_without_paths(path: Path) -> TrainConfig:
@@ -92,14 +100,16 @@ def test_tiny_is_the_embedded_default():
 @pytest.mark.parametrize("path", REALISTIC, ids=lambda p: p.name)
 def test_realistic_config_header_arithmetic(path: Path):
     header = header_values(path)
-    for key in ("cluster", "arch", "params_b", "gpu_memory_gb", "memory_gb_per_gpu"):
+    for key in ("cluster", "arch", "attention", "sequence_parallel", "params_b", "gpu_memory_gb", "memory_gb_per_gpu"):
         assert key in header, f"{path.name}: header lacks '# {key}:'"
     arch = key_values(header["arch"])
     cluster = key_values(header["cluster"])
     config = config_without_paths(path)
 
     assert param_count(arch) / 1e9 == pytest.approx(float(header["params_b"]), abs=0.005)
-    memory_gb = memory_gb_per_gpu(arch=arch, config=config)
+    assert header["sequence_parallel"] == str(
+        plat.use_sequence_parallel(GPU, requested=config.sequence_parallel, tp=config.tp)).lower()
+    memory_gb = memory_gb_per_gpu(arch=arch, config=config, attention=header["attention"].split()[0])
     assert memory_gb == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
     assert memory_gb < float(header["gpu_memory_gb"])
     assert config.tp * config.pp * config.dp == int(cluster["nodes"]) * int(cluster["gpus_per_node"])
@@ -122,3 +132,15 @@ def test_header_parser_sees_a_wrong_count(tmp_path: Path):
     bad.write_text(text, encoding="utf-8")
     arch = key_values(header_values(bad)["arch"])
     assert param_count(arch) / 1e9 != pytest.approx(float(header_values(bad)["params_b"]), abs=0.005)
+
+
+def test_header_attention_matters():
+    # The stated attention implementation is part of the arithmetic: the local spec's s x s
+    # probabilities at seq 2048 do not fit the stated figure.
+    path = CONFIG_DIR / "llama3_8b.yaml"
+    header = header_values(path)
+    arch, config = key_values(header["arch"]), config_without_paths(path)
+    flash = memory_gb_per_gpu(arch=arch, config=config, attention="flash")
+    local = memory_gb_per_gpu(arch=arch, config=config, attention="local")
+    assert flash == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
+    assert local > flash + 5

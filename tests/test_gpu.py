@@ -1,20 +1,46 @@
-"""GPU checks (marked `gpu`; skipped on machines without CUDA): the same parity as
-test_parity.py with the ranks on a GPU (NCCL), against the single-process HF reference on the
-CPU, with megatron-core's distributed optimizer and with the CPU-path AdamW.
+"""GPU checks (marked `gpu`; skipped on machines without CUDA). `scripts/gpu_checks.sh` runs
+them one by one and prints a table; `scripts/gpu_checks.sh --cpu` runs them on the CPU at
+their smallest size (MCORE_DPO_GPU_CHECKS_ON_CPU=1), which is how the CPU suite knows they
+work apart from the CUDA-only parts.
 
-fp32 on a GPU (TF32 off) reorders sums inside cuBLAS kernels: tolerance 1e-4 relative.
+- Parity at world size 1 with both optimizers (megatron-core's distributed optimizer and the
+  AdamW path) against the single-process HF reference on the CPU. Gradients are compared
+  before the optimizer step on both sides (unclipped), and the ranks run with TF32 off
+  (NVIDIA_TF32_OVERRIDE=0 is inherited by the spawned ranks, which also switch it off
+  themselves). fp32 on a GPU still reorders sums inside cuBLAS: tolerance 1e-4 relative.
+- The Transformer Engine layer spec against the local spec on the same weights, bf16.
+- A bf16 run through the CLI with the distributed optimizer: checkpoint, kill, rerun, and the
+  resumed steps equal an uninterrupted run exactly.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from parity import write_models
-from test_parity import FAMILIES, _check_job, _jobs_for
+sys.path.insert(0, os.path.dirname(__file__))
+from parity import free_port, make_model, write_models  # noqa: E402
+from test_parity import FAMILIES, _check_job, _jobs_for  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GPU_RTOL = 1e-4
+ON_GPU = torch.cuda.is_available() and os.environ.get("MCORE_DPO_FORCE_CPU") != "1"
+# The dry run on the CPU keeps two jobs (both families, two reference modes) of each parity run.
+QUICK = os.environ.get("MCORE_DPO_GPU_CHECKS_ON_CPU") == "1"
+QUICK_KEYS = {("llama", "interleaved", "sigmoid"), ("qwen2", "sequential", "ipo")}
+REPO = Path(__file__).resolve().parents[1]
+# bf16 logits of two implementations (fused vs unfused softmax, different summation order):
+# a few bf16 ulps at the logits' scale.
+BF16_LOGIT_RTOL = 3e-2
+TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +50,113 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["megatron-optimizer", "adamw"])
-def test_parity_on_gpu(models, tmp_path, distributed_optimizer):
+def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer):
     from parity import run_ranks
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned ranks
     layout = (1, 1, 1)
     jobs = _jobs_for(layout, models, all_losses=False)
+    if QUICK:
+        jobs = [job for job in jobs if job["key"] in QUICK_KEYS]
     for job in jobs:
         job["config"]["distributed_optimizer"] = distributed_optimizer
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, layout, rtol=GPU_RTOL)
+
+
+def _spec_logits_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """World size 1: the same HF weights in the local spec and (when TE imports) the TE spec."""
+    try:
+        from checkpoint_convert.mapping import hf_to_mcore_shard
+        from mcore_dpo import mesh as mesh_lib
+        from mcore_dpo import platform as plat
+        from mcore_dpo.model import build_stage_model, causal_mask, load_shard, open_weights, stage_forward
+
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        weights = open_weights(model_dir)
+        tokens = torch.randint(3, weights.spec.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+        tokens = tokens.to(platform.device)
+        out = {}
+        for name, use_te in (("local", False), ("te", True)):
+            if use_te and not plat.transformer_engine_available():
+                continue
+            with plat.building_models(platform):
+                model = build_stage_model(weights.spec, mesh=mesh, dtype=torch.bfloat16, on_gpu=platform.is_cuda,
+                                          use_te=use_te).to(platform.device)
+            load_shard(model, hf_to_mcore_shard(weights.spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=weights.get,
+                                                layer_spec="te" if use_te else "local"))
+            with torch.no_grad():
+                logits = stage_forward(model.eval(), tokens=tokens, input_tensor=None,
+                                       mask=causal_mask(tokens.shape[1], device=platform.device))
+            out[name] = logits[..., : weights.spec.vocab_size].float().cpu()
+        torch.save({"tokens": tokens.cpu(), **out}, Path(out_dir, "logits.pt"))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, "error.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_transformer_engine_spec_matches_local_spec(tmp_path):
+    from convert_helpers import save_hf
+
+    model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
+    mp.start_processes(_spec_logits_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1,
+                       start_method="spawn")
+    result = torch.load(tmp_path / "logits.pt", weights_only=True)
+    # Both against the fp32 HF model first: the bf16 local spec is the yardstick for "bf16 close".
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf(input_ids=result["tokens"]).logits
+    scale = reference.abs().max().item()
+    local_err = (result["local"] - reference).abs().max().item()
+    # Sanity: the bf16 local spec is the same model (its distance to fp32 is the bf16 yardstick).
+    assert local_err <= 0.2 * scale, f"local spec bf16 vs HF fp32: {local_err:.3e} (scale {scale:.3e})"
+    if "te" not in result:
+        pytest.skip("Transformer Engine needs CUDA: only the local spec ran")
+    # TE and the local spec may differ by their kernels' bf16 rounding: no more than bf16 itself
+    # moves the logits away from fp32 (x2), or a few bf16 ulps at the logits' scale.
+    tolerance = max(2 * local_err, BF16_LOGIT_RTOL * scale)
+    te_err = (result["te"] - result["local"]).abs().max().item()
+    assert te_err <= tolerance, f"TE spec vs local spec: max |dlogit| {te_err:.3e} > {tolerance:.3e}"
+    agree = (result["te"].argmax(-1) == result["local"].argmax(-1)).float().mean().item()
+    assert agree >= 0.99, f"TE vs local argmax agreement {agree:.2%}"
+
+
+def _train(out: Path, *, fault: str | None, cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MCORE_DPO_CACHE=str(cache))
+    env.pop("MCORE_DPO_FAULT", None)
+    if fault:
+        env["MCORE_DPO_FAULT"] = fault
+    # One GPU holds one rank; the CPU dry run shards the optimizer over dp 2.
+    dp = "1" if ON_GPU else "2"
+    argv = [sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--distributed-optimizer", "--dp", dp,
+            "--max-steps", "4", "--save-interval", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--eval-interval", "0", "--output-dir", str(out)]
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: {k: v for k, v in row.items() if k not in TIMING} for row in rows if "step" in row}
+
+
+def test_bf16_checkpoint_and_exact_resume_through_cli(tmp_path):
+    cache = tmp_path / "cache"
+    straight = _train(tmp_path / "straight", fault=None, cache=cache)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = _train(tmp_path / "resumed", fault="step:3", cache=cache)  # rank 0 dies at step 3
+    assert killed.returncode != 0, "the injected kill did not end the run"
+    resumed = _train(tmp_path / "resumed", fault="step:3", cache=cache)  # the fault fires once per directory
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    want, got = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert {1, 2, 3, 4} <= set(want) and {3, 4} <= set(got), (sorted(want), sorted(got))
+    for step in (3, 4):
+        assert got[step] == want[step], f"step {step} after resume: {got[step]} != {want[step]}"

@@ -1,0 +1,102 @@
+"""Memory per device of a training rank, as arithmetic: what the config headers state and
+what `tests/test_memory_estimate.py` checks against tensors measured on the CPU.
+
+Activations are the tensors one microbatch keeps for its backward, counted per token (one
+token = one position of one row; a DPO microbatch of b pairs has 2b rows) and per layer,
+for the Llama/Qwen2 layer this project builds (RMSNorm, GQA attention with RoPE, SwiGLU MLP).
+Two attention implementations:
+
+- `local`: megatron-core's local layer spec (what runs on the CPU, and on GPUs without
+  Transformer Engine). torch's RMSNorm keeps its input, the normalised input and its output
+  (3h per norm); attention keeps q, k and v repeated to every head, the context, and the
+  full s x s softmax probabilities (fp32, plus a copy in the parameter dtype when that is
+  narrower); the scores are formed in one persistent s x s workspace.
+- `flash`: Transformer Engine with flash/fused attention (GPU): each norm keeps its input
+  and output (2h); attention keeps q, k, v (grouped heads, not repeated), the output and
+  the fp32 log-sum-exp per head; no s x s tensor.
+
+Both: the MLP keeps fc1's output (2f), silu(gate) (f), the linear half (f) and their product
+(f), all divided by tp. With sequence parallelism the norm-side tensors ([s, b, h] outside the
+tensor-parallel linears) are divided by tp too, and the linears gather their input into one
+persistent [s, b, h] workspace. The last stage adds the final norm and the vocab-parallel
+logits, which the log-prob kernel keeps in fp32 together with their gradient during the
+backward (2 fp32 copies of tokens x vocab/tp).
+
+1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
+layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
+given the whole model's layer count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_IMPLS = ("flash", "local")
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+
+
+def _norm_elems(attention: str) -> int:
+    """Elements per token (in units of hidden) one norm keeps."""
+    return 3 if attention == "local" else 2
+
+
+def layer_activation_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+) -> float:
+    """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len])."""
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    tokens = seq_len * rows
+    sp = tp if sequence_parallel else 1
+    q_width = shape.heads * shape.head_dim
+    kv_width = shape.kv_heads * shape.head_dim
+    norms = 2 * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    if attention == "local":
+        scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
+        attn = (4 * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
+    else:
+        attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + shape.heads * FP32_BYTES) / tp
+    mlp = 5 * shape.ffn * dtype_bytes / tp
+    return tokens * (norms + attn + mlp)
+
+
+def workspace_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+) -> float:
+    """megatron-core's persistent buffer (one per dtype, shared by its users): the local
+    spec's s x s score matrix and the sequence-parallel gather of [s, b, h]."""
+    scores = rows * (shape.heads // tp) * seq_len * seq_len if attention == "local" else 0
+    gather = seq_len * rows * shape.hidden if sequence_parallel else 0
+    return max(scores, gather) * dtype_bytes
+
+
+def head_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+) -> float:
+    """Last stage: the final norm and the fp32 vocab-parallel logits with their gradient."""
+    tokens = seq_len * rows
+    sp = tp if sequence_parallel else 1
+    final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    logits = 2 * FP32_BYTES * shape.vocab / tp
+    return tokens * (final_norm + logits)
+
+
+def activation_bytes(
+    shape: LayerShape, *, layers: int, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str,
+    dtype_bytes: int,
+) -> float:
+    """Peak activation bytes of one microbatch's forward + backward through `layers` layers
+    and the last stage's head (the peak is where the backward starts)."""
+    kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+              dtype_bytes=dtype_bytes)
+    return (layers * layer_activation_bytes(shape, **kw) + workspace_bytes(shape, **kw) + head_bytes(shape, **kw))
