@@ -268,7 +268,8 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int) -
     tmp = checkpoint.begin(out, step=step)
     group.call("save_checkpoint", str(tmp), step=step)
     meta, aux = _model_meta(config, spec, dtype="float32")  # fp32 master weights and moments
-    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
+    synced = ("reference",) if config.sync_ref_model else ()  # TR-DPO's moving reference
+    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced:
         write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
         "step": step,
