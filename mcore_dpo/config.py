@@ -78,9 +78,11 @@ class TrainConfig:
     ref_dp: int = 1
     """Data-parallel size of the reference group (--ref-mode separate)."""
     f_divergence_type: str = "reverse_kl"
-    """reverse_kl | forward_kl | js_divergence | alpha_divergence (TRL's f-DPO regulariser)."""
+    """reverse_kl | forward_kl | js_divergence | alpha_divergence (TRL 1.16 `DPOConfig.f_divergence_type`)."""
     f_alpha_divergence_coef: float = 0.5
     """α of alpha_divergence."""
+    discopop_tau: float = 0.05
+    """Temperature τ of the discopop loss."""
     ld_alpha: float | None = None
     """LD-DPO: weight in [0, 1] of the completion tokens past the shorter completion of the pair (None = off)."""
     use_weighting: bool = False
@@ -150,6 +152,7 @@ class TrainConfig:
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             reference_free=self.ref_mode == "none",
+            discopop_tau=self.discopop_tau,
             f_divergence_type=self.f_divergence_type,
             f_alpha_divergence_coef=self.f_alpha_divergence_coef,
             use_weighting=self.use_weighting,

@@ -62,7 +62,7 @@ Differences from TRL 1.16 worth knowing:
   sigmoid ignores label_smoothing without a word; here a label_smoothing that no chosen type
   reads is an error that points to cdpo.
 - use_weighting with sft is refused: TRL 1.16's `_compute_loss` raises on it (an in-place
-  product on an expanded tensor), so there is no TRL definition to follow. With hinge,
+  product on an expanded tensor), so there is no TRL 1.16 definition to follow. With hinge,
   TRL 1.16 raises in the backward pass (in-place product on relu's saved output); here it is
   the weighted hinge loss the formula describes.
 - cdpo is this engine's name for label-smoothed sigmoid (it equals TRL 1.16's aot when the
@@ -113,7 +113,7 @@ _ALPHA_DIVERGENCE_CLAMP = 80.0
 # Types whose formula reads label_smoothing; for the others it would be silently ignored.
 _SMOOTHED_TYPES: frozenset[str] = frozenset({"cdpo", "robust", "exo_pair", "aot", "aot_unpaired"})
 
-# TRL's default label_smoothing for exo_pair, quoted in the error message.
+# The EXO paper's ε for exo_pair, which TRL 1.16's `DPOTrainer.__init__` error message recommends.
 _EXO_PAIR_DEFAULT_EPS = 1e-3
 
 # Keys of `metric_sums`, in a fixed order so the engine can pack them into one
@@ -187,7 +187,7 @@ class LossSpec:
         if "exo_pair" in types and eps <= 0:
             raise ValueError(
                 f"label_smoothing: exo_pair needs label_smoothing > 0 (its loss has a log ε term); "
-                f"TRL's default is {_EXO_PAIR_DEFAULT_EPS:g}"
+                f"the EXO paper recommends {_EXO_PAIR_DEFAULT_EPS:g}"
             )
         if eps > 0 and not _SMOOTHED_TYPES.intersection(types):
             raise ValueError(
@@ -563,7 +563,8 @@ def metric_sums(
 
 
 def finalize_metrics(sums: dict[str, float], *, spec: LossSpec) -> dict[str, float]:
-    """Turn metric sums added over a whole global batch into TRL-named means. Reference-free
+    """Turn metric sums added over a whole global batch into means under the metric names of
+    TRL 1.16's `DPOTrainer._compute_loss`. Reference-free
     runs report no rewards/*: a reward is a log-ratio against a reference, and with none the
     numbers would only be β·log π under another name."""
     missing = [key for key in METRIC_SUM_KEYS if key not in sums]
