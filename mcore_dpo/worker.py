@@ -388,6 +388,8 @@ class PolicyWorker(_Rank):
             return _table_rows(batch.ref_logps, positions, device=self.platform.device)
         if self._ref_by_pair is not None:
             return _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
+        if stored is None and self.reference is not None:  # a plan bug, never a zero reference
+            raise RuntimeError(f"reference log-probs of pairs {positions[:3]}... were not computed")
         return stored.logp_sum if stored is not None else None
 
     @torch.no_grad()
