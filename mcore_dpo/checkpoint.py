@@ -8,6 +8,7 @@
                                   tp/pp/dp can read it: mcore-to-hf exports it, resume reshards it)
         optim/exp_avg/            AdamW first moments, same format and layout as the weights
         optim/exp_avg_sq/         AdamW second moments
+        reference/                the reference weights, with --sync-ref-model only (TR-DPO moves them)
         rng/rank{r}.safetensors   each rank's RNG states
         trainer_state.json        step, data position, layout, resolved config
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)

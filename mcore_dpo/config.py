@@ -77,6 +77,22 @@ class TrainConfig:
     """Pipeline-parallel size of the reference group (--ref-mode separate)."""
     ref_dp: int = 1
     """Data-parallel size of the reference group (--ref-mode separate)."""
+    f_divergence_type: str = "reverse_kl"
+    """reverse_kl | forward_kl | js_divergence | alpha_divergence (TRL 1.16 `DPOConfig.f_divergence_type`)."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of alpha_divergence."""
+    discopop_tau: float = 0.05
+    """Temperature τ of the discopop loss."""
+    ld_alpha: float | None = None
+    """LD-DPO: weight in [0, 1] of the completion tokens past the shorter completion of the pair (None = off)."""
+    use_weighting: bool = False
+    """WPO: weight each pair's loss by the policy's length-normalised sequence probabilities."""
+    sync_ref_model: bool = False
+    """TR-DPO: mix the reference toward the policy every --ref-model-sync-steps steps."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO α: reference <- α·policy + (1-α)·reference."""
+    ref_model_sync_steps: int = 512
+    """TR-DPO τ: steps between reference syncs."""
 
     # --- optimizer ---
     lr: float = 1e-3
@@ -150,6 +166,10 @@ class TrainConfig:
             beta=self.beta,
             label_smoothing=self.label_smoothing,
             reference_free=self.ref_mode == "none",
+            discopop_tau=self.discopop_tau,
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+            use_weighting=self.use_weighting,
         )
 
     @property
@@ -196,10 +216,23 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
         if self.wandb_project is not None and not self.wandb:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
+        self._validate_trl_options()
         for name in ("model", "ref_model", "data", "eval_data"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"{name}: {path} does not exist")
+
+    def _validate_trl_options(self) -> None:
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ConfigError(f"ld_alpha: must be in [0, 1] (1 = plain DPO), got {self.ld_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"ref_model_sync_steps: must be a positive integer, got {self.ref_model_sync_steps}")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ConfigError(f"ref_model_mixup_alpha: must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.sync_ref_model and self.ref_mode not in ("interleaved", "sequential"):
+            why = {"none": "there is no reference", "precomputed": "precomputed log-probs would go stale",
+                   "separate": "the reference lives on other ranks with another layout"}[self.ref_mode]
+            raise ConfigError(f"sync_ref_model: needs --ref-mode interleaved or sequential, not {self.ref_mode} ({why})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,6 +3,14 @@
 Policy and reference go through the same function, so they can never disagree by code path.
 Each tensor-parallel rank holds logits for a contiguous slice of the (padded) vocabulary.
 Padded vocabulary columns are masked out of the softmax: they are not part of the model.
+
+Two per-token options of TRL 1.16's `DPOTrainer._compute_loss` live here, because they need
+the tokens rather than the sums (`LogpsOptions`):
+- ld_alpha (LD-DPO): rows come as [chosen rows; rejected rows] of b pairs; with
+  s = min(L+, L-) of the pair, a row's log-prob is the sum over its first s completion tokens
+  plus ld_alpha times the sum over the rest. Policy and reference alike.
+- wpo (use_weighting): the mean over completion tokens of log p(token) - log Σ_v p_v²,
+  the log of the WPO weight, without gradient.
 """
 
 from __future__ import annotations
@@ -17,9 +25,19 @@ import torch.distributed as dist
 class SequenceLogps:
     """Per-sequence sums over completion tokens, one entry per row of the microbatch."""
 
-    logp_sum: torch.Tensor  # [rows], differentiable when the logits are
+    logp_sum: torch.Tensor  # [rows], differentiable when the logits are (LD-weighted with ld_alpha)
     num_tokens: torch.Tensor  # [rows]
     logit_sum: torch.Tensor  # [rows], sum over tokens of the vocabulary-mean logit (detached)
+    plain_logp_sum: torch.Tensor | None = None  # [rows], unweighted sum; only with ld_alpha (sft reads it)
+    wpo_log_weight: torch.Tensor | None = None  # [rows], only with wpo (detached)
+
+
+@dataclass(frozen=True)
+class LogpsOptions:
+    """Per-token options of the completion log-probs (see the module docstring)."""
+
+    ld_alpha: float | None = None
+    wpo: bool = False
 
 
 def token_logprobs(
@@ -54,6 +72,39 @@ def token_logprobs(
     return logp, mean_logit
 
 
+@torch.no_grad()
+def log_sum_sq_probs(logits: torch.Tensor, *, vocab_size: int, tp_rank: int, tp_group: object) -> torch.Tensor:
+    """logits [b, s, v_local] -> log Σ_v p_v² [b, s] over the whole (unpadded) vocabulary, float32."""
+    logits = logits.float()
+    v_local = logits.shape[-1]
+    start = tp_rank * v_local
+    real_cols = torch.arange(start, start + v_local, device=logits.device) < vocab_size
+    logits = logits.masked_fill(~real_cols, float("-inf"))
+    peak = logits.max(-1).values
+    multi = tp_group is not None and dist.get_world_size(tp_group) > 1
+    if multi:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - peak.unsqueeze(-1)
+    sums = torch.stack([shifted.exp().sum(-1), (2 * shifted).exp().sum(-1)])
+    if multi:
+        dist.all_reduce(sums, group=tp_group)
+    # log Σ e^(2x) - 2 log Σ e^x; the shift by the max cancels.
+    return torch.log(sums[1]) - 2 * torch.log(sums[0])
+
+
+def ld_weights(loss_mask: torch.Tensor, *, ld_alpha: float) -> torch.Tensor:
+    """Per-token LD-DPO weights [rows, s] for rows [chosen; rejected]: 1 on a completion's first
+    min(L+, L-) tokens, ld_alpha on the rest, 0 off the completion."""
+    rows = loss_mask.shape[0]
+    if rows % 2:
+        raise ValueError(f"loss_mask: LD-DPO needs rows [chosen; rejected], got an odd count {rows}")
+    mask = loss_mask.to(torch.float32)
+    position = mask.cumsum(-1)  # 1, 2, ... over the completion tokens
+    lengths = mask.sum(-1)
+    shared = torch.minimum(lengths[: rows // 2], lengths[rows // 2 :]).repeat(2).unsqueeze(-1)
+    return mask * torch.where(position <= shared, 1.0, ld_alpha)
+
+
 def sequence_logps(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -62,12 +113,18 @@ def sequence_logps(
     vocab_size: int,
     tp_rank: int,
     tp_group: object,
+    options: LogpsOptions = LogpsOptions(),
 ) -> SequenceLogps:
     """Sum the completion tokens' log-probs per row; prompt and padding are masked by loss_mask."""
     logp, mean_logit = token_logprobs(logits, labels, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
     mask = loss_mask.to(logp.dtype)
-    return SequenceLogps(
-        logp_sum=(logp * mask).sum(-1),
-        num_tokens=mask.sum(-1),
-        logit_sum=(mean_logit * mask).sum(-1),
-    )
+    plain = (logp * mask).sum(-1)
+    num_tokens = mask.sum(-1)
+    out = SequenceLogps(logp_sum=plain, num_tokens=num_tokens, logit_sum=(mean_logit * mask).sum(-1))
+    if options.ld_alpha is not None:
+        out.logp_sum = (logp * ld_weights(loss_mask, ld_alpha=options.ld_alpha)).sum(-1)
+        out.plain_logp_sum = plain
+    if options.wpo:
+        sq = log_sum_sq_probs(logits, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
+        out.wpo_log_weight = ((logp.detach() - sq) * mask).sum(-1) / num_tokens.clamp(min=1.0)
+    return out

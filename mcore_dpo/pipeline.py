@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_dpo.data import Microbatch
-from mcore_dpo.logprobs import SequenceLogps, sequence_logps
+from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import causal_mask, stage_forward
 from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
@@ -47,6 +47,7 @@ class StageContext:
     vocab_size: int
     loss_fn: LossFn | None = None
     forward_only: bool = False
+    logps_options: LogpsOptions = LogpsOptions()  # LD-DPO and WPO per-token options
     # reference log-probs produced on the last stage, keyed by (batch offset, microbatch)
     ref_logps: dict[tuple[int, int], SequenceLogps] = field(default_factory=dict)
     # --- per-step scratch ---
@@ -152,8 +153,13 @@ def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:
     return ctx.microbatches[batch][mb].tokens.to(ctx.device, non_blocking=True)
 
 
-def _last_stage_logps(ctx: StageContext, output: torch.Tensor, batch: int, mb: int) -> SequenceLogps:
+def _last_stage_logps(
+    ctx: StageContext, output: torch.Tensor, batch: int, mb: int, *, policy: bool = True
+) -> SequenceLogps:
     micro = ctx.microbatches[batch][mb]
+    options = ctx.logps_options
+    if not policy and options.wpo:  # WPO weights come from the policy only
+        options = LogpsOptions(ld_alpha=options.ld_alpha)
     return sequence_logps(
         output,
         micro.labels.to(ctx.device),
@@ -161,6 +167,7 @@ def _last_stage_logps(ctx: StageContext, output: torch.Tensor, batch: int, mb: i
         vocab_size=ctx.vocab_size,
         tp_rank=ctx.mesh.tp_rank,
         tp_group=ctx.mesh.tp_group,
+        options=options,
     )
 
 
@@ -217,7 +224,7 @@ def _reference_forward(ctx: StageContext, mb: int, batch: int) -> None:
     inp = None if mesh.is_first_stage else ctx._ref_in.pop((batch, mb))
     out = stage_forward(ctx.reference, tokens=_tokens(ctx, batch, mb), input_tensor=inp, mask=ctx.mask(batch))
     if mesh.is_last_stage:
-        ctx.ref_logps[(batch, mb)] = _last_stage_logps(ctx, out, batch, mb)
+        ctx.ref_logps[(batch, mb)] = _last_stage_logps(ctx, out, batch, mb, policy=False)
     else:
         ctx._ref_out[(batch, mb)] = out
 

@@ -319,7 +319,8 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     group.call("save_checkpoint", str(tmp), step=step)
     # fp32 master weights and moments
     meta, aux = _model_meta(config, spec, dtype="float32", layer_spec=_layer_spec_of(group))
-    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
+    synced = ("reference",) if config.sync_ref_model else ()  # TR-DPO's moving reference
+    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced:
         write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
         "step": step,

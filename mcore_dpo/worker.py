@@ -26,8 +26,9 @@ from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
-from mcore_dpo.logprobs import SequenceLogps
-from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sum_vector, pair_losses
+from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
+from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
+                            pair_losses)
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
@@ -120,6 +121,7 @@ class _Rank:
             vocab_size=self.spec.vocab_size,
             wait_clock=plat.IntervalClock(self.platform),
             sequence_parallel=self.sequence_parallel,
+            logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
             **kwargs,
         )
 
@@ -191,7 +193,9 @@ class PolicyWorker(_Rank):
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
         if config.loss_spec().needs_reference and config.ref_mode != "separate":
-            self.reference = freeze(self._build(config.ref_model or config.model))
+            synced = os.path.join(resume_dir, "reference") if resume_dir and config.sync_ref_model else None
+            source = synced if synced and os.path.isdir(synced) else config.ref_model or config.model
+            self.reference = freeze(self._build(source))
         # --distributed-optimizer: DDP reduce-scatters gradients and all-gathers parameters, the
         # optimizer keeps only this dp rank's slice of the fp32 masters and moments (at dp 1, all).
         sharded = config.distributed_optimizer
@@ -276,20 +280,34 @@ class PolicyWorker(_Rank):
         mbs, local_ids = self._local_microbatches(pairs)
         microbatches = {0: mbs}
         ref_current = ref_next = False
+        plan_ref_mode = config.ref_mode if self.reference is not None else "none"
+        # TR-DPO: a step that ends with a reference sync does not compute the next batch's
+        # reference (it would be the old one); the next step computes it, as the first step does.
+        sync_now = config.sync_ref_model and batch.step % config.ref_model_sync_steps == 0
         if self.reference is not None and config.ref_mode == "interleaved":
             ref_current = not self._next_ref_ready  # first step (or after a restart): nothing cached
-            ref_next = batch.next_pairs is not None
+            ref_next = batch.next_pairs is not None and not sync_now
             if ref_next:
                 microbatches[1] = self._local_microbatches(batch.next_pairs)[0]
-        # The same on every stage, so that all stages build the same plan.
+        sort, sorted_refs = None, {}
+        if spec.needs_batch_sort:
+            # The sort needs every pair's reference before the step: compute it in the sort pass
+            # when it is not at hand already (then the plan has no reference forward of this batch).
+            with_reference = self.reference is not None and (config.ref_mode == "sequential" or ref_current)
+            sort, sorted_refs = self._sort_pass(batch, mbs, local_ids, spec=spec, with_reference=with_reference)
+            if with_reference:
+                ref_current = False
+                plan_ref_mode = "none" if config.ref_mode == "sequential" else plan_ref_mode
+        # The same on every stage, so that all stages build the same plan. aot reads a batch's
+        # whole reference before its step: nothing is carried into the next step's warm-up.
         plan = build_plan(
             num_stages=self.layout.pp,
             num_microbatches=len(mbs),
-            ref_mode=config.ref_mode if self.reference is not None else "none",
+            ref_mode=plan_ref_mode,
             ref_current=ref_current,
             ref_next=ref_next,
             carry_in=self._carried,
-            carry_out=ref_next,
+            carry_out=ref_next and not spec.needs_batch_sort,
         )
         num_pairs_global = len(pairs)
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
@@ -299,22 +317,18 @@ class PolicyWorker(_Rank):
         self._kept_ref_acts = {}
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
+        ctx.ref_logps.update(sorted_refs)
         self._ref_next = {}
         b = config.micro_batch_size
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
             positions = local_ids[mb * b : (mb + 1) * b]
-            if batch.ref_logps is not None:
-                ref = _table_rows(batch.ref_logps, positions, device=self.platform.device)
-            elif self._ref_by_pair is not None:
-                ref = _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
-            else:
-                ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-            pl = _pair_logps(logps, ref, b=b)
-            losses = pair_losses(pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global)
-            sums.add_(metric_sum_vector(
-                pl, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global
-            ))  # fmt: skip
+            pl = _pair_logps(logps, self._current_ref(batch, positions, ctx.ref_logps.pop((0, mb), None)), b=b,
+                             positions=positions)
+            kwargs = dict(spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global,
+                          sort=sort)
+            losses = pair_losses(pl, **kwargs)
+            sums.add_(metric_sum_vector(pl, **kwargs))
             # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
             return losses.sum() / num_pairs_global * self.layout.dp
 
@@ -337,6 +351,8 @@ class PolicyWorker(_Rank):
         )
         optimizer_start = time.perf_counter()
         grad_norm = self.optimizer.step(lr=lr)
+        if sync_now and self.reference is not None:
+            self._sync_reference()
         if ctx.trace is not None:
             ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
             self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]
@@ -386,6 +402,69 @@ class PolicyWorker(_Rank):
             return None
         return finalize_metrics(dict(zip(METRIC_SUM_KEYS, vec.tolist())), spec=spec)
 
+    # ------------------------------------------------------------------ reference and sort helpers
+    def _current_ref(self, batch: StepBatch, positions: list[int], stored: SequenceLogps | None) -> torch.Tensor | None:
+        """Reference summed log-probs of this batch's pairs at `positions` (rows chosen, then
+        rejected), from wherever this run keeps them; None when there is no reference."""
+        if batch.ref_logps is not None:
+            return _table_rows(batch.ref_logps, positions, device=self.platform.device)
+        if self._ref_by_pair is not None:
+            return _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
+        if stored is None and self.reference is not None:  # a plan bug, never a zero reference
+            raise RuntimeError(f"reference log-probs of pairs {positions[:3]}... were not computed")
+        return stored.logp_sum if stored is not None else None
+
+    @torch.no_grad()
+    def _sort_pass(
+        self, batch: StepBatch, mbs: list[Microbatch], local_ids: list[int], *, spec, with_reference: bool
+    ) -> tuple[BatchSort | None, dict[tuple[int, int], SequenceLogps]]:
+        """aot/aot_unpaired: a forward-only policy pass (and reference pass, if asked) over this
+        rank's microbatches, then the BatchSort of the whole global batch on the last stage.
+        Returns it and the reference log-probs the pass computed, keyed like ctx.ref_logps."""
+        ctx = self._context({0: mbs}, forward_only=True)
+        policy_rows: dict[int, SequenceLogps] = {}
+
+        def record(mb: int, logps: SequenceLogps) -> torch.Tensor:
+            policy_rows[mb] = logps
+            return torch.zeros(())
+
+        ctx.loss_fn = record
+        run_ops(forward_only_ops(mesh=self.mesh, num_microbatches=len(mbs), policy=True, reference=with_reference),
+                ctx)
+        if not self.mesh.is_last_stage:
+            return None, {}
+        refs = dict(ctx.ref_logps)
+        b = self.config.micro_batch_size
+        parts = {}
+        for mb, logps in policy_rows.items():
+            positions = local_ids[mb * b : (mb + 1) * b]
+            stored = refs.get((0, mb)) if with_reference else self._ref_next.get(mb)
+            parts[mb] = _pair_logps(logps, self._current_ref(batch, positions, stored), b=b, positions=positions)
+        return self._global_sort(parts, num_pairs=len(batch.pairs), spec=spec), refs
+
+    def _global_sort(self, parts: dict[int, PairLogps], *, num_pairs: int, spec) -> BatchSort:
+        """Every pair's log-probs of the global batch, gathered over dp ranks, sorted once."""
+        table = torch.zeros(num_pairs, 4, dtype=torch.float64, device=self.platform.device)
+        for pl in parts.values():
+            table[pl.pair_index] = torch.stack(
+                [pl.chosen_logps, pl.rejected_logps, pl.ref_chosen_logps, pl.ref_rejected_logps], dim=1
+            ).double()
+        if self.layout.dp > 1:
+            dist.all_reduce(table, group=self.mesh.dp_group)
+        values = table.float()  # the loss's own dtype: sorted values match the live ones exactly
+        zeros = torch.zeros(num_pairs, device=table.device)
+        whole = PairLogps(values[:, 0], values[:, 1], values[:, 2], values[:, 3], zeros, zeros, zeros, zeros)
+        return batch_sort(whole, spec=spec)
+
+    @torch.no_grad()
+    def _sync_reference(self) -> None:
+        """TR-DPO (TRL 1.16 `SyncRefModelCallback._sync_target_model`): ref <- α·policy + (1-α)·ref,
+        parameter by parameter, in the parameters' own dtype. Each rank mixes its own shard."""
+        alpha = self.config.ref_model_mixup_alpha
+        policy = dict(self.policy.module.named_parameters())
+        for name, param in self.reference.named_parameters():
+            param.mul_(1.0 - alpha).add_(policy[name].detach(), alpha=alpha)
+
     # ------------------------------------------------------------------ forward-only passes
     @torch.no_grad()
     def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
@@ -402,6 +481,7 @@ class PolicyWorker(_Rank):
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
         passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
                              dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
+        parts: list[PairLogps] = []
         for chunk, groups in passes:
             seq_len = padded_seq_len([pairs[i] for i in chunk], multiple=self.seq_multiple)
             mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
@@ -413,8 +493,7 @@ class PolicyWorker(_Rank):
                     ref = _table_rows(ref_logps, ids, device=self.platform.device)
                 else:
                     ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-                pl = _pair_logps(logps, ref, b=len(ids))
-                sums.add_(metric_sum_vector(pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens))
+                parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
                 return torch.zeros(())
 
             ctx.loss_fn = loss_fn
@@ -423,6 +502,13 @@ class PolicyWorker(_Rank):
                 reference=self.reference is not None and ref_logps is None,
             )  # fmt: skip
             run_ops(ops, ctx)
+        if self.mesh.is_last_stage:
+            # aot sorts over the whole held-out set: the metrics wait for every microbatch.
+            sort = (self._global_sort({i: pl for i, pl in enumerate(parts)}, num_pairs=num_pairs, spec=spec)
+                    if spec.needs_batch_sort else None)
+            for pl in parts:
+                sums.add_(metric_sum_vector(pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens,
+                                            sort=sort))
         metrics = self._reduce_metrics(sums, spec=spec)
         if metrics is None:
             return None
@@ -465,6 +551,10 @@ class PolicyWorker(_Rank):
             if shard is not None:
                 write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
             del shard
+        if self.config.sync_ref_model and self.reference is not None and self.mesh.dp_rank == 0:
+            # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
+            shard = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.reference.named_parameters()}
+            write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
         rng = {"torch": torch.get_rng_state()}
         if self.platform.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
@@ -510,10 +600,14 @@ def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -
     return torch.cat([picked[:, 0], picked[:, 1]]).to(device)
 
 
-def _pair_logps(policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: int) -> PairLogps:
+def _pair_logps(
+    policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: int, positions: list[int]
+) -> PairLogps:
     """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors; the
-    reference's summed log-probs are zero when there is no reference."""
+    reference's summed log-probs are zero when there is no reference. `positions`: the pairs'
+    places in the global batch."""
     ref = ref_logp_sum.detach() if ref_logp_sum is not None else torch.zeros_like(policy.logp_sum).detach()
+    wpo = policy.wpo_log_weight
     return PairLogps(
         chosen_logps=policy.logp_sum[:b],
         rejected_logps=policy.logp_sum[b:],
@@ -523,4 +617,9 @@ def _pair_logps(policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: 
         rejected_num_tokens=policy.num_tokens[b:],
         chosen_logit_sum=policy.logit_sum[:b],
         rejected_logit_sum=policy.logit_sum[b:],
+        # With LD-DPO the log-probs are weighted; sft keeps the plain NLL.
+        chosen_nll_sum=None if policy.plain_logp_sum is None else -policy.plain_logp_sum[:b],
+        chosen_wpo_log_weight=None if wpo is None else wpo[:b],
+        rejected_wpo_log_weight=None if wpo is None else wpo[b:],
+        pair_index=torch.tensor(positions, dtype=torch.long, device=policy.logp_sum.device),
     )

@@ -9,6 +9,7 @@ import torch
 
 from mcore_dpo.loss import (
     LOSS_TYPES,
+    SORTED_TYPES,
     METRIC_SUM_KEYS,
     LossSpec,
     PairLogps,
@@ -16,6 +17,9 @@ from mcore_dpo.loss import (
     metric_sums,
     pair_losses,
 )
+
+# Types with a per-pair formula; aot and aot_unpaired sort over the batch (tests/test_loss_options.py).
+PER_PAIR_TYPES = tuple(t for t in LOSS_TYPES if t not in SORTED_TYPES)
 
 # ---------------------------------------------------------------------------
 # Scalar reference, written from the loss table in ARCHITECTURE.md with `math`.
@@ -167,7 +171,7 @@ def _reference_losses(logps: PairLogps, *, spec: LossSpec, num_pairs: int, chose
 # Values
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", PER_PAIR_TYPES)
 @pytest.mark.parametrize("beta", [0.05, 0.5, 3.0])
 def test_matches_scalar_reference(loss_type: str, beta: float) -> None:
     logps = _random_logps(32, seed=100 * LOSS_TYPES.index(loss_type) + int(beta * 100))
@@ -177,7 +181,7 @@ def test_matches_scalar_reference(loss_type: str, beta: float) -> None:
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", PER_PAIR_TYPES)
 def test_large_margins_are_finite_and_match(loss_type: str) -> None:
     # βΔ up to about ±600 (where a naive e^(-βΔ) or log(σ) would overflow/underflow) and beyond.
     logps = _random_logps(16, seed=7, margin_scale=3000.0)
@@ -213,7 +217,7 @@ def test_large_margin_asymptotes() -> None:
 def test_all_loss_types_are_covered() -> None:
     assert set(LOSS_TYPES) == {
         "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-        "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "cdpo",
+        "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "cdpo", "aot", "aot_unpaired",
     }  # fmt: skip
 
 
@@ -231,7 +235,7 @@ def test_loss_types_differ() -> None:
 # Gradients
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", PER_PAIR_TYPES)
 def test_gradcheck(loss_type: str) -> None:
     logps = _random_logps(5, seed=11, margin_scale=8.0)
     spec = _spec_for(loss_type, beta=0.3, discopop_tau=0.5)
@@ -329,7 +333,8 @@ def test_sft_is_global_token_mean_nll() -> None:
 def test_lower_precision_inputs_are_computed_in_float32() -> None:
     logps = _random_logps(4, seed=17)
     half = PairLogps(
-        **{f.name: getattr(logps, f.name).to(torch.bfloat16) for f in dataclasses.fields(logps)}
+        **{f.name: getattr(logps, f.name).to(torch.bfloat16) for f in dataclasses.fields(logps)
+           if getattr(logps, f.name) is not None}
     )
     losses = pair_losses(half, spec=LossSpec(), num_pairs_global=4, chosen_tokens_global=40)
     assert losses.dtype == torch.float32
@@ -484,7 +489,9 @@ def test_valid_specs_pass() -> None:
 def test_needs_reference() -> None:
     assert LossSpec().needs_reference
     assert not LossSpec(reference_free=True).needs_reference
-    assert not LossSpec(loss_types=("sft",)).needs_reference
+    # sft alone does not read the reference, but the rewards/* metrics do.
+    assert LossSpec(loss_types=("sft",)).needs_reference
+    assert not LossSpec(loss_types=("sft",), reference_free=True).needs_reference
     assert LossSpec(loss_types=("sft", "ipo"), loss_weights=(1.0, 1.0)).needs_reference
 
 
@@ -503,4 +510,7 @@ def test_random_seed_helper_is_deterministic() -> None:
     # The split test relies on rebuilding identical inputs from a seed.
     a, b = _random_logps(5, seed=21), _random_logps(5, seed=21)
     for f in dataclasses.fields(a):
-        assert torch.equal(getattr(a, f.name), getattr(b, f.name))
+        if getattr(a, f.name) is None:
+            assert getattr(b, f.name) is None
+        else:
+            assert torch.equal(getattr(a, f.name), getattr(b, f.name))

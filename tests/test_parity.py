@@ -103,11 +103,15 @@ def _reference(policy_dir: str, ref_dir: str, loss_type: str, ref_mode: str, ste
                          eval_pairs=held_out)
 
 
-def _check_metrics(m_ours: dict, m_ref: dict, *, names, prefix: str, what: str, rtol: float) -> None:
+def _check_metrics(m_ours: dict, m_ref: dict, *, names, prefix: str, what: str, rtol: float,
+                   reference_free: bool = False) -> None:
     # Rewards and margins are differences of summed log-probs (cancellation): their error is
     # measured relative to the magnitude of the beta-scaled log-probs they are made of.
     logp_scale = BETA * max(abs(m_ref["logps/chosen"]), abs(m_ref["logps/rejected"]))
     for name in names:
+        if reference_free and name.startswith("rewards/"):  # no reference, no rewards logged
+            assert prefix + name not in m_ours, f"{what} {prefix}{name}"
+            continue
         scale = max(abs(m_ref[name]), logp_scale) if name.startswith("rewards/") and name != "rewards/accuracies" else None
         assert_close(torch.tensor(m_ours[prefix + name]), torch.tensor(m_ref[name]), what=f"{what} {prefix}{name}",
                      scale=scale, rtol=rtol)
@@ -126,10 +130,12 @@ def _check_job(out_dir: Path, j: int, job: dict, layout, rtol: float = RTOL) -> 
     assert len(ours) == steps + 1 and all(m is not None for m in ours), what
     names = METRICS + (("nll_loss",) if loss == "sft" else ())
     for step, (m_ours, m_ref) in enumerate(zip(ours[:steps], ref["metrics"]), start=1):
-        _check_metrics(m_ours, m_ref, names=names, prefix="", what=f"{what} step {step}", rtol=rtol)
+        _check_metrics(m_ours, m_ref, names=names, prefix="", what=f"{what} step {step}", rtol=rtol,
+                       reference_free=mode == "none")
     eval_names = tuple(n for n in names if n != "grad_norm")
     _check_metrics(ours[steps], ref["eval"], names=eval_names, prefix="eval/",
-                   what=f"{what} after {steps} steps, {len(job['eval_pairs'])} eval pairs", rtol=rtol)
+                   what=f"{what} after {steps} steps, {len(job['eval_pairs'])} eval pairs", rtol=rtol,
+                   reference_free=mode == "none")
 
 
 def _check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: str, rtol: float) -> None:
