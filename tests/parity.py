@@ -105,11 +105,17 @@ def _completion_sums(model, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, t
     return (token_logps * mask).sum(-1), mask.sum(-1), (logits.detach().mean(-1) * mask).sum(-1)
 
 
-def _trl_losses(loss_type: str, *, uc, ur, lc, lr, beta: float, eps: float):
-    """Per-pair loss of one loss type (ARCHITECTURE's table; bco_pair with TRL's running-mean
-    shift delta at 0, as documented in loss.py)."""
+def _trl_losses(loss_type: str, *, c, r, c0, r0, lc, lr, beta: float, eps: float):
+    """Per-pair loss of one loss type (ARCHITECTURE's table and TRL 1.16's
+    `DPOTrainer._compute_loss`); aot and aot_unpaired sort over the whole batch, which here is
+    the global batch (their per-pair losses come in sorted order; only their mean is used)."""
+    uc, ur = c - c0, r - r0
     z = beta * (uc - ur)
     logsig = torch.nn.functional.logsigmoid
+
+    def aot(delta):
+        return -(1 - eps) * logsig(beta * delta) - eps * logsig(-beta * delta)
+
     formulas = {
         "sigmoid": lambda: -logsig(z),
         "cdpo": lambda: -(1 - eps) * logsig(z) - eps * logsig(-z),
@@ -126,13 +132,15 @@ def _trl_losses(loss_type: str, *, uc, ur, lc, lr, beta: float, eps: float):
         "discopop": lambda: ((1 - torch.sigmoid(z / DISCOPOP_TAU)) * -logsig(z)
                              + torch.sigmoid(z / DISCOPOP_TAU) * torch.exp(-z)),
         "sigmoid_norm": lambda: -logsig(beta * (uc / lc - ur / lr)),
+        "aot": lambda: aot(torch.sort(c - r)[0] - torch.sort(c0 - r0)[0]),
+        "aot_unpaired": lambda: aot(torch.sort(uc)[0] - torch.sort(ur)[0]),
     }
     return formulas[loss_type]()
 
 
 # Loss types the reference can compute: "sft" is the token-mean NLL of the chosen completions.
 REFERENCE_LOSS_TYPES = ("sigmoid", "cdpo", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-                        "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft")
+                        "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft")
 DISCOPOP_TAU = 0.05
 
 
@@ -151,7 +159,7 @@ def _loss_and_metrics(policy, reference, pairs, *, loss_type: str, beta: float, 
     if loss_type == "sft":
         loss = -c.sum() / lc.sum()
     else:
-        loss = _trl_losses(loss_type, uc=uc, ur=ur, lc=lc, lr=lr, beta=beta, eps=eps).mean()
+        loss = _trl_losses(loss_type, c=c, r=r, c0=c0, r0=r0, lc=lc, lr=lr, beta=beta, eps=eps).mean()
     with torch.no_grad():
         d = lambda t: t.detach().double()  # noqa: E731
         metrics = {
@@ -185,7 +193,7 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
-    kw = dict(loss_type=loss_type, beta=beta, eps=label_smoothing, reference_free=reference_free or loss_type == "sft")
+    kw = dict(loss_type=loss_type, beta=beta, eps=label_smoothing, reference_free=reference_free)
     metrics, grads = [], []
     for pairs in batches:
         opt.zero_grad()
