@@ -92,6 +92,7 @@ def test_trdpo_resume_across_a_sync_is_bit_exact(tmp_path_factory):
     out = tmp_path_factory.mktemp("resumed") / "run"
     killed = _run(out, ["--save-interval", "3"], cache=cache, fault="step:4")
     assert killed.returncode != 0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000003", killed.stderr[-3000:]
     resumed = _run(out, ["--save-interval", "3"], cache=cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
