@@ -187,7 +187,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         workers = {}
         for g in (ref_group, group):
             if g is not None:
-                _check_shared_output_dir(g, out)
+                check_shared_output_dir(g, out)
                 workers.update(zip(g.names, g.processes))
         durable.replace_file(out / "workers.json", json.dumps(workers, indent=2) + "\n")
         pairs = prep.train_pairs
@@ -259,7 +259,7 @@ def _one(results: list) -> dict:
     return found[0]
 
 
-def _check_shared_output_dir(group, out: Path) -> None:
+def check_shared_output_dir(group, out: Path) -> None:
     """Every rank must see the output directory the driver writes (checkpoints are written by
     the ranks and read by the driver): each rank reads a token the driver just wrote there."""
     from mcore_dpo import ray_workers

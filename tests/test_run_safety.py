@@ -134,10 +134,12 @@ def test_wandb_is_off_without_the_flag_even_with_an_api_key(tmp_path, monkeypatc
 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb = pytest.importorskip("wandb")
     log = MetricsLog(tmp_path, total_steps=1)
     log.write(1, {"loss": 0.5})
+    assert wandb.run is None  # no run was started
     log.close()
-    assert log._wandb is None and not (tmp_path / "wandb").exists()
+    assert not (tmp_path / "wandb").exists()
 
 
 def test_wandb_project_needs_the_wandb_flag(model_dir, tmp_path):
@@ -188,7 +190,7 @@ def test_an_output_dir_a_node_cannot_see_is_one_line_naming_the_node(tmp_path, m
 
     monkeypatch.setattr(ray_workers, "ranks_not_seeing", not_seeing)
     with pytest.raises(run.InputError) as error:
-        run._check_shared_output_dir(object(), tmp_path)
+        run.check_shared_output_dir(object(), tmp_path)
     message = str(error.value)
     assert "\n" not in message and "node 10.1.2.3 (policy/tp0-pp1-dp0)" in message
     assert "file system every node shares" in message

@@ -59,6 +59,18 @@ def _hf_reference_logps(model_dir: str, pairs) -> torch.Tensor:
     return table
 
 
+def _start(role: str, factory, prep, *, pp: int, dp: int):
+    """A worker group of `factory` ranks at tp 1 (what the driver starts for a role)."""
+    from mcore_dpo import ray_workers
+
+    return ray_workers.create_group(
+        role=role, world_size=pp * dp, tp=1, pp=pp, dp=dp, factory=factory,
+        kwargs_of_rank=lambda rank, addr, port: dict(config=prep.config, spec=prep.spec, pad_token_id=prep.pad_token_id,
+                                                     rank=rank, master_addr=addr, master_port=port),
+        use_gpus=False, placement_timeout_s=300,
+    )  # fmt: skip
+
+
 def _one(results):
     found = [r for r in results if r is not None]
     assert len(found) == 1
@@ -69,12 +81,12 @@ def _one(results):
 def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp):
     from dataclasses import replace
 
-    from mcore_dpo.run import Prepared, _start_group
+    from mcore_dpo.run import Prepared
     from mcore_dpo.worker import ReferenceWorker
 
     config = replace(prepared.config, ref_dp=ref_dp)
     prep = Prepared(**{**prepared.__dict__, "config": config})
-    group = _start_group("ref", ReferenceWorker, prep, tp=1, pp=2, dp=ref_dp)
+    group = _start("ref", ReferenceWorker, prep, pp=2, dp=ref_dp)
     try:
         table = _one(group.call("reference_logps", prep.train_pairs, timeout_s=300))
     finally:
@@ -91,12 +103,12 @@ def test_precomputed_reference_at_pp2_on_unaligned_data(prepared):
     the precomputed table is zero: a row of the table that belonged to another pair would not be."""
     from dataclasses import replace
 
-    from mcore_dpo.run import Prepared, _start_group
+    from mcore_dpo.run import Prepared
     from mcore_dpo.worker import PolicyWorker
 
     config = replace(prepared.config, ref_mode="precomputed")
     prep = Prepared(**{**prepared.__dict__, "config": config})
-    group = _start_group("policy", PolicyWorker, prep, tp=1, pp=2, dp=1)
+    group = _start("policy", PolicyWorker, prep, pp=2, dp=1)
     try:
         group.call("precompute_reference", prep.train_pairs, prep.train_pairs, timeout_s=300)
         metrics = _one(group.call("evaluate", prep.train_pairs, timeout_s=300))
