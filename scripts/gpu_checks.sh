@@ -16,7 +16,8 @@
 #   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
 #   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
 #                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
-# Exit code: 0 when no check failed (SKIP is not a failure), 1 otherwise.
+# Exit code: 0 when every check passed or was skipped for want of Transformer Engine; 1 when
+# one failed or did not run before the deadline.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -42,7 +43,7 @@ if [ "$MODE" = cpu ]; then
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 fi
-$PY -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2>&1
+$PY -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2> "$OUT/versions.err"
 
 ROWS=()
 FAILED=0
@@ -53,7 +54,8 @@ run_check() {
   shift 4
   local left=$((DEADLINE_S - ($(date +%s) - START)))
   if [ "$left" -lt 20 ]; then
-    ROWS+=("$name|SKIP|0|no time left before the ${DEADLINE_S}s deadline")
+    ROWS+=("$name|SKIP|0|not run: no time left before the ${DEADLINE_S}s deadline")
+    FAILED=1  # a check that did not run is not a pass
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -107,7 +109,7 @@ rm -f "$OUT/gpu_step.json"
 run_check gpu-step 180 step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}"
 
 {
-  echo "GPU checks ($MODE mode), $(cat "$OUT/versions.txt" | head -1), total $(($(date +%s) - START)) s"
+  echo "GPU checks ($MODE mode), $(head -1 "$OUT/versions.txt"), total $(($(date +%s) - START)) s"
   printf '| %-20s | %-6s | %7s | %s\n' check status seconds detail
   printf '|%s|%s|%s|%s\n' "----------------------" "--------" "---------" "------"
   for row in "${ROWS[@]}"; do
