@@ -17,6 +17,7 @@
 #   COMPAT_VENV=/path/venv PYTHON=/path/python3.12 bash scripts/compat_check.sh
 #   PYTHON=python3.10 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
 #   COMPAT_REUSE=1 bash scripts/compat_check.sh   # keep an existing venv's stack (after a code change)
+#   COMPAT_TESTS="tests/test_x.py::test_y ..." bash scripts/compat_check.sh   # another set of tests
 #
 # The summary is also written to $COMPAT_VENV/summary.txt; docs/COMPATIBILITY.md records runs.
 set -euo pipefail
@@ -77,15 +78,18 @@ installed=$(date +%s)
 
 export OMP_NUM_THREADS=1
 export PYTHONPATH="$REPO"
+# Cheapest first; -v with unbuffered output shows each result in pytest.txt as it comes.
 TESTS=(
-  scripts/compat_suite.py
   "tests/test_convert_cli.py::test_reshard_tp2pp2_to_tp1pp4_to_hf_is_identical"
+  "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
   "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
   "tests/test_resume.py::test_exact_resume_after_kill"
+  "scripts/compat_suite.py::test_parity_compat[tp2-pp2-dp1]"
 )
+if [ -n "${COMPAT_TESTS:-}" ]; then read -r -a TESTS <<< "$COMPAT_TESTS"; fi  # a subset, space-separated
 cd "$REPO"
 set +e
-nice -n "${COMPAT_NICE:-10}" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$VENV/junit.xml" "${TESTS[@]}" \
+PYTHONUNBUFFERED=1 nice -n "${COMPAT_NICE:-10}" "$PY" -m pytest -v -p no:cacheprovider --junitxml="$VENV/junit.xml" "${TESTS[@]}" \
   > "$VENV/pytest.txt" 2>&1
 test_status=$?
 set -e
