@@ -170,3 +170,22 @@ def test_container_list_is_setup_py_without_the_container_stack():
     listed = dict(_split(line) for line in lines if line.strip() and not line.startswith("#"))
     required = dict(_split(r) for r in _setup_kwargs()["install_requires"])
     assert listed == {name: spec for name, spec in required.items() if name not in ("torch", "megatron-core")}
+
+
+def test_cpu_platform_serves_megatron_cores_cuda_stream_calls():
+    """megatron-core 0.19's DDP gradient sync waits on torch.cuda.current_stream(); on the CPU
+    the platform's stand-in answers it (in a fresh process: the adaptation is process-wide)."""
+    code = (
+        "import torch\n"
+        "from mcore_dpo import platform\n"
+        "p = platform.detect()\n"
+        "assert not p.is_cuda\n"
+        "platform.activate(p)\n"
+        "s = torch.cuda.current_stream()\n"
+        "s.wait_event(None); s.wait_stream(s); s.synchronize()\n"
+        "assert torch.cuda.current_device() == torch.device('cpu')\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=str(REPO), MCORE_DPO_FORCE_CPU="1"))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
