@@ -57,19 +57,20 @@ else
   mkdir -p "$(dirname "$VENV")"
   "$PYTHON" -m venv "$VENV"
 fi
-{
-  # shellcheck disable=SC2086
-  [ "$REUSE" = 1 ] || "$PY" -m pip install $STACK $PINS
-  "$PY" -m pip freeze | sort > "$VENV/freeze-stack.txt"
-  "$PY" -m pip install --no-deps -e "$REPO"
-  "$PY" -m pip install -r "$REPO/scripts/container-requirements.txt" $("$PY" -c '
+TEST_EXTRA=$("$PY" -c '
 import ast, sys
 tree = ast.parse(open(sys.argv[1]).read())
 call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
 extras = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "extras_require")
 print(" ".join(extras["test"]))' "$REPO/setup.py")
-  "$PY" -m pip freeze | sort > "$VENV/freeze-after.txt"
-} > "$LOG" 2>&1 || { tail -20 "$LOG"; echo "compat_check: install failed (see $LOG)" >&2; exit 1; }
+# One chain: set -e does not apply inside a `|| ...` list, so each step gates the next.
+# shellcheck disable=SC2086
+{ { [ "$REUSE" = 1 ] || "$PY" -m pip install $STACK $PINS; } &&
+  "$PY" -m pip freeze | sort > "$VENV/freeze-stack.txt" &&
+  "$PY" -m pip install --no-deps -e "$REPO" &&
+  "$PY" -m pip install -r "$REPO/scripts/container-requirements.txt" $TEST_EXTRA &&
+  "$PY" -m pip freeze | sort > "$VENV/freeze-after.txt"; } > "$LOG" 2>&1 ||
+  { tail -20 "$LOG"; echo "compat_check: install failed (see $LOG)" >&2; exit 1; }
 
 changed=$(comm -23 "$VENV/freeze-stack.txt" "$VENV/freeze-after.txt" | grep -i -E '^(torch|megatron-core|transformers|ray)==' || true)
 pip_check=$("$PY" -m pip check 2>&1) && pip_check_ok=1 || pip_check_ok=0
