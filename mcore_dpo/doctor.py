@@ -35,12 +35,12 @@ PYTHON_RANGE = ">=3.10,<3.13"
 REQUIRED: dict[str, tuple[str, str]] = {
     "torch": (">=2.13.0,<2.16", "torch"),
     "megatron-core": (">=0.16.1,<0.20", "megatron.core"),
-    "ray": (">=2.55,<2.61", "ray"),
-    "transformers": (">=5.20,<5.25", "transformers"),
+    "ray": (">=2.60,<2.61", "ray"),
+    "transformers": (">=5.24,<5.25", "transformers"),
     "safetensors": (">=0.8,<0.9", "safetensors"),
-    "datasets": (">=5.0,<5.3", "datasets"),
+    "datasets": (">=5.2,<5.3", "datasets"),
     "pyyaml": (">=6.0,<7", "yaml"),
-    "tensorboard": (">=2.16,<2.22", "tensorboard"),
+    "tensorboard": (">=2.21,<2.22", "tensorboard"),
     "matplotlib": (">=3.9,<3.12", "matplotlib"),
     "packaging": (">=24.2", "packaging"),
 }

@@ -45,13 +45,35 @@ def activate(platform: Platform) -> None:
         _adapt_megatron_for_cpu()
 
 
+class _HostStream:
+    """Stands in for the current CUDA stream on the CPU, where work runs in program order:
+    waiting on an event or another stream has nothing to wait for."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _adapt_megatron_for_cpu() -> None:
     """megatron-core's model path asks torch.cuda for the current device in many places
-    (buffers, RNG, masks). Without a GPU those calls point at the CPU instead."""
+    (buffers, RNG, masks). Without a GPU those calls point at the CPU instead.
+
+    Since 0.19, DDP's gradient sync also takes `torch.cuda.current_stream()` on every call (to
+    wait for CUDA-graph gradient events, which the CPU never records); a host stand-in whose
+    waits do nothing serves it, and every other release alike."""
     global _ADAPTED
     if _ADAPTED:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
     _ADAPTED = True
 
 

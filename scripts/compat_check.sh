@@ -17,6 +17,7 @@
 #   COMPAT_VENV=/path/venv PYTHON=/path/python3.12 bash scripts/compat_check.sh
 #   PYTHON=python3.10 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
 #   COMPAT_REUSE=1 bash scripts/compat_check.sh   # keep an existing venv's stack (after a code change)
+#   COMPAT_TESTS="tests/test_x.py::test_y ..." bash scripts/compat_check.sh   # another set of tests
 #
 # The summary is also written to $COMPAT_VENV/summary.txt; docs/COMPATIBILITY.md records runs.
 set -euo pipefail
@@ -56,19 +57,20 @@ else
   mkdir -p "$(dirname "$VENV")"
   "$PYTHON" -m venv "$VENV"
 fi
-{
-  # shellcheck disable=SC2086
-  [ "$REUSE" = 1 ] || "$PY" -m pip install $STACK $PINS
-  "$PY" -m pip freeze | sort > "$VENV/freeze-stack.txt"
-  "$PY" -m pip install --no-deps -e "$REPO"
-  "$PY" -m pip install -r "$REPO/scripts/container-requirements.txt" $("$PY" -c '
+TEST_EXTRA=$("$PY" -c '
 import ast, sys
 tree = ast.parse(open(sys.argv[1]).read())
 call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
 extras = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "extras_require")
 print(" ".join(extras["test"]))' "$REPO/setup.py")
-  "$PY" -m pip freeze | sort > "$VENV/freeze-after.txt"
-} > "$LOG" 2>&1 || { tail -20 "$LOG"; echo "compat_check: install failed (see $LOG)" >&2; exit 1; }
+# One chain: set -e does not apply inside a `|| ...` list, so each step gates the next.
+# shellcheck disable=SC2086
+{ { [ "$REUSE" = 1 ] || "$PY" -m pip install $STACK $PINS; } &&
+  "$PY" -m pip freeze | sort > "$VENV/freeze-stack.txt" &&
+  "$PY" -m pip install --no-deps -e "$REPO" &&
+  "$PY" -m pip install -r "$REPO/scripts/container-requirements.txt" $TEST_EXTRA &&
+  "$PY" -m pip freeze | sort > "$VENV/freeze-after.txt"; } > "$LOG" 2>&1 ||
+  { tail -20 "$LOG"; echo "compat_check: install failed (see $LOG)" >&2; exit 1; }
 
 changed=$(comm -23 "$VENV/freeze-stack.txt" "$VENV/freeze-after.txt" | grep -i -E '^(torch|megatron-core|transformers|ray)==' || true)
 pip_check=$("$PY" -m pip check 2>&1) && pip_check_ok=1 || pip_check_ok=0
@@ -77,15 +79,18 @@ installed=$(date +%s)
 
 export OMP_NUM_THREADS=1
 export PYTHONPATH="$REPO"
+# Cheapest first; -v with unbuffered output shows each result in pytest.txt as it comes.
 TESTS=(
-  scripts/compat_suite.py
   "tests/test_convert_cli.py::test_reshard_tp2pp2_to_tp1pp4_to_hf_is_identical"
+  "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
   "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
   "tests/test_resume.py::test_exact_resume_after_kill"
+  "scripts/compat_suite.py::test_parity_compat[tp2-pp2-dp1]"
 )
+if [ -n "${COMPAT_TESTS:-}" ]; then read -r -a TESTS <<< "$COMPAT_TESTS"; fi  # a subset, space-separated
 cd "$REPO"
 set +e
-nice -n "${COMPAT_NICE:-10}" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$VENV/junit.xml" "${TESTS[@]}" \
+PYTHONUNBUFFERED=1 nice -n "${COMPAT_NICE:-10}" "$PY" -m pytest -v -p no:cacheprovider --junitxml="$VENV/junit.xml" "${TESTS[@]}" \
   > "$VENV/pytest.txt" 2>&1
 test_status=$?
 set -e
