@@ -125,17 +125,17 @@ def transfer(ctx: StageContext, op: Op) -> None:
     parts = op.parts if op.kind is OpKind.P2P else (op,)
     mesh = ctx.mesh
     p2p_ops, received, words = [], [], []
-    for op in parts:
-        if op.kind in _SEND_TO_NEXT or op.kind is OpKind.SEND_GRAD:
-            peer = mesh.next_rank if op.kind in _SEND_TO_NEXT else mesh.prev_rank
-            p2p_ops.append(dist.P2POp(dist.isend, _outgoing(ctx, op), peer))
-            words.append(f"{op.kind.value} of microbatch {op.microbatch} to rank {peer}")
+    for part in parts:
+        if part.kind in _SEND_TO_NEXT or part.kind is OpKind.SEND_GRAD:
+            peer = mesh.next_rank if part.kind in _SEND_TO_NEXT else mesh.prev_rank
+            p2p_ops.append(dist.P2POp(dist.isend, _outgoing(ctx, part), peer))
+            words.append(f"{part.kind.value} of microbatch {part.microbatch} to rank {peer}")
         else:
-            peer = mesh.prev_rank if op.kind in _RECV_FROM_PREV else mesh.next_rank
-            buf = torch.empty(ctx.activation_shape(op.batch, op.microbatch), dtype=ctx.dtype, device=ctx.device)
+            peer = mesh.prev_rank if part.kind in _RECV_FROM_PREV else mesh.next_rank
+            buf = torch.empty(ctx.activation_shape(part.batch, part.microbatch), dtype=ctx.dtype, device=ctx.device)
             p2p_ops.append(dist.P2POp(dist.irecv, buf, peer))
-            received.append((op, buf))
-            words.append(f"{op.kind.value} of microbatch {op.microbatch} from rank {peer}")
+            received.append((part, buf))
+            words.append(f"{part.kind.value} of microbatch {part.microbatch} from rank {peer}")
     if ctx.wait_clock is not None:
         ctx.wait_clock.start()
     try:
@@ -145,8 +145,8 @@ def transfer(ctx: StageContext, op: Op) -> None:
         raise PeerError(f"pipeline stage {mesh.pp_rank}: {' + '.join(words)} failed: {_first_line(error)}") from None
     if ctx.wait_clock is not None:
         ctx.wait_clock.stop()
-    for op, buf in received:
-        _store(ctx, op, buf)
+    for part, buf in received:
+        _store(ctx, part, buf)
 
 
 def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:
