@@ -157,6 +157,10 @@ class DcpReader:
         for key, entry in entries.items():
             _check(isinstance(key, str), source, f"key {key!r} is not a string")
             if isinstance(entry, md.BytesStorageMetadata):
+                # Never unpickled here, but a cut-off object still means a cut-off file.
+                info = by_key.get(key, {}).get(())
+                _check(info is not None, source, f"object '{key}' has no storage entry")
+                self._check_extent(info, label=f"object '{key}'", sizes=sizes, source=source)
                 self.objects.append(key)
                 continue
             _check(isinstance(entry, md.TensorStorageMetadata), source, f"tensor '{key}': malformed entry")
@@ -173,26 +177,31 @@ class DcpReader:
                 )  # fmt: skip
                 info = by_key.get(key, {}).get(offsets)
                 _check(info is not None, source, f"tensor '{key}': chunk at {list(offsets)} has no storage entry")
-                _check(
-                    isinstance(info.relative_path, str) and "/" not in info.relative_path and info.relative_path not in ("", ".", ".."),
-                    source, f"tensor '{key}': storage file {info.relative_path!r} is not a file name in this directory",
-                )  # fmt: skip
-                path = self.dir / info.relative_path
-                if info.relative_path not in sizes:
-                    _check(path.is_file(), str(path), "file is missing (named in .metadata)")
-                    sizes[info.relative_path] = path.stat().st_size
-                _check(
-                    isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
-                    and info.offset + info.length <= sizes[info.relative_path],
-                    str(path), f"truncated: tensor '{key}' chunk at {list(offsets)} ends past the end of the file",
-                )  # fmt: skip
-                _check(not getattr(info, "transform_descriptors", None), str(path), f"tensor '{key}': compressed chunks are not supported")
+                self._check_extent(info, label=f"tensor '{key}' chunk at {list(offsets)}", sizes=sizes, source=source)
                 chunks.append((offsets, extent, info.relative_path, info.offset, info.length))
             covered = sum(math.prod(c[1]) for c in chunks)
             _check(covered == math.prod(shape), source, f"tensor '{key}': chunks cover {covered} of {math.prod(shape)} elements")
             self.tensors[key] = TensorInfo(shape=shape, dtype=dtype)
             self._chunks[key] = chunks
         self._cached: tuple[tuple, torch.Tensor] | None = None
+
+    def _check_extent(self, info: object, *, label: str, sizes: dict[str, int], source: str) -> None:
+        """The storage entry names a file in this directory and lies within it."""
+        name = info.relative_path
+        _check(
+            isinstance(name, str) and "/" not in name and name not in ("", ".", ".."),
+            source, f"{label}: storage file {name!r} is not a file name in this directory",
+        )  # fmt: skip
+        path = self.dir / name
+        if name not in sizes:
+            _check(path.is_file(), str(path), "file is missing (named in .metadata)")
+            sizes[name] = path.stat().st_size
+        _check(
+            isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
+            and info.offset + info.length <= sizes[name],
+            str(path), f"truncated: {label} ends past the end of the file",
+        )  # fmt: skip
+        _check(not getattr(info, "transform_descriptors", None), str(path), f"{label}: compressed entries are not supported")
 
     def _load_chunk(self, key: str, chunk: tuple) -> torch.Tensor:
         offsets, extent, file, start, length = chunk

@@ -383,7 +383,8 @@ def write_checkpoint(
             for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank):
                 for linear in _LINEARS:  # megatron-core's linears save an (empty) extra state
                     key = f"decoder.layers.{linear}._extra_state/shard_{layer}_{spec.num_layers}"
-                    writer.write_object(key, None, file=file_of(0))
+                    # megatron-core stores a ShardedObject as the list of its replicas' data.
+                    writer.write_object(key, [None], file=file_of(0))
             log(f"wrote {RELEASE_DIR}/ stage {pp_rank} ({tp} tensor-parallel rank file(s))")
     except BaseException:
         writer.abort()

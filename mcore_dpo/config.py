@@ -29,7 +29,10 @@ class ConfigError(ValueError):
 class TrainConfig:
     # --- inputs and output ---
     model: str | None = None
-    """HF model directory or a checkpoint_convert Megatron directory; None = the embedded tiny default."""
+    """HF model directory, a checkpoint_convert Megatron directory, or a torch_dist checkpoint
+    (Megatron-LM layout, e.g. from Megatron-LM, Megatron-Bridge or ms-swift); None = the embedded tiny default."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the model's own tokenizer files."""
     ref_model: str | None = None
     """Reference model directory; defaults to --model."""
     data: str | None = None
@@ -178,7 +181,7 @@ class TrainConfig:
             spec.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for name in ("model", "ref_model", "data", "eval_data"):
+        for name in ("model", "ref_model", "tokenizer", "data", "eval_data"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"{name}: {path} does not exist")
