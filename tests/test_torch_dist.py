@@ -176,43 +176,48 @@ def test_torch_dist_and_safetensors_formats_convert_into_each_other_identically(
 # ---------------------------------------------------------------------------------------
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checkpoint_convert", *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """The converter's command line, in this process (exit code, stdout, stderr)."""
+    from checkpoint_convert.__main__ import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-def test_cli_writes_reshards_verifies_and_exports_torch_dist(tmp_path, llama_dir):
+def test_cli_writes_reshards_verifies_and_exports_torch_dist(tmp_path, llama_dir, capsys):
     td, td2, back = tmp_path / "td", tmp_path / "td2", tmp_path / "back"
-    result = _cli("hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(td), "--tp", "2", "--pp", "2", "--format", "torch_dist")
-    assert result.returncode == 0, result.stderr
-    result = _cli("reshard", "--mcore-dir", str(td), "--out", str(td2), "--tp", "1", "--pp", "4", "--format", "torch_dist")
-    assert result.returncode == 0, result.stderr
+    code, _, err = _cli(capsys, "hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(td), "--tp", "2", "--pp", "2", "--format", "torch_dist")
+    assert code == 0, err
+    code, _, err = _cli(capsys, "reshard", "--mcore-dir", str(td), "--out", str(td2), "--tp", "1", "--pp", "4", "--format", "torch_dist")
+    assert code == 0, err
     assert _common(td2)["args"].pipeline_model_parallel_size == 4
-    result = _cli("verify", "--hf-dir", str(llama_dir), "--mcore-dir", str(td2), "--atol", "1e-5")
-    assert result.returncode == 0, result.stderr
-    assert "max |dlogit|" in result.stdout
-    result = _cli("mcore-to-hf", "--mcore-dir", str(td2), "--out", str(back))
-    assert result.returncode == 0, result.stderr
+    code, out, err = _cli(capsys, "verify", "--hf-dir", str(llama_dir), "--mcore-dir", str(td2), "--atol", "1e-5")
+    assert code == 0, err
+    assert "max |dlogit|" in out
+    code, _, err = _cli(capsys, "mcore-to-hf", "--mcore-dir", str(td2), "--out", str(back))
+    assert code == 0, err
     _same_hf(llama_dir, back)
 
 
-def _bad(*argv: str) -> str:
-    result = _cli(*argv)
-    err = result.stderr.strip()
-    assert result.returncode == 2, err
+def _bad(capsys, *argv: str) -> str:
+    code, _, err = _cli(capsys, *argv)
+    err = err.strip()
+    assert code == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     return err
 
 
-def test_truncated_chunk_file_and_bad_tracker_are_one_line_errors(tmp_path, llama_dir):
+def test_truncated_chunk_file_and_bad_tracker_are_one_line_errors(tmp_path, llama_dir, capsys):
     td = tmp_path / "td"
     convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     chunk = td / "release" / "__0_0.distcp"
     chunk.write_bytes(chunk.read_bytes()[:-100])
-    err = _bad("mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
     assert "__0_0.distcp" in err and "truncated" in err
     assert not (tmp_path / "back").exists()
     (td / "latest_checkpointed_iteration.txt").write_text("latest please")
-    err = _bad("mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
     assert "latest_checkpointed_iteration.txt" in err
 
 
@@ -231,23 +236,23 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir):
+def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir, capsys):
     td, marker = tmp_path / "td", tmp_path / "PWNED"
     convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     (td / "release" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    err = _bad("mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
     assert ".metadata" in err and "'posix.system'" in err and "refusing" in err
     assert not marker.exists()
     assert not (tmp_path / "back").exists()
 
 
-def test_code_in_common_pt_is_refused_and_never_runs(tmp_path, llama_dir):
+def test_code_in_common_pt_is_refused_and_never_runs(tmp_path, llama_dir, capsys):
     td, marker = tmp_path / "td", tmp_path / "PWNED"
     convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     common = _common(td)
     common["args"].evil = _RunsCode(marker)
     torch.save(common, td / "release" / "common.pt")
-    err = _bad("reshard", "--mcore-dir", str(td), "--out", str(tmp_path / "o"), "--tp", "1", "--pp", "1")
+    err = _bad(capsys, "reshard", "--mcore-dir", str(td), "--out", str(tmp_path / "o"), "--tp", "1", "--pp", "1")
     assert "common.pt" in err and "'posix.system'" in err
     assert not marker.exists()
 
@@ -274,3 +279,53 @@ def test_restricted_unpickler_refuses_code_in_tensor_chunks_and_keeps_data(tmp_p
     assert torch.equal(loaded["t"], value) and loaded["args"].params_dtype == torch.bfloat16
     with pytest.raises(ConversionError, match="not a readable checkpoint pickle"):
         load_pickle(b"\x80\x04garbage", source="bad")
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming: peak memory of a torch_dist round trip, in a fresh process
+# ---------------------------------------------------------------------------------------
+
+_MEMORY_SCRIPT = """
+import json, sys
+def peak_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir
+import checkpoint_convert.torch_dist, torch, torch.distributed.checkpoint  # imports are not conversion memory
+torch.zeros(1).sum()
+hf, mcore, back = sys.argv[1:4]
+baseline = peak_bytes()
+hf_to_mcore(hf, mcore, tp=2, pp=2, fmt="torch_dist", log=lambda _m: None)
+after_forward = peak_bytes()
+mcore_to_hf_dir(mcore, back, log=lambda _m: None)
+print(json.dumps({"baseline": baseline, "forward": after_forward, "back": peak_bytes()}))
+"""
+
+
+def test_torch_dist_round_trip_peak_rss_is_a_fraction_of_the_checkpoint(tmp_path):
+    from checkpoint_convert.mapping import hf_tensor_shapes, spec_from_hf_config
+    from checkpoint_convert.safetensors_stream import SafetensorsWriter
+
+    # ~200 MB fp32, written tensor by tensor: the vocabulary tensors (33 MB each) and the MLPs dominate.
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "num_hidden_layers": 10,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1408, "vocab_size": 16000,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "torch_dtype": "float32",
+    }  # fmt: skip
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    shapes = hf_tensor_shapes(spec_from_hf_config(config))
+    gen = torch.Generator().manual_seed(1)
+    with SafetensorsWriter(hf_dir / "model.safetensors", tensors=[(n, torch.float32, s) for n, s in shapes.items()]) as writer:
+        for name, shape in shapes.items():
+            writer.write(name, torch.randn(shape, generator=gen))
+    checkpoint_bytes = (hf_dir / "model.safetensors").stat().st_size
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(hf_dir), str(tmp_path / "td"), str(tmp_path / "back")],
+        env=ENV, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    peaks = json.loads(result.stdout.strip().splitlines()[-1])
+    assert peaks["back"] - peaks["baseline"] <= 0.25 * checkpoint_bytes, (peaks, checkpoint_bytes)
+    _same_hf(hf_dir, tmp_path / "back")
