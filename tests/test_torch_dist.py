@@ -171,6 +171,51 @@ def test_torch_dist_and_safetensors_formats_convert_into_each_other_identically(
     assert _common(tmp_path / "td_pp4")["args"].pipeline_model_parallel_size == 4
 
 
+def test_reads_other_writers_key_variants(tmp_path, llama_dir):
+    """A checkpoint whose model keys carry a wrapper prefix ('module.'), per-layer keys
+    (decoder.layers.N....) with local-spec norm names, and optimizer entries beside the model,
+    with no HF files: read with --hf-config, it converts back bit-exactly."""
+    from checkpoint_convert.dcp import DcpWriter
+
+    td = tmp_path / "td"
+    convert.hf_to_mcore(llama_dir, td, tp=2, pp=1, fmt="torch_dist", **QUIET)
+    source = DcpReader(td / "release")
+    variant = tmp_path / "variant" / "iter_0000007"
+    variant.mkdir(parents=True)
+    writer = DcpWriter(variant)
+    for key, info in source.tensors.items():
+        tensor = source.read(key)
+        if key.startswith("decoder.layers."):
+            suffix = key.removeprefix("decoder.layers.").replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+            for layer in range(info.shape[0]):
+                name = f"module.decoder.layers.{layer}.{suffix}"
+                writer.declare(name, shape=info.shape[1:], dtype=info.dtype)
+                writer.write_chunk(name, tensor[layer], offsets=(0,) * (len(info.shape) - 1), file="__0_0.distcp")
+        else:
+            writer.declare(f"module.{key}", shape=info.shape, dtype=info.dtype)
+            writer.write_chunk(f"module.{key}", tensor, offsets=(0,) * len(info.shape), file="__0_0.distcp")
+    writer.declare("optimizer.state.exp_avg.module.decoder.final_layernorm.weight", shape=(32,), dtype=torch.float32)
+    writer.write_chunk("optimizer.state.exp_avg.module.decoder.final_layernorm.weight", torch.zeros(32), offsets=(0,), file="__1_0.distcp")
+    writer.write_object("rng_state/shard_0.0_1.2", [{"seed": 1}], file="__1_0.distcp")
+    writer.finish()
+    common = _common(td)
+    del common["args"].vocab_size
+    torch.save({**common, "iteration": 7}, variant / "common.pt")
+    (tmp_path / "variant" / "latest_checkpointed_iteration.txt").write_text("7")
+    convert.mcore_to_hf_dir(tmp_path / "variant", tmp_path / "back", hf_config_dir=llama_dir, **QUIET)
+    _same_hf(llama_dir, tmp_path / "back")
+    # An unmapped model tensor is an error, not silently dropped.
+    writer = DcpWriter(variant)
+    for key in source.tensors:
+        writer.declare(key, shape=source.tensors[key].shape, dtype=source.tensors[key].dtype)
+        writer.write_chunk(key, source.read(key), offsets=(0,) * len(source.tensors[key].shape), file="__0_0.distcp")
+    writer.declare("decoder.layers.self_attention.q_layernorm.weight", shape=(4, 4), dtype=torch.float32)
+    writer.write_chunk("decoder.layers.self_attention.q_layernorm.weight", torch.ones(4, 4), offsets=(0, 0), file="__0_0.distcp")
+    writer.finish()
+    with pytest.raises(ConversionError, match="q_layernorm.weight' is not part of"):
+        open_mcore_dir(tmp_path / "variant", hf_config_dir=llama_dir)
+
+
 # ---------------------------------------------------------------------------------------
 # CLI and bad input
 # ---------------------------------------------------------------------------------------
