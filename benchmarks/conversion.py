@@ -1,5 +1,10 @@
 """Benchmark 5: checkpoint conversion HF -> mcore (tp 2, pp 2) -> HF of a >= 1 GB random Llama.
 
+`--format` picks the Megatron side: this package's safetensors per rank (default) or
+torch_dist (megatron-core dist_checkpointing in Megatron-LM's layout). For torch_dist the
+modules it imports (torch.distributed.checkpoint) are imported before the baseline is read:
+they are a fixed cost, not memory that grows with the checkpoint.
+
 Wall time of each direction against `cp -r` of the same input files, and peak RSS above the
 interpreter's baseline against the checkpoint size. Each conversion runs in a fresh Python
 process: it imports torch and checkpoint_convert, reads its peak RSS (the baseline), converts,
@@ -12,6 +17,7 @@ step pays for another's writeback; nothing is fsynced inside a timed step by eit
 The generated model lives in /tmp (never in the repository) and is reused between runs.
 
     python benchmarks/conversion.py            # 5 repeats, ~3 min and ~4 GB of /tmp
+    python benchmarks/conversion.py --format torch_dist --out /tmp/mcore_dpo_bench/conversion_torch_dist.json
     python benchmarks/conversion.py --tiny --repeats 1
 """
 
@@ -40,10 +46,12 @@ _CONVERT = """
 import json, time
 from benchmarks.common import peak_rss_bytes
 from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir
+if {fmt!r} == "torch_dist":
+    import checkpoint_convert.torch_dist, torch.distributed.checkpoint
 baseline = peak_rss_bytes()
 start = time.perf_counter()
 if {direction!r} == "hf_to_mcore":
-    hf_to_mcore({src!r}, {dst!r}, tp=2, pp=2, overwrite=True, log=lambda _m: None)
+    hf_to_mcore({src!r}, {dst!r}, tp=2, pp=2, overwrite=True, fmt={fmt!r}, log=lambda _m: None)
 else:
     mcore_to_hf_dir({src!r}, {dst!r}, overwrite=True, log=lambda _m: None)
 seconds = time.perf_counter() - start
@@ -59,9 +67,9 @@ def _settle(dst: Path) -> None:
     subprocess.run(["sync"], check=True)
 
 
-def convert_once(*, direction: str, src: Path, dst: Path) -> dict:
+def convert_once(*, direction: str, src: Path, dst: Path, fmt: str) -> dict:
     _settle(dst)
-    return common.run_python(_CONVERT.format(direction=direction, src=str(src), dst=str(dst)))
+    return common.run_python(_CONVERT.format(direction=direction, src=str(src), dst=str(dst), fmt=fmt))
 
 
 def copy_once(*, src: Path, dst: Path) -> float:
@@ -80,17 +88,17 @@ def round_trip_exact(original: Path, round_trip: Path) -> bool:
     return all(torch.equal(a.get(n), b.get(n)) for n in a.names)
 
 
-def run(*, shape: common.LlamaShape, repeats: int, work_dir: Path) -> dict:
+def run(*, shape: common.LlamaShape, repeats: int, work_dir: Path, fmt: str = "safetensors") -> dict:
     hf_dir = common.write_random_llama(work_dir / "hf", shape=shape, dtype="float32")
-    mcore_dir, back_dir, copy_dir = work_dir / "mcore_tp2_pp2", work_dir / "hf_back", work_dir / "copy"
+    mcore_dir, back_dir, copy_dir = work_dir / f"mcore_{fmt}_tp2_pp2", work_dir / "hf_back", work_dir / "copy"
     hf_bytes = common.directory_bytes(hf_dir)
     samples: dict[str, list[float]] = {k: [] for k in (
         "hf_to_mcore_s", "mcore_to_hf_s", "cp_hf_s", "cp_mcore_s",
         "hf_to_mcore_rss_above_baseline_bytes", "mcore_to_hf_rss_above_baseline_bytes", "baseline_rss_bytes")}
     for _ in range(repeats):
-        forward = convert_once(direction="hf_to_mcore", src=hf_dir, dst=mcore_dir)
+        forward = convert_once(direction="hf_to_mcore", src=hf_dir, dst=mcore_dir, fmt=fmt)
         samples["cp_hf_s"].append(copy_once(src=hf_dir, dst=copy_dir))
-        back = convert_once(direction="mcore_to_hf", src=mcore_dir, dst=back_dir)
+        back = convert_once(direction="mcore_to_hf", src=mcore_dir, dst=back_dir, fmt=fmt)
         samples["cp_mcore_s"].append(copy_once(src=mcore_dir, dst=copy_dir))
         samples["hf_to_mcore_s"].append(forward["seconds"])
         samples["mcore_to_hf_s"].append(back["seconds"])
@@ -100,6 +108,7 @@ def run(*, shape: common.LlamaShape, repeats: int, work_dir: Path) -> dict:
     stats = {k: common.summary(v) for k, v in samples.items()}
     med = {k: v["median"] for k, v in stats.items()}
     out = {
+        "format": fmt,
         "shape": shape.__dict__,
         "checkpoint_bytes": hf_bytes,
         "mcore_bytes": common.directory_bytes(mcore_dir),
@@ -125,14 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work-dir", default="/tmp/mcore_dpo_bench/conversion", help="keep it outside the repository")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--format", choices=("safetensors", "torch_dist"), default="safetensors")
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     if common.REPO_ROOT in work.resolve().parents:
         raise SystemExit(f"--work-dir: {work} is inside the repository; use a path under /tmp")
-    result = run(shape=TINY_SHAPE if args.tiny else SHAPE, repeats=args.repeats, work_dir=work)
+    result = run(shape=TINY_SHAPE if args.tiny else SHAPE, repeats=args.repeats, work_dir=work, fmt=args.format)
     result["machine"] = common.machine()
     s, r, gib = result["stats"], result["ratios"], 2**30
-    print(f"checkpoint {result['checkpoint_bytes'] / gib:.2f} GiB; round trip bit-exact: {result['round_trip_bit_exact']}")
+    print(f"{args.format}: checkpoint {result['checkpoint_bytes'] / gib:.2f} GiB; round trip bit-exact: {result['round_trip_bit_exact']}")
     print(f"hf->mcore {common.fmt(s['hf_to_mcore_s'], digits=2)} s vs cp -r {common.fmt(s['cp_hf_s'], digits=2)} s: "
           f"x{r['hf_to_mcore_over_cp']:.2f}; RSS above baseline {r['hf_to_mcore_rss_over_checkpoint']:.1%} of the checkpoint")
     print(f"mcore->hf {common.fmt(s['mcore_to_hf_s'], digits=2)} s vs cp -r {common.fmt(s['cp_mcore_s'], digits=2)} s: "

@@ -1,9 +1,14 @@
 """Command line: convert checkpoints between Hugging Face and megatron-core layouts.
 
-    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--dtype bf16]
-    python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB]
-    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4
+    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--dtype bf16] [--format torch_dist]
+    python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB] [--hf-config DIR]
+    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--format torch_dist] [--hf-config DIR]
     python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
+
+--mcore-dir reads either format: this package's (safetensors per rank) or torch_dist
+(megatron-core dist_checkpointing in Megatron-LM's layout, from Megatron-LM, Megatron-Bridge,
+ms-swift or this package). --hf-config DIR names a directory whose config.json describes the
+model when a torch_dist checkpoint has no HF config of its own and its args do not say enough.
 
 (also installed as `mcore-convert`). Bad input prints one line and exits with code 2.
 """
@@ -15,6 +20,10 @@ import signal
 import sys
 
 from checkpoint_convert.mapping import LAYER_SPECS, ConversionError
+
+# Kept in step with checkpoint_convert.convert.FORMATS (not imported here: it pulls in torch).
+FORMATS = ("safetensors", "torch_dist")
+_FORMAT_HELP = "safetensors: this package's format; torch_dist: Megatron-LM's layout with megatron-core dist_checkpointing"
 
 EXIT_BAD_INPUT = 2
 
@@ -30,12 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: keep the source dtype")
     p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local", help="'te' for Transformer Engine names")
+    p.add_argument("--format", choices=FORMATS, default="safetensors", help=_FORMAT_HELP)
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory")
     p.add_argument("--mcore-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("reshard", help="Megatron checkpoint -> Megatron checkpoint at a new tp x pp")
@@ -43,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--format", choices=FORMATS, default=None, help=_FORMAT_HELP + " (default: the input's)")
+    p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("verify", help="compare HF and Megatron logits at the checkpoint's tp x pp")
@@ -67,18 +80,22 @@ def run(argv: list[str] | None = None) -> int:
 
         hf_to_mcore(
             args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-            layer_spec=args.layer_spec, overwrite=args.overwrite,
+            layer_spec=args.layer_spec, overwrite=args.overwrite, fmt=args.format,
         )  # fmt: skip
     elif args.command == "mcore-to-hf":
         from checkpoint_convert.convert import mcore_to_hf_dir, parse_size_bytes
 
         mcore_to_hf_dir(
-            args.mcore_dir, args.out, max_shard_bytes=parse_size_bytes(args.max_shard_size), overwrite=args.overwrite
-        )
+            args.mcore_dir, args.out, max_shard_bytes=parse_size_bytes(args.max_shard_size), overwrite=args.overwrite,
+            hf_config_dir=args.hf_config,
+        )  # fmt: skip
     elif args.command == "reshard":
         from checkpoint_convert.convert import reshard
 
-        reshard(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, overwrite=args.overwrite)
+        reshard(
+            args.mcore_dir, args.out, tp=args.tp, pp=args.pp, overwrite=args.overwrite, fmt=args.format,
+            hf_config_dir=args.hf_config,
+        )  # fmt: skip
     elif args.command == "verify":
         from checkpoint_convert.verify import verify
 

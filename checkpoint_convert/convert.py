@@ -48,6 +48,11 @@ from checkpoint_convert.mapping import (
 from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 
 DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Checkpoint formats: this package's safetensors per rank, and megatron-core's torch_dist
+# inside Megatron-LM's layout (checkpoint_convert.torch_dist). See docs/BENCHMARKS.md for
+# why safetensors stays the default.
+FORMATS = ("safetensors", "torch_dist")
+DEFAULT_FORMAT = "safetensors"
 # Vocabulary-sized tensors are copied in row blocks of at most this many bytes.
 ROW_BLOCK_BYTES = 4 * 2**20
 _VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -65,6 +70,11 @@ def parse_size_bytes(text: str) -> int:
     if size <= 0:
         raise ConversionError(f"--max-shard-size: must be positive, got {text!r}")
     return size
+
+
+def checkpoint_format(source: object) -> str:
+    """The format name of an opened Megatron checkpoint."""
+    return getattr(source, "format", "safetensors")
 
 
 def write_mcore_shard(directory: Path, *, tp_rank: int, pp_rank: int, shard: dict[str, torch.Tensor]) -> None:
@@ -161,6 +171,17 @@ def _write_mcore(
     write_mcore_meta(tmp, meta=meta, aux_files=aux_files)
 
 
+def _writer(fmt: str) -> Callable[..., None]:
+    """The checkpoint writer of a format; all take the same keyword arguments as _write_mcore."""
+    if fmt == "safetensors":
+        return _write_mcore
+    if fmt == "torch_dist":
+        from checkpoint_convert.torch_dist import write_checkpoint
+
+        return write_checkpoint
+    raise ConversionError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
 def hf_to_mcore(
     hf_dir: str | Path,
     out: str | Path,
@@ -171,19 +192,21 @@ def hf_to_mcore(
     layer_spec: str = "local",
     divisor: int = 128,
     overwrite: bool = False,
+    fmt: str = DEFAULT_FORMAT,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Convert an HF directory into a Megatron checkpoint sharded tp x pp."""
+    """Convert an HF directory into a Megatron checkpoint sharded tp x pp (format `fmt`)."""
     source = open_hf_dir(hf_dir)
     check_layout(source.spec, tp=tp, pp=pp, source=str(source.dir / "config.json"), divisor=divisor)
     target_dtype = DTYPE_FLAGS[dtype] if dtype else source.spec.torch_dtype
+    write = _writer(fmt)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
-        _write_mcore(
+        write(
             tmp, spec=source.spec, hf_config=source.config, get=source.get, get_rows=source.get_rows, tp=tp, pp=pp,
             dtype=target_dtype,
             layer_spec=layer_spec, divisor=divisor, aux_files=source.aux_files(), log=log,
         )  # fmt: skip
-    log(f"hf-to-mcore: {source.dir} -> {out} (tp={tp} pp={pp} dtype={target_dtype})")
+    log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp} dtype={target_dtype})")
 
 
 def reshard(
@@ -193,21 +216,26 @@ def reshard(
     tp: int,
     pp: int,
     overwrite: bool = False,
+    fmt: str | None = None,
+    hf_config_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Re-split a Megatron checkpoint for a new tp x pp by going through HF names."""
-    source = open_mcore_dir(mcore_dir)
+    """Re-split a Megatron checkpoint for a new tp x pp by going through HF names; the output
+    format is `fmt`, by default the input's."""
+    source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
-    check_layout(meta.spec, tp=tp, pp=pp, source=str(source.dir / META_FILE), divisor=meta.vocab_divisor)
+    fmt = fmt or checkpoint_format(source)
+    write = _writer(fmt)
+    check_layout(meta.spec, tp=tp, pp=pp, source=str(source.dir), divisor=meta.vocab_divisor)
     aux = sorted(p for p in source.hf_files_dir.iterdir() if p.is_file()) if source.hf_files_dir.is_dir() else []
     view = source.hf_view()
-    with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
-        _write_mcore(
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(getattr(source, "root", source.dir),)) as tmp:
+        write(
             tmp, spec=meta.spec, hf_config=meta.hf_config, get=view.get, get_rows=view.get_rows, tp=tp, pp=pp,
             dtype=meta.dtype,
             layer_spec=meta.layer_spec, divisor=meta.vocab_divisor, aux_files=aux, log=log,
         )  # fmt: skip
-    log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp}) -> {out} (tp={tp} pp={pp})")
+    log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp}) -> {out} ({fmt}, tp={tp} pp={pp})")
 
 
 def _plan_hf_shards(spec: ModelSpec, *, dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
@@ -302,10 +330,11 @@ def mcore_to_hf_dir(
     *,
     max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
+    hf_config_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Export a Megatron checkpoint as an HF directory (sharded safetensors + index)."""
-    source = open_mcore_dir(mcore_dir)
+    """Export a Megatron checkpoint (either format) as an HF directory (sharded safetensors + index)."""
+    source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
     torch_dtype = DTYPES[meta.dtype]
     plan = _plan_hf_shards(meta.spec, dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
@@ -316,7 +345,7 @@ def mcore_to_hf_dir(
     total_bytes = sum(element_bytes * torch.Size(shape).numel() for shape in shapes.values())
     view = source.hf_view()
     index = hf_entry_index(meta.spec, pp=meta.pp)
-    with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(getattr(source, "root", source.dir),)) as tmp:
         writer = _ShardedWriter(tmp, files=files, plan=plan, shapes=shapes, dtype=torch_dtype, log=log)
         try:
             for name in hf_tensor_shapes(meta.spec):

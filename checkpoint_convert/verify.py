@@ -41,7 +41,7 @@ class VerifyReport:
         )
 
 
-def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: str, hf_dir: str) -> None:
     """One Megatron rank: build its stage, load its shard, run the forward, pass activations on."""
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"  # verify compares on the CPU, whatever the machine has
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -51,7 +51,7 @@ def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: 
     from mcore_dpo import platform as platform_lib
     from mcore_dpo.model import build_stage_model, causal_mask, load_shard, stage_forward
 
-    checkpoint = open_mcore_dir(mcore_dir)
+    checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf_dir)
     meta = checkpoint.meta
     platform = platform_lib.detect(local_rank=rank)
     platform_lib.activate(platform)
@@ -107,7 +107,8 @@ def verify(
 ) -> VerifyReport:
     """Compare HF logits with Megatron logits on one random batch of token ids."""
     hf = open_hf_dir(hf_dir)
-    checkpoint = open_mcore_dir(mcore_dir)
+    # A torch_dist checkpoint without an HF config of its own is read with the HF model's.
+    checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf.dir)
     meta = checkpoint.meta
     if not _same_model(hf.spec, meta.spec):
         raise ConversionError(f"{checkpoint.dir}: hf_config describes a different model than {hf.dir / 'config.json'}")
@@ -123,7 +124,7 @@ def verify(
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.multiprocessing.spawn(
             _rank_main,
-            args=(world_size, free_port(), str(checkpoint.dir), work_dir),
+            args=(world_size, free_port(), str(checkpoint.dir), work_dir, str(hf.dir)),
             nprocs=world_size,
             join=True,
         )

@@ -29,7 +29,10 @@ class ConfigError(ValueError):
 class TrainConfig:
     # --- inputs and output ---
     model: str | None = None
-    """HF model directory or a checkpoint_convert Megatron directory; None = the embedded tiny default."""
+    """HF model directory, a checkpoint_convert Megatron directory, or a torch_dist checkpoint
+    (Megatron-LM layout, e.g. from Megatron-LM, Megatron-Bridge or ms-swift); None = the embedded tiny default."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the model's own tokenizer files."""
     ref_model: str | None = None
     """Reference model directory; defaults to --model."""
     data: str | None = None
@@ -217,7 +220,7 @@ class TrainConfig:
         if self.wandb_project is not None and not self.wandb:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         self._validate_trl_options()
-        for name in ("model", "ref_model", "data", "eval_data"):
+        for name in ("model", "ref_model", "tokenizer", "data", "eval_data"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"{name}: {path} does not exist")

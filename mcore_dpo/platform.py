@@ -92,6 +92,23 @@ def building_models(platform: Platform):
         torch.Tensor.cuda = original  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def saving_dist_checkpoint(platform: Platform):
+    """Context for megatron-core `dist_checkpointing.save`. On the CPU its torch_dist writer
+    calls `torch.cuda.synchronize()`, which has nothing to wait for: make it a no-op there
+    (`torch.cuda.current_device` already points at the CPU, see `activate`). Loading needs no
+    adaptation, as long as the fully parallel load wrapper (it calls `.cuda()`) is not used."""
+    if platform.is_cuda:
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original  # type: ignore[assignment]
+
+
 def init_model_rng(platform: Platform, seed: int) -> None:
     """Seed torch and megatron-core's tensor-parallel RNG tracker.
 

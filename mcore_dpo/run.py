@@ -65,7 +65,9 @@ def prepare(config: TrainConfig) -> Prepared:
         ref_spec = open_weights(config.ref_model).spec
         if replace(ref_spec, torch_dtype=spec.torch_dtype) != spec:
             raise InputError(f"ref_model: {config.ref_model} has a different architecture than {config.model}")
-    tok_dir = tokenizer_dir(config.model)
+    tok_dir = config.tokenizer or tokenizer_dir(config.model)
+    if not os.path.isdir(tok_dir):
+        raise InputError(f"{config.model}: holds no tokenizer files; pass --tokenizer DIR")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
     except Exception as error:  # transformers raises many types here
@@ -291,10 +293,15 @@ def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
 
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)
-        hf_config, aux = src.meta.hf_config, sorted(p for p in src.hf_files_dir.iterdir() if p.is_file())
+        hf_config = src.meta.hf_config
+        aux = sorted(p for p in src.hf_files_dir.iterdir() if p.is_file()) if src.hf_files_dir.is_dir() else []
     else:
         src = open_hf_dir(config.model)
         hf_config, aux = src.config, src.aux_files()
+    if config.tokenizer:  # --tokenizer's files travel with the checkpoints, in place of the model's
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
+        given = [p for p in Path(config.tokenizer).iterdir() if p.is_file() and p.name != "config.json" and p.suffix not in weights]
+        aux = [p for p in aux if p.name not in {g.name for g in given}] + given
     if not config.trust_remote_code:
         aux = [p for p in aux if p.suffix != ".py"]
     meta = McoreMeta(

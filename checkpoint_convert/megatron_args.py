@@ -1,0 +1,157 @@
+"""Megatron-LM's `args` Namespace (stored in a torch_dist checkpoint's common.pt) <-> ModelSpec.
+
+Megatron-LM's `--use-checkpoint-args` copies model fields from the saved `args` into its own
+(`load_args_from_checkpoint` in megatron/training/checkpointing.py). `checkpoint_args` writes
+those fields, plus the ones this package needs to read a checkpoint back without an HF config
+(`norm_epsilon`, `use_rope_scaling`, `rope_scaling_factor`, `qk_layernorm`, the unpadded
+`vocab_size`). `hf_config_from_args` goes the other way, for checkpoints that Megatron-LM,
+Megatron-Bridge or ms-swift wrote: it refuses models this package cannot map (LayerNorm, no
+SwiGLU, linear biases, QK layernorm, MoE, learned positions) with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from checkpoint_convert.mapping import DTYPES, ConversionError, ModelSpec
+
+# megatron-core's llama3.1 RoPE scaling hard-codes these three of its four parameters.
+MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rotary_base(theta: float) -> int | float:
+    return int(theta) if float(theta).is_integer() else theta  # Megatron-LM parses --rotary-base as int
+
+
+def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str) -> argparse.Namespace:
+    """The args a torch_dist checkpoint of this model, written at tp x pp, carries."""
+    torch_dtype = DTYPES[dtype]
+    scaling = spec.rope_scaling
+    return argparse.Namespace(
+        # model shape
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_query_groups,
+        group_query_attention=spec.num_query_groups != spec.num_heads,
+        kv_channels=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        seq_length=spec.max_position_embeddings,
+        # positions
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        rotary_base=_rotary_base(spec.rope_theta),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=scaling is not None,
+        rope_scaling_factor=float(scaling["factor"]) if scaling else 8.0,
+        # layers
+        normalization="RMSNorm",
+        norm_epsilon=spec.rms_norm_eps,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        squared_relu=False,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=False,
+        apply_query_key_layer_scaling=False,
+        untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        num_experts=None,
+        mtp_num_layers=None,
+        # vocabulary
+        vocab_size=spec.vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        make_vocab_size_divisible_by=vocab_divisor,
+        # precision
+        params_dtype=torch_dtype,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        # layout of the writer
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        expert_model_parallel_size=1,
+        context_parallel_size=1,
+        data_parallel_size=1,
+        world_size=tp * pp,
+        ckpt_format="torch_dist",
+        use_dist_ckpt=True,
+    )
+
+
+def _get(args: object, name: str, kind: type | tuple[type, ...], *, source: str, default: object = ...) -> object:
+    value = getattr(args, name, None)
+    if value is None:
+        if default is ...:
+            raise ConversionError(f"{source}: field 'args.{name}' is missing (pass --hf-config DIR)")
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise ConversionError(f"{source}: field 'args.{name}' has unexpected value {value!r}")
+    return value
+
+
+def _refuse(args: object, name: str, supported: object, *, source: str, default: object) -> None:
+    value = getattr(args, name, default)
+    if value is None:
+        value = default
+    if value != supported:
+        raise ConversionError(f"{source}: field 'args.{name}' is {value!r}; only {supported!r} is supported")
+
+
+def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) -> dict:
+    """An HF config.json (as a dict) for the model Megatron's args describe.
+
+    The family is Qwen2 when the checkpoint has qkv biases, Llama otherwise (Mistral without a
+    sliding window is the same model). The unpadded vocabulary is args.vocab_size when the
+    writer recorded it, else the padded one: Megatron-LM trains on the padded vocabulary.
+    """
+    if not isinstance(args, (argparse.Namespace,)) and not hasattr(args, "__dict__"):
+        raise ConversionError(f"{source}: 'args' is not a Namespace")
+    _refuse(args, "normalization", "RMSNorm", source=source, default="LayerNorm")
+    _refuse(args, "swiglu", True, source=source, default=False)
+    _refuse(args, "add_bias_linear", False, source=source, default=True)
+    _refuse(args, "qk_layernorm", False, source=source, default=False)
+    _refuse(args, "num_experts", 0, source=source, default=0)
+    _refuse(args, "position_embedding_type", "rope", source=source, default="learned_absolute")
+    _refuse(args, "rotary_percent", 1.0, source=source, default=1.0)
+    _refuse(args, "rotary_interleaved", False, source=source, default=False)
+    _refuse(args, "apply_layernorm_1p", False, source=source, default=False)
+    _refuse(args, "squared_relu", False, source=source, default=False)
+    hidden = _get(args, "hidden_size", int, source=source)
+    heads = _get(args, "num_attention_heads", int, source=source)
+    gqa = _get(args, "group_query_attention", bool, source=source, default=False)
+    groups = _get(args, "num_query_groups", int, source=source) if gqa else heads
+    qkv_bias = _get(args, "add_qkv_bias", bool, source=source, default=False)
+    vocab = _get(args, "vocab_size", int, source=source, default=padded_vocab_size)
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qkv_bias else "llama",
+        "hidden_size": hidden,
+        "intermediate_size": _get(args, "ffn_hidden_size", int, source=source),
+        "num_hidden_layers": _get(args, "num_layers", int, source=source),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": _get(args, "kv_channels", int, source=source, default=hidden // heads),
+        "max_position_embeddings": _get(args, "max_position_embeddings", int, source=source),
+        "rms_norm_eps": float(_get(args, "norm_epsilon", (float, int), source=source, default=1e-5)),
+        "rope_theta": float(_get(args, "rotary_base", (int, float), source=source, default=10000)),
+        "tie_word_embeddings": not _get(args, "untie_embeddings_and_output_weights", bool, source=source, default=False),
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+    }
+    if _get(args, "use_rope_scaling", bool, source=source, default=False):
+        factor = float(_get(args, "rope_scaling_factor", (float, int), source=source, default=8.0))
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, **MEGATRON_ROPE_SCALING}
+    return config
+
+
+def layout_from_args(args: object) -> tuple[int, int]:
+    """(tp, pp) the checkpoint was written at; Megatron-LM's default is 1 for a missing field."""
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    return int(tp), int(pp)

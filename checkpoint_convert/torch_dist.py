@@ -1,0 +1,401 @@
+"""Megatron's own checkpoint format: megatron-core dist_checkpointing (torch_dist backend)
+inside Megatron-LM's directory layout. Megatron-LM, Megatron-Bridge and ms-swift read and
+write it.
+
+    latest_checkpointed_iteration.txt     "release" (or the iteration number)
+    release/ (or iter_0000100/)
+        metadata.json, .metadata, __{rank}_0.distcp   dist_checkpointing files (see dcp.py)
+        common.pt       {"args": Namespace(...), "checkpoint_version": 3.0, "iteration": 0}
+        hf_files/       config.json + tokenizer/generation files of the source model
+                        (written by this package; others' checkpoints lack it)
+
+Tensors are stored by megatron-core's sharded keys in their global shape, whatever tp/pp
+wrote them: `embedding.word_embeddings.weight` [padded vocab, h], the layer tensors stacked
+with a leading layer dim (`decoder.layers.self_attention.linear_qkv.weight` [L, ...]; older
+writers use per-layer keys `decoder.layers.N....`, also read), norms under the Transformer
+Engine names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), fc1 as
+[gate; up] over the whole intermediate size, qkv fused group by group over all groups.
+
+Reading presents the checkpoint as one tp1 pp1 shard (`shard_view(0, 0)`, local-spec names),
+so the converter's HF view, mcore-to-hf and reshard need nothing format-specific. Writing
+streams: one mapping entry at a time, each tp rank's part stored as its own chunk (vocabulary
+tensors in row blocks), so memory holds one entry, never a stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
+from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta
+from checkpoint_convert.mapping import (
+    DTYPES,
+    ConversionError,
+    ModelSpec,
+    mcore_entries,
+    padded_vocab_size,
+    spec_from_hf_config,
+    split_entry,
+    stage_layers,
+)
+from checkpoint_convert.megatron_args import checkpoint_args, hf_config_from_args, layout_from_args
+from checkpoint_convert.safe_pickle import torch_load_file
+
+FORMAT = "torch_dist"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.pt"
+CHECKPOINT_VERSION = 3.0
+RELEASE_DIR = "release"
+# Vocabulary tensors are stored in chunks of at most this many bytes (one read block each).
+VOCAB_CHUNK_BYTES = 16 * 2**20
+# Local-spec layer names -> the names megatron-core's sharded state dict saves them under.
+_SHARDED_LAYER_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# Keys a model reader ignores: optimizer state and rng/rerun objects ride along in training checkpoints.
+_NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
+
+
+# ---------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------
+
+
+def iteration_dir(directory: str | os.PathLike) -> Path:
+    """The dist_checkpointing directory: DIR itself, or the one DIR's tracker file names."""
+    directory = Path(directory)
+    if is_dcp_dir(directory):
+        return directory
+    tracker = directory / TRACKER_FILE
+    if not tracker.is_file():
+        raise ConversionError(f"{directory}: neither a torch_dist checkpoint (metadata.json) nor a Megatron save directory ({TRACKER_FILE})")
+    text = tracker.read_text().strip()
+    if text == "release":
+        name = RELEASE_DIR
+    elif text.isdigit():
+        name = f"iter_{int(text):07d}"
+    else:
+        raise ConversionError(f"{tracker}: expected 'release' or an iteration number, got {text[:40]!r}")
+    if not is_dcp_dir(directory / name):
+        raise ConversionError(f"{directory / name}: not a torch_dist checkpoint (metadata.json missing or not torch_dist)")
+    return directory / name
+
+
+def is_torch_dist_dir(directory: str | os.PathLike) -> bool:
+    directory = Path(directory)
+    return is_dcp_dir(directory) or (directory / TRACKER_FILE).is_file()
+
+
+def _layer_key(name: str) -> tuple[int, str] | None:
+    match = _LAYER_NAME.fullmatch(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def _sharded_suffix(suffix: str) -> str:
+    return _SHARDED_LAYER_NAMES.get(suffix, suffix)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------
+
+
+class _GlobalShard(Mapping):
+    """The checkpoint as one tp1 pp1 GPTModel's tensors, local-spec names, read on access."""
+
+    def __init__(self, checkpoint: TorchDistCheckpoint, names: dict[str, tuple[int, ...]]) -> None:
+        self._ckpt, self._names = checkpoint, names
+
+    def _locate(self, name: str) -> tuple[str, tuple[int, ...] | None]:
+        """(stored key, layer index into its leading dim or None)."""
+        reader, prefix = self._ckpt.reader, self._ckpt.key_prefix
+        layer = _layer_key(name)
+        if layer is None:
+            return prefix + name, None
+        index, suffix = layer
+        for candidate in (_sharded_suffix(suffix), suffix):
+            if f"{prefix}decoder.layers.{candidate}" in reader.tensors:
+                return f"{prefix}decoder.layers.{candidate}", index
+            if f"{prefix}decoder.layers.{index}.{candidate}" in reader.tensors:
+                return f"{prefix}decoder.layers.{index}.{candidate}", None
+        raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{_sharded_suffix(suffix)})")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        key, layer = self._locate(name)
+        shape = self._names[name]
+        if layer is None:
+            return self._ckpt.reader.read(key)
+        return self._ckpt.reader.read(key, offsets=(layer,) + (0,) * len(shape), sizes=(1,) + shape).reshape(shape)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        key, _ = self._locate(name)
+        return self._ckpt.reader.read(key, offsets=(start, 0), sizes=(stop - start, self._names[name][1]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class TorchDistCheckpoint:
+    """A validated torch_dist checkpoint, seen as one tp1 pp1 shard (see the module docstring).
+
+    The model comes from hf_files/config.json when this package wrote the checkpoint, else
+    from `hf_config_dir`/config.json when given, else from common.pt's args.
+    """
+
+    format = FORMAT
+
+    def __init__(self, directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None) -> None:
+        self.root = Path(directory)
+        if not self.root.is_dir():
+            raise ConversionError(f"{self.root}: not a directory")
+        self.dir = iteration_dir(self.root)
+        self.reader = DcpReader(self.dir)
+        common_path = self.dir / COMMON_FILE
+        common = torch_load_file(common_path)
+        if not isinstance(common, dict):
+            raise ConversionError(f"{common_path}: expected a dict, got {type(common).__name__}")
+        self.args = common.get("args")
+        self.iteration = common.get("iteration")
+        self.written_tp, self.written_pp = layout_from_args(self.args) if self.args is not None else (1, 1)
+        embed = self._find_prefix()
+        rows, _ = self.reader.tensors[embed].shape
+        self.padded_vocab = rows
+        own = self.dir / HF_FILES_DIR / "config.json"
+        if own.is_file():
+            hf_config, source = _read_config(own), str(own)
+        elif hf_config_dir is not None:
+            path = Path(hf_config_dir) / "config.json"
+            hf_config, source = _read_config(path), str(path)
+        elif self.args is not None:
+            source = f"{common_path}"
+            hf_config = hf_config_from_args(self.args, source=source, padded_vocab_size=rows)
+        else:
+            raise ConversionError(f"{common_path}: has no 'args' to describe the model; pass --hf-config DIR")
+        spec = spec_from_hf_config(hf_config, source=source)
+        dtype = self.reader.tensors[embed].dtype
+        dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
+        if dtype_name is None:
+            raise ConversionError(f"{self.dir}: tensor '{embed}' has unsupported dtype {dtype}")
+        spec = replace(spec, torch_dtype=dtype_name)
+        divisor = getattr(self.args, "make_vocab_size_divisible_by", None) or 128
+        if rows < spec.vocab_size:
+            raise ConversionError(f"{self.dir}: tensor '{embed}' has {rows} rows, fewer than vocab_size {spec.vocab_size} ({source})")
+        self.meta = McoreMeta(
+            spec=spec, tp=1, pp=1, dtype=dtype_name, layer_spec="local", vocab_divisor=int(divisor),
+            hf_config=hf_config, format_version=FORMAT_VERSION,
+        )  # fmt: skip
+        self._shard = _GlobalShard(self, self._expected_names(spec, rows=rows))
+        self._validate(spec)
+
+    def _find_prefix(self) -> str:
+        keys = [k for k in self.reader.tensors if k.endswith("embedding.word_embeddings.weight")]
+        if len(keys) != 1:
+            raise ConversionError(f"{self.dir}: expected one '*embedding.word_embeddings.weight' tensor, found {len(keys)}")
+        self.key_prefix = keys[0][: -len("embedding.word_embeddings.weight")]
+        return keys[0]
+
+    @staticmethod
+    def _expected_names(spec: ModelSpec, *, rows: int) -> dict[str, tuple[int, ...]]:
+        from checkpoint_convert.mapping import mcore_shard_shapes
+
+        shapes = mcore_shard_shapes(spec, tp=1, pp=1, pp_rank=0, layer_spec="local")
+        for name in _VOCAB_KEYS:
+            if name in shapes:
+                shapes[name] = (rows, spec.hidden_size)
+        return shapes
+
+    def _validate(self, spec: ModelSpec) -> None:
+        used = set()
+        for name, shape in self._shard._names.items():
+            key, layer = self._shard._locate(name)
+            stored = self.reader.tensors[key]
+            expected = shape if layer is None else (spec.num_layers,) + shape
+            if stored.shape != expected:
+                raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
+            if stored.dtype != DTYPES[spec.torch_dtype]:
+                raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
+            used.add(key)
+        for key in self.reader.tensors:
+            local = key[len(self.key_prefix):] if key.startswith(self.key_prefix) else key
+            if key not in used and not local.startswith(_NON_MODEL_PREFIXES):
+                raise ConversionError(f"{self.dir}: tensor '{key}' is not part of a {spec.architecture} this package maps")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.meta.spec
+
+    @property
+    def hf_files_dir(self) -> Path:
+        return self.dir / HF_FILES_DIR
+
+    def shard_view(self, tp_rank: int, pp_rank: int) -> _GlobalShard:
+        if (tp_rank, pp_rank) != (0, 0):
+            raise KeyError((tp_rank, pp_rank))
+        return self._shard
+
+    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        view = self.shard_view(tp_rank, pp_rank)
+        return {name: view[name] for name in view}
+
+    def hf_view(self) -> HFView:
+        return HFView(self)
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise ConversionError(f"{path}: file is missing")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{path}: invalid JSON ({str(error).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return config
+
+
+def open_torch_dist(directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None) -> TorchDistCheckpoint:
+    return TorchDistCheckpoint(directory, hf_config_dir=hf_config_dir)
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------
+
+
+def _global_shapes(spec: ModelSpec, *, padded: int) -> dict[str, tuple[int, ...]]:
+    """Sharded key -> global shape, in the order tensors are written."""
+    layers = spec.num_layers
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in TorchDistCheckpoint._expected_names(spec, rows=padded).items():
+        layer = _layer_key(name)
+        if layer is None:
+            shapes[name] = shape
+        elif layer[0] == 0:
+            shapes[f"decoder.layers.{_sharded_suffix(layer[1])}"] = (layers,) + shape
+    return shapes
+
+
+def _chunks(spec: ModelSpec, *, kind: str, part: torch.Tensor, tp: int, tp_rank: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets within one layer's global tensor, block) of one tp rank's part of an entry."""
+    if kind == "replicated":
+        if tp_rank == 0:
+            yield (0,) * part.dim(), part
+    elif kind == "qkv":
+        yield (tp_rank * part.shape[0],) + (0,) * (part.dim() - 1), part
+    elif kind == "row":
+        yield (0, tp_rank * part.shape[1]), part
+    elif kind == "fc1":
+        gate, up = part.chunk(2, dim=0)
+        rows = gate.shape[0]
+        yield (tp_rank * rows, 0), gate
+        yield (spec.intermediate_size + tp_rank * rows, 0), up
+    else:
+        raise AssertionError(kind)
+
+
+def _write_vocab(
+    writer: DcpWriter, *, key: str, hf_name: str, get_rows: Callable, spec: ModelSpec, dtype: torch.dtype,
+    padded: int, tp: int, file_of: Callable[[int], str],
+) -> None:  # fmt: skip
+    rows_per_rank = padded // tp
+    block = max(1, VOCAB_CHUNK_BYTES // (spec.hidden_size * torch.empty((), dtype=dtype).element_size()))
+    for tp_rank in range(tp):
+        first, last = tp_rank * rows_per_rank, (tp_rank + 1) * rows_per_rank
+        for lo in range(first, last, block):
+            hi = min(lo + block, last)
+            real = min(hi, spec.vocab_size)
+            rows = get_rows(hf_name, lo, real).to(dtype) if lo < real else torch.empty((0, spec.hidden_size), dtype=dtype)
+            if real < hi:
+                rows = torch.cat([rows, torch.zeros((hi - max(lo, real), spec.hidden_size), dtype=dtype)])
+            writer.write_chunk(key, rows, offsets=(lo, 0), file=file_of(tp_rank))
+
+
+def write_checkpoint(
+    tmp: Path,
+    *,
+    spec: ModelSpec,
+    hf_config: dict,
+    get: Callable[[str], torch.Tensor],
+    get_rows: Callable[[str, int, int], torch.Tensor],
+    tp: int,
+    pp: int,
+    dtype: str,
+    layer_spec: str,
+    divisor: int,
+    aux_files: Iterable[Path],
+    log: Callable[[str], None],
+) -> None:
+    """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it.
+
+    layer_spec does not apply: megatron-core saves both specs under the same sharded keys."""
+    torch_dtype = DTYPES[dtype]
+    padded = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
+    out = tmp / RELEASE_DIR
+    out.mkdir(parents=True)
+    writer = DcpWriter(out)
+    shapes = _global_shapes(spec, padded=padded)
+    for key, shape in shapes.items():
+        writer.declare(key, shape=shape, dtype=torch_dtype)
+    try:
+        for pp_rank in range(pp):
+
+            def file_of(tp_rank: int, pp_rank: int = pp_rank) -> str:
+                return f"__{pp_rank * tp + tp_rank}_0.distcp"
+
+            for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+                if template == "output_layer.weight" and spec.tie_word_embeddings:
+                    continue  # tied: megatron-core stores the embedding once, under its own key
+                hf_names = [t.format(layer=global_layer) for t in hf]
+                if kind == "vocab":
+                    _write_vocab(
+                        writer, key=template, hf_name=hf_names[0], get_rows=get_rows, spec=spec, dtype=torch_dtype,
+                        padded=padded, tp=tp, file_of=file_of,
+                    )  # fmt: skip
+                    continue
+                tensors = [get(n) for n in hf_names]
+                if local is None:
+                    key, lead = template, ()
+                else:
+                    key, lead = f"decoder.layers.{_sharded_suffix(template.split('{layer}.', 1)[1])}", (global_layer,)
+                for tp_rank in range(tp if kind != "replicated" else 1):
+                    part = split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=tp_rank).to(torch_dtype)
+                    for offsets, block in _chunks(spec, kind=kind, part=part, tp=tp, tp_rank=tp_rank):
+                        writer.write_chunk(key, block.unsqueeze(0) if lead else block, offsets=lead + offsets, file=file_of(tp_rank))
+            for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank):
+                for linear in _LINEARS:  # megatron-core's linears save an (empty) extra state
+                    key = f"decoder.layers.{linear}._extra_state/shard_{layer}_{spec.num_layers}"
+                    # megatron-core stores a ShardedObject as the list of its replicas' data.
+                    writer.write_object(key, [None], file=file_of(0))
+            log(f"wrote {RELEASE_DIR}/ stage {pp_rank} ({tp} tensor-parallel rank file(s))")
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish()
+    args = checkpoint_args(spec, tp=tp, pp=pp, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
+    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, out / COMMON_FILE)
+    hf_files = out / HF_FILES_DIR
+    hf_files.mkdir()
+    (hf_files / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    for path in aux_files:
+        if path.name != "config.json":
+            shutil.copy2(path, hf_files / path.name)
+    (tmp / TRACKER_FILE).write_text("release\n")

@@ -1,0 +1,111 @@
+"""torch_dist against megatron-core itself, as real gloo ranks.
+
+Consumer side: megatron-core's dist_checkpointing.load reads this package's torch_dist output
+into GPTModels built the way Megatron-LM builds them, at a different tp/pp than written, and
+their logits equal the HF model's. Producer side: a GPTModel the test fills itself is saved by
+dist_checkpointing.save in Megatron-LM's layout at tp2 pp2; the converter turns it into an HF
+directory bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(__file__))
+from convert_helpers import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf  # noqa: E402
+from torch_dist_helpers import consumer_rank, megatron_lm_args, producer_rank, spawn  # noqa: E402
+
+from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir  # noqa: E402
+from checkpoint_convert.io import open_hf_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def _tokens(path: Path) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens}, str(path))
+    return tokens
+
+
+def _hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+@pytest.mark.parametrize(
+    "factory, written, loaded",
+    [(llama_gqa_untied, (2, 2), (1, 2)), (qwen2_bias_tied, (1, 4), (2, 1))],
+    ids=["llama-untied-written-tp2pp2-loaded-tp1pp2", "qwen2-tied-written-tp1pp4-loaded-tp2pp1"],
+)
+def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory, written, loaded):
+    model = factory()
+    hf_dir = save_hf(model, tmp_path / "hf")
+    out = tmp_path / "torch_dist"
+    hf_to_mcore(hf_dir, out, tp=written[0], pp=written[1], fmt="torch_dist", log=lambda _m: None)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    job = {"checkpoint": str(out / "release"), "tp": loaded[0], "pp": loaded[1],
+           "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(consumer_rank, world_size=loaded[0] * loaded[1], job=job)
+    megatron = load_file(job["logits"])["logits"]
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    assert megatron.shape[-1] >= VOCAB_SIZE
+    assert (megatron[..., :VOCAB_SIZE] - reference).abs().max().item() <= TOL
+    # Padded vocabulary rows are zero, so their logits are exactly zero.
+    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+
+
+def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
+    model = llama_gqa_untied()
+    hf_dir = save_hf(model, tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    tp, pp = 2, 2
+    args = megatron_lm_args(config, tp=tp, pp=pp)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    save = tmp_path / "megatron_save"
+    job = {"tp": tp, "pp": pp, "args": vars(args), "vocab_size": config["vocab_size"], "save": str(save),
+           "hf_weights": str(hf_dir / "model.safetensors"), "tokens": str(tmp_path / "tokens.safetensors"),
+           "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(producer_rank, world_size=tp * pp, job=job)
+    megatron = load_file(job["logits"])["logits"]
+    padded = args.padded_vocab_size
+    assert megatron.shape[-1] == padded
+
+    # With the HF config beside it: the exact model back, bit for bit.
+    exact = tmp_path / "hf_exact"
+    mcore_to_hf_dir(save, exact, hf_config_dir=hf_dir, log=lambda _m: None)
+    original, converted = hf_state(model), open_hf_dir(exact)
+    assert sorted(converted.names) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted.get(name), tensor), name
+    assert (_hf_logits(exact, tokens) - megatron[..., :VOCAB_SIZE]).abs().max().item() <= TOL
+
+    # From Megatron's args alone (CLI): Megatron-LM records no unpadded vocabulary, so the HF
+    # model keeps the padded one, exactly as Megatron trained it.
+    from_args = tmp_path / "hf_from_args"
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(from_args)],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    exported = json.loads((from_args / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForCausalLM"] and exported["vocab_size"] == padded
+    converted = open_hf_dir(from_args)
+    for name, tensor in original.items():
+        got = converted.get(name)
+        if got.shape[0] == padded:  # embedding and head: real rows, then zero padding
+            assert torch.equal(got[:VOCAB_SIZE], tensor) and torch.count_nonzero(got[VOCAB_SIZE:]) == 0, name
+        else:
+            assert torch.equal(got, tensor), name
+    assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL

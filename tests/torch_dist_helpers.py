@@ -1,0 +1,254 @@
+"""Megatron-side ranks for the torch_dist tests, written against megatron-core's own APIs only
+(parallel_state, TransformerConfig, GPTModel, dist_checkpointing), the way Megatron-LM builds
+and checkpoints a GPT model, and independent of checkpoint_convert's reader, writer and key map.
+
+Each rank function runs in a spawned process of a gloo group of tp * pp ranks; the last
+stage's tp ranks gather the vocab-parallel logits and tp rank 0 saves them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+
+def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int):
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mcore_dpo import platform as platform_lib  # device adaptation only (CPU stand-ins)
+
+    platform = platform_lib.detect(local_rank=rank)
+    platform_lib.activate(platform)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    platform_lib.init_model_rng(platform, 0)
+    return platform
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def padded_vocab(vocab_size: int, *, divisor: int, tp: int) -> int:
+    """Megatron-LM's _vocab_size_with_padding."""
+    multiple = divisor * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def build_gpt(args: Namespace, *, vocab_size: int, platform):
+    """GPTModel for this rank, from Megatron-LM style args (as its gpt model provider does)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from mcore_dpo import platform as platform_lib
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, attention_softmax_in_fp32=True,
+    )  # fmt: skip
+    with platform_lib.building_models(platform):
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+            vocab_size=padded_vocab(vocab_size, divisor=args.make_vocab_size_divisible_by, tp=tp),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=args.rotary_base,
+        )
+
+
+def _forward(model, tokens: torch.Tensor, *, hidden_size: int, out_path: str) -> None:
+    """Pipeline forward with blocking send/recv; the last stage saves the gathered logits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    batch, seq_len = tokens.shape
+    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(seq_len).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        hidden = None
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(seq_len, batch, hidden_size)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+        output = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(output) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, output.contiguous(), group=group)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            save_file({"logits": torch.cat(parts, dim=-1).contiguous()}, out_path)
+
+
+def consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
+    """Load a torch_dist checkpoint with dist_checkpointing.load at this group's tp x pp, run it."""
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    try:
+        from megatron.core import dist_checkpointing
+
+        args = dist_checkpointing.load_common_state_dict(job["checkpoint"])["args"]
+        model = build_gpt(args, vocab_size=args.vocab_size, platform=platform)
+        # As Megatron-LM's load_checkpoint: the model's sharded state under "model".
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, job["checkpoint"])
+        model.load_state_dict(state["model"], strict=True)
+        tokens = load_file(job["tokens"])["tokens"]
+        _forward(model, tokens, hidden_size=args.hidden_size, out_path=job["logits"])
+    finally:
+        _teardown()
+
+
+def _fill_from_hf(model, hf: dict[str, torch.Tensor], args: Namespace) -> None:
+    """The HF weights in this rank's GPTModel chunk (the mapping spelled out here, on purpose)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    t = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    first_layer = parallel_state.get_pipeline_model_parallel_rank() * (args.num_layers // pp)
+    groups, d = args.num_query_groups, args.kv_channels
+    r = args.num_attention_heads // groups
+
+    def vocab_part(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        padded = torch.cat([weight, weight.new_zeros(rows * tp - weight.shape[0], weight.shape[1])])
+        return padded.chunk(tp, dim=0)[t]
+
+    params = dict(model.named_parameters())
+    values = {}
+    for name, param in params.items():
+        if name == "embedding.word_embeddings.weight":
+            values[name] = vocab_part(hf["model.embed_tokens.weight"], param.shape[0])
+        elif name == "output_layer.weight":
+            values[name] = vocab_part(hf["lm_head.weight"], param.shape[0])
+        elif name == "decoder.final_layernorm.weight":
+            values[name] = hf["model.norm.weight"]
+        else:
+            _, _, local, *rest = name.split(".")
+            p = f"model.layers.{first_layer + int(local)}."
+            suffix = ".".join(rest)
+            if suffix == "input_layernorm.weight":
+                values[name] = hf[p + "input_layernorm.weight"]
+            elif suffix == "pre_mlp_layernorm.weight":
+                values[name] = hf[p + "post_attention_layernorm.weight"]
+            elif suffix.startswith("self_attention.linear_qkv."):
+                kind = suffix.rsplit(".", 1)[1]
+                q = hf[p + f"self_attn.q_proj.{kind}"].reshape(groups, r * d, -1)
+                k = hf[p + f"self_attn.k_proj.{kind}"].reshape(groups, d, -1)
+                v = hf[p + f"self_attn.v_proj.{kind}"].reshape(groups, d, -1)
+                fused = torch.cat([q, k, v], dim=1).chunk(tp, dim=0)[t]
+                values[name] = fused.reshape(param.shape)
+            elif suffix == "self_attention.linear_proj.weight":
+                values[name] = hf[p + "self_attn.o_proj.weight"].chunk(tp, dim=1)[t]
+            elif suffix == "mlp.linear_fc1.weight":
+                gate = hf[p + "mlp.gate_proj.weight"].chunk(tp, dim=0)[t]
+                up = hf[p + "mlp.up_proj.weight"].chunk(tp, dim=0)[t]
+                values[name] = torch.cat([gate, up])
+            elif suffix == "mlp.linear_fc2.weight":
+                values[name] = hf[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[t]
+            else:
+                raise AssertionError(f"unmapped parameter {name}")
+    with torch.no_grad():
+        for name, param in params.items():
+            assert values[name].shape == param.shape, (name, values[name].shape, param.shape)
+            param.copy_(values[name])
+
+
+def megatron_lm_args(config: dict, *, tp: int, pp: int, divisor: int = 128) -> Namespace:
+    """Args as Megatron-LM would save them for this model (vocab_size unset: Megatron-LM pads
+    the tokenizer's vocabulary and records only padded_vocab_size). Includes an enum value,
+    as Megatron-LM's --attention-backend does."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return Namespace(
+        num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+        group_query_attention=True, num_query_groups=config["num_key_value_heads"],
+        kv_channels=config["hidden_size"] // config["num_attention_heads"],
+        max_position_embeddings=config["max_position_embeddings"], seq_length=64,
+        position_embedding_type="rope", rotary_base=int(config.get("rope_theta", 10000)), rotary_percent=1.0,
+        normalization="RMSNorm", norm_epsilon=config["rms_norm_eps"], swiglu=True, add_bias_linear=False,
+        add_qkv_bias=False, untie_embeddings_and_output_weights=not config["tie_word_embeddings"],
+        make_vocab_size_divisible_by=divisor, padded_vocab_size=padded_vocab(config["vocab_size"], divisor=divisor, tp=tp),
+        vocab_size=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32, ckpt_format="torch_dist", attention_backend=AttnBackend.auto,
+        tokenizer_type="HuggingFaceTokenizer",
+    )  # fmt: skip
+
+
+def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
+    """Fill a GPTModel from HF weights, save it with dist_checkpointing.save in Megatron-LM's
+    layout (<save>/iter_0000100 + latest_checkpointed_iteration.txt), then run it."""
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    try:
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        from mcore_dpo import platform as platform_lib
+
+        args = Namespace(**job["args"])
+        hf = load_file(job["hf_weights"])
+        model = build_gpt(args, vocab_size=job["vocab_size"], platform=platform)
+        _fill_from_hf(model, hf, args)
+        pp_rank, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+        state = {
+            "model": model.sharded_state_dict(),
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": 100,
+            # Training checkpoints carry more than the model; readers of the weights skip it.
+            "rng_state": ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}], (job["pp"], job["tp"]), (pp_rank, tp_rank), replica_id=0),
+        }
+        iteration_dir = Path(job["save"]) / "iter_0000100"
+        if rank == 0:
+            iteration_dir.mkdir(parents=True)
+        dist.barrier()
+        with platform_lib.saving_dist_checkpoint(platform):
+            dist_checkpointing.save(state, str(iteration_dir))
+        if rank == 0:
+            (Path(job["save"]) / "latest_checkpointed_iteration.txt").write_text("100")
+        tokens = load_file(job["tokens"])["tokens"]
+        _forward(model, tokens, hidden_size=args.hidden_size, out_path=job["logits"])
+    finally:
+        _teardown()
+
+
+def spawn(fn, *, world_size: int, job: dict) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(fn, args=(world_size, port, job), nprocs=world_size, join=True)
