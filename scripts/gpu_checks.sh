@@ -7,9 +7,9 @@
 #                                         # but the CUDA-only parts (tests/test_gpu_checks_script.py)
 #
 # Checks (one row each in the summary table; logs and JSON in $OUT, default /tmp/gpu_checks):
-#   parity-megatron-opt  tests/test_gpu.py: world size 1, megatron-core's distributed optimizer,
+#   parity-sharded-opt   tests/test_gpu.py: world size 1, the dp-sharded optimizer (--distributed-optimizer),
 #                        every metric, gradient and weight against the HF reference (fp32, TF32 off)
-#   parity-adamw         the same with the AdamW path
+#   parity-adamw         the same with the replicated AdamW (--no-distributed-optimizer)
 #   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
 #   bf16-resume          CLI run in bf16 with the distributed optimizer: checkpoint every 2 steps,
 #                        kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
@@ -82,7 +82,7 @@ pytest_summary() {  # the last summary line of a pytest log, and a skip reason i
 }
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py)
-run_check parity-megatron-opt 150 "pytest_summary parity-megatron-opt" -- "${PYTEST[@]}" -k "parity_on_gpu and megatron"
+run_check parity-sharded-opt 150 "pytest_summary parity-sharded-opt" -- "${PYTEST[@]}" -k "parity_on_gpu and sharded"
 run_check parity-adamw 150 "pytest_summary parity-adamw" -- "${PYTEST[@]}" -k "parity_on_gpu and adamw"
 run_check te-vs-local 90 "pytest_summary te-vs-local" -- "${PYTEST[@]}" -k "transformer_engine_spec"
 run_check bf16-resume 240 "pytest_summary bf16-resume" -- "${PYTEST[@]}" -k "exact_resume"

@@ -49,7 +49,7 @@ def models(tmp_path_factory):
     return {family: write_models(family, root) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["megatron-optimizer", "adamw"])
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["sharded-optimizer", "adamw"])
 def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer):
     from parity import run_ranks
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("parity-megatron-opt", "parity-adamw", "te-vs-local", "bf16-resume", "convert-verify", "gpu-step")
+CHECKS = ("parity-sharded-opt", "parity-adamw", "te-vs-local", "bf16-resume", "convert-verify", "gpu-step")
 
 
 def _table(text: str) -> dict[str, tuple[str, str]]:
