@@ -55,7 +55,7 @@ COMMON_FILE = "common.pt"
 CHECKPOINT_VERSION = 3.0
 RELEASE_DIR = "release"
 # Vocabulary tensors are stored in chunks of at most this many bytes (one read block each).
-VOCAB_CHUNK_BYTES = 16 * 2**20
+VOCAB_CHUNK_BYTES = 4 * 2**20
 # Local-spec layer names -> the names megatron-core's sharded state dict saves them under.
 _SHARDED_LAYER_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
