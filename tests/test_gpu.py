@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from faults import with_fault  # noqa: E402
 from parity import free_port, make_model, write_models  # noqa: E402
 from test_parity import FAMILIES, _check_job, _jobs_for  # noqa: E402
 
@@ -131,10 +132,8 @@ def test_transformer_engine_spec_matches_local_spec(tmp_path):
 
 
 def _train(out: Path, *, fault: str | None, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MCORE_DPO_CACHE=str(cache))
-    env.pop("MCORE_DPO_FAULT", None)
-    if fault:
-        env["MCORE_DPO_FAULT"] = fault
+    env = with_fault(dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                          MCORE_DPO_CACHE=str(cache)), fault)
     # One GPU holds one rank; the CPU dry run shards the optimizer over dp 2.
     dp = "1" if ON_GPU else "2"
     argv = [sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--distributed-optimizer", "--dp", dp,
