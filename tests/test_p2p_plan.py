@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import free_port
+from mcore_dpo.ports import free_port
 from mcore_dpo import schedule
 from mcore_dpo.mesh import Layout, Mesh
 from mcore_dpo.pipeline import PeerError, StageContext, transfer
