@@ -56,7 +56,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a missing file or bad JSON is a one-line ConversionError."""
     if not path.is_file():
         raise ConversionError(f"{path}: file is missing")
     try:
@@ -98,11 +99,11 @@ class HFCheckpoint:
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: not a directory")
-        self.config = _read_json(self.dir / "config.json")
+        self.config = read_json(self.dir / "config.json")
         self.spec = spec_from_hf_config(self.config, source=str(self.dir / "config.json"))
         index_path = self.dir / INDEX_FILE
         if index_path.exists():
-            weight_map = _read_json(index_path).get("weight_map")
+            weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"{index_path}: field 'weight_map' is missing or empty")
             for file in set(weight_map.values()):
@@ -244,7 +245,7 @@ class McoreCheckpoint:
         meta_path = self.dir / META_FILE
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: not a directory")
-        raw = _read_json(meta_path)
+        raw = read_json(meta_path)
         if raw.get("format") != FORMAT_NAME:
             raise ConversionError(f"{meta_path}: field 'format' is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
         if raw.get("format_version") != FORMAT_VERSION:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
-from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta
+from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, read_json
 from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
@@ -181,10 +181,10 @@ class TorchDistCheckpoint:
         self.padded_vocab = rows
         own = self.dir / HF_FILES_DIR / "config.json"
         if own.is_file():
-            hf_config, source = _read_config(own), str(own)
+            hf_config, source = read_json(own), str(own)
         elif hf_config_dir is not None:
             path = Path(hf_config_dir) / "config.json"
-            hf_config, source = _read_config(path), str(path)
+            hf_config, source = read_json(path), str(path)
         elif self.args is not None:
             source = f"{common_path}"
             hf_config = hf_config_from_args(self.args, source=source, padded_vocab_size=rows)
@@ -258,18 +258,6 @@ class TorchDistCheckpoint:
 
     def hf_view(self) -> HFView:
         return HFView(self)
-
-
-def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        raise ConversionError(f"{path}: file is missing")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{path}: invalid JSON ({str(error).splitlines()[0]})") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
-    return config
 
 
 def open_torch_dist(directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None) -> TorchDistCheckpoint:
