@@ -212,12 +212,12 @@ def test_parity_losses(layout, names, models, tmp_path):
                 assert_close(torch.tensor(m_ours[key]), torch.tensor(m_ref[key]), what=f"{what} step {step} {key}",
                              scale=scale, rtol=_rtol(step))
         for step, ref_grads in enumerate(ref["grads"], start=1):
-            for (t, p, d), shard in load_rank_tensors(tmp_path, j, f"grads{step}").items():
+            for (t, p, d), shard in load_rank_tensors(tmp_path, j, f"grads{step}", layout=layout).items():
                 expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref_grads.__getitem__)
                 for key, value in expected.items():
                     assert_close(shard[key], value, what=f"{what} step {step} grad {key} (tp{t} pp{p})",
                                  rtol=_rtol(step))
-        for (t, p, d), shard in load_rank_tensors(tmp_path, j, "weights").items():
+        for (t, p, d), shard in load_rank_tensors(tmp_path, j, "weights", layout=layout).items():
             if d != 0:  # only dp rank 0 writes weights
                 continue
             expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref["weights"].__getitem__)
