@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
             # as a negation, so --no-shuffle would set no_shuffle to false.
             on, off = bool_flags(f.name)
             parser.add_argument(on, dest=f.name, action="store_const", const=True, default=None)
-            parser.add_argument(off, dest=f.name, action="store_const", const=False, default=None)
+            parser.add_argument(off, dest=f.name, action="store_const", const=False, default=None,
+                                help=f"the opposite of {on}")
         else:
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None)
     parser.add_argument("--ray-address", default=None, help="join an existing Ray cluster (default: start a local one)")

@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 
 from mcore_dpo.config import ConfigError, resolve
 
+sys.path.insert(0, os.path.dirname(__file__))
+from faults import with_fault  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
@@ -58,10 +61,7 @@ ARGS = ["--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "
 
 
 def _run(out: Path, extra: list[str], *, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    env.pop("MCORE_DPO_FAULT", None)
-    if fault:
-        env["MCORE_DPO_FAULT"] = fault
+    env = with_fault(dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache)), fault)
     return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *ARGS, *extra, "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
