@@ -68,7 +68,7 @@ def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
 
     worker.save_checkpoint(directory, step=step)
     if rank == 0:
-        meta, aux = _model_meta(config, worker.spec, dtype="float32")
+        meta, aux = _model_meta(config, worker.spec, dtype="float32", layer_spec=worker.layer_spec())
         for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
             write_mcore_meta(Path(directory) / kind, meta=meta, aux_files=aux)
         state = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "step": step}
