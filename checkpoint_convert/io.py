@@ -43,6 +43,7 @@ from checkpoint_convert.mapping import (
     padded_vocab_size,
     spec_from_hf_config,
 )
+from mcore_dpo.durable import fsync_dir, fsync_tree
 
 META_FILE = "mcore_checkpoint.json"
 HF_FILES_DIR = "hf_files"
@@ -399,23 +400,6 @@ def _apply_umask_permissions(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _fsync_tree(path: Path) -> None:
-    """fsync every file under directory `path`, then each directory (deepest first)."""
-    for dirpath, _, files in os.walk(path, topdown=False):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_output_dir(target: str | os.PathLike, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield a fresh temporary directory beside target; on success it replaces target.
@@ -437,16 +421,16 @@ def atomic_output_dir(target: str | os.PathLike, *, overwrite: bool, inputs: tup
     try:
         yield tmp
         _apply_umask_permissions(tmp)
-        _fsync_tree(tmp)  # the data is on disk before a rename makes it visible
+        fsync_tree(tmp)  # the data is on disk before a rename makes it visible
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "previous")
             os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
