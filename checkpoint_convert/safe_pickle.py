@@ -141,6 +141,8 @@ def torch_load(stream: io.IOBase | bytes, *, source: str) -> object:
     if isinstance(stream, (bytes, bytearray, memoryview)):
         stream = io.BytesIO(stream)
     try:
+        # weights_only=False only because pickle_module is our allow-list unpickler: every class
+        # the archive names goes through it, and anything not on the list is refused.
         return torch.load(stream, map_location="cpu", weights_only=False, pickle_module=module)
     except RefusedPickle:
         raise
