@@ -36,8 +36,11 @@ class TrainConfig:
     """Preference data (JSONL, JSON or Parquet); None = the embedded default data set."""
     eval_data: str | None = None
     """Held-out preference pairs for eval/ metrics; None = none (the embedded default has one)."""
-    output_dir: str = "outputs/default"
-    """Run directory: metrics.jsonl, config.yaml, hf/ ..."""
+    output_dir: str | None = None
+    """Run directory (metrics.jsonl, config.yaml, checkpoints/, hf/); None = a fresh outputs/<UTC time>-<model>
+    per run. One holding another run's outputs is refused unless --overwrite."""
+    overwrite: bool = False
+    """Empty an --output-dir that holds another run's outputs (or checkpoints) and start afresh there."""
 
     # --- parallelism and batching ---
     tp: int = 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from checkpoint_convert.mapping import check_layout
-from mcore_dpo import checkpoint, durable
+from mcore_dpo import checkpoint, durable, output_dir
 from mcore_dpo.config import TrainConfig, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
@@ -123,13 +123,20 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     from mcore_dpo import ray_workers
 
     prep = prepare(config)
+    if prep.config.output_dir is None:  # a fresh directory per run: runs never mix
+        prep.config = replace(prep.config, output_dir=str(output_dir.fresh_dir(model=config.model)))
     config = prep.config
     out = Path(config.output_dir)
+    log(f"output directory: {out}")
     prep.identity = run_identity(config)
-    current = checkpoint.latest(out)  # a broken pointer or state file is reported now, before any worker
+    # a broken pointer or state file is reported now, before any worker
+    current = None if config.overwrite else checkpoint.latest(out)
+    if not config.overwrite:
+        problem = output_dir.foreign_contents_problem(out, identity=prep.identity, has_checkpoint=current is not None,
+                                                      resume=config.resume)
+        if problem:
+            raise InputError(problem)
     if current is not None:
-        if not config.resume:
-            raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
         changed = changes(checkpoint.read_state(current).get("run", {}), prep.identity)
         if changed and not config.resume_with_changes:
             raise InputError(
@@ -138,7 +145,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
             )
         if changed:
             log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite)
     write_resolved(config, str(out))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
         if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):

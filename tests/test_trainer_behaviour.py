@@ -1,0 +1,75 @@
+"""A mature trainer's manners, through the real command line: runs never mix in one output
+directory, a step directory exports directly, and --help documents every option."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_dpo import output_dir, ray_workers, run
+from mcore_dpo.train import main
+
+
+@pytest.fixture
+def driver_only(monkeypatch):
+    """The driver's checks and directory handling run for real; the worker group is replaced by
+    a stand-in that writes what a run writes (metrics.jsonl), so no Ray cluster starts."""
+    monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
+    monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
+    attempts = []
+
+    def attempt(prep, *, out, log):
+        attempts.append(out)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "seed": prep.config.seed}) + "\n")
+
+    monkeypatch.setattr(run, "_attempt", attempt)
+    return attempts
+
+
+def test_two_runs_without_output_dir_keep_separate_outputs(tmp_path, monkeypatch, capsys, driver_only):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--max-steps", "1"]) == 0
+    assert main(["--max-steps", "1", "--seed", "7"]) == 0
+    first, second = driver_only
+    assert first != second and first.parent == second.parent == Path("outputs")
+    assert first.name.endswith("tiny-default") or "tiny-default-" in first.name
+    for out, seed in ((first, 1234), (second, 7)):
+        assert json.loads((out / "metrics.jsonl").read_text())["seed"] == seed
+        assert (out / "config.yaml").is_file() and (out / output_dir.RUN_FILE).is_file()
+    printed = capsys.readouterr().out
+    assert f"output directory: {first}" in printed and f"output directory: {second}" in printed
+
+
+def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    # The same command again is the same run: allowed (it resumes or starts over).
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    # Another run (another seed) into it: one line, exit 2, nothing touched.
+    assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err, err
+    assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 1234
+    # A directory of unrelated files is refused too.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine\n")
+    assert main(["--max-steps", "1", "--output-dir", str(other)]) == 2
+    assert (other / "notes.txt").read_text() == "mine\n"
+    capsys.readouterr()
+    # --overwrite starts afresh there.
+    assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 7
+    assert len(driver_only) == 3
+
+
+def test_fresh_dirs_never_collide(tmp_path):
+    first = output_dir.fresh_dir(model="/models/Llama-3-8B/", base=tmp_path, now=0)
+    assert first.name == "19700101-000000-Llama-3-8B"
+    first.mkdir()
+    second = output_dir.fresh_dir(model="/models/Llama-3-8B", base=tmp_path, now=0)
+    assert second != first and not second.exists()
