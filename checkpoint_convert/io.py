@@ -389,7 +389,6 @@ def _apply_umask_permissions(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-@contextlib.contextmanager
 def _fsync_tree(path: Path) -> None:
     """fsync every file under directory `path`, then each directory (deepest first)."""
     for dirpath, _, files in os.walk(path, topdown=False):
@@ -407,6 +406,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
 def atomic_output_dir(target: str | os.PathLike, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield a fresh temporary directory beside target; on success it replaces target.
 

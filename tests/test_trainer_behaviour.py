@@ -73,3 +73,31 @@ def test_fresh_dirs_never_collide(tmp_path):
     first.mkdir()
     second = output_dir.fresh_dir(model="/models/Llama-3-8B", base=tmp_path, now=0)
     assert second != first and not second.exists()
+
+
+def test_mcore_to_hf_accepts_a_trainer_step_dir_and_latest(tmp_path, capsys):
+    """A trainer checkpoint's step directory (and the `latest` pointer) exports exactly as its
+    inner model/ folder does."""
+    from safetensors.torch import load_file
+
+    from checkpoint_convert.__main__ import main as convert
+    from mcore_dpo import checkpoint, defaults
+
+    model = defaults.ensure_default_model()
+    out = tmp_path / "run"
+    tmp = checkpoint.begin(out, step=3)
+    assert convert(["hf-to-mcore", "--hf-dir", model, "--out", str(tmp / "model")]) == 0
+    step_dir = checkpoint.commit(out, tmp, step=3, trainer_state={"step": 3}, keep_last=0)
+    exports = {}
+    for name, given in (("inner", step_dir / "model"), ("step", step_dir),
+                        ("latest", checkpoint.root(out) / "latest")):
+        exports[name] = tmp_path / f"hf-{name}"
+        assert convert(["mcore-to-hf", "--mcore-dir", str(given), "--out", str(exports[name])]) == 0, \
+            capsys.readouterr().err
+    inner = {p.name: load_file(p) for p in exports["inner"].glob("*.safetensors")}
+    assert inner
+    for name in ("step", "latest"):
+        got = {p.name: load_file(p) for p in exports[name].glob("*.safetensors")}
+        assert got.keys() == inner.keys()
+        for file, tensors in inner.items():
+            assert all(got[file][k].equal(v) for k, v in tensors.items())
