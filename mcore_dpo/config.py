@@ -136,8 +136,10 @@ class TrainConfig:
     """Write the trained policy as an HF directory to OUTPUT/hf at the end."""
 
     # --- reliability ---
-    save_interval: int = 0
-    """Write a checkpoint every N steps (0 = never)."""
+    save_interval: int = 500
+    """Write a checkpoint every N steps (0 = by step never); rerunning the same command resumes from it."""
+    save_interval_min: float = 30.0
+    """Also write a checkpoint when this many minutes passed since the last one (0 = by time never)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints (0 = keep all)."""
     resume: bool = True
@@ -203,7 +205,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval", "save_interval", "keep_last",
-                     "max_restarts"):
+                     "max_restarts", "save_interval_min"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):

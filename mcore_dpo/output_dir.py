@@ -65,3 +65,22 @@ def claim(out: Path, *, identity: dict, overwrite: bool) -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     durable.replace_file(out / RUN_FILE, json.dumps({"run": identity}, indent=2) + "\n")
+
+
+COMPLETE_FILE = "complete.json"  # written when a run finished all its steps
+
+
+def mark_complete(out: Path, *, identity: dict, step: int) -> None:
+    durable.replace_file(out / COMPLETE_FILE, json.dumps({"step": step, "run": identity}, indent=2) + "\n")
+
+
+def completed_step(out: Path, *, identity: dict) -> int | None:
+    """The step the run of `identity` finished at in `out`, or None when it has not finished there."""
+    try:
+        done = json.loads((out / COMPLETE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("run") != json.loads(json.dumps(identity)):
+        return None
+    step = done.get("step")
+    return step if isinstance(step, int) else None

@@ -46,9 +46,9 @@ def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_p
     out = tmp_path / "run"
     assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
     capsys.readouterr()
-    # The same command again is the same run: allowed (it resumes or starts over).
+    # The same command again is the same run: allowed (here it is already complete).
     assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
-    capsys.readouterr()
+    assert "already complete" in capsys.readouterr().out
     # Another run (another seed) into it: one line, exit 2, nothing touched.
     assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
@@ -64,7 +64,7 @@ def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_p
     # --overwrite starts afresh there.
     assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out), "--overwrite"]) == 0
     assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 7
-    assert len(driver_only) == 3
+    assert len(driver_only) == 2
 
 
 def test_fresh_dirs_never_collide(tmp_path):
@@ -101,3 +101,25 @@ def test_mcore_to_hf_accepts_a_trainer_step_dir_and_latest(tmp_path, capsys):
         assert got.keys() == inner.keys()
         for file, tensors in inner.items():
             assert all(got[file][k].equal(v) for k, v in tensors.items())
+
+
+def test_rerunning_a_finished_run_says_already_complete_and_does_not_train(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    argv = ["--max-steps", "2", "--output-dir", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "already complete at step 2" in capsys.readouterr().out
+    assert len(driver_only) == 1  # the rerun started no workers
+    # Extending the run (more steps) trains again.
+    assert main(["--max-steps", "3", "--output-dir", str(out)]) == 0
+    assert len(driver_only) == 2
+
+
+def test_checkpointing_is_on_by_default():
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve([])
+    assert config.save_interval > 0 and config.save_interval_min > 0
+    config, _ = resolve(["--save-interval-min", "0.5", "--save-interval", "0"])
+    assert config.save_interval_min == 0.5 and config.save_interval == 0
