@@ -123,3 +123,40 @@ def test_checkpointing_is_on_by_default():
     assert config.save_interval > 0 and config.save_interval_min > 0
     config, _ = resolve(["--save-interval-min", "0.5", "--save-interval", "0"])
     assert config.save_interval_min == 0.5 and config.save_interval == 0
+
+
+def test_sigterm_writes_a_checkpoint_and_the_stop_line(tmp_path):
+    """Through the real CLI: SIGTERM after the first step shows in metrics.jsonl ends the run at
+    a step boundary with a checkpoint of that step and the stop line, exit 0; the rerun resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mcore_dpo import checkpoint
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", "200", "--global-batch-size", "8",
+            "--micro-batch-size", "8", "--eval-interval", "0", "--no-export-hf", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, cwd=repo, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and '"step": 1' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, printed
+    stopped = [line for line in printed.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1 and stopped[0].endswith("; rerun the same command to resume"), printed
+    step = int(stopped[0].split()[3].rstrip(";"))
+    current = checkpoint.latest(out)
+    assert current is not None and checkpoint.read_state(current)["step"] == step < 200
+    assert not (out / output_dir.COMPLETE_FILE).exists()
