@@ -108,8 +108,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
     adam_beta2: float = 0.999
+    """AdamW second-moment decay, in [0, 1)."""
     adam_eps: float = 1e-8
+    """AdamW epsilon added to the denominator."""
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True

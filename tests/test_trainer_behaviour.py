@@ -160,3 +160,43 @@ def test_sigterm_writes_a_checkpoint_and_the_stop_line(tmp_path):
     current = checkpoint.latest(out)
     assert current is not None and checkpoint.read_state(current)["step"] == step < 200
     assert not (out / output_dir.COMPLETE_FILE).exists()
+
+
+def test_help_gives_every_option_a_description_default_and_group(capsys):
+    from mcore_dpo.config import HELP_GROUPS, build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and "(default:" in action.help, action.option_strings
+        description = action.help.split("(default:")[0].strip()
+        assert len(description) > 8, action.option_strings
+        for flag in action.option_strings:
+            assert flag in printed
+    for group in HELP_GROUPS:
+        assert f"\n{group}:\n" in printed
+    for allowed in ("precomputed", "separate", "ipo", "bfloat16", "float16"):  # ref modes, loss types, dtypes
+        assert allowed in printed
+    assert "--no-no-shuffle" not in printed
+
+
+def test_an_abbreviated_option_is_rejected(capsys):
+    assert main(["--max-step", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-step" in err, err
+
+
+def test_the_console_script_shows_its_own_name(monkeypatch):
+    import sys
+
+    from mcore_dpo.config import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/mcore-dpo-train", "--help"])
+    assert build_parser().format_usage().startswith("usage: mcore-dpo-train ")
+    monkeypatch.setattr(sys, "argv", ["/repo/mcore_dpo/train.py", "--help"])
+    assert build_parser().format_usage().startswith("usage: python -m mcore_dpo.train ")
