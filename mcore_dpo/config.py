@@ -353,6 +353,16 @@ def _choices() -> dict[str, tuple[str, ...]]:
     }
 
 
+class _BoolPair(argparse.Action):
+    """One boolean field's two flags, shown together in --help: the first sets it, the second clears it."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
 def _program_name() -> str:
     """The console script's own name (mcore-dpo-train), or how the module was started."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
@@ -390,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
             # Two explicit flags, not BooleanOptionalAction: that one reads any --no-... spelling
             # as a negation, so --no-shuffle would set no_shuffle to false.
             on, off = bool_flags(f.name)
-            group.add_argument(on, dest=f.name, action="store_const", const=True, default=None, help=text)
-            group.add_argument(off, dest=f.name, action="store_const", const=False, default=None,
-                               help=f"turn {on} off (default: {on} is {'on' if f.default else 'off'})")
+            group.add_argument(on, off, dest=f.name, action=_BoolPair, default=None, help=text)
         else:
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=text,
                                metavar=f.name.upper())
