@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
 
     p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory")
-    p.add_argument("--mcore-dir", required=True)
+    p.add_argument("--mcore-dir", required=True,
+                   help="Megatron checkpoint: its folder, or a trainer's OUTPUT/checkpoints/step_N or .../latest")
     p.add_argument("--out", required=True)
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
@@ -73,8 +74,32 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _weights_dir(path: str) -> str:
+    """A trainer checkpoint names its weights folder: OUTPUT/checkpoints/step_N (or the
+    `latest` pointer file, or the checkpoints folder, which both name the current step) holds
+    them in model/. Any other path is returned as given."""
+    from pathlib import Path
+
+    from checkpoint_convert.io import is_mcore_dir
+
+    given = Path(path)
+    if is_mcore_dir(given):
+        return path
+    pointer = given if given.is_file() and given.name == "latest" else given / "latest"
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        if not name or "/" in name or name in (".", ".."):
+            raise ConversionError(f"{pointer}: does not name a checkpoint ({name!r})")
+        given = pointer.parent / name
+    if is_mcore_dir(given / "model"):
+        return str(given / "model")
+    return path
+
+
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "mcore_dir", None):
+        args.mcore_dir = _weights_dir(args.mcore_dir)
     if args.command == "hf-to-mcore":
         from checkpoint_convert.convert import hf_to_mcore
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, fields
 
 import yaml
@@ -39,8 +40,11 @@ class TrainConfig:
     """Preference data (JSONL, JSON or Parquet); None = the embedded default data set."""
     eval_data: str | None = None
     """Held-out preference pairs for eval/ metrics; None = none (the embedded default has one)."""
-    output_dir: str = "outputs/default"
-    """Run directory: metrics.jsonl, config.yaml, hf/ ..."""
+    output_dir: str | None = None
+    """Run directory (metrics.jsonl, config.yaml, checkpoints/, hf/); None = a fresh outputs/<UTC time>-<model>
+    per run. One holding another run's outputs is refused unless --overwrite."""
+    overwrite: bool = False
+    """Empty an --output-dir that holds another run's outputs (or checkpoints) and start afresh there."""
 
     # --- parallelism and batching ---
     tp: int = 1
@@ -107,8 +111,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
     adam_beta2: float = 0.999
+    """AdamW second-moment decay, in [0, 1)."""
     adam_eps: float = 1e-8
+    """AdamW epsilon added to the denominator."""
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True
@@ -136,8 +143,10 @@ class TrainConfig:
     """Write the trained policy as an HF directory to OUTPUT/hf at the end."""
 
     # --- reliability ---
-    save_interval: int = 0
-    """Write a checkpoint every N steps (0 = never)."""
+    save_interval: int = 500
+    """Write a checkpoint every N steps (0 = by step never); rerunning the same command resumes from it."""
+    save_interval_min: float = 30.0
+    """Also write a checkpoint when this many minutes passed since the last one (0 = by time never)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints (0 = keep all)."""
     resume: bool = True
@@ -203,7 +212,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval", "save_interval", "keep_last",
-                     "max_restarts"):
+                     "max_restarts", "save_interval_min"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -316,27 +325,88 @@ def bool_flags(name: str) -> tuple[str, str]:
     return flag, "--no-" + flag[2:]
 
 
+# --help groups: each field's group (the fields not named here are run settings).
+HELP_GROUPS = {
+    "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
+    "model": ("model", "ref_model", "tokenizer", "dtype"),
+    "parallelism": ("tp", "pp", "dp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+                    "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
+    "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
+             "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
+             "ref_model_mixup_alpha", "ref_model_sync_steps"),
+    "optimizer": ("lr", "lr_schedule", "lr_warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                  "clip_grad", "max_steps"),
+    "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "resume",
+                      "max_restarts", "resume_with_changes", "export_hf"),
+    "logging": ("eval_interval", "wandb", "wandb_project"),
+}
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of the fields that take one of a fixed set, as --help lists them."""
+    from mcore_dpo.loss import F_DIVERGENCE_TYPES
+
+    return {
+        "ref_mode": RUN_REF_MODES,
+        "loss_type": tuple(LOSS_TYPES),
+        "dtype": ("float32", "bfloat16", "float16"),
+        "lr_schedule": ("constant", "cosine"),
+        "on_bad_row": ("error", "skip"),
+        "f_divergence_type": tuple(F_DIVERGENCE_TYPES),
+    }
+
+
+class _BoolPair(argparse.Action):
+    """One boolean field's two flags, shown together in --help: the first sets it, the second clears it."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
+def _program_name() -> str:
+    """The console script's own name (mcore-dpo-train), or how the module was started."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and not name.endswith(".py") and name not in ("-c", "-m") else "python -m mcore_dpo.train"
+
+
+def _help_of(f: dataclasses.Field, doc: str, *, choices: tuple[str, ...] | None) -> str:
+    text = doc or f.name.replace("_", " ")
+    if choices and not all(c in text for c in choices):
+        text += f" One of: {', '.join(choices)}."
+    default = f.default
+    shown = "unset" if default is None else ("on" if default is True else "off" if default is False else default)
+    if "(default:" not in text:
+        text += f" (default: {shown})"
+    return text.replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a prefix such as --no-shuf is an error, not a guess.
-    parser = _OneLineParser(prog="python -m mcore_dpo.train", description="DPO on megatron-core, launched by Ray.",
+    parser = _OneLineParser(prog=_program_name(), usage="%(prog)s [options]",
+                            description="DPO on megatron-core, launched by Ray. Options by group below.",
                             allow_abbrev=False)
-    parser.add_argument("--config", help="YAML file of config fields (flags override it)")
+    parser.add_argument("--config", help="YAML file of config fields; flags override it (default: none)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join an existing Ray cluster, e.g. auto (default: start a local one)")
+    docs, choices = field_docs(), _choices()
+    groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
+    group_of = {field: name for name, members in HELP_GROUPS.items() for field in members}
+    run_group = parser.add_argument_group("run")
     for f in fields(TrainConfig):
         kind = _field_type(f)
+        group = groups[group_of[f.name]] if f.name in group_of else run_group
+        text = _help_of(f, docs.get(f.name, ""), choices=choices.get(f.name))
         if kind is bool:
             # Two explicit flags, not BooleanOptionalAction: that one reads any --no-... spelling
             # as a negation, so --no-shuffle would set no_shuffle to false.
             on, off = bool_flags(f.name)
-            parser.add_argument(on, dest=f.name, action="store_const", const=True, default=None)
-            parser.add_argument(off, dest=f.name, action="store_const", const=False, default=None,
-                                help=f"the opposite of {on}")
+            group.add_argument(on, off, dest=f.name, action=_BoolPair, default=None, help=text)
         else:
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None)
-    parser.add_argument("--ray-address", default=None, help="join an existing Ray cluster (default: start a local one)")
-    docs = field_docs()
-    for action in parser._actions:  # --help shows each field's documentation
-        if action.help is None and action.dest in docs:
-            action.help = docs[action.dest].replace("%", "%%")
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=text,
+                               metavar=f.name.upper())
     return parser
 
 

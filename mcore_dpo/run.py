@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from checkpoint_convert.mapping import check_layout
-from mcore_dpo import checkpoint, durable
+from mcore_dpo import checkpoint, durable, output_dir
 from mcore_dpo.config import TrainConfig, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
@@ -24,6 +26,14 @@ from mcore_dpo.resume_check import changes, run_identity
 
 class InputError(ValueError):
     """Bad input found before any worker started; str() is one line."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step}; rerun the same command to resume")
+        self.step = step
 
 
 @dataclass
@@ -125,13 +135,20 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     from mcore_dpo import ray_workers
 
     prep = prepare(config)
+    if prep.config.output_dir is None:  # a fresh directory per run: runs never mix
+        prep.config = replace(prep.config, output_dir=str(output_dir.fresh_dir(model=config.model)))
     config = prep.config
     out = Path(config.output_dir)
+    log(f"output directory: {out}")
     prep.identity = run_identity(config)
-    current = checkpoint.latest(out)  # a broken pointer or state file is reported now, before any worker
+    # a broken pointer or state file is reported now, before any worker
+    current = None if config.overwrite else checkpoint.latest(out)
+    if not config.overwrite:
+        problem = output_dir.foreign_contents_problem(out, identity=prep.identity, has_checkpoint=current is not None,
+                                                      resume=config.resume)
+        if problem:
+            raise InputError(problem)
     if current is not None:
-        if not config.resume:
-            raise InputError(f"output_dir: {out} holds checkpoints; resume it (the default) or choose another --output-dir")
         changed = changes(checkpoint.read_state(current).get("run", {}), prep.identity)
         if changed and not config.resume_with_changes:
             raise InputError(
@@ -140,7 +157,11 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
             )
         if changed:
             log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
-    out.mkdir(parents=True, exist_ok=True)
+    done_step = None if config.overwrite else output_dir.completed_step(out, identity=prep.identity)
+    if done_step is not None and done_step >= config.max_steps:
+        log(f"already complete at step {done_step}: {out} (--overwrite to train it again)")
+        return out
+    output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite)
     write_resolved(config, str(out))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
         if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
@@ -163,6 +184,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
                 log(f"restart {restarts}/{config.max_restarts} from the latest checkpoint after: {error}")
     finally:
         ray_workers.disconnect(started)
+    output_dir.mark_complete(out, identity=prep.identity, step=config.max_steps)
     return out
 
 
@@ -181,6 +203,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
                              run_config=config.to_dict())
     group = ref_group = None
+    stop = _StopRequest()
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
@@ -201,6 +224,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         # Separate reference group: batch k+1's reference runs on its own devices while the
         # policy group trains on batch k.
         ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[start_step]]) if ref_group else None
+        last_save = time.monotonic()
         for k in range(start_step, len(steps)):
             step = k + 1
             last = step == len(steps)
@@ -218,12 +242,18 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
                 metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
             metrics_log.write(step, metrics)
-            if config.save_interval and step % config.save_interval == 0 and not last:
+            by_step = config.save_interval and step % config.save_interval == 0
+            by_time = config.save_interval_min and time.monotonic() - last_save >= 60 * config.save_interval_min
+            if (by_step or by_time or stop.requested) and not last:
                 save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity)
+                last_save = time.monotonic()
+                if stop.requested:
+                    raise Stopped(step)
         if config.export_hf:
             export_policy(group, config=config, spec=prep.spec, out=out)
             log(f"exported the policy to {out / 'hf'}")
     finally:
+        stop.restore()
         metrics_log.close()
         for g in (group, ref_group):
             if g is not None:
@@ -231,6 +261,30 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     from mcore_dpo.plot import plot_run
 
     plot_run(str(out))
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM (as SLURM sends before a time limit) ask the training loop to write a
+    checkpoint at the next step boundary and stop; a second signal interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers, the loop runs to the end
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)", flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, **worker_kwargs):

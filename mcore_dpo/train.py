@@ -4,7 +4,9 @@
     python -m mcore_dpo.train --tp 4 --pp 2 --max-steps 3
     python -m mcore_dpo.train --config configs/llama3_8b.yaml --ray-address auto
 
-Bad input ends in one line on stderr and exit code 2, before any worker starts.
+Bad input ends in one line on stderr and exit code 2, before any worker starts. SIGINT or
+SIGTERM writes a checkpoint at the next step boundary, prints "stopped at step N; rerun the
+same command to resume" and exits 0; rerunning a finished run says "already complete at step N".
 
 From Python (notebooks, other tools), the module itself is callable:
 
@@ -24,11 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_dpo.checkpoint import CheckpointError
     from mcore_dpo.config import ConfigError, resolve
     from mcore_dpo.data import DataError
-    from mcore_dpo.run import InputError, train
+    from mcore_dpo.run import InputError, Stopped, train
 
     try:
         config, args = resolve(argv)
         out = train(config, ray_address=args.ray_address)
+    except Stopped as stopped:  # SIGINT/SIGTERM: a checkpoint of this step was written
+        print(stopped, flush=True)
+        return 0
     except (ConfigError, DataError, ConversionError, InputError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

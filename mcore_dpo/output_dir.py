@@ -1,0 +1,86 @@
+"""Which directory a run writes to, and the rule that two runs never mix in one.
+
+- No --output-dir: a fresh directory per run, outputs/<UTC time>-<model name>.
+- An explicit --output-dir that is empty or missing: used as is.
+- One that holds this same run (its run.json names the same run identity, or a checkpoint of it
+  exists and resume is on): used, so rerunning the same command resumes.
+- One that holds anything else: refused in one line, unless --overwrite (emptied, started afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from mcore_dpo import durable
+
+RUN_FILE = "run.json"  # the run identity of the run that owns the directory
+
+
+def fresh_dir(*, model: str | None, base: str | Path = "outputs", now: float | None = None) -> Path:
+    """A new, not yet existing directory under `base` named after the UTC time and the model."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    name = Path(model.rstrip("/")).name if model else "tiny-default"
+    candidate = Path(base) / f"{stamp}-{name}"
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = Path(base) / f"{stamp}-{name}-{n}"
+    return candidate
+
+
+def owner_identity(out: Path) -> dict | None:
+    """The run identity recorded in `out`, or None when there is none (or it is unreadable)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text(encoding="utf-8")).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_empty(out: Path) -> bool:
+    return not out.exists() or (out.is_dir() and not any(out.iterdir()))
+
+
+def foreign_contents_problem(out: Path, *, identity: dict, has_checkpoint: bool, resume: bool) -> str | None:
+    """Why `out` may not be used by the run of `identity` (None: it may).
+
+    A checkpoint with resume on is judged by the checkpoint's own identity check (see run.py)."""
+    if is_empty(out):
+        return None
+    if not out.is_dir():
+        return f"output_dir: {out} is a file, not a directory"
+    if has_checkpoint and resume:
+        return None
+    if not has_checkpoint and owner_identity(out) == json.loads(json.dumps(identity)):
+        return None  # this same run, stopped before its first checkpoint: it starts over
+    what = "holds checkpoints and --no-resume is set" if has_checkpoint else "holds another run's outputs"
+    return f"output_dir: {out} {what}; pass --overwrite to start afresh there, or choose another --output-dir"
+
+
+def claim(out: Path, *, identity: dict, overwrite: bool) -> None:
+    """Empty `out` when overwriting, create it, and record the run that owns it."""
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    durable.replace_file(out / RUN_FILE, json.dumps({"run": identity}, indent=2) + "\n")
+
+
+COMPLETE_FILE = "complete.json"  # written when a run finished all its steps
+
+
+def mark_complete(out: Path, *, identity: dict, step: int) -> None:
+    durable.replace_file(out / COMPLETE_FILE, json.dumps({"step": step, "run": identity}, indent=2) + "\n")
+
+
+def completed_step(out: Path, *, identity: dict) -> int | None:
+    """The step the run of `identity` finished at in `out`, or None when it has not finished there."""
+    try:
+        done = json.loads((out / COMPLETE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("run") != json.loads(json.dumps(identity)):
+        return None
+    step = done.get("step")
+    return step if isinstance(step, int) else None

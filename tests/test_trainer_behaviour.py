@@ -1,0 +1,202 @@
+"""A mature trainer's manners, through the real command line: runs never mix in one output
+directory, a step directory exports directly, and --help documents every option."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_dpo import output_dir, ray_workers, run
+from mcore_dpo.train import main
+
+
+@pytest.fixture
+def driver_only(monkeypatch):
+    """The driver's checks and directory handling run for real; the worker group is replaced by
+    a stand-in that writes what a run writes (metrics.jsonl), so no Ray cluster starts."""
+    monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
+    monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
+    attempts = []
+
+    def attempt(prep, *, out, log):
+        attempts.append(out)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "seed": prep.config.seed}) + "\n")
+
+    monkeypatch.setattr(run, "_attempt", attempt)
+    return attempts
+
+
+def test_two_runs_without_output_dir_keep_separate_outputs(tmp_path, monkeypatch, capsys, driver_only):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--max-steps", "1"]) == 0
+    assert main(["--max-steps", "1", "--seed", "7"]) == 0
+    first, second = driver_only
+    assert first != second and first.parent == second.parent == Path("outputs")
+    assert first.name.endswith("tiny-default") or "tiny-default-" in first.name
+    for out, seed in ((first, 1234), (second, 7)):
+        assert json.loads((out / "metrics.jsonl").read_text())["seed"] == seed
+        assert (out / "config.yaml").is_file() and (out / output_dir.RUN_FILE).is_file()
+    printed = capsys.readouterr().out
+    assert f"output directory: {first}" in printed and f"output directory: {second}" in printed
+
+
+def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    # The same command again is the same run: allowed (here it is already complete).
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    assert "already complete" in capsys.readouterr().out
+    # Another run (another seed) into it: one line, exit 2, nothing touched.
+    assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err, err
+    assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 1234
+    # A directory of unrelated files is refused too.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine\n")
+    assert main(["--max-steps", "1", "--output-dir", str(other)]) == 2
+    assert (other / "notes.txt").read_text() == "mine\n"
+    capsys.readouterr()
+    # --overwrite starts afresh there.
+    assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 7
+    assert len(driver_only) == 2
+
+
+def test_fresh_dirs_never_collide(tmp_path):
+    first = output_dir.fresh_dir(model="/models/Llama-3-8B/", base=tmp_path, now=0)
+    assert first.name == "19700101-000000-Llama-3-8B"
+    first.mkdir()
+    second = output_dir.fresh_dir(model="/models/Llama-3-8B", base=tmp_path, now=0)
+    assert second != first and not second.exists()
+
+
+def test_mcore_to_hf_accepts_a_trainer_step_dir_and_latest(tmp_path, capsys):
+    """A trainer checkpoint's step directory (and the `latest` pointer) exports exactly as its
+    inner model/ folder does."""
+    from safetensors.torch import load_file
+
+    from checkpoint_convert.__main__ import main as convert
+    from mcore_dpo import checkpoint, defaults
+
+    model = defaults.ensure_default_model()
+    out = tmp_path / "run"
+    tmp = checkpoint.begin(out, step=3)
+    assert convert(["hf-to-mcore", "--hf-dir", model, "--out", str(tmp / "model")]) == 0
+    step_dir = checkpoint.commit(out, tmp, step=3, trainer_state={"step": 3}, keep_last=0)
+    exports = {}
+    for name, given in (("inner", step_dir / "model"), ("step", step_dir),
+                        ("latest", checkpoint.root(out) / "latest")):
+        exports[name] = tmp_path / f"hf-{name}"
+        assert convert(["mcore-to-hf", "--mcore-dir", str(given), "--out", str(exports[name])]) == 0, \
+            capsys.readouterr().err
+    inner = {p.name: load_file(p) for p in exports["inner"].glob("*.safetensors")}
+    assert inner
+    for name in ("step", "latest"):
+        got = {p.name: load_file(p) for p in exports[name].glob("*.safetensors")}
+        assert got.keys() == inner.keys()
+        for file, tensors in inner.items():
+            assert all(got[file][k].equal(v) for k, v in tensors.items())
+
+
+def test_rerunning_a_finished_run_says_already_complete_and_does_not_train(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    argv = ["--max-steps", "2", "--output-dir", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "already complete at step 2" in capsys.readouterr().out
+    assert len(driver_only) == 1  # the rerun started no workers
+    # Extending the run (more steps) trains again.
+    assert main(["--max-steps", "3", "--output-dir", str(out)]) == 0
+    assert len(driver_only) == 2
+
+
+def test_checkpointing_is_on_by_default():
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve([])
+    assert config.save_interval > 0 and config.save_interval_min > 0
+    config, _ = resolve(["--save-interval-min", "0.5", "--save-interval", "0"])
+    assert config.save_interval_min == 0.5 and config.save_interval == 0
+
+
+def test_sigterm_writes_a_checkpoint_and_the_stop_line(tmp_path):
+    """Through the real CLI: SIGTERM after the first step shows in metrics.jsonl ends the run at
+    a step boundary with a checkpoint of that step and the stop line, exit 0; the rerun resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mcore_dpo import checkpoint
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", "200", "--global-batch-size", "8",
+            "--micro-batch-size", "8", "--eval-interval", "0", "--no-export-hf", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, cwd=repo, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and '"step": 1' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, printed
+    stopped = [line for line in printed.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1 and stopped[0].endswith("; rerun the same command to resume"), printed
+    step = int(stopped[0].split()[3].rstrip(";"))
+    current = checkpoint.latest(out)
+    assert current is not None and checkpoint.read_state(current)["step"] == step < 200
+    assert not (out / output_dir.COMPLETE_FILE).exists()
+
+
+def test_help_gives_every_option_a_description_default_and_group(capsys):
+    from mcore_dpo.config import HELP_GROUPS, build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and "(default:" in action.help, action.option_strings
+        description = action.help.split("(default:")[0].strip()
+        assert len(description) > 8, action.option_strings
+        for flag in action.option_strings:
+            assert flag in printed
+    for group in HELP_GROUPS:
+        assert f"\n{group}:\n" in printed
+    for allowed in ("precomputed", "separate", "ipo", "bfloat16", "float16"):  # ref modes, loss types, dtypes
+        assert allowed in printed
+    assert "--no-no-shuffle" not in printed
+
+
+def test_an_abbreviated_option_is_rejected(capsys):
+    assert main(["--max-step", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-step" in err, err
+
+
+def test_the_console_script_shows_its_own_name(monkeypatch):
+    import sys
+
+    from mcore_dpo.config import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/mcore-dpo-train", "--help"])
+    assert build_parser().format_usage().startswith("usage: mcore-dpo-train ")
+    monkeypatch.setattr(sys, "argv", ["/repo/mcore_dpo/train.py", "--help"])
+    assert build_parser().format_usage().startswith("usage: python -m mcore_dpo.train ")
