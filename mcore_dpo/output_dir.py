@@ -1,6 +1,8 @@
 """Which directory a run writes to, and the rule that two runs never mix in one.
 
-- No --output-dir: a fresh directory per run, outputs/<UTC time>-<model name>.
+- No --output-dir: a fresh directory per run, outputs/<UTC time>-<model name>; except that the
+  same command (the same resolved configuration) run again continues its own earlier directory
+  there (resumes it, or says it is already complete), so that rerunning a command resumes.
 - An explicit --output-dir that is empty or missing: used as is.
 - One that holds this same run (its run.json names the same run identity, or a checkpoint of it
   exists and resume is on): used, so rerunning the same command resumes.
@@ -31,6 +33,20 @@ def fresh_dir(*, model: str | None, base: str | Path = "outputs", now: float | N
     return candidate
 
 
+def same_command_dir(*, command: dict, base: str | Path = "outputs") -> Path | None:
+    """The newest directory under `base` that a run of this same `command` (its resolved
+    configuration, output directory aside) claimed, or None."""
+    wanted = json.loads(json.dumps(command))
+    found = []
+    for out in Path(base).iterdir() if Path(base).is_dir() else ():
+        try:
+            if json.loads((out / RUN_FILE).read_text(encoding="utf-8")).get("command") == wanted:
+                found.append(((out / RUN_FILE).stat().st_mtime, out.name, out))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return max(found)[2] if found else None
+
+
 def owner_identity(out: Path) -> dict | None:
     """The run identity recorded in `out`, or None when there is none (or it is unreadable)."""
     try:
@@ -59,12 +75,14 @@ def foreign_contents_problem(out: Path, *, identity: dict, has_checkpoint: bool,
     return f"output_dir: {out} {what}; pass --overwrite to start afresh there, or choose another --output-dir"
 
 
-def claim(out: Path, *, identity: dict, overwrite: bool) -> None:
-    """Empty `out` when overwriting, create it, and record the run that owns it."""
+def claim(out: Path, *, identity: dict, overwrite: bool, command: dict | None = None) -> None:
+    """Empty `out` when overwriting, create it, and record the run that owns it (its identity,
+    and the resolved configuration that `same_command_dir` looks for)."""
     if overwrite and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    durable.replace_file(out / RUN_FILE, json.dumps({"run": identity}, indent=2) + "\n")
+    record = {"run": identity} if command is None else {"run": identity, "command": command}
+    durable.replace_file(out / RUN_FILE, json.dumps(record, indent=2) + "\n")
 
 
 COMPLETE_FILE = "complete.json"  # written when a run finished all its steps

@@ -14,20 +14,28 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mcore_dpo import reaper
+
 
 class WorkerGroupError(RuntimeError):
     """A worker failed; str() names the role, the rank and the worker's error."""
 
 
+_reaper = None  # the local cluster's reaper (mcore_dpo/reaper.py): its processes die with this one
+
+
 def connect(*, address: str | None, num_cpus: int) -> bool:
     """Join the Ray cluster at `address`, or start a local one (dashboard off, bound to
-    127.0.0.1). Returns True when this process started Ray (and must stop it)."""
+    127.0.0.1) whose processes end with this process, even after kill -9. Returns True when
+    this process started Ray (and must stop it)."""
+    global _reaper
     if ray.is_initialized():
         return False
     env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
+    before = reaper.children_of(os.getpid())
     ray.init(
         address="local",  # a new instance, even when `ray start` left one running on this machine
         num_cpus=num_cpus,
@@ -37,12 +45,17 @@ def connect(*, address: str | None, num_cpus: int) -> bool:
         log_to_driver=True,
         configure_logging=False,
     )
+    _reaper = reaper.start(roots=reaper.children_of(os.getpid()) - before)
     return True
 
 
 def disconnect(started: bool) -> None:
+    global _reaper
     if started and ray.is_initialized():
         ray.shutdown()
+    if started:
+        reaper.release(_reaper)
+        _reaper = None
 
 
 def cluster_has_gpus() -> bool:

@@ -112,6 +112,12 @@ def prepare(config: TrainConfig) -> Prepared:
                     eval_pairs=eval_pairs, eval_stats=eval_stats)
 
 
+def _command_of(config: TrainConfig) -> dict:
+    """What makes two invocations the same command: the resolved configuration, where the
+    outputs go and --overwrite aside."""
+    return {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "overwrite")}
+
+
 def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
     """Pair indices of every step's global batch, epoch after epoch: the same for any layout."""
     steps: list[list[int]] = []
@@ -135,8 +141,14 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     from mcore_dpo import ray_workers
 
     prep = prepare(config)
-    if prep.config.output_dir is None:  # a fresh directory per run: runs never mix
-        prep.config = replace(prep.config, output_dir=str(output_dir.fresh_dir(model=config.model)))
+    command = _command_of(prep.config)
+    if prep.config.output_dir is None:  # a fresh directory per run, but the same command continues its own
+        earlier = None
+        if prep.config.resume and not prep.config.overwrite:
+            earlier = output_dir.same_command_dir(command=command)
+        prep.config = replace(prep.config, output_dir=str(earlier or output_dir.fresh_dir(model=config.model)))
+        if earlier:
+            log(f"the same command ran in {earlier} before: continuing there (--no-resume for a separate run)")
     config = prep.config
     out = Path(config.output_dir)
     log(f"output directory: {out}")
@@ -161,7 +173,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
     if done_step is not None and done_step >= config.max_steps:
         log(f"already complete at step {done_step}: {out} (--overwrite to train it again)")
         return out
-    output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite)
+    output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
     write_resolved(config, str(out))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
         if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):

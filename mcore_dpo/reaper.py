@@ -1,0 +1,128 @@
+"""The processes of a local Ray cluster end with the driver that started it, even after kill -9.
+
+Ray ties its head processes (GCS, raylet) to the driver with the kernel's parent-death signal,
+but the agents the raylet starts (dashboard agent, runtime-env agent) outlive a killed driver
+(seen with Ray 2.60: still running minutes later, their parent-death check stuck reporting to
+the dead GCS). The reaper is a small process the driver starts right after it starts Ray. It
+records, every `POLL_S`, the process tree under Ray's processes, and reads its stdin: a pipe
+from the driver. The pipe ends when the driver ends, however it ends; the reaper then kills
+every recorded process that is still the same process (pid and start time) and exits. A driver
+that shut Ray down itself says "done" first, and the reaper exits without killing anything.
+
+Linux only (/proc); elsewhere no reaper starts. It imports nothing of Ray or of this project.
+
+    python reaper.py ROOT_PID [ROOT_PID ...]      # stdin: the pipe from the driver
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+POLL_S = 0.5
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of `pid`, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every process visible now."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                found[int(name)] = stat
+    return found
+
+
+def children_of(pid: int) -> set[int]:
+    """The direct children of `pid` now (empty where /proc does not exist)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    return {child for child, (parent, _) in _processes().items() if parent == pid}
+
+
+def tree(roots: set[int]) -> dict[int, int]:
+    """pid -> start time of `roots` and all their descendants alive now."""
+    procs = _processes()
+    kids: dict[int, list[int]] = {}
+    for pid, (parent, _) in procs.items():
+        kids.setdefault(parent, []).append(pid)
+    found, todo = {}, [r for r in roots if r in procs]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = procs[pid][1]
+            todo.extend(kids.get(pid, []))
+    return found
+
+
+def _kill(recorded: dict[int, int]) -> None:
+    for pid, start in recorded.items():
+        stat = _stat(pid)
+        if stat is not None and stat[1] == start:  # the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def watch(roots: set[int], *, pipe) -> None:
+    """Record the tree under `roots` until `pipe` says "done" (return) or ends (kill it all)."""
+    recorded = tree(roots)
+    while True:
+        readable, _, _ = select.select([pipe], [], [], POLL_S)
+        if readable:
+            line = pipe.readline()
+            if line.strip() == "done":
+                return
+            if not line:  # the driver is gone
+                recorded.update(tree(set(recorded)))
+                _kill(recorded)
+                return
+        recorded = {pid: start for pid, start in recorded.items() if _stat(pid) is not None}
+        recorded.update(tree(roots | set(recorded)))
+
+
+def start(*, roots: set[int]) -> subprocess.Popen | None:
+    """Start a reaper for the processes under `roots` (None on a system without /proc)."""
+    if not roots or not os.path.isdir("/proc"):
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-u", os.path.abspath(__file__), *map(str, sorted(roots))],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, close_fds=True,
+    )
+
+
+def release(reaper: subprocess.Popen | None) -> None:
+    """The driver shut Ray down itself: the reaper exits without killing anything."""
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.write("done\n")
+        reaper.stdin.close()
+    except OSError:
+        pass
+    try:
+        reaper.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+
+
+if __name__ == "__main__":
+    # Ctrl-C and SLURM's SIGTERM reach the whole process group; the driver decides what they do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch({int(a) for a in sys.argv[1:]}, pipe=sys.stdin)
