@@ -34,6 +34,8 @@ class TrainConfig:
     (Megatron-LM layout, e.g. from Megatron-LM, Megatron-Bridge or ms-swift); None = the embedded tiny default."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the model's own tokenizer files."""
+    chat_template: str | None = None
+    """Jinja chat template file for conversational rows, replacing the tokenizer's (needed when it has none)."""
     ref_model: str | None = None
     """Reference model directory; defaults to --model."""
     data: str | None = None
@@ -229,10 +231,12 @@ class TrainConfig:
         if self.wandb_project is not None and not self.wandb:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         self._validate_trl_options()
-        for name in ("model", "ref_model", "tokenizer", "data", "eval_data"):
+        for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"{name}: {path} does not exist")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template: {self.chat_template} is not a file")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
@@ -328,7 +332,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 # --help groups: each field's group (the fields not named here are run settings).
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
-    "model": ("model", "ref_model", "tokenizer", "dtype"),
+    "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
     "parallelism": ("tp", "pp", "dp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",

@@ -382,7 +382,8 @@ def load_pairs(
             raw = _validate_row(row, has_prompt=bool(has_prompt))
             if raw.is_conversation:
                 if not getattr(tokenizer, "chat_template", None):
-                    raise DataError(f"{path}:{line}: conversational row but the tokenizer has no chat_template")
+                    raise DataError(f"{path}:{line}: conversational row but the tokenizer has no chat_template; "
+                                    "pass --chat-template FILE (a Jinja template, see docs/DATA.md)")
                 prompt_ids, chosen_ids, rejected_ids = _tokenize_conversation_pair(tokenizer, raw)
             else:
                 prompt_ids, chosen_ids, rejected_ids = _tokenize_text_pair(tokenizer, raw)

@@ -84,6 +84,8 @@ def prepare(config: TrainConfig) -> Prepared:
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
         detail = detail if len(detail) <= 300 else detail[:297] + "..."
         raise InputError(f"{tok_dir}: cannot load the tokenizer ({detail})") from None
+    if config.chat_template:
+        _use_chat_template(tokenizer, config.chat_template)
     if len(tokenizer) > spec.vocab_size:
         raise InputError(
             f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
@@ -116,6 +118,20 @@ def _command_of(config: TrainConfig) -> dict:
     """What makes two invocations the same command: the resolved configuration, where the
     outputs go and --overwrite aside."""
     return {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "overwrite")}
+
+
+def _use_chat_template(tokenizer, path: str) -> None:
+    """Give `tokenizer` the Jinja template in `path`, checked on a one-turn conversation now."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tokenizer.chat_template = fh.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"chat_template: cannot read {path} ({error})") from None
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # jinja's syntax and undefined-name errors
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise InputError(f"chat_template: {path} does not render a conversation ({detail})") from None
 
 
 def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
@@ -175,6 +191,8 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
         return out
     output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
     write_resolved(config, str(out))
+    if config.chat_template:
+        durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
     for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
         if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
             log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
@@ -368,6 +386,9 @@ def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
         weights = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
         given = [p for p in Path(config.tokenizer).iterdir() if p.is_file() and p.name != "config.json" and p.suffix not in weights]
         aux = [p for p in aux if p.name not in {g.name for g in given}] + given
+    if config.chat_template:  # the template the data was rendered with travels with the weights
+        template = Path(config.output_dir) / "chat_template.jinja"
+        aux = [p for p in aux if p.name != template.name] + [template]
     if not config.trust_remote_code:
         aux = [p for p in aux if p.suffix != ".py"]
     meta = McoreMeta(

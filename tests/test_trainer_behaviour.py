@@ -200,3 +200,15 @@ def test_the_console_script_shows_its_own_name(monkeypatch):
     assert build_parser().format_usage().startswith("usage: mcore-dpo-train ")
     monkeypatch.setattr(sys, "argv", ["/repo/mcore_dpo/train.py", "--help"])
     assert build_parser().format_usage().startswith("usage: python -m mcore_dpo.train ")
+
+
+def test_the_same_command_without_output_dir_continues_its_own_directory(tmp_path, monkeypatch, capsys, driver_only):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(["--max-steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "continuing there" in printed and "already complete at step 1" in printed, printed
+    assert len(driver_only) == 1 and len(list((tmp_path / "outputs").iterdir())) == 1
+    assert main(["--max-steps", "2"]) == 0  # another command: a directory of its own
+    assert len(driver_only) == 2 and driver_only[1] != driver_only[0]

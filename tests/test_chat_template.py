@@ -1,0 +1,66 @@
+"""--chat-template FILE through the real command line: conversational rows train with a tokenizer
+that has no template of its own, exactly as with a tokenizer that ships the same template; without
+the flag the error points to it; a template that does not render is one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mcore_dpo import defaults, run
+from mcore_dpo.config import resolve
+from mcore_dpo.train import main
+
+ROWS = [
+    {"prompt": [{"role": "user", "content": f"name {n} animals ."}],
+     "chosen": [{"role": "assistant", "content": f"sure : {n} sheep ."}],
+     "rejected": [{"role": "assistant", "content": f"sure : {n} hammers ."}]}
+    for n in ("two", "three", "four", "five")
+]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A copy of the default tokenizer without its chat_template.jinja, the template as a file of
+    its own, and conversational rows."""
+    bare = tmp_path / "tokenizer-without-template"
+    shutil.copytree(defaults.DEFAULT_TOKENIZER_DIR, bare)
+    (bare / "chat_template.jinja").unlink()
+    template = tmp_path / "my-template.jinja"
+    shutil.copy(f"{defaults.DEFAULT_TOKENIZER_DIR}/chat_template.jinja", template)
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    argv = ["--model", defaults.ensure_default_model(), "--data", str(data), "--global-batch-size", "2",
+            "--micro-batch-size", "1"]
+    return bare, template, data, argv
+
+
+def test_chat_template_makes_conversational_rows_work_with_a_tokenizer_without_one(setup):
+    bare, template, _, argv = setup
+    config, _ = resolve([*argv, "--tokenizer", str(bare), "--chat-template", str(template)])
+    assert config.chat_template == str(template)
+    with_flag = run.prepare(config).train_pairs
+    shipped = run.prepare(resolve([*argv, "--tokenizer", defaults.DEFAULT_TOKENIZER_DIR])[0]).train_pairs
+    assert len(with_flag) == len(ROWS)
+    assert [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in with_flag] == \
+        [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in shipped]
+
+
+def test_without_a_template_the_error_points_to_the_flag(setup, capsys):
+    bare, _, data, argv = setup
+    assert main([*argv, "--tokenizer", str(bare)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{data}:1:" in err and "--chat-template FILE" in err, err
+
+
+def test_a_template_that_does_not_render_is_one_line(setup, tmp_path, capsys):
+    bare, _, _, argv = setup
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
+    assert main([*argv, "--tokenizer", str(bare), "--chat-template", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: chat_template: {broken} does not render"), err
+    assert main([*argv, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "chat_template:" in capsys.readouterr().err
