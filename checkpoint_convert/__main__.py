@@ -98,6 +98,9 @@ def _weights_dir(path: str) -> str:
 
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mcore_dpo.platform import quiet_known_warnings  # imports torch: after the arguments parse
+
+    quiet_known_warnings()  # megatron-core's known-harmless import-time warnings
     if getattr(args, "mcore_dir", None):
         args.mcore_dir = _weights_dir(args.mcore_dir)
     if args.command == "hf-to-mcore":

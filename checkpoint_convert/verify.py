@@ -47,8 +47,10 @@ def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
 
-    from mcore_dpo import mesh as mesh_lib
     from mcore_dpo import platform as platform_lib
+
+    platform_lib.quiet_known_warnings()  # a spawned process: before megatron-core is imported
+    from mcore_dpo import mesh as mesh_lib
     from mcore_dpo.model import build_stage_model, causal_mask, load_shard, stage_forward
 
     checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf_dir)
@@ -90,7 +92,9 @@ def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: 
 
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # verify prints its result line, not a loading bar
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
     with torch.no_grad():

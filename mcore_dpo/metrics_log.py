@@ -33,6 +33,18 @@ class MetricsLog:
 
             self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), config=run_config)
         self._tty = sys.stderr.isatty()
+        self._timed_from: tuple[int, float] | None = None  # (step, time) the ETA counts from
+
+    def _eta(self, step: int) -> str:
+        """Time left at the pace of the steps after this process's first one: the first step
+        carries the warm-up (allocation, first reference forwards), so it is left out."""
+        now = time.monotonic()
+        if self._timed_from is None:
+            self._timed_from = (step, now)
+        first_step, first_time = self._timed_from
+        if step == first_step:
+            return "?" if step < self.total_steps else format_duration(0)
+        return format_duration((now - first_time) / (step - first_step) * (self.total_steps - step))
 
     def _start(self, keep_up_to_step: int) -> None:
         """On resume, drop the lines of steps after the checkpoint (they will run again): the
@@ -76,10 +88,8 @@ class MetricsLog:
         if step == 0:
             line = "eval at start: " + _fmt(metrics, ("eval/loss", "eval/rewards/accuracies"))
         else:
-            elapsed = time.monotonic() - self.start
-            eta = elapsed / step * (self.total_steps - step)
             line = (f"step {step}/{self.total_steps} " + _fmt(metrics, ("loss", "rewards/accuracies", "tokens/s"))
-                    + f" eta {eta:.0f}s")
+                    + f" eta {self._eta(step)}")
             if "eval/rewards/accuracies" in metrics:
                 line += " | " + _fmt(metrics, ("eval/loss", "eval/rewards/accuracies"))
         if self._tty:
@@ -103,5 +113,22 @@ def _plain(value):
     return float(value) if isinstance(value, (int, float)) else value
 
 
+def format_value(key: str, value) -> str:
+    """One format per kind of number, whatever its size: counts and rates as integers,
+    everything else with four decimals."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.0f}" if key.endswith("tokens/s") else f"{value:.4f}"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def _fmt(metrics: dict[str, float], keys: tuple[str, ...]) -> str:
-    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+    return " ".join(f"{k}={format_value(k, metrics[k])}" for k in keys if k in metrics)

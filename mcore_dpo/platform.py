@@ -222,3 +222,37 @@ def transformer_engine_available() -> bool:
     except Exception:
         return False
     return True
+
+
+# megatron-core's (and torch's) warnings that say nothing a user of this project can act on.
+# Each is (name, category, message pattern, why it is harmless). Every other warning still shows.
+KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
+    ("cpu-device-max-connections", UserWarning, r"When using async grad allreduce it is recommended to set the "
+     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+     "on the CPU there are no CUDA connections to order (filtered only where no GPU is visible; on a "
+     "GPU it is a real hint about overlapping the tensor-parallel all-reduce)"),
+    ("no-transformer-engine-or-apex", UserWarning, r"Transformer Engine and Apex are not installed",
+     "megatron-core's optimizer and FSDP modules fall back to torch's multi-tensor ops, which this "
+     "project's optimizer does not use; `python -m mcore_dpo.doctor` reports a missing Transformer "
+     "Engine or apex once, and neither exists for a CPU"),
+    ("no-apex-norm", UserWarning, r"Apex is not installed\. Falling back to Torch Norm",
+     "the local layer spec's RMSNorm is torch's, the norm this project's parity tests check"),
+    ("cuda-graph-full-scope", UserWarning, r"full scope is deprecated",
+     "megatron-core's own default cuda_graph_scope ('full') warns in every TransformerConfig; "
+     "this project captures no CUDA graphs"),
+    ("c10d-tensor-collective-rename", FutureWarning,
+     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+     "torch 2.13 renamed the two collectives (reduce_scatter_single, all_gather_single); the old "
+     "names still run the same collective, and megatron-core 0.16-0.19 call them"),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Ignore the warnings in KNOWN_HARMLESS_WARNINGS in this process. Call it before
+    megatron-core is imported: most of them are raised at import time."""
+    import warnings
+
+    for name, category, pattern, _why in KNOWN_HARMLESS_WARNINGS:
+        if name.startswith("cpu-") and torch.cuda.is_available():
+            continue
+        warnings.filterwarnings("ignore", message=pattern, category=category)

@@ -1,6 +1,7 @@
 """PNG curves of a run from its metrics.jsonl: loss, rewards/accuracies, rewards/margins and
-tokens/s against the step, each with its eval/ counterpart drawn on the same axes where the
-run has one, plus an overview of all four.
+tokens/s against the step, each with its eval/ counterpart drawn on the same axes (as markers)
+where the run has one, plus an overview of all four. The last step's tokens/s of an interleaved
+run is left out (it computes no next-batch reference, so it spikes; docs/GUIDE.md).
 
     python -m mcore_dpo.plot RUN_DIR          # writes RUN_DIR/plots/*.png
 
@@ -76,7 +77,7 @@ def plot_run(run_dir: str) -> list[str]:
     directory = Path(run_dir)
     if not directory.is_dir():
         raise PlotError(f"{run_dir}: no such run directory")
-    records = read_metrics(directory / "metrics.jsonl")
+    records = _without_uneven_throughput(read_metrics(directory / "metrics.jsonl"), directory)
     present = [c for c in CURVES if series(records, c[0])[0] or series(records, "eval/" + c[0])[0]]
     if not present:
         names = ", ".join(c[0] for c in CURVES)
@@ -117,6 +118,23 @@ def plot_run(run_dir: str) -> list[str]:
     return written
 
 
+def _without_uneven_throughput(records: list[dict], directory: Path) -> list[dict]:
+    """The records, without tokens/s of the run's last step when the reference forward of the
+    next batch runs inside each step (--ref-mode interleaved, the default): the last step has
+    no next batch, so it does a reference forward less and its tokens/s spikes. Read from the
+    run's config.yaml; without one, nothing is left out."""
+    try:
+        import yaml
+
+        config = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, ValueError, ImportError):
+        return records
+    if not isinstance(config, dict) or config.get("ref_mode", "interleaved") != "interleaved":
+        return records
+    last = config.get("max_steps")
+    return [{k: v for k, v in r.items() if not (k == "tokens/s" and r["step"] == last)} for r in records]
+
+
 def _draw(ax, records: list[dict], *, key: str, label: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -125,7 +143,8 @@ def _draw(ax, records: list[dict], *, key: str, label: str) -> None:
         ax.plot(steps, values, label="train", linewidth=1.2)
     eval_steps, eval_values = series(records, "eval/" + key)
     if eval_steps:
-        ax.plot(eval_steps, eval_values, label="eval", marker="o", linewidth=1.2)
+        # Evaluations are sparse points, not a curve: markers, joined by a faint line only.
+        ax.plot(eval_steps, eval_values, label="eval", marker="o", markersize=6, linestyle=":", linewidth=0.8)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(label)

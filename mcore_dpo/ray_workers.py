@@ -5,16 +5,28 @@ worker group per role, rendezvous, and turning actor failures into one clear err
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import ray
+# Not a terminal (a log file, a pipe, SLURM's output): Ray's worker-log prefixes and its
+# "[repeated Nx]" marks are coloured with ANSI codes; these two settings (read when Ray is
+# imported) print plain text instead, every rank's lines in full.
+if not (sys.stdout.isatty() and sys.stderr.isatty()):
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mcore_dpo import reaper
+from mcore_dpo import platform, reaper
+
+# Ray's worker processes import this module before they unpickle a worker class (which imports
+# megatron-core), so the known-harmless warnings are filtered there in time.
+platform.quiet_known_warnings()
 
 
 class WorkerGroupError(RuntimeError):

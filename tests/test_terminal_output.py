@@ -1,0 +1,117 @@
+"""What a run prints and plots: a first line that says what starts, megatron-core's known-harmless
+warnings filtered (and only those), one number format, an ETA without the first step's warm-up,
+`verify` printing its result line only, and plots that show evaluations as markers and leave out
+the last step's uneven throughput."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from mcore_dpo import metrics_log, platform, ray_workers, run
+from mcore_dpo.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_known_harmless_warnings_are_named_justified_and_the_only_ones_filtered():
+    names = [name for name, *_ in platform.KNOWN_HARMLESS_WARNINGS]
+    assert len(set(names)) == len(names)
+    assert all(len(why) > 40 for *_, why in platform.KNOWN_HARMLESS_WARNINGS)
+    seen = [  # as megatron-core 0.16 and torch 2.13 word them
+        ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning),
+        ("Apex is not installed. Falling back to Torch Norm", UserWarning),
+        ("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.", UserWarning),
+        ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+         "`torch.distributed.reduce_scatter_single` instead.", FutureWarning),
+        ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+         "`torch.distributed.all_gather_single` instead.", FutureWarning),
+        ("When using async grad allreduce it is recommended to set the environment variable "
+         "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning),
+    ]
+    others = [("Transformer Engine is slow today", UserWarning), ("full scope is deprecated.", DeprecationWarning),
+              ("`torch.distributed.broadcast` is deprecated.", FutureWarning)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        platform.quiet_known_warnings()
+        for message, category in seen + others:
+            warnings.warn(message, category)
+    assert [str(w.message) for w in caught] == [message for message, _ in others]
+
+
+def test_numbers_keep_one_format_and_the_eta_leaves_out_the_first_step(monkeypatch, tmp_path, capsys):
+    assert metrics_log.format_value("loss", 0) == "0.0000"
+    assert metrics_log.format_value("rewards/accuracies", 0.5) == "0.5000"
+    assert metrics_log.format_value("loss", 123456.0) == "123456.0000"  # never 1.235e+05
+    assert metrics_log.format_value("tokens/s", 15712.6) == "15713"
+    assert [metrics_log.format_duration(s) for s in (0, 59.4, 61, 3725)] == ["0s", "59s", "1m01s", "1h02m"]
+    clock = iter([0.0, 100.0, 101.0, 102.0])  # start; step 1 after a 100 s warm-up; then 1 s a step
+    monkeypatch.setattr(metrics_log.time, "monotonic", lambda: next(clock))
+    log = metrics_log.MetricsLog(tmp_path, total_steps=10)
+    for step in (1, 2, 3):
+        log.write(step, {"loss": 0.5, "tokens/s": 1000.0})
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("eta ?") and lines[2].endswith("eta 7s"), lines  # 7 steps left at 1 s each
+    assert lines[1] == "step 2/10 loss=0.5000 tokens/s=1000 eta 8s"
+    assert not any("\x1b" in line for line in lines)  # not a terminal: plain lines
+
+
+def test_the_first_line_says_what_starts_and_what_is_loaded(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
+    monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
+    monkeypatch.setattr(run, "_attempt", lambda prep, *, out, log: None)
+    assert main(["--tp", "2", "--pp", "2", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("starting a local Ray cluster with 4 workers (tp 2 x pp 2 x dp 1); "
+                     "loading the tiny default model and the default preference data")
+
+
+def test_verify_prints_its_result_and_nothing_else(tmp_path):
+    from checkpoint_convert.__main__ import main as convert
+    from mcore_dpo import defaults
+
+    model = defaults.ensure_default_model()
+    assert convert(["hf-to-mcore", "--hf-dir", model, "--out", str(tmp_path / "m")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "checkpoint_convert", "verify", "--hf-dir", model, "--mcore-dir",
+                           str(tmp_path / "m")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [done.stdout.strip()] and done.stdout.startswith("verify tp=1 pp=1: max |dlogit| ")
+    assert "Warning" not in done.stderr and "\r" not in done.stderr, done.stderr[-3000:]
+
+
+def _run_dir(tmp_path: Path, *, ref_mode: str) -> Path:
+    out = tmp_path / ref_mode
+    out.mkdir()
+    rows = [{"step": 0, "eval/loss": 0.69}] + [{"step": s, "loss": 0.7 - s / 100, "tokens/s": 1000.0 + (900 * (s == 4))}
+                                               for s in range(1, 5)]
+    rows[-1]["eval/loss"] = 0.6
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "config.yaml").write_text(f"max_steps: 4\nref_mode: {ref_mode}\n")
+    return out
+
+
+@pytest.mark.parametrize("ref_mode", ["interleaved", "sequential"])
+def test_plots_leave_out_the_last_interleaved_steps_throughput_and_mark_evaluations(tmp_path, monkeypatch, ref_mode):
+    from mcore_dpo import plot
+
+    drawn = {}
+    original = plot._draw
+
+    def spy(ax, records, *, key, label):
+        original(ax, records, key=key, label=label)
+        drawn[key] = {line.get_label(): (list(line.get_xdata()), line.get_marker()) for line in ax.get_lines()}
+
+    monkeypatch.setattr(plot, "_draw", spy)
+    plot.plot_run(str(_run_dir(tmp_path, ref_mode=ref_mode)))
+    assert drawn["tokens/s"]["train"][0] == ([1, 2, 3] if ref_mode == "interleaved" else [1, 2, 3, 4])
+    assert drawn["loss"]["train"][0] == [1, 2, 3, 4]
+    assert drawn["loss"]["eval"] == ([0, 4], "o")
