@@ -47,6 +47,14 @@ def test_the_default_run_killed_mid_way_resumes_when_the_same_command_runs_again
     again = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "already complete at step 4" in again.stdout, again.stdout + again.stderr
 
+    # What the runs printed, captured (not a terminal): the first line says what starts, no ANSI
+    # codes, none of megatron-core's known-harmless warnings.
+    for done in (killed, resumed, again):
+        assert done.stdout.startswith("starting a local Ray cluster with 1 worker "), done.stdout[:300]
+        printed = done.stdout + done.stderr
+        assert "\x1b[" not in printed, printed[-3000:]
+        assert "Transformer Engine and Apex are not installed" not in printed and "Apex is not installed" not in printed
+
 
 def test_no_ray_process_survives_kill_9_of_the_driver(tmp_path):
     """The driver's local Ray cluster (GCS, raylet, agents, workers) is gone within a bounded
