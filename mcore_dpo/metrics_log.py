@@ -19,7 +19,6 @@ class MetricsLog:
         self.path = Path(out_dir) / "metrics.jsonl"
         self._start(keep_up_to_step)
         self.total_steps = total_steps
-        self.start = time.monotonic()
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter

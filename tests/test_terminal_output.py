@@ -51,7 +51,7 @@ def test_numbers_keep_one_format_and_the_eta_leaves_out_the_first_step(monkeypat
     assert metrics_log.format_value("loss", 123456.0) == "123456.0000"  # never 1.235e+05
     assert metrics_log.format_value("tokens/s", 15712.6) == "15713"
     assert [metrics_log.format_duration(s) for s in (0, 59.4, 61, 3725)] == ["0s", "59s", "1m01s", "1h02m"]
-    clock = iter([0.0, 100.0, 101.0, 102.0])  # start; step 1 after a 100 s warm-up; then 1 s a step
+    clock = iter([100.0, 101.0, 102.0])  # step 1 ends after a 100 s warm-up; then 1 s a step
     monkeypatch.setattr(metrics_log.time, "monotonic", lambda: next(clock))
     log = metrics_log.MetricsLog(tmp_path, total_steps=10)
     for step in (1, 2, 3):
