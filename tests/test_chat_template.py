@@ -64,3 +64,21 @@ def test_a_template_that_does_not_render_is_one_line(setup, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith(f"error: chat_template: {broken} does not render"), err
     assert main([*argv, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "chat_template:" in capsys.readouterr().err
+
+
+def test_the_template_is_kept_with_the_run_and_travels_with_the_weights(setup, tmp_path, monkeypatch):
+    from mcore_dpo import ray_workers
+
+    bare, template, _, argv = setup
+    monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
+    monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
+    seen = []
+    monkeypatch.setattr(run, "_attempt", lambda prep, *, out, log: seen.append(prep))
+    out = tmp_path / "run"
+    assert main([*argv, "--tokenizer", str(bare), "--chat-template", str(template), "--output-dir", str(out),
+                 "--max-steps", "1"]) == 0
+    assert (out / "chat_template.jinja").read_text() == template.read_text()
+    (prep,) = seen
+    _, aux = run._model_meta(prep.config, prep.spec, dtype="float32", layer_spec="local")
+    templates = [p for p in aux if p.name == "chat_template.jinja"]
+    assert templates == [out / "chat_template.jinja"]  # what checkpoints and hf/ carry
