@@ -21,6 +21,11 @@ from mcore_dpo import durable
 RUN_FILE = "run.json"  # the run identity of the run that owns the directory
 
 
+def _as_stored(value: dict) -> dict:
+    """`value` as it reads back from its JSON file (tuples become lists), for comparison."""
+    return json.loads(json.dumps(value))
+
+
 def fresh_dir(*, model: str | None, base: str | Path = "outputs", now: float | None = None) -> Path:
     """A new, not yet existing directory under `base` named after the UTC time and the model."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
@@ -36,7 +41,7 @@ def fresh_dir(*, model: str | None, base: str | Path = "outputs", now: float | N
 def same_command_dir(*, command: dict, base: str | Path = "outputs") -> Path | None:
     """The newest directory under `base` that a run of this same `command` (its resolved
     configuration, output directory aside) claimed, or None."""
-    wanted = json.loads(json.dumps(command))
+    wanted = _as_stored(command)
     found = []
     for out in Path(base).iterdir() if Path(base).is_dir() else ():
         try:
@@ -69,7 +74,7 @@ def foreign_contents_problem(out: Path, *, identity: dict, has_checkpoint: bool,
         return f"output_dir: {out} is a file, not a directory"
     if has_checkpoint and resume:
         return None
-    if not has_checkpoint and owner_identity(out) == json.loads(json.dumps(identity)):
+    if not has_checkpoint and owner_identity(out) == _as_stored(identity):
         return None  # this same run, stopped before its first checkpoint: it starts over
     what = "holds checkpoints and --no-resume is set" if has_checkpoint else "holds another run's outputs"
     return f"output_dir: {out} {what}; pass --overwrite to start afresh there, or choose another --output-dir"
@@ -98,7 +103,7 @@ def completed_step(out: Path, *, identity: dict) -> int | None:
         done = json.loads((out / COMPLETE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(done, dict) or done.get("run") != json.loads(json.dumps(identity)):
+    if not isinstance(done, dict) or done.get("run") != _as_stored(identity):
         return None
     step = done.get("step")
     return step if isinstance(step, int) else None
