@@ -13,6 +13,7 @@ stage layout, shapes, and the walk over a stage's entries.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -49,10 +50,14 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisor: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_layout(spec: ModelSpec, *, tp: int, pp: int, source: str = "config.json", divisor: int = 128) -> None:
-    """Raise ConversionError unless the model can be split tp x pp."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"layout: tp and pp must be >= 1, got tp={tp} pp={pp}")
+def check_layout(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1, source: str = "config.json", divisor: int = 128) -> None:
+    """Raise ConversionError unless the model can be split tp x pp (and its experts over ep)."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"layout: tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if ep > 1 and not spec.num_experts:
+        raise ConversionError(f"{source}: ep={ep} asks for expert parallelism, but {spec.architecture} has no experts")
+    if spec.num_experts % ep:
+        raise ConversionError(f"{source}: the expert count ({spec.num_experts}) is not divisible by ep={ep}")
     for field, value in (
         ("num_attention_heads", spec.num_heads),
         ("num_key_value_heads", spec.num_query_groups),
@@ -139,8 +144,27 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
     return list(hf_tensor_shapes(spec))
 
 
-def mcore_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
-    """(mcore template, split kind, HF templates, local layer, global layer) for one stage, in order."""
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _local_expert(template: str, *, num_experts: int, ep: int, ep_rank: int) -> str | None:
+    """An expert entry's template with the local expert index of expert-parallel rank ep_rank
+    (which holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)), or None for another rank's expert."""
+    match = _EXPERT.search(template)
+    if match is None or ep == 1:
+        return template
+    per_rank = num_experts // ep
+    expert = int(match.group(1))
+    if expert // per_rank != ep_rank:
+        return None
+    return template[: match.start()] + f".local_experts.{expert % per_rank}." + template[match.end():]
+
+
+def mcore_entries(
+    spec: ModelSpec, *, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
+    """(mcore template, split kind, HF templates, local layer, global layer) for one stage (and
+    expert-parallel rank), in order."""
     family = family_of(spec)
     if pp_rank == 0:
         for template, (kind, hf) in _FIRST_STAGE_KEYS.items():
@@ -148,7 +172,9 @@ def mcore_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> Iterator[tuple[s
     layers = stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank)
     for local, global_layer in enumerate(layers):
         for template, (kind, hf) in family.layer_keys(spec, layer=global_layer).items():
-            yield template, kind, hf, local, global_layer
+            template = _local_expert(template, num_experts=spec.num_experts, ep=ep, ep_rank=ep_rank)
+            if template is not None:
+                yield template, kind, hf, local, global_layer
     if pp_rank == pp - 1:
         for template, (kind, hf) in _LAST_STAGE_KEYS.items():
             if template == "output_layer.weight":
@@ -223,16 +249,19 @@ def hf_to_mcore_shard(
     get: Callable[[str], torch.Tensor],
     layer_spec: str = "local",
     divisor: int = 128,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """The parameters of one (tp_rank, pp_rank) GPTModel chunk, named as its named_parameters().
+    """The parameters of one (tp_rank, pp_rank, ep_rank) GPTModel chunk, named as its
+    named_parameters() (experts by their local index on ep_rank).
 
     `get(hf_name)` returns one HF tensor; each result is a fresh contiguous tensor (no view
     into the full HF tensor is kept), so memory holds one shard plus one HF tensor.
     """
-    check_layout(spec, tp=tp, pp=pp, divisor=divisor)
+    check_layout(spec, tp=tp, pp=pp, ep=ep, divisor=divisor)
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shard: dict[str, torch.Tensor] = {}
-    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
         name = mcore_name(template, layer=local, layer_spec=layer_spec)
         hf_names = [t.format(layer=global_layer) for t in hf]
         if kind == "vocab":

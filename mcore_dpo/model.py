@@ -55,6 +55,9 @@ def transformer_config(
         # Activations outside the tensor-parallel linears are split over tp along the sequence.
         sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=layout.pp,
+        # Experts split over ep ranks: their parameters are then reduced over the
+        # expert-data-parallel group (allreduce=False), not over dp.
+        expert_model_parallel_size=layout.ep,
         pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,

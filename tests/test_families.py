@@ -120,3 +120,23 @@ def test_fused_in_memory_experts_read_as_the_hub_tensors(family):
     for name, (stored, expert, part, parts) in sources.items():
         tensor = memory[stored] if expert is None else memory[stored][expert]
         assert torch.equal(tensor.chunk(parts, dim=0)[part], hub[name]), name
+
+
+def test_expert_parallel_shards_split_the_experts_by_local_index():
+    """ep 2 over 4 experts: rank r holds experts 2r, 2r+1 as local experts 0, 1; dense and
+    attention tensors are the same on both ranks; ep must divide the expert count."""
+    torch.manual_seed(0)
+    model = TINY["qwen3_moe"]()
+    spec = spec_from_hf_config(model.config.to_dict())
+    hub = _hub_tensors(model)
+    full = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub.__getitem__)
+    ranks = [hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=2, ep_rank=r, get=hub.__getitem__) for r in (0, 1)]
+    name = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert set(ranks[0]) == set(ranks[1]) and name.format(2) not in ranks[0]
+    for r in (0, 1):
+        for local in (0, 1):
+            assert torch.equal(ranks[r][name.format(local)], full[name.format(2 * r + local)])
+        dense = [n for n in full if "local_experts" not in n]
+        assert all(torch.equal(ranks[r][n], full[n]) for n in dense)
+    with pytest.raises(ConversionError, match=r"the expert count \(4\) is not divisible by ep=3"):
+        hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=3, ep_rank=0, get=hub.__getitem__)

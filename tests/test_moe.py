@@ -156,3 +156,72 @@ def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path,
     import ray
 
     assert not ray.is_initialized(), "a worker group was started before the input was checked"
+
+
+def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
+    """test_parity's checks with the experts of each rank's ep share: with expert tp = tp, the
+    expert-parallel rank of data-parallel rank d is d % ep (megatron-core's tp-ep-dp-pp order)."""
+    import json
+
+    from checkpoint_convert.mapping import hf_to_mcore_shard
+    from parity import assert_close, load_rank_tensors
+
+    tp, pp, dp, ep = layout
+    config = job["config"]
+    ref = _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2),
+                          Path(config["model"]))
+    spec = open_hf_dir(config["model"]).spec
+    what = f"{job['key'][0]} at tp{tp} pp{pp} dp{dp} ep{ep}"
+    for step, ref_grads in enumerate(ref["grads"], start=1):
+        for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=d % ep,
+                                         get=ref_grads.__getitem__)
+            assert set(expected) == set(shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
+    for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=(tp, pp, dp)).items():
+        if d == 0:
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=0,
+                                         get=ref["weights"].__getitem__)
+            assert set(expected) == set(shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
+    ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
+    for step, (m_ours, m_ref) in enumerate(zip(ours[:2], ref["metrics"]), start=1):
+        tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
+    assert len(ours) == 2, what  # no evaluation: it is refused with ep > 1
+
+
+def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
+    """(tp, pp, dp, ep) = (1, 2, 2, 2), Qwen3-MoE and Mixtral (tied, over two stages) in one
+    launch: each rank holds half the experts; the reference is split the same way."""
+    layout = (1, 2, 2, 2)
+    jobs = [parity_job(layout, *models[family], name=family, ep=2, export_hf=False,
+                       distributed_optimizer=False) for family in ("qwen3_moe", "mixtral")]
+    for job in jobs:
+        job["eval_pairs"] = []  # evaluation with ep > 1 is refused (uneven eval chunks per ep rank)
+    run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check_expert_parallel(tmp_path, j, job, layout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "3", "--dp", "3", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     "config.json: the expert count (4) is not divisible by ep=3"),
+    (["--ep", "2", "--dp", "1", "--tp", "2"], "ep: 2 x tp 2 x pp 1 does not fit the world of tp x pp x dp = 2 ranks"),
+], ids=["ep-not-dividing-experts", "ep-not-fitting-world"])
+def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
+    import json
+
+    import ray
+
+    from mcore_dpo.train import main
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n" for i in range(3, 30)))
+    code = main(["--model", str(models["qwen3_moe"][0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+                 "--no-export-hf", "--no-distributed-optimizer", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
