@@ -35,6 +35,7 @@ from checkpoint_convert.mapping import (
     ConversionError,
     ModelSpec,
     check_layout,
+    fused_hf_sources,
     hf_tensor_shapes,
     mcore_shard_shapes,
     hf_entry_index,
@@ -134,11 +135,15 @@ class HFCheckpoint:
                 if name not in self._file_of:
                     raise ConversionError(f"{self.dir / file}: tensor '{name}' listed in {INDEX_FILE} is not in the file")
         expected = hf_tensor_shapes(self.spec)
+        # MoE experts stored fused (transformers 5's in-memory form) are read as the hub's tensors.
+        self._fused = fused_hf_sources(self.spec, stored=set(self._file_of))
+        self._fused_shapes = {name: expected[name] for name in self._fused}
+        fused_stored = {source for source, *_ in self._fused.values()}
         for name in expected:
-            if name not in self._file_of:
+            if name not in self._file_of and name not in self._fused:
                 raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
         for name, file in self._file_of.items():
-            if name not in expected and not name.endswith(_IGNORED_HF_SUFFIXES):
+            if name not in expected and name not in fused_stored and not name.endswith(_IGNORED_HF_SUFFIXES):
                 raise ConversionError(f"{self.dir / file}: unexpected tensor '{name}' for {self.spec.architecture}")
         for file, handle in self._handles.items():
             names = [n for n in handle.keys() if n in expected]
@@ -159,9 +164,25 @@ class HFCheckpoint:
         return list(hf_tensor_shapes(self.spec))
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._fused and name not in self._file_of:
+            return self._get_fused(name)
         if name not in self._file_of:
             raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
         return self._handles[self._file_of[name]].read(name)
+
+    def _get_fused(self, name: str) -> torch.Tensor:
+        stored, expert, part, parts = self._fused[name]
+        tensor = self._handles[self._file_of[stored]].read(stored)
+        if expert is not None:
+            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
+                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
+                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
+            tensor = tensor[expert]
+        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
+        expected = self._fused_shapes[name]
+        if tuple(tensor.shape) != expected:
+            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
+        return tensor
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` (one contiguous read: no whole tensor in memory)."""
@@ -226,6 +247,20 @@ class _LazyShard(Mapping):
         if name not in self._names:
             raise KeyError(name)
         return self._handle.read(name)
+
+    def _get_fused(self, name: str) -> torch.Tensor:
+        stored, expert, part, parts = self._fused[name]
+        tensor = self._handles[self._file_of[stored]].read(stored)
+        if expert is not None:
+            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
+                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
+                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
+            tensor = tensor[expert]
+        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
+        expected = self._fused_shapes[name]
+        if tuple(tensor.shape) != expected:
+            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
+        return tensor
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` without reading the rest."""
@@ -340,6 +375,20 @@ class HFView:
         )
         self._cache = {n: t for n, t in tensors.items() if n != name}
         return tensors[name]
+
+    def _get_fused(self, name: str) -> torch.Tensor:
+        stored, expert, part, parts = self._fused[name]
+        tensor = self._handles[self._file_of[stored]].read(stored)
+        if expert is not None:
+            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
+                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
+                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
+            tensor = tensor[expert]
+        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
+        expected = self._fused_shapes[name]
+        if tuple(tensor.shape) != expected:
+            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
+        return tensor
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of HF tensor `name` (vocabulary tensors: without gathering the rest)."""

@@ -4,232 +4,39 @@ Pure functions only (no file I/O, no torch.distributed). Both the converter CLI 
 trainer's model builder use this module, so a checkpoint converted offline and one
 converted on the fly at model build time are identical.
 
-Each family has one literal, templated key map (`KEY_MAPS`): megatron-core name template
--> (how the tensor is split across tensor-parallel ranks, Hugging Face name templates).
-`{layer}` is the local layer number on the megatron side and the global one on the HF side.
+Each family (`checkpoint_convert/families/`) has one literal, templated key map: megatron-core
+name template -> (how the tensor is split across tensor-parallel ranks, Hugging Face name
+templates). This module holds what all families share: the split and gather primitives,
+stage layout, shapes, and the walk over a stage's entries.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 
 
-class ConversionError(ValueError):
-    """Bad input to a conversion; str() is one line naming the file/tensor/field."""
+# ModelSpec, the error type and the config reader are the families' own; callers import them from here too.
+from checkpoint_convert.families import family_of, spec_from_hf_config  # noqa: F401
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec  # noqa: F401
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    architecture: str  # e.g. "LlamaForCausalLM"
-    family: str  # "llama" | "mistral" | "qwen2"
-    vocab_size: int  # unpadded, as in the HF config
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_query_groups: int  # HF num_key_value_heads
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    # Normalized llama3 form {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"} or None (plain RoPE).
-    rope_scaling: dict | None
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    max_position_embeddings: int
-    torch_dtype: str  # "float32" | "bfloat16" | "float16": dtype of the source weights
-    # Mistral v0.1 configs carry a sliding window; it only matters for sequences longer than it.
-    sliding_window: int | None = None
-
-
-FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_SPECS = ("local", "te")
 
-# Split kinds:
-#   replicated  every tp rank holds the whole tensor (norms)
-#   vocab       rows padded with zeros to the padded vocabulary, then split on dim 0
-#   qkv         q, k, v fused group by group (r query heads, k head, v head), whole groups per rank
-#   fc1         [gate chunk i; up chunk i] on rank i
-#   row         split on dim 1 (row-parallel linear input dim)
-_LAYER_KEYS_LLAMA = {
-    "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),
-    "decoder.layers.{layer}.self_attention.linear_qkv.weight": (
-        "qkv",
-        (
-            "model.layers.{layer}.self_attn.q_proj.weight",
-            "model.layers.{layer}.self_attn.k_proj.weight",
-            "model.layers.{layer}.self_attn.v_proj.weight",
-        ),
-    ),
-    "decoder.layers.{layer}.self_attention.linear_proj.weight": ("row", ("model.layers.{layer}.self_attn.o_proj.weight",)),
-    "decoder.layers.{layer}.pre_mlp_layernorm.weight": (
-        "replicated",
-        ("model.layers.{layer}.post_attention_layernorm.weight",),
-    ),
-    "decoder.layers.{layer}.mlp.linear_fc1.weight": (
-        "fc1",
-        ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
-    ),
-    "decoder.layers.{layer}.mlp.linear_fc2.weight": ("row", ("model.layers.{layer}.mlp.down_proj.weight",)),
-}
-_LAYER_KEYS_QWEN2 = {
-    **_LAYER_KEYS_LLAMA,
-    "decoder.layers.{layer}.self_attention.linear_qkv.bias": (
-        "qkv",
-        (
-            "model.layers.{layer}.self_attn.q_proj.bias",
-            "model.layers.{layer}.self_attn.k_proj.bias",
-            "model.layers.{layer}.self_attn.v_proj.bias",
-        ),
-    ),
-}
+# The stages' own entries (the per-layer ones are each family's `layer_keys`).
 # Order matters: it is the order tensors are streamed in (embedding, layers, head).
 _FIRST_STAGE_KEYS = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
 _LAST_STAGE_KEYS = {
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
 }
-KEY_MAPS = {
-    "llama": {"first": _FIRST_STAGE_KEYS, "layer": _LAYER_KEYS_LLAMA, "last": _LAST_STAGE_KEYS},
-    "mistral": {"first": _FIRST_STAGE_KEYS, "layer": _LAYER_KEYS_LLAMA, "last": _LAST_STAGE_KEYS},
-    "qwen2": {"first": _FIRST_STAGE_KEYS, "layer": _LAYER_KEYS_QWEN2, "last": _LAST_STAGE_KEYS},
-}
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear.
 TE_RENAMES = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
 }
-
-
-# ---------------------------------------------------------------------------------------
-# Config -> spec
-# ---------------------------------------------------------------------------------------
-
-
-def _field(config: dict, name: str, kind: type, *, source: str, default: object = ...) -> object:
-    if name not in config or config[name] is None:
-        if default is ...:
-            raise ConversionError(f"{source}: field '{name}' is missing")
-        return default
-    value = config[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConversionError(f"{source}: field '{name}' must be {kind.__name__}, got {value!r}")
-    if kind in (int, float) and value <= 0:
-        raise ConversionError(f"{source}: field '{name}' must be positive, got {value!r}")
-    return value
-
-
-def _rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
-    """rope_theta and the normalized scaling, from either the transformers<5 form
-    (rope_theta + rope_scaling) or the transformers 5 form (rope_parameters)."""
-    params = config.get("rope_parameters")
-    field = "rope_parameters"
-    if not isinstance(params, dict) or not params:
-        params = config.get("rope_scaling")
-        field = "rope_scaling"
-    theta = config.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    theta = _field({"rope_theta": theta}, "rope_theta", float, source=source, default=10000.0)
-    if params is None:
-        return theta, None
-    if not isinstance(params, dict):
-        raise ConversionError(f"{source}: field '{field}' must be an object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ConversionError(
-            f"{source}: field '{field}.rope_type' is {rope_type!r}; only 'default' and 'llama3' are supported"
-        )
-    scaling = {"rope_type": "llama3"}
-    for key, kind in (
-        ("factor", float),
-        ("low_freq_factor", float),
-        ("high_freq_factor", float),
-        ("original_max_position_embeddings", int),
-    ):
-        scaling[key] = _field(params, key, kind, source=f"{source}: {field}")
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ConversionError(f"{source}: field '{field}.high_freq_factor' must exceed low_freq_factor")
-    return theta, scaling
-
-
-def spec_from_hf_config(config: dict, *, source: str = "config.json") -> ModelSpec:
-    """Validate an HF config.json (as a dict) and extract what the model needs."""
-    if not isinstance(config, dict):
-        raise ConversionError(f"{source}: expected a JSON object")
-    architectures = config.get("architectures")
-    if architectures:
-        if not isinstance(architectures, list) or len(architectures) != 1:
-            raise ConversionError(f"{source}: field 'architectures' must list exactly one architecture, got {architectures!r}")
-        architecture = architectures[0]
-    else:
-        architecture = _MODEL_TYPE_TO_ARCHITECTURE.get(config.get("model_type"), config.get("model_type"))
-    if architecture not in FAMILIES:
-        raise ConversionError(
-            f"{source}: field 'architectures' is {architecture!r}; supported: {', '.join(sorted(FAMILIES))}"
-        )
-    family = FAMILIES[architecture]
-    hidden_act = config.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ConversionError(f"{source}: field 'hidden_act' is {hidden_act!r}; only 'silu' is supported")
-    if config.get("mlp_bias"):
-        raise ConversionError(f"{source}: field 'mlp_bias' is true; MLP biases are not supported")
-    if family != "qwen2" and config.get("attention_bias"):
-        raise ConversionError(f"{source}: field 'attention_bias' is true; attention biases are only supported for Qwen2")
-    if family == "qwen2" and config.get("use_sliding_window"):
-        raise ConversionError(f"{source}: field 'use_sliding_window' is true; sliding-window attention is not supported")
-
-    hidden_size = _field(config, "hidden_size", int, source=source)
-    num_heads = _field(config, "num_attention_heads", int, source=source)
-    num_query_groups = _field(config, "num_key_value_heads", int, source=source, default=num_heads)
-    if num_heads % num_query_groups:
-        raise ConversionError(
-            f"{source}: field 'num_key_value_heads' ({num_query_groups}) must divide num_attention_heads ({num_heads})"
-        )
-    if "head_dim" in config and config["head_dim"] is not None:
-        head_dim = _field(config, "head_dim", int, source=source)
-    else:
-        if hidden_size % num_heads:
-            raise ConversionError(f"{source}: field 'hidden_size' ({hidden_size}) is not divisible by num_attention_heads")
-        head_dim = hidden_size // num_heads
-    theta, scaling = _rope_from_config(config, source=source)
-    dtype = config.get("torch_dtype", config.get("dtype")) or "float32"
-    if dtype not in DTYPES:
-        raise ConversionError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(DTYPES)}")
-    sliding_window = config.get("sliding_window") if family == "mistral" else None
-    return ModelSpec(
-        architecture=architecture,
-        family=family,
-        vocab_size=_field(config, "vocab_size", int, source=source),
-        hidden_size=hidden_size,
-        intermediate_size=_field(config, "intermediate_size", int, source=source),
-        num_layers=_field(config, "num_hidden_layers", int, source=source),
-        num_heads=num_heads,
-        num_query_groups=num_query_groups,
-        head_dim=head_dim,
-        rms_norm_eps=_field(config, "rms_norm_eps", float, source=source, default=1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
-        max_position_embeddings=_field(config, "max_position_embeddings", int, source=source, default=2048),
-        torch_dtype=dtype,
-        sliding_window=sliding_window,
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,15 +50,20 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisor: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_layout(spec: ModelSpec, *, tp: int, pp: int, source: str = "config.json", divisor: int = 128) -> None:
-    """Raise ConversionError unless the model can be split tp x pp."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"layout: tp and pp must be >= 1, got tp={tp} pp={pp}")
+def check_layout(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1, source: str = "config.json", divisor: int = 128) -> None:
+    """Raise ConversionError unless the model can be split tp x pp (and its experts over ep)."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"layout: tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if ep > 1 and not spec.num_experts:
+        raise ConversionError(f"{source}: ep={ep} asks for expert parallelism, but {spec.architecture} has no experts")
+    if spec.num_experts % ep:
+        raise ConversionError(f"{source}: the expert count ({spec.num_experts}) is not divisible by ep={ep}")
     for field, value in (
         ("num_attention_heads", spec.num_heads),
         ("num_key_value_heads", spec.num_query_groups),
         ("intermediate_size", spec.intermediate_size),
         ("padded vocab_size", padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)),
+        *((("moe_intermediate_size", spec.moe_intermediate_size),) if spec.num_experts else ()),
     ):
         if value % tp:
             raise ConversionError(f"{source}: field '{field}' ({value}) is not divisible by tp={tp}")
@@ -311,10 +123,16 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+        if spec.qk_layernorm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+        if spec.is_moe_layer(layer):
+            shapes.update(family_of(spec).moe_hf_shapes(spec, layer=layer))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
@@ -326,18 +144,39 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
     return list(hf_tensor_shapes(spec))
 
 
-def mcore_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
-    """(mcore template, split kind, HF templates, local layer, global layer) for one stage, in order."""
-    key_map = KEY_MAPS[spec.family]
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _local_expert(template: str, *, num_experts: int, ep: int, ep_rank: int) -> str | None:
+    """An expert entry's template with the local expert index of expert-parallel rank ep_rank
+    (which holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)), or None for another rank's expert."""
+    match = _EXPERT.search(template)
+    if match is None or ep == 1:
+        return template
+    per_rank = num_experts // ep
+    expert = int(match.group(1))
+    if expert // per_rank != ep_rank:
+        return None
+    return template[: match.start()] + f".local_experts.{expert % per_rank}." + template[match.end():]
+
+
+def mcore_entries(
+    spec: ModelSpec, *, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> Iterator[tuple[str, str, tuple[str, ...], int | None, int | None]]:
+    """(mcore template, split kind, HF templates, local layer, global layer) for one stage (and
+    expert-parallel rank), in order."""
+    family = family_of(spec)
     if pp_rank == 0:
-        for template, (kind, hf) in key_map["first"].items():
+        for template, (kind, hf) in _FIRST_STAGE_KEYS.items():
             yield template, kind, hf, None, None
     layers = stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank)
     for local, global_layer in enumerate(layers):
-        for template, (kind, hf) in key_map["layer"].items():
-            yield template, kind, hf, local, global_layer
+        for template, (kind, hf) in family.layer_keys(spec, layer=global_layer).items():
+            template = _local_expert(template, num_experts=spec.num_experts, ep=ep, ep_rank=ep_rank)
+            if template is not None:
+                yield template, kind, hf, local, global_layer
     if pp_rank == pp - 1:
-        for template, (kind, hf) in key_map["last"].items():
+        for template, (kind, hf) in _LAST_STAGE_KEYS.items():
             if template == "output_layer.weight":
                 if not _has_output_layer(spec, pp=pp):
                     continue
@@ -410,16 +249,19 @@ def hf_to_mcore_shard(
     get: Callable[[str], torch.Tensor],
     layer_spec: str = "local",
     divisor: int = 128,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """The parameters of one (tp_rank, pp_rank) GPTModel chunk, named as its named_parameters().
+    """The parameters of one (tp_rank, pp_rank, ep_rank) GPTModel chunk, named as its
+    named_parameters() (experts by their local index on ep_rank).
 
     `get(hf_name)` returns one HF tensor; each result is a fresh contiguous tensor (no view
     into the full HF tensor is kept), so memory holds one shard plus one HF tensor.
     """
-    check_layout(spec, tp=tp, pp=pp, divisor=divisor)
+    check_layout(spec, tp=tp, pp=pp, ep=ep, divisor=divisor)
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shard: dict[str, torch.Tensor] = {}
-    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+    for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
         name = mcore_name(template, layer=local, layer_spec=layer_spec)
         hf_names = [t.format(layer=global_layer) for t in hf]
         if kind == "vocab":
@@ -557,3 +399,25 @@ def mcore_to_hf_tensor(
     template, kind, hf_names, pp_rank, local = index[hf_name]
     name = mcore_name(template, layer=local, layer_spec=layer_spec)
     return _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
+
+
+def fused_hf_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[str, int | None, int, int]]:
+    """Hub tensor name -> (stored name, expert, part, parts) for the expert tensors a checkpoint
+    holds in transformers 5's in-memory form (the family's FUSED_EXPERT_KEYS: all experts in one
+    tensor, gate and up stacked) or under its in-memory names (RENAMED_KEYS). The hub tensor is
+    `stored[expert].chunk(parts, dim=0)[part]` (no expert index for a renamed tensor)."""
+    family = family_of(spec)
+    fused = getattr(family, "FUSED_EXPERT_KEYS", {})
+    renamed = getattr(family, "RENAMED_KEYS", {})
+    sources: dict[str, tuple[str, int | None, int, int]] = {}
+    for layer in spec.moe_layers:
+        for template, hubs in fused.items():
+            name = template.format(layer=layer)
+            if name in stored:
+                for expert in range(spec.num_experts):
+                    for part, hub in enumerate(hubs):
+                        sources[hub.replace("{expert}", str(expert)).format(layer=layer)] = (name, expert, part, len(hubs))
+        for template, hub in renamed.items():
+            if template.format(layer=layer) in stored:
+                sources[hub.format(layer=layer)] = (template.format(layer=layer), None, 0, 1)
+    return sources

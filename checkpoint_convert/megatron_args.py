@@ -6,7 +6,7 @@ those fields, plus the ones this package needs to read a checkpoint back without
 (`norm_epsilon`, `use_rope_scaling`, `rope_scaling_factor`, `qk_layernorm`, the unpadded
 `vocab_size`). `hf_config_from_args` goes the other way, for checkpoints that Megatron-LM,
 Megatron-Bridge or ms-swift wrote: it refuses models this package cannot map (LayerNorm, no
-SwiGLU, linear biases, QK layernorm, MoE, learned positions) with one line naming the field.
+SwiGLU, linear biases, MoE, learned positions) with one line naming the field.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         squared_relu=False,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=False,
+        qk_layernorm=spec.qk_layernorm,
         apply_query_key_layer_scaling=False,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         attention_dropout=0.0,
@@ -106,8 +106,8 @@ def _refuse(args: object, name: str, supported: object, *, source: str, default:
 def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) -> dict:
     """An HF config.json (as a dict) for the model Megatron's args describe.
 
-    The family is Qwen2 when the checkpoint has qkv biases, Llama otherwise (Mistral without a
-    sliding window is the same model). The unpadded vocabulary is args.vocab_size when the
+    The family is Qwen3 when the checkpoint has q/k layernorms, Qwen2 when it has qkv biases,
+    Llama otherwise (Mistral without a sliding window is the same model). The unpadded vocabulary is args.vocab_size when the
     writer recorded it, else the padded one: Megatron-LM trains on the padded vocabulary.
     """
     if not isinstance(args, (argparse.Namespace,)) and not hasattr(args, "__dict__"):
@@ -115,7 +115,6 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     _refuse(args, "normalization", "RMSNorm", source=source, default="LayerNorm")
     _refuse(args, "swiglu", True, source=source, default=False)
     _refuse(args, "add_bias_linear", False, source=source, default=True)
-    _refuse(args, "qk_layernorm", False, source=source, default=False)
     _refuse(args, "num_experts", 0, source=source, default=0)
     _refuse(args, "position_embedding_type", "rope", source=source, default="learned_absolute")
     _refuse(args, "rotary_percent", 1.0, source=source, default=1.0)
@@ -127,10 +126,15 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     gqa = _get(args, "group_query_attention", bool, source=source, default=False)
     groups = _get(args, "num_query_groups", int, source=source) if gqa else heads
     qkv_bias = _get(args, "add_qkv_bias", bool, source=source, default=False)
+    qk_layernorm = _get(args, "qk_layernorm", bool, source=source, default=False)
+    if qkv_bias and qk_layernorm:
+        raise ConversionError(f"{source}: fields 'args.add_qkv_bias' and 'args.qk_layernorm' are both true; no supported family has both")
+    architecture, model_type = ("Qwen3ForCausalLM", "qwen3") if qk_layernorm else (
+        ("Qwen2ForCausalLM", "qwen2") if qkv_bias else ("LlamaForCausalLM", "llama"))
     vocab = _get(args, "vocab_size", int, source=source, default=padded_vocab_size)
     config = {
-        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qkv_bias else "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _get(args, "ffn_hidden_size", int, source=source),
         "num_hidden_layers": _get(args, "num_layers", int, source=source),

@@ -191,6 +191,8 @@ class TorchDistCheckpoint:
         else:
             raise ConversionError(f"{common_path}: has no 'args' to describe the model; pass --hf-config DIR")
         spec = spec_from_hf_config(hf_config, source=source)
+        if spec.num_experts:
+            raise ConversionError(f"{source}: {spec.architecture} has experts; torch_dist checkpoints with experts are not read")
         dtype = self.reader.tensors[embed].dtype
         dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
         if dtype_name is None:
@@ -335,6 +337,11 @@ def write_checkpoint(
     """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it.
 
     layer_spec does not apply: megatron-core saves both specs under the same sharded keys."""
+    if spec.num_experts:
+        raise ConversionError(
+            f"--format torch_dist: {spec.architecture} has experts, whose megatron-core sharded keys this package "
+            "does not write; use --format safetensors"
+        )
     torch_dtype = DTYPES[dtype]
     padded = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     out = tmp / RELEASE_DIR

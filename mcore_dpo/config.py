@@ -55,6 +55,8 @@ class TrainConfig:
     """Pipeline-parallel size."""
     dp: int = 1
     """Data-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from the dp ranks."""
     micro_batch_size: int = 8
     """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
     global_batch_size: int = 64
@@ -200,6 +202,7 @@ class TrainConfig:
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
                 f"= {self.dp}*{self.micro_batch_size}"
             )
+        self._validate_expert_parallel()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
         if self.ref_mode not in RUN_REF_MODES:
@@ -237,6 +240,26 @@ class TrainConfig:
                 raise ConfigError(f"{name}: {path} does not exist")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
+
+    def _validate_expert_parallel(self) -> None:
+        if self.ep <= 0:
+            raise ConfigError(f"ep: must be a positive integer, got {self.ep}")
+        if self.ep == 1:
+            return
+        # megatron-core builds the expert groups from the same world with expert tp = tp:
+        # tp x ep x (dp/ep) x pp, so ep must divide dp.
+        if self.dp % self.ep:
+            raise ConfigError(f"ep: {self.ep} x tp {self.tp} x pp {self.pp} does not fit the world of tp x pp x dp = "
+                              f"{self.tp * self.pp * self.dp} ranks (ep must divide dp {self.dp})")
+        if self.distributed_optimizer:
+            raise ConfigError("ep: expert parallelism with --distributed-optimizer is not supported yet")
+        # Every ep rank must run the same forwards (the experts' all-to-all is a collective);
+        # evaluation and the precomputed reference pass can end in uneven chunks per dp rank.
+        if self.eval_data is not None or self.ref_mode == "precomputed":
+            raise ConfigError("ep: evaluation (--eval-data) and --ref-mode precomputed are not supported with ep > 1 yet")
+        if self.export_hf or self.save_interval:
+            raise ConfigError("ep: expert-parallel runs do not write checkpoints or the hf/ export yet "
+                              "(pass --no-export-hf and --save-interval 0)")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:

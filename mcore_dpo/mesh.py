@@ -17,6 +17,9 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    # Expert parallelism: the experts of a layer are split over ep ranks. megatron-core carves
+    # the expert groups from the same world (expert tp = tp, so ep divides dp).
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -37,6 +40,10 @@ class Mesh:
     prev_rank: int | None  # global rank of the previous pipeline stage
     next_rank: int | None
     embedding_group: object | None  # first + last stage, for tied embeddings when pp > 1
+    ep_rank: int = 0
+    # The ranks whose squared gradient norms add up to the global one: tp x pp, and with
+    # experts split over ep, tp x ep x pp (dense parameters then count on ep rank 0 only).
+    grad_norm_group: object | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -75,6 +82,7 @@ def initialize(layout: Layout) -> Mesh:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
     )
     pp_rank = ps.get_pipeline_model_parallel_rank()
     prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None
@@ -95,6 +103,10 @@ def initialize(layout: Layout) -> Mesh:
         prev_rank=prev_rank,
         next_rank=next_rank,
         embedding_group=embedding_group,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        grad_norm_group=(
+            ps.get_expert_tensor_model_pipeline_parallel_group() if layout.ep > 1 else ps.get_model_parallel_group()
+        ),
     )
     return _CURRENT
 

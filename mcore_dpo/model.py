@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from checkpoint_convert.families import family_of
 from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, stage_layers
 from mcore_dpo.mesh import Mesh
 
@@ -48,13 +49,15 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
         # Activations outside the tensor-parallel linears are split over tp along the sequence.
         sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=layout.pp,
+        # Experts split over ep ranks: their parameters are then reduced over the
+        # expert-data-parallel group (allreduce=False), not over dp.
+        expert_model_parallel_size=layout.ep,
         pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -71,6 +74,8 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        # What differs by family (qkv bias, qk norms, experts): the family module says.
+        **family_of(spec).transformer_fields(spec),
     )
 
 
@@ -84,10 +89,17 @@ def build_stage_model(
     from megatron.core.models.gpt import gpt_layer_specs
 
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
-    if use_te:
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if config.num_moe_experts:
+        # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
+        if sequence_parallel:
+            raise ValueError("sequence parallelism is not supported with MoE layers")
+        layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank
+        )
+    elif use_te:
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         if sequence_parallel:
             layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
     model = GPTModel(
@@ -137,11 +149,18 @@ def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
 
 def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> None:
     """Sum the gradients (`main_grad`) of sequence-parallel parameters over the tp group: each
-    tp rank saw only its share of the sequence. What megatron-core's finalize_model_grads does
-    for these parameters; the tp copies are then equal, so the gradient norm counts them once."""
+    tp rank saw only its share of the sequence. The per-head q/k norms (qk_layernorm) are
+    replicated over tp but each rank normalises only its own heads, so their gradients are
+    summed too. What megatron-core's finalize_model_grads does for these parameters; the tp
+    copies are then equal, so the gradient norm counts them once."""
     import torch.distributed as dist
 
-    grads = [p.main_grad for p in model.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    grads = [
+        p.main_grad
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and (getattr(p, "sequence_parallel", False) or name.endswith(("q_layernorm.weight", "k_layernorm.weight")))
+    ]
     if not grads or dist.get_world_size(tp_group) == 1:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

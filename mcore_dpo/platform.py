@@ -43,6 +43,7 @@ def activate(platform: Platform) -> None:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         _adapt_megatron_for_cpu()
+    _adapt_megatron_without_te()
 
 
 class _HostStream:
@@ -58,6 +59,9 @@ class _HostStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event: object = None) -> "_HostStream":
+        return self  # an event that is already complete: synchronize() returns at once
+
 
 _HOST_STREAM = _HostStream()
 
@@ -68,13 +72,46 @@ def _adapt_megatron_for_cpu() -> None:
 
     Since 0.19, DDP's gradient sync also takes `torch.cuda.current_stream()` on every call (to
     wait for CUDA-graph gradient events, which the CPU never records); a host stand-in whose
-    waits do nothing serves it, and every other release alike."""
+    waits do nothing serves it, and every other release alike.
+
+    The MoE all-to-all token dispatcher creates a side stream (`torch.cuda.Stream()`) for its
+    device-to-host copies of the split sizes and enters it with `torch.cuda.stream`; on the
+    CPU the copies run in program order, so the host stream stands in for it too."""
     global _ADAPTED
     if _ADAPTED:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    _adapt_moe_dispatcher_for_cpu()
     _ADAPTED = True
+
+
+def _adapt_moe_dispatcher_for_cpu() -> None:
+    """The all-to-all dispatcher turns its split sizes into numpy arrays only when it copies them
+    off a GPU (`maybe_move_tensor_to_cpu`); gloo's all_to_all_single wants sequences, not CPU
+    tensors. On the CPU the same conversion applies to tensors already there."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _adapt_megatron_without_te() -> None:
+    """megatron-core 0.16's MoE router asks `te_general_gemm is not None`, but the name only
+    exists when Transformer Engine imported: without it, define it as None so the router
+    takes its plain torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ def prepare(config: TrainConfig) -> Prepared:
         except ImportError:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
-    check_layout(spec, tp=config.tp, pp=config.pp, source=os.path.join(config.model, "config.json"))
+    check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
     if config.ref_model and config.ref_mode != "none":
         ref_spec = open_weights(config.ref_model).spec
         if replace(ref_spec, torch_dtype=spec.torch_dtype) != spec:

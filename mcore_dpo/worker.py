@@ -105,6 +105,8 @@ class _Rank:
             pp_rank=self.mesh.pp_rank,
             get=open_weights(weights_dir).get,
             layer_spec=layer_spec_name(use_te=self.use_te),
+            ep=self.layout.ep,
+            ep_rank=self.mesh.ep_rank,
         )
         load_shard(model, shard)
         return model
@@ -189,7 +191,7 @@ class ReferenceWorker(_Rank):
 
 class PolicyWorker(_Rank):
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
-        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp), **kwargs)
+        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
         if config.loss_spec().needs_reference and config.ref_mode != "separate":
@@ -211,7 +213,7 @@ class PolicyWorker(_Rank):
             )  # fmt: skip
         else:
             self.optimizer = CpuOptimizer(
-                named_params=named_params, params_once=self._unique_params(), group=self.mesh.model_parallel_group,
+                named_params=named_params, params_once=self._unique_params(), group=self.mesh.grad_norm_group,
                 **common,
             )  # fmt: skip
         if resume_dir:
@@ -250,6 +252,9 @@ class PolicyWorker(_Rank):
             if tied_copy and name == "output_layer.weight" and not self.mesh.is_first_stage:
                 continue
             if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0:
+                continue
+            # Expert parallelism: dense parameters repeat on every ep rank (experts do not).
+            if self.mesh.ep_rank != 0 and getattr(param, "allreduce", True):
                 continue
             once.append(param)
         return once

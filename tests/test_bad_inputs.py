@@ -161,7 +161,7 @@ MODEL_CASES = [
            "which is not a file name inside the model directory"),
     _model("unexpected_tensor", "{unexpected_tensor}/model.safetensors", "unexpected tensor 'model.extra_head.weight'"),
     _model("other_architecture", "{other_architecture}/config.json",
-           "field 'architectures' is 'MixtralForCausalLM'; supported:"),
+           "field 'architectures' is 'Gemma2ForCausalLM'; supported:"),
     _model("config_broken_json", "{config_broken_json}/config.json", "invalid JSON"),
     _model("config_missing_hidden_size", "{config_missing_hidden_size}/config.json", "field 'hidden_size' is missing"),
     _model("pickle_weights_only", "{pickle_weights_only}", "no model.safetensors or model.safetensors.index.json"),
@@ -245,7 +245,7 @@ def _build_hf_variants(root: Path, plain: Path, model: Path) -> dict[str, Path]:
     _rewrite_state(out["unexpected_tensor"], lambda s: {**s, "model.extra_head.weight": torch.zeros(4, 32)})
 
     out["other_architecture"] = _copy(plain, root / "other_architecture")
-    _edit_json(out["other_architecture"] / "config.json", architectures=["MixtralForCausalLM"], model_type="mixtral")
+    _edit_json(out["other_architecture"] / "config.json", architectures=["Gemma2ForCausalLM"], model_type="gemma2")
     out["config_broken_json"] = _copy(plain, root / "config_broken_json")
     config_text = (plain / "config.json").read_text()
     (out["config_broken_json"] / "config.json").write_text(config_text[: len(config_text) // 2])

@@ -1,0 +1,65 @@
+"""Model families, one module each: its HF config -> ModelSpec translation (`spec_from_config`),
+the TransformerConfig fields that differ by family (`transformer_fields`) and its literal key
+map (`layer_keys`). A module names the `ARCHITECTURE` and `MODEL_TYPE` it serves.
+
+Every module of this package other than `base` is a family: adding one is adding a file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+from checkpoint_convert.families.base import ConversionError, ModelSpec
+
+_REQUIRED = ("ARCHITECTURE", "MODEL_TYPE", "spec_from_config", "layer_keys", "transformer_fields")
+
+
+def _load() -> dict[str, ModuleType]:
+    modules = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name == "base":
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        missing = [name for name in _REQUIRED if not hasattr(module, name)]
+        if missing:
+            raise ImportError(f"family module {module.__name__} lacks {', '.join(missing)}")
+        modules[module.MODEL_TYPE] = module
+    return modules
+
+
+FAMILY_MODULES: dict[str, ModuleType] = _load()  # model_type -> module
+ARCHITECTURES: dict[str, str] = {m.ARCHITECTURE: t for t, m in FAMILY_MODULES.items()}  # architecture -> model_type
+
+
+def supported() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def family_of_config(config: dict, *, source: str) -> ModuleType:
+    """The family module of an HF config.json: by its one `architectures` entry, else by
+    `model_type`. An unknown architecture is one line listing the supported ones."""
+    architectures = config.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or len(architectures) != 1:
+            raise ConversionError(f"{source}: field 'architectures' must list exactly one architecture, got {architectures!r}")
+        architecture = architectures[0]
+        if architecture not in ARCHITECTURES:
+            raise ConversionError(f"{source}: field 'architectures' is {architecture!r}; supported: {supported()}")
+        return FAMILY_MODULES[ARCHITECTURES[architecture]]
+    model_type = config.get("model_type")
+    if model_type not in FAMILY_MODULES:
+        raise ConversionError(f"{source}: field 'architectures' is missing and model_type {model_type!r} is not known; supported: {supported()}")
+    return FAMILY_MODULES[model_type]
+
+
+def family_of(spec: ModelSpec) -> ModuleType:
+    return FAMILY_MODULES[spec.family]
+
+
+def spec_from_hf_config(config: dict, *, source: str = "config.json") -> ModelSpec:
+    """Validate an HF config.json (as a dict) and extract what the model needs."""
+    if not isinstance(config, dict):
+        raise ConversionError(f"{source}: expected a JSON object")
+    return family_of_config(config, source=source).spec_from_config(config, source=source)

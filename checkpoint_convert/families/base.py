@@ -1,0 +1,216 @@
+"""What every model family shares: the validated model description (`ModelSpec`), the
+one-line error type, and the readers of the config.json fields all decoder-only families
+have. Pure functions only; each family module builds on these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ConversionError(ValueError):
+    """Bad input to a conversion; str() is one line naming the file/tensor/field."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    family: str  # the family module's name: "llama" | "mistral" | "qwen2" | "qwen3" | ...
+    vocab_size: int  # unpadded, as in the HF config
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's FFN size
+    num_layers: int
+    num_heads: int
+    num_query_groups: int  # HF num_key_value_heads
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # Normalized llama3 form {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} or None (plain RoPE).
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    torch_dtype: str  # "float32" | "bfloat16" | "float16": dtype of the source weights
+    # Mistral v0.1 configs carry a sliding window; it only matters for sequences longer than it.
+    sliding_window: int | None = None
+    # Per-head RMSNorm of q and k after the projection (Qwen3).
+    qk_layernorm: bool = False
+    # Mixture of experts (0 experts: every layer is dense).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0  # one expert's FFN size
+    # Router: True = softmax over the top-k logits (Mixtral; Qwen3-MoE with norm_topk_prob),
+    # False = softmax over all experts, then the top-k probabilities unnormalised.
+    moe_norm_topk: bool = True
+    moe_layers: tuple[int, ...] = ()  # global numbers of the layers whose MLP is the MoE block
+    router_aux_loss_coef: float = 0.0  # HF config's, 0 unless output_router_logits is true
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+
+def field(config: dict, name: str, kind: type, *, source: str, default: object = ...) -> object:
+    """config[name] checked to be a `kind` (numbers positive); a missing field is an error
+    unless a default is given."""
+    if name not in config or config[name] is None:
+        if default is ...:
+            raise ConversionError(f"{source}: field '{name}' is missing")
+        return default
+    value = config[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConversionError(f"{source}: field '{name}' must be {kind.__name__}, got {value!r}")
+    if kind in (int, float) and value <= 0:
+        raise ConversionError(f"{source}: field '{name}' must be positive, got {value!r}")
+    return value
+
+
+def rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
+    """rope_theta and the normalized scaling, from either the transformers<5 form
+    (rope_theta + rope_scaling) or the transformers 5 form (rope_parameters)."""
+    params = config.get("rope_parameters")
+    field_name = "rope_parameters"
+    if not isinstance(params, dict) or not params:
+        params = config.get("rope_scaling")
+        field_name = "rope_scaling"
+    theta = config.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    theta = field({"rope_theta": theta}, "rope_theta", float, source=source, default=10000.0)
+    if params is None:
+        return theta, None
+    if not isinstance(params, dict):
+        raise ConversionError(f"{source}: field '{field_name}' must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ConversionError(
+            f"{source}: field '{field_name}.rope_type' is {rope_type!r}; only 'default' and 'llama3' are supported"
+        )
+    scaling = {"rope_type": "llama3"}
+    for key, kind in (
+        ("factor", float),
+        ("low_freq_factor", float),
+        ("high_freq_factor", float),
+        ("original_max_position_embeddings", int),
+    ):
+        scaling[key] = field(params, key, kind, source=f"{source}: {field_name}")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConversionError(f"{source}: field '{field_name}.high_freq_factor' must exceed low_freq_factor")
+    return theta, scaling
+
+
+def refuse(config: dict, name: str, *, source: str, why: str) -> None:
+    """One line when a config turns on a feature the family does not map."""
+    if config.get(name):
+        raise ConversionError(f"{source}: field '{name}' is {config[name]!r}; {why}")
+
+
+def decoder_fields(config: dict, *, source: str, intermediate_size: bool = True) -> dict:
+    """The ModelSpec fields every family reads the same way (all but architecture, family and
+    the family's own switches)."""
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConversionError(f"{source}: field 'hidden_act' is {hidden_act!r}; only 'silu' is supported")
+    refuse(config, "mlp_bias", source=source, why="MLP biases are not supported")
+    hidden_size = field(config, "hidden_size", int, source=source)
+    num_heads = field(config, "num_attention_heads", int, source=source)
+    num_query_groups = field(config, "num_key_value_heads", int, source=source, default=num_heads)
+    if num_heads % num_query_groups:
+        raise ConversionError(
+            f"{source}: field 'num_key_value_heads' ({num_query_groups}) must divide num_attention_heads ({num_heads})"
+        )
+    if "head_dim" in config and config["head_dim"] is not None:
+        head_dim = field(config, "head_dim", int, source=source)
+    else:
+        if hidden_size % num_heads:
+            raise ConversionError(f"{source}: field 'hidden_size' ({hidden_size}) is not divisible by num_attention_heads")
+        head_dim = hidden_size // num_heads
+    theta, scaling = rope_from_config(config, source=source)
+    dtype = config.get("torch_dtype", config.get("dtype")) or "float32"
+    if dtype not in DTYPES:
+        raise ConversionError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(DTYPES)}")
+    return dict(
+        vocab_size=field(config, "vocab_size", int, source=source),
+        hidden_size=hidden_size,
+        intermediate_size=field(config, "intermediate_size", int, source=source) if intermediate_size else 0,
+        num_layers=field(config, "num_hidden_layers", int, source=source),
+        num_heads=num_heads,
+        num_query_groups=num_query_groups,
+        head_dim=head_dim,
+        rms_norm_eps=field(config, "rms_norm_eps", float, source=source, default=1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=field(config, "max_position_embeddings", int, source=source, default=2048),
+        torch_dtype=dtype,
+    )
+
+
+# Split kinds of a key map entry (how one megatron-core tensor is cut over tp ranks):
+#   replicated  every tp rank holds the whole tensor (norms, routers)
+#   vocab       rows padded with zeros to the padded vocabulary, then split on dim 0
+#   qkv         q, k, v fused group by group (r query heads, k head, v head), whole groups per rank
+#   fc1         [gate chunk i; up chunk i] on rank i
+#   row         split on dim 1 (row-parallel linear input dim)
+# A key map: megatron-core name template -> (split kind, Hugging Face name templates).
+# `{layer}` is the local layer number on the megatron side and the global one on the HF side.
+SPLIT_KINDS = ("replicated", "vocab", "qkv", "fc1", "row")
+
+
+def expert_keys(keys: dict, *, num_experts: int) -> dict:
+    """A key map whose templates hold `{expert}`, written out for experts 0..num_experts-1
+    (megatron-core's local expert index equals the global one at expert-parallel size 1)."""
+    out = {}
+    for template, (kind, hf) in keys.items():
+        if "{expert}" not in template:
+            out[template] = (kind, hf)
+            continue
+        for expert in range(num_experts):
+            out[template.replace("{expert}", str(expert))] = (kind, tuple(t.replace("{expert}", str(expert)) for t in hf))
+    return out
+
+
+def moe_fields(config: dict, *, source: str, num_experts_field: str, moe_intermediate_field: str) -> dict:
+    """The ModelSpec fields of a mixture-of-experts config; a missing expert field is one line."""
+    num_experts = config.get(num_experts_field, config.get("num_local_experts"))
+    num_experts = field({num_experts_field: num_experts}, num_experts_field, int, source=source)
+    topk = field(config, "num_experts_per_tok", int, source=source)
+    if topk > num_experts:
+        raise ConversionError(f"{source}: field 'num_experts_per_tok' ({topk}) exceeds {num_experts_field} ({num_experts})")
+    coef = field(config, "router_aux_loss_coef", float, source=source, default=0.0) if config.get("output_router_logits") else 0.0
+    return dict(
+        num_experts=num_experts,
+        moe_topk=topk,
+        moe_intermediate_size=field(config, moe_intermediate_field, int, source=source),
+        router_aux_loss_coef=coef,
+    )
+
+
+def moe_transformer_fields(spec: ModelSpec) -> dict:
+    """megatron-core MoE settings that reproduce the HF routers: dropless top-k over the router
+    logits in fp32, the softmax over the top-k logits (`moe_norm_topk`) or over all experts
+    first (then the top-k probabilities are used as they are), sequential experts (no grouped
+    GEMM without Transformer Engine), the all-to-all dispatcher. The aux loss is set by the
+    trainer (`--moe-aux-loss-coef`); 0 turns it off."""
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_router_topk": spec.moe_topk,
+        "moe_ffn_hidden_size": spec.moe_intermediate_size,
+        "moe_router_pre_softmax": not spec.moe_norm_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_layer_freq": [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)],
+    }

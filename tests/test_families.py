@@ -1,0 +1,142 @@
+"""Model families as units (checkpoint_convert/families/): found by `architectures` or
+`model_type`, one line listing the supported ones otherwise, and each family's key map covering
+exactly the tensors of a tiny Hugging Face model of that family. No processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)  # fmt: skip
+
+from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config
+from checkpoint_convert.mapping import (
+    ConversionError, fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes,
+    mcore_to_hf, spec_from_hf_config,
+)  # fmt: skip
+
+_COMMON = dict(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64)
+TINY = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, intermediate_size=64)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, intermediate_size=64, head_dim=8)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON, intermediate_size=64, tie_word_embeddings=True)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, intermediate_size=64, head_dim=16)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **_COMMON, intermediate_size=64, moe_intermediate_size=24, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_COMMON, intermediate_size=24, num_local_experts=4,
+                                                        num_experts_per_tok=2)),
+}
+
+
+def _hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What save_pretrained writes (transformers 5 turns fused experts back into the hub's form)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return load_file(f"{directory}/model.safetensors")
+
+
+def test_every_family_module_is_registered_by_architecture_and_model_type():
+    assert set(FAMILY_MODULES) == set(TINY)
+    for model_type, module in FAMILY_MODULES.items():
+        assert family_of_config({"architectures": [module.ARCHITECTURE]}, source="c") is module
+        assert family_of_config({"model_type": model_type}, source="c") is module
+
+
+def test_unknown_architecture_is_one_line_listing_the_supported():
+    with pytest.raises(ConversionError) as error:
+        spec_from_hf_config({"architectures": ["GPT2LMHeadModel"]}, source="m/config.json")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("m/config.json: field 'architectures' is 'GPT2LMHeadModel'")
+    assert all(architecture in message for architecture in ARCHITECTURES)
+    with pytest.raises(ConversionError, match="model_type 'gpt2' is not known; supported: LlamaForCausalLM"):
+        spec_from_hf_config({"model_type": "gpt2"}, source="m/config.json")
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
+    """hf_tensor_shapes = the tensors save_pretrained writes (names and shapes); HF -> tp2 pp2
+    shards -> HF gives every tensor back bit for bit."""
+    torch.manual_seed(0)
+    model = TINY[family]()
+    config = model.config.to_dict()
+    spec = spec_from_hf_config(config)
+    assert spec.family == family
+    hub = _hub_tensors(model)
+    if spec.tie_word_embeddings:
+        hub.pop("lm_head.weight", None)
+    assert {n: tuple(t.shape) for n, t in hub.items()} == hf_tensor_shapes(spec)
+    shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=hub.__getitem__)
+              for t in range(2) for p in range(2)}
+    for (t, p), shard in shards.items():
+        assert {n: tuple(v.shape) for n, v in shard.items()} == mcore_shard_shapes(spec, tp=2, pp=2, pp_rank=p)
+    back = dict(mcore_to_hf(spec, tp=2, pp=2, get_shard=lambda t, p: shards[(t, p)]))
+    assert set(back) == set(hub) and all(torch.equal(back[n], hub[n]) for n in hub)
+    assert set(hf_entry_index(spec, pp=2)) == set(hub)
+
+
+def test_moe_spec_fields_follow_the_hf_rules():
+    qwen = spec_from_hf_config(TINY["qwen3_moe"]().config.to_dict())
+    assert (qwen.num_experts, qwen.moe_topk, qwen.moe_intermediate_size, qwen.moe_norm_topk) == (4, 2, 24, True)
+    assert qwen.moe_layers == (0, 2, 3)  # mlp_only_layers=[1]
+    stepped = spec_from_hf_config({**TINY["qwen3_moe"]().config.to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": [],
+                                   "norm_topk_prob": False})
+    assert stepped.moe_layers == (1, 3) and not stepped.moe_norm_topk  # HF: (layer + 1) % step == 0
+    mixtral = spec_from_hf_config(TINY["mixtral"]().config.to_dict())
+    assert mixtral.moe_layers == (0, 1, 2, 3) and mixtral.moe_norm_topk and mixtral.moe_intermediate_size == 24
+    assert mixtral.router_aux_loss_coef == 0.0  # output_router_logits is false
+    on = spec_from_hf_config({**TINY["mixtral"]().config.to_dict(), "output_router_logits": True, "router_aux_loss_coef": 0.02})
+    assert on.router_aux_loss_coef == 0.02
+
+
+@pytest.mark.parametrize("family,field", [("qwen3_moe", "num_experts"), ("qwen3_moe", "num_experts_per_tok"),
+                                          ("qwen3_moe", "moe_intermediate_size"), ("mixtral", "num_local_experts")])
+def test_moe_config_missing_an_expert_field_is_one_line(family, field):
+    config = TINY[family]().config.to_dict()
+    for key in (field, "num_local_experts") if field == "num_experts" else (field,):
+        config.pop(key, None)
+    with pytest.raises(ConversionError, match=f"^m/config.json: field '{field}' is missing$"):
+        spec_from_hf_config(config, source="m/config.json")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_in_memory_experts_read_as_the_hub_tensors(family):
+    """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down); a checkpoint in
+    that form names the same hub tensors."""
+    torch.manual_seed(0)
+    model = TINY[family]()
+    spec = spec_from_hf_config(model.config.to_dict())
+    memory = {n: t.detach() for n, t in model.state_dict().items()}
+    hub = _hub_tensors(model)
+    sources = fused_hf_sources(spec, stored=set(memory))
+    assert set(sources) == set(hub) - set(memory)
+    for name, (stored, expert, part, parts) in sources.items():
+        tensor = memory[stored] if expert is None else memory[stored][expert]
+        assert torch.equal(tensor.chunk(parts, dim=0)[part], hub[name]), name
+
+
+def test_expert_parallel_shards_split_the_experts_by_local_index():
+    """ep 2 over 4 experts: rank r holds experts 2r, 2r+1 as local experts 0, 1; dense and
+    attention tensors are the same on both ranks; ep must divide the expert count."""
+    torch.manual_seed(0)
+    model = TINY["qwen3_moe"]()
+    spec = spec_from_hf_config(model.config.to_dict())
+    hub = _hub_tensors(model)
+    full = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub.__getitem__)
+    ranks = [hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=2, ep_rank=r, get=hub.__getitem__) for r in (0, 1)]
+    name = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert set(ranks[0]) == set(ranks[1]) and name.format(2) not in ranks[0]
+    for r in (0, 1):
+        for local in (0, 1):
+            assert torch.equal(ranks[r][name.format(local)], full[name.format(2 * r + local)])
+        dense = [n for n in full if "local_experts" not in n]
+        assert all(torch.equal(ranks[r][n], full[n]) for n in dense)
+    with pytest.raises(ConversionError, match=r"the expert count \(4\) is not divisible by ep=3"):
+        hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=3, ep_rank=0, get=hub.__getitem__)

@@ -1,0 +1,227 @@
+"""Qwen3-MoE and Mixtral on megatron-core's MoE layer (sequential experts, all-to-all dispatcher
+over gloo): parity with HF AutoModelForCausalLM + TRL's formulas on real ranks, two steps,
+uneven lengths, policy != reference, aux loss at 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import test_parity as tp_
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mapping import fused_hf_sources
+from convert_helpers import save_hf
+from parity import PAD, VOCAB, _small_init, run_ranks
+from test_qwen3 import parity_job
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+
+
+def qwen3_moe(*, seed: int, num_layers: int = 2, **overrides) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": num_layers}, intermediate_size=48, moe_intermediate_size=24,
+                            head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[1] if num_layers > 2 else [], tie_word_embeddings=False, **overrides)
+    return _small_init(Qwen3MoeForCausalLM(config), seed).float().eval()
+
+
+def mixtral(*, seed: int, **overrides) -> MixtralForCausalLM:
+    config = MixtralConfig(**_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=True, **overrides)
+    return _small_init(MixtralForCausalLM(config), seed).float().eval()
+
+
+FACTORIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: (save_hf(make(seed=1), root / f"{name}_policy"), save_hf(make(seed=2), root / f"{name}_ref"))
+            for name, make in FACTORIES.items()}
+
+
+def _with_hub_names(ref: dict, policy_dir: Path) -> dict:
+    """The HF reference's grads and weights under the hub names too (transformers 5 holds the
+    experts fused; the engine's shards are compared through the hub names)."""
+    spec = open_hf_dir(policy_dir).spec
+    for tensors in [*ref["grads"], ref["weights"]]:
+        for name, (stored, expert, part, parts) in fused_hf_sources(spec, stored=set(tensors)).items():
+            tensor = tensors[stored] if expert is None else tensors[stored][expert]
+            tensors[name] = tensor.chunk(parts, dim=0)[part]
+    return ref
+
+
+def _check(out_dir: Path, job: dict, layout: tuple[int, ...]) -> None:
+    config = job["config"]
+    _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2), Path(config["model"]))
+    tp_._check_job(out_dir, 0, job, layout[:3])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_parity_single_rank(models, family, tmp_path):
+    job = parity_job((1, 1, 1), *models[family], name=family)
+    run_ranks(world_size=1, jobs=[job], out_dir=tmp_path)
+    _check(tmp_path, job, (1, 1, 1, 1))
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_conversion_reads_hub_and_fused_experts_and_exports_the_hub_form(family, tmp_path, capsys):
+    """transformers 5.24's save_pretrained writes the hub's form (one tensor per expert and
+    projection; Mixtral under block_sparse_moe), the same as hub checkpoints; its in-memory
+    state dict fuses the experts. Both convert, at (1,1) and (2,2), to an HF export that equals
+    the hub form bit for bit, loads with no missing/unexpected keys and generates the same."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_convert.__main__ import main
+    from convert_helpers import save_tokenizer
+
+    model = FACTORIES[family](seed=3, **({"num_layers": 4} if family == "qwen3_moe" else {}))
+    hub_dir = tmp_path / "hub"
+    model.save_pretrained(str(hub_dir))
+    save_tokenizer(hub_dir)
+    hub = _tensors(hub_dir)
+    assert not any("gate_up_proj" in name for name in hub)  # save_pretrained writes one tensor per expert
+    fused_dir = save_hf(model, tmp_path / "fused")  # the in-memory state dict, experts fused
+    assert any(name.endswith("experts.gate_up_proj") for name in _tensors(fused_dir))
+    for source in (hub_dir, fused_dir):
+        for tp, pp in ((1, 1), (2, 2)):
+            out = tmp_path / f"{source.name}{tp}{pp}"
+            assert main(["hf-to-mcore", "--hf-dir", str(source), "--out", str(out / "m"), "--tp", str(tp), "--pp", str(pp)]) == 0
+            assert main(["mcore-to-hf", "--mcore-dir", str(out / "m"), "--out", str(out / "hf")]) == 0
+            exported = _tensors(out / "hf")
+            assert set(exported) == set(hub), (source.name, tp, pp)
+            assert all(torch.equal(exported[n], t) for n, t in hub.items()), (source.name, tp, pp)
+    capsys.readouterr()
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fused22" / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    prompt = torch.tensor([[1, 17, 42, 7, 99, 3]])
+    settings = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(loaded.eval().generate(prompt, **settings), model.generate(prompt, **settings))
+
+
+def test_verify_qwen3_moe_tp2_pp2(tmp_path, capsys):
+    """Experts split over tp (megatron-core's default expert tensor parallelism), two stages."""
+    from checkpoint_convert.__main__ import main
+
+    hf_dir = save_hf(qwen3_moe(seed=4, num_layers=4), tmp_path / "hf")
+    assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
+    capsys.readouterr()
+    code = main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "24"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if line.startswith("verify tp=2 pp=2"))
+    assert float(line.split("max |dlogit| ")[1].split(",")[0]) <= 1e-4 and "argmax agreement 100.00%" in line
+
+
+def test_torch_dist_refuses_experts_in_one_line(models, tmp_path, capsys):
+    from checkpoint_convert.__main__ import main
+
+    code = main(["hf-to-mcore", "--hf-dir", str(models["mixtral"][0]), "--out", str(tmp_path / "m"), "--format", "torch_dist"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "\n" not in err and "has experts" in err and not (tmp_path / "m").exists()
+
+
+def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path, capsys):
+    """Through the real command line, before any process starts: exit 2, one line naming the file and field."""
+    import json
+    import shutil
+
+    from mcore_dpo.train import main
+
+    model = tmp_path / "model"
+    shutil.copytree(models["qwen3_moe"][0], model)
+    config = json.loads((model / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts"):
+        config.pop(key, None)
+    (model / "config.json").write_text(json.dumps(config))
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps({"prompt": "w3 w4", "chosen": " w5", "rejected": " w6"}) + "\n")
+    code = main(["--model", str(model), "--data", str(data), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{model}/config.json: field 'num_experts' is missing" in err, err
+    import ray
+
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
+
+
+def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
+    """test_parity's checks with the experts of each rank's ep share: with expert tp = tp, the
+    expert-parallel rank of data-parallel rank d is d % ep (megatron-core's tp-ep-dp-pp order)."""
+    import json
+
+    from checkpoint_convert.mapping import hf_to_mcore_shard
+    from parity import assert_close, load_rank_tensors
+
+    tp, pp, dp, ep = layout
+    config = job["config"]
+    ref = _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2),
+                          Path(config["model"]))
+    spec = open_hf_dir(config["model"]).spec
+    what = f"{job['key'][0]} at tp{tp} pp{pp} dp{dp} ep{ep}"
+    for step, ref_grads in enumerate(ref["grads"], start=1):
+        for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=d % ep,
+                                         get=ref_grads.__getitem__)
+            assert set(expected) == set(shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
+    for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=(tp, pp, dp)).items():
+        if d == 0:
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=0,
+                                         get=ref["weights"].__getitem__)
+            assert set(expected) == set(shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
+    ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
+    for step, (m_ours, m_ref) in enumerate(zip(ours[:2], ref["metrics"]), start=1):
+        tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
+    assert len(ours) == 2, what  # no evaluation: it is refused with ep > 1
+
+
+def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
+    """(tp, pp, dp, ep) = (1, 2, 2, 2), Qwen3-MoE and Mixtral (tied, over two stages) in one
+    launch: each rank holds half the experts; the reference is split the same way."""
+    layout = (1, 2, 2, 2)
+    jobs = [parity_job(layout, *models[family], name=family, ep=2, export_hf=False,
+                       distributed_optimizer=False) for family in ("qwen3_moe", "mixtral")]
+    for job in jobs:
+        job["eval_pairs"] = []  # evaluation with ep > 1 is refused (uneven eval chunks per ep rank)
+    run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check_expert_parallel(tmp_path, j, job, layout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "3", "--dp", "3", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     "config.json: the expert count (4) is not divisible by ep=3"),
+    (["--ep", "2", "--dp", "1", "--tp", "2"], "ep: 2 x tp 2 x pp 1 does not fit the world of tp x pp x dp = 2 ranks"),
+], ids=["ep-not-dividing-experts", "ep-not-fitting-world"])
+def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
+    import json
+
+    import ray
+
+    from mcore_dpo.train import main
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n" for i in range(3, 30)))
+    code = main(["--model", str(models["qwen3_moe"][0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+                 "--no-export-hf", "--no-distributed-optimizer", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
