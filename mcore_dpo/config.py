@@ -257,9 +257,9 @@ class TrainConfig:
         # evaluation and the precomputed reference pass can end in uneven chunks per dp rank.
         if self.eval_data is not None or self.ref_mode == "precomputed":
             raise ConfigError("ep: evaluation (--eval-data) and --ref-mode precomputed are not supported with ep > 1 yet")
-        if self.export_hf or self.save_interval:
+        if self.export_hf or self.save_interval or self.save_interval_min:
             raise ConfigError("ep: expert-parallel runs do not write checkpoints or the hf/ export yet "
-                              "(pass --no-export-hf and --save-interval 0)")
+                              "(pass --no-export-hf --save-interval 0 --save-interval-min 0)")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
@@ -356,7 +356,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
-    "parallelism": ("tp", "pp", "dp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
