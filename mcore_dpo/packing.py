@@ -3,9 +3,10 @@
 With `--packing`, a training step's global batch is split by tokens, not by pair count:
 1. `balance_ranks`: pairs go to data-parallel ranks so that each rank's token total is close
    to the others' (greedy longest-processing-time: heaviest pair first, to the lightest rank).
-2. `split_microbatches`: each rank's pairs go into as few microbatches as the token budget
-   allows, balanced among themselves (the same greedy, into k bins; k grows until every bin
-   fits the budget). The count may differ between steps and between dp ranks.
+2. `split_microbatches`: each rank's pairs go into few microbatches that fit the token budget,
+   balanced among themselves where possible (the same greedy, into k bins, for the smallest k
+   that fits, up to one more than first-fit-decreasing bin packing needs). The count may
+   differ between steps and between dp ranks.
 3. `collate_packed`: one microbatch is one row. Its sequences (prompt+chosen and
    prompt+rejected of every pair, a pair's two always together) lie end to end; each sequence
    attends only to itself (`segment_ids`) and its positions restart at 0 (`position_ids`).
@@ -55,21 +56,43 @@ def balance_ranks(costs: Sequence[int], *, num_ranks: int) -> list[list[int]]:
     return _greedy_bins(costs, range(len(costs)), num_bins=num_ranks)
 
 
+def _first_fit_decreasing(costs: Sequence[int], items: Sequence[int], *, capacity: int) -> list[list[int]]:
+    """Bin packing: items by decreasing cost, each into the first bin it fits (at most
+    11/9 of the fewest bins, plus one)."""
+    bins: list[list[int]] = []
+    totals: list[int] = []
+    for item in sorted(items, key=lambda i: (-costs[i], i)):
+        for b, total in enumerate(totals):
+            if total + costs[item] <= capacity:
+                bins[b].append(item)
+                totals[b] += costs[item]
+                break
+        else:
+            bins.append([item])
+            totals.append(costs[item])
+    return [sorted(members) for members in bins]
+
+
 def split_microbatches(costs: Sequence[int], items: Sequence[int], *, max_tokens: int) -> list[list[int]]:
-    """`items` (indices into `costs`) cut into the fewest greedy-balanced microbatches whose
-    totals are each at most `max_tokens`; microbatches ordered by their first item."""
+    """`items` (indices into `costs`) cut into microbatches of at most `max_tokens` each:
+    the fewest k for which the greedy balanced split into k fits, tried from the lower bound
+    ceil(total / max_tokens) up to one more than first-fit-decreasing bin packing needs (one
+    extra microbatch buys even ones); when none fits, first-fit-decreasing's bins.
+    Microbatches are ordered by their first item."""
     if not items:
         raise ValueError("split_microbatches: no items")
     too_big = [i for i in items if costs[i] > max_tokens]
     if too_big:
         raise ValueError(f"split_microbatches: pair {too_big[0]} has {costs[too_big[0]]} tokens, more than the "
                          f"budget {max_tokens}")
+    packed = _first_fit_decreasing(costs, items, capacity=max_tokens)
     total = sum(costs[i] for i in items)
-    for num_bins in range(max(1, -(-total // max_tokens)), len(items) + 1):
+    for num_bins in range(max(1, -(-total // max_tokens)), min(len(items), len(packed) + 1) + 1):
         bins = _greedy_bins(costs, items, num_bins=num_bins)
         if all(sum(costs[i] for i in b) <= max_tokens for b in bins):
-            return sorted((b for b in bins if b), key=lambda b: b[0])
-    raise AssertionError("one pair per microbatch always fits")  # pragma: no cover
+            packed = bins
+            break
+    return sorted((b for b in packed if b), key=lambda b: b[0])
 
 
 def plan_packed_step(pairs: Sequence[TokenizedPair], *, dp: int, max_tokens: int) -> list[list[list[int]]]:

@@ -355,7 +355,6 @@ def _interleave_late(
     return best
 
 
-@functools.lru_cache(maxsize=64)
 def build_plan(
     *,
     num_stages: int,
@@ -384,9 +383,15 @@ def build_plan(
     """
     if num_next_microbatches == num_microbatches:
         num_next_microbatches = None  # one cache entry and one plan for equal counts
-    return _build_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
-                       ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
-                       costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+    return _cached_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
+                        ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
+                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+
+
+# Token-balanced microbatches make (m, next m) vary: the cache holds a few hundred small plans.
+@functools.lru_cache(maxsize=256)
+def _cached_plan(**kwargs) -> Plan:
+    return _build_plan(**kwargs)
 
 
 def _build_plan(
