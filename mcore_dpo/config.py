@@ -58,8 +58,8 @@ class TrainConfig:
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
     each attending only to itself; --micro-batch-size then applies to evaluation only."""
     max_tokens_per_microbatch: int | None = None
-    """With --packing: token budget of one microbatch (at least 2 x --max-length: a pair's two
-    sequences always share a microbatch)."""
+    """With --packing: token budget of one microbatch, at least 2 x --max-length (a pair's two
+    sequences always share a microbatch); unset: 2 x --max-length."""
     max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64
@@ -183,6 +183,11 @@ class TrainConfig:
         )
 
     @property
+    def packing_budget(self) -> int:
+        """Tokens per packed microbatch: --max-tokens-per-microbatch, else 2 x --max-length."""
+        return self.max_tokens_per_microbatch or 2 * self.max_length
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
@@ -239,9 +244,7 @@ class TrainConfig:
             if budget is not None:
                 raise ConfigError("max_tokens_per_microbatch: given without --packing (it is the packed microbatches' budget)")
             return
-        if budget is None:
-            raise ConfigError("max_tokens_per_microbatch: --packing needs a token budget per microbatch")
-        if budget < 2 * self.max_length:
+        if budget is not None and budget < 2 * self.max_length:
             raise ConfigError(f"max_tokens_per_microbatch: {budget} is below 2 x max_length = {2 * self.max_length}, "
                               "the longest pair (its two sequences share a microbatch)")
         if self.global_batch_size < self.dp:

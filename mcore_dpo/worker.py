@@ -263,7 +263,7 @@ class PolicyWorker(_Rank):
         pairs per microbatch. Packed: the token-balanced split of `packing.plan_packed_step`."""
         if self.config.packing:
             groups = plan_packed_step(pairs, dp=self.layout.dp,
-                                      max_tokens=self.config.max_tokens_per_microbatch)[self.mesh.dp_rank]
+                                      max_tokens=self.config.packing_budget)[self.mesh.dp_rank]
             mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id, multiple=self.seq_multiple)
                    for ids in groups]
             return mbs, groups
@@ -376,7 +376,7 @@ class PolicyWorker(_Rank):
         if metrics is None:
             return None
         token_stats = step_token_stats(pairs, packing=config.packing, dp=self.layout.dp,
-                                       max_tokens=config.max_tokens_per_microbatch,
+                                       max_tokens=config.packing_budget,
                                        micro_batch_size=config.micro_batch_size, multiple=self.seq_multiple)
         tokens = token_stats["tokens/real"]
         metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed,

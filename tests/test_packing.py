@@ -205,7 +205,6 @@ def test_step_token_stats():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--packing", "--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
-    (["--packing"], "max_tokens_per_microbatch: --packing needs a token budget"),
     (["--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given without --packing"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--ld-alpha", "0.5"], "packing: cannot serve --ld-alpha"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
@@ -226,3 +225,5 @@ def test_packing_flags_parse_from_the_command_line():
     assert config.packing and config.max_tokens_per_microbatch == 256
     config, _ = resolve(["--no-packing"])
     assert not config.packing and config.max_tokens_per_microbatch is None
+    config, _ = resolve(["--packing", "--max-length", "100"])
+    assert config.packing and config.packing_budget == 200  # unset: the smallest budget that fits any pair

@@ -3,7 +3,8 @@
 At (tp, pp, dp) = (1,1,1), (2,2,1), (1,2,2) one set of gloo ranks trains the same two global
 batches twice, packing on and packing off (interleaved reference, so at pp 2 the first step
 carries the next batch's reference forwards out and the second carries them in, with a
-different microbatch count). Checked:
+different microbatch count; at dp 2 the two replicas run different counts in the second step;
+at tp 2 the packed job is also sequence-parallel). Checked:
 - packing on against a single-process Hugging Face reference that runs every sequence alone,
   unpadded (TRL's formulas from tests/parity.py): every metric, every gradient of every rank,
   the weights after the second AdamW step;
@@ -51,7 +52,10 @@ def _pairs() -> list[list[TokenizedPair]]:
     full = pair(8, 8, 8)  # 2*8 + 8 + 8 = 32 tokens: fills a microbatch exactly
     alone = pair(7, 8, 8)  # 30 tokens: no other pair (>= 8 tokens) fits beside it
     first = [small(), full, small(), small(), alone, small(), small(), small()]
-    second = [small() for _ in range(GLOBAL_BATCH)]
+    # 15, 16, 18, 15, 17, 15, 14, 15 tokens: 4 microbatches at dp 1; at dp 2, 3 on one rank and 2
+    # on the other (each dp replica runs its own plan).
+    second = [pair(4, 3, 4), pair(4, 4, 4), pair(5, 4, 4), pair(3, 5, 4), pair(4, 4, 5), pair(4, 2, 5), pair(3, 4, 4),
+              pair(5, 2, 3)]
     return [first, second]
 
 
@@ -100,6 +104,8 @@ def _job(layout, models, *, packing: bool) -> dict:
                   adam_eps=ADAM_EPS, timeout_s=60.0, clip_grad=CLIP, weight_decay=WD, loss_type="sigmoid", beta=BETA)
     if packing:
         config.update(packing=True, max_tokens_per_microbatch=BUDGET)
+        # At tp 2 the packed rows also run sequence-parallel: [W/tp, 1, h] between the linears.
+        config.update(sequence_parallel=tp > 1)
     return {"key": ("llama", "interleaved", "sigmoid"), "config": config, "batches": batches,
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(2)],
             "all_pairs": batches[0] + batches[1]}
@@ -113,10 +119,11 @@ def test_the_data_covers_the_edge_cases():
     assert [1] in split and totals[split.index([1])] == BUDGET  # fills its row exactly
     assert [4] in split and totals[split.index([4])] == 30  # alone in its row
     assert any(len(mb) >= 2 for mb in split)  # pairs share a row
-    # The two steps have different microbatch counts, on one rank and on each of two.
-    for dp in (1, 2):
-        counts = [[len(mbs) for mbs in plan_packed_step(batch, dp=dp, max_tokens=BUDGET)] for batch in (first, second)]
-        assert counts[0] != counts[1], counts
+    # The two steps have different microbatch counts, on one rank and on each of two; at dp 2
+    # the ranks' counts differ in the second step.
+    assert [len(plan_packed_step(b, dp=1, max_tokens=BUDGET)[0]) for b in (first, second)] == [5, 4]
+    assert [[len(mbs) for mbs in plan_packed_step(b, dp=2, max_tokens=BUDGET)] for b in (first, second)] == [[3, 3],
+                                                                                                          [3, 2]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
