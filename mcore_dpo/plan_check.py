@@ -74,7 +74,6 @@ def _expected_ops(
             if not last:
                 keep = batch == 1 and carry_out and mb in kept_out
                 expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch)] += 1
-    kept_here = kept_in
     if carry_in:
         for mb in mine:
             expected[Op(OpKind.REF_FWD, mb, 0)] += 1
@@ -82,7 +81,7 @@ def _expected_ops(
                 expected[Op(OpKind.RECV_REF_ACT, mb, 0)] += 1
             if not last:
                 expected[Op(OpKind.SEND_REF_ACT, mb, 0)] += 1
-        for mb in kept_here:
+        for mb in kept_in:
             expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0)] += 1
     return expected
 
