@@ -61,6 +61,13 @@ class TrainConfig:
     """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
     global_batch_size: int = 64
     """Pairs per optimizer step, over all microbatches and data-parallel ranks."""
+    packing: bool = False
+    """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
+    tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
+    each attending only to itself; --micro-batch-size then applies to evaluation only."""
+    max_tokens_per_microbatch: int | None = None
+    """With --packing: token budget of one microbatch, at least 2 x --max-length (a pair's two
+    sequences always share a microbatch); unset: 2 x --max-length."""
     max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64
@@ -189,6 +196,11 @@ class TrainConfig:
         )
 
     @property
+    def packing_budget(self) -> int:
+        """Tokens per packed microbatch: --max-tokens-per-microbatch, else 2 x --max-length."""
+        return self.max_tokens_per_microbatch or 2 * self.max_length
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
@@ -197,7 +209,8 @@ class TrainConfig:
                      "max_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
-        if self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
+        self._validate_packing()
+        if not self.packing and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
             raise ConfigError(
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
                 f"= {self.dp}*{self.micro_batch_size}"
@@ -260,6 +273,22 @@ class TrainConfig:
         if self.export_hf or self.save_interval or self.save_interval_min:
             raise ConfigError("ep: expert-parallel runs do not write checkpoints or the hf/ export yet "
                               "(pass --no-export-hf --save-interval 0 --save-interval-min 0)")
+
+    def _validate_packing(self) -> None:
+        budget = self.max_tokens_per_microbatch
+        if not self.packing:
+            if budget is not None:
+                raise ConfigError("max_tokens_per_microbatch: given without --packing (it is the packed microbatches' budget)")
+            return
+        if budget is not None and budget < 2 * self.max_length:
+            raise ConfigError(f"max_tokens_per_microbatch: {budget} is below 2 x max_length = {2 * self.max_length}, "
+                              "the longest pair (its two sequences share a microbatch)")
+        if self.global_batch_size < self.dp:
+            raise ConfigError(f"global_batch_size: {self.global_batch_size} pairs cannot give each of dp {self.dp} "
+                              "ranks one")
+        if self.ld_alpha is not None:
+            raise ConfigError("packing: cannot serve --ld-alpha (LD-DPO weighs tokens by their place in an unpacked "
+                              "row); use --no-packing")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
@@ -356,7 +385,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
-    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "packing", "max_tokens_per_microbatch",
                     "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",

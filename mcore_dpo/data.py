@@ -55,6 +55,15 @@ class Microbatch:
     tokens: torch.Tensor  # int64 [2b, S]: rows 0..b-1 prompt+chosen, rows b..2b-1 prompt+rejected
     labels: torch.Tensor  # int64 [2b, S]: labels[:, t] = tokens[:, t+1]; last column is padding
     loss_mask: torch.Tensor  # float32 [2b, S]: 1.0 where labels[:, t] is a completion token
+    # Packed microbatches only (`packing.collate_packed`): one row [1, W] holding every sequence.
+    position_ids: torch.Tensor | None = None  # int64 [1, W]: restart at 0 in each sequence
+    segment_ids: torch.Tensor | None = None  # int64 [1, W]: the token's sequence as an unpacked row; pads 2b
+    num_sequences: int | None = None  # 2b
+    seq_lens: tuple[int, ...] | None = None  # segment lengths in layout order (padding last)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.segment_ids is not None
 
 
 class _BadRow(Exception):

@@ -105,6 +105,18 @@ def ld_weights(loss_mask: torch.Tensor, *, ld_alpha: float) -> torch.Tensor:
     return mask * torch.where(position <= shared, 1.0, ld_alpha)
 
 
+def segment_sums(values: torch.Tensor, *, segment_ids: torch.Tensor | None, num_sequences: int | None) -> torch.Tensor:
+    """Per-sequence sums of per-token `values` [rows, s]: a sum per row, or, for a packed row
+    (`segment_ids` [rows, s], each token's sequence; ids >= num_sequences are padding), a sum per
+    segment. Differentiable."""
+    if segment_ids is None:
+        return values.sum(-1)
+    ids = segment_ids.reshape(-1)
+    out = torch.zeros(num_sequences + 1, dtype=values.dtype, device=values.device)
+    out = out.index_add(0, ids.clamp(max=num_sequences), values.reshape(-1))
+    return out[:num_sequences]
+
+
 def sequence_logps(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -114,17 +126,27 @@ def sequence_logps(
     tp_rank: int,
     tp_group: object,
     options: LogpsOptions = LogpsOptions(),
+    segment_ids: torch.Tensor | None = None,
+    num_sequences: int | None = None,
 ) -> SequenceLogps:
-    """Sum the completion tokens' log-probs per row; prompt and padding are masked by loss_mask."""
+    """Sum the completion tokens' log-probs per sequence; prompt and padding are masked by
+    loss_mask. A sequence is a row, or with `segment_ids` a segment of a packed row (one entry
+    per sequence in the unpacked row order, `segment_sums`)."""
+    if segment_ids is not None and options.ld_alpha is not None:
+        raise ValueError("sequence_logps: LD-DPO weights need one sequence per row (packing is off for ld_alpha)")
     logp, mean_logit = token_logprobs(logits, labels, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
     mask = loss_mask.to(logp.dtype)
-    plain = (logp * mask).sum(-1)
-    num_tokens = mask.sum(-1)
-    out = SequenceLogps(logp_sum=plain, num_tokens=num_tokens, logit_sum=(mean_logit * mask).sum(-1))
+
+    def per_sequence(values: torch.Tensor) -> torch.Tensor:
+        return segment_sums(values, segment_ids=segment_ids, num_sequences=num_sequences)
+
+    plain = per_sequence(logp * mask)
+    num_tokens = per_sequence(mask)
+    out = SequenceLogps(logp_sum=plain, num_tokens=num_tokens, logit_sum=per_sequence(mean_logit * mask))
     if options.ld_alpha is not None:
         out.logp_sum = (logp * ld_weights(loss_mask, ld_alpha=options.ld_alpha)).sum(-1)
         out.plain_logp_sum = plain
     if options.wpo:
         sq = log_sum_sq_probs(logits, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
-        out.wpo_log_weight = ((logp.detach() - sq) * mask).sum(-1) / num_tokens.clamp(min=1.0)
+        out.wpo_log_weight = per_sequence((logp.detach() - sq) * mask) / num_tokens.clamp(min=1.0)
     return out

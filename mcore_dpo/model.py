@@ -7,6 +7,8 @@ so training and conversion share one source of truth.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 
 import torch
@@ -229,14 +231,72 @@ def causal_mask(seq_len: int, *, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, W, W] bool for one packed row (`segment_ids` [1, W]), True where attention is not
+    allowed: a token sees only the earlier tokens of its own sequence (block-diagonal causal)."""
+    seg = segment_ids[0]
+    width = seg.shape[0]
+    blocked = seg[:, None] != seg[None, :]
+    blocked |= torch.triu(torch.ones(width, width, dtype=torch.bool, device=seg.device), diagonal=1)
+    return blocked[None, None]
+
+
+@contextlib.contextmanager
+def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor):
+    """RoPE at `position_ids` [1, W] instead of 0..W-1 (a packed row restarts at 0 in each
+    sequence). megatron-core's rotary embedding takes a length, not positions: its table up to
+    the largest position is computed by its own code and indexed per token, for this forward."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        yield
+        return
+    positions = position_ids[0]
+    table = rope.get_emb(int(positions.max()) + 1)  # [L, 1, 1, d]
+    emb = table[positions.to(table.device)]
+
+    def forward(*_args, **_kwargs):
+        return emb
+
+    rope.forward = forward
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's (cached) forward
+
+
+def packed_seq_params(seq_lens: tuple[int, ...], *, device: torch.device):
+    """megatron-core's PackedSeqParams for one packed row in the THD layout (Transformer Engine)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
+    longest = max(seq_lens)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
 def stage_forward(
-    model: torch.nn.Module, *, tokens: torch.Tensor, input_tensor: torch.Tensor | None, mask: torch.Tensor
+    model: torch.nn.Module,
+    *,
+    tokens: torch.Tensor,
+    input_tensor: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    packed_params=None,
 ) -> torch.Tensor:
     """One stage's forward. First stage reads tokens [b, s]; later stages read the previous
     stage's hidden states [s, b, h]. Returns hidden states [s, b, h], or on the last stage the
-    vocab-parallel logits [b, s, v/tp]."""
+    vocab-parallel logits [b, s, v/tp].
+
+    Packed rows (b = 1): either the THD layout (`packed_params`, attention over cu_seqlens, no
+    mask) or the local spec's block-diagonal `mask` with RoPE at `position_ids`."""
     unwrapped = model.module if hasattr(model, "module") else model
     unwrapped.set_input_tensor(input_tensor)
+    if packed_params is not None:
+        return model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
+                     packed_seq_params=packed_params)
+    if position_ids is not None:
+        with _rope_at_positions(unwrapped, position_ids):
+            return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
     seq_len = tokens.shape[1]
     position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)

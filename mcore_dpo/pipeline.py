@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mcore_dpo.data import Microbatch
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.mesh import Mesh
-from mcore_dpo.model import causal_mask, stage_forward
+from mcore_dpo.model import causal_mask, packed_causal_mask, packed_seq_params, stage_forward
 from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
 from mcore_dpo.platform import IntervalClock
 from mcore_dpo.schedule import Op, OpKind, forward_only_stages
@@ -62,12 +62,13 @@ class StageContext:
     # and the ones the previous step kept, to send first thing.
     kept_out: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)  # batch (padded) or (batch, mb) (packed) -> mask
     # Sums the time this stage is blocked in transfers (its bubble); see IntervalClock.
     wait_clock: IntervalClock | None = None
     # When a list: run_ops appends (op kind, microbatch, batch, start, end) per op, perf_counter seconds.
     trace: list[tuple[str, int, int, float, float]] | None = None
     sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
+    packed_thd: bool = False  # packed rows run in the THD layout (Transformer Engine) rather than with a mask
 
     def activation_shape(self, batch: int, mb: int) -> tuple[int, int, int]:
         """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
@@ -77,11 +78,24 @@ class StageContext:
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
-    def mask(self, batch: int) -> torch.Tensor:
+    def forward_inputs(self, batch: int, mb: int) -> dict:
+        """The attention inputs of microbatch `mb` (stage_forward's keyword arguments): one
+        causal mask per batch for padded rows; for a packed row, its THD cu_seqlens when
+        `packed_thd`, else its block-diagonal mask and per-sequence positions."""
+        micro = self.microbatches[batch][mb]
+        if micro.is_packed:
+            positions = micro.position_ids.to(self.device)
+            if self.packed_thd:
+                return {"mask": None, "position_ids": positions,
+                        "packed_params": packed_seq_params(micro.seq_lens, device=self.device)}
+            key = (batch, mb)
+            if key not in self._masks:
+                self._masks[key] = packed_causal_mask(micro.segment_ids.to(self.device))
+            return {"mask": self._masks[key], "position_ids": positions}
         if batch not in self._masks:
             seq_len = self.microbatches[batch][0].tokens.shape[1]
             self._masks[batch] = causal_mask(seq_len, device=self.device)
-        return self._masks[batch]
+        return {"mask": self._masks[batch]}
 
 
 _SEND_TO_NEXT = (OpKind.SEND_ACT, OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)
@@ -168,6 +182,8 @@ def _last_stage_logps(
         tp_rank=ctx.mesh.tp_rank,
         tp_group=ctx.mesh.tp_group,
         options=options,
+        segment_ids=None if micro.segment_ids is None else micro.segment_ids.to(ctx.device),
+        num_sequences=micro.num_sequences,
     )
 
 
@@ -196,7 +212,7 @@ def _policy_forward(ctx: StageContext, mb: int) -> None:
     mesh = ctx.mesh
     inp = None if mesh.is_first_stage else ctx._policy_in.pop(mb)
     with torch.set_grad_enabled(not ctx.forward_only):
-        out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, mask=ctx.mask(0))
+        out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, **ctx.forward_inputs(0, mb))
         if mesh.is_last_stage:
             out = ctx.loss_fn(mb, _last_stage_logps(ctx, out, 0, mb))
     if ctx.forward_only:
@@ -222,7 +238,8 @@ def _policy_backward(ctx: StageContext, mb: int) -> None:
 def _reference_forward(ctx: StageContext, mb: int, batch: int) -> None:
     mesh = ctx.mesh
     inp = None if mesh.is_first_stage else ctx._ref_in.pop((batch, mb))
-    out = stage_forward(ctx.reference, tokens=_tokens(ctx, batch, mb), input_tensor=inp, mask=ctx.mask(batch))
+    out = stage_forward(ctx.reference, tokens=_tokens(ctx, batch, mb), input_tensor=inp,
+                        **ctx.forward_inputs(batch, mb))
     if mesh.is_last_stage:
         ctx.ref_logps[(batch, mb)] = _last_stage_logps(ctx, out, batch, mb, policy=False)
     else:

@@ -103,6 +103,13 @@ class Plan:
     ref_batches: tuple[int, ...] = ()
     carry_in: bool = False  # starts with the reference forwards the previous plan carried out
     carry_out: bool = False  # leaves `carried` next-batch reference forwards to the next plan
+    # Microbatches of the next global batch (its reference forwards, batch 1); None: the same as
+    # this batch's. Token-balanced microbatches (packing) make the two differ from step to step.
+    num_next_microbatches: int | None = None
+
+    @property
+    def next_m(self) -> int:
+        return self.num_microbatches if self.num_next_microbatches is None else self.num_next_microbatches
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,15 @@ Key = tuple[tuple[int, int], int]
 
 def _expected_ops(
     *, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...], carry_in: bool,
-    carry_out: bool,
+    carry_out: bool, num_next_microbatches: int | None = None,
 ) -> Counter:
     first, last = stage == 0, stage == num_stages - 1
-    shape = dict(num_stages=num_stages, num_microbatches=num_microbatches)
-    mine, kept_here = carried(stage, **shape), kept(stage, **shape)
+    m_next = num_microbatches if num_next_microbatches is None else num_next_microbatches
+    # Carried in: this batch's microbatches; carried out and kept: the next batch's.
+    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    mine_next = carried(stage, num_stages=num_stages, num_microbatches=m_next)
+    kept_in = kept(stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    kept_out = kept(stage, num_stages=num_stages, num_microbatches=m_next)
     expected: Counter = Counter()
     for mb in range(num_microbatches):
         expected[Op(OpKind.FWD, mb)] += 1
@@ -60,14 +64,15 @@ def _expected_ops(
         if not last:
             expected[Op(OpKind.SEND_ACT, mb)] += 1
             expected[Op(OpKind.RECV_GRAD, mb)] += 1
-        for batch in ref_batches:
-            if batch == 1 and carry_out and mb in mine:
+    for batch in ref_batches:
+        for mb in range(num_microbatches if batch == 0 else m_next):
+            if batch == 1 and carry_out and mb in mine_next:
                 continue  # left to the start of the next step
             expected[Op(OpKind.REF_FWD, mb, batch)] += 1
             if not first:
                 expected[Op(OpKind.RECV_REF_ACT, mb, batch)] += 1
             if not last:
-                keep = batch == 1 and carry_out and mb in kept_here
+                keep = batch == 1 and carry_out and mb in kept_out
                 expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch)] += 1
     if carry_in:
         for mb in mine:
@@ -76,7 +81,7 @@ def _expected_ops(
                 expected[Op(OpKind.RECV_REF_ACT, mb, 0)] += 1
             if not last:
                 expected[Op(OpKind.SEND_REF_ACT, mb, 0)] += 1
-        for mb in kept_here:
+        for mb in kept_in:
             expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0)] += 1
     return expected
 
@@ -108,6 +113,8 @@ def _check_structure(plan: Plan) -> None:
         raise PlanError(f"plan.ref_mode must be one of {REF_MODES}, got {plan.ref_mode!r}")
     if not isinstance(m, int) or m < 1:
         raise PlanError(f"plan.num_microbatches must be an int >= 1, got {m!r}")
+    if not isinstance(plan.next_m, int) or plan.next_m < 1:
+        raise PlanError(f"plan.num_next_microbatches must be None or an int >= 1, got {plan.num_next_microbatches!r}")
     if not isinstance(p, int) or p < 1 or len(plan.stages) != p:
         raise PlanError(f"plan.num_stages={p!r} but plan.stages has {len(plan.stages)} stages")
     allowed = {"none": [()], "precomputed": [()], "sequential": [(0,)],
@@ -127,7 +134,8 @@ def _check_structure(plan: Plan) -> None:
         flat = _flat(ops)
         have = Counter(op for _, op in flat)
         want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches,
-                             carry_in=plan.carry_in, carry_out=plan.carry_out)
+                             carry_in=plan.carry_in, carry_out=plan.carry_out,
+                             num_next_microbatches=plan.num_next_microbatches)
         for op in [] if have == want else sorted(set(have) | set(want), key=repr):
             if have[op] != want[op]:
                 raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch} "

@@ -97,7 +97,8 @@ def _one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[
 
 
 def _add_comm(
-    compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False
+    compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False,
+    num_next_microbatches: int | None = None,
 ) -> tuple[tuple[Op, ...], ...]:
     """Put each send right after its producer and each recv right before its consumer.
 
@@ -107,7 +108,9 @@ def _add_comm(
     with carry_out, the ones to keep are kept instead of sent.
     """
     num_stages, m = len(compute_orders), num_microbatches
-    keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_out else set() for s in range(num_stages)]
+    m_next = m if num_next_microbatches is None else num_next_microbatches
+    keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m_next)) if carry_out else set()
+                for s in range(num_stages)]
     kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
     # Send order per link (src, dst) = order of the producing ops on src.
     link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -160,6 +163,7 @@ def _greedy_interleaved(
     ref_batches: tuple[int, ...],
     costs: Costs,
     max_in_flight: int,
+    num_next_microbatches: int | None = None,
 ) -> list[list[Op]]:
     """List-schedule the reference forwards into the idle time of policy 1F1B.
 
@@ -172,7 +176,8 @@ def _greedy_interleaved(
     """
     p, m = num_stages, num_microbatches
     chains = [_one_f_one_b(stage=s, num_stages=p, num_microbatches=m) for s in range(p)]
-    refs = [Op(OpKind.REF_FWD, mb, b) for b in ref_batches for mb in range(m)]
+    m_next = m if num_next_microbatches is None else num_next_microbatches
+    refs = [Op(OpKind.REF_FWD, mb, b) for b in ref_batches for mb in range(m if b == 0 else m_next)]
     end: dict[tuple[int, Op], float] = {}  # (stage, op) -> end time, once started
     chain_pos, ref_pos = [0] * p, [0] * p
     free_at = [0.0] * p
@@ -350,7 +355,6 @@ def _interleave_late(
     return best
 
 
-@functools.lru_cache(maxsize=64)
 def build_plan(
     *,
     num_stages: int,
@@ -361,6 +365,7 @@ def build_plan(
     carry_in: bool = False,
     carry_out: bool = False,
     costs: Costs = Costs(),
+    num_next_microbatches: int | None = None,
 ) -> Plan:
     """Plan one training step; `ref_current`/`ref_next` and carrying only matter for
     "interleaved" (see the module docstring). With one stage there is nothing to carry and
@@ -369,15 +374,29 @@ def build_plan(
     `costs` guide where the interleaved scheduler puts reference forwards; the
     plan is valid whatever the real durations turn out to be. Plans are immutable and
     memoized: a run asks for the same few plans every step.
+
+    `num_next_microbatches`: how many microbatches the next global batch has (its reference
+    forwards and what is carried out are counted in it); None: as many as this one. With
+    token-balanced microbatches the count changes from step to step: a step carries out the
+    last microbatches of the next batch by the next batch's count, which is exactly what the
+    next step (built with that count as `num_microbatches`) carries in.
     """
-    return _build_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
-                       ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
-                       costs=costs, pair_transfers=True)
+    if num_next_microbatches == num_microbatches:
+        num_next_microbatches = None  # one cache entry and one plan for equal counts
+    return _cached_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
+                        ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
+                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+
+
+# Token-balanced microbatches make (m, next m) vary: the cache holds a few hundred small plans.
+@functools.lru_cache(maxsize=256)
+def _cached_plan(**kwargs) -> Plan:
+    return _build_plan(**kwargs)
 
 
 def _build_plan(
     *, num_stages: int, num_microbatches: int, ref_mode: str, ref_current: bool, ref_next: bool, carry_in: bool,
-    carry_out: bool, costs: Costs, pair_transfers: bool,
+    carry_out: bool, costs: Costs, pair_transfers: bool, num_next_microbatches: int | None = None,
 ) -> Plan:
     """build_plan; pair_transfers=False leaves every transfer on its own (safe only where sends
     never wait, i.e. buffered; kept to show what the rendezvous check rejects)."""
@@ -393,14 +412,18 @@ def _build_plan(
         raise ValueError("carry_in and ref_current exclude each other: a carrying step already has this batch's reference")
     if carry_out and not ref_next:
         raise ValueError("carry_out needs ref_next: only the next batch's reference forwards can be carried")
+    if num_next_microbatches is not None and (not isinstance(num_next_microbatches, int) or num_next_microbatches < 1):
+        raise ValueError(f"num_next_microbatches must be None or an int >= 1, got {num_next_microbatches!r}")
     check_costs(costs)
     p, m = num_stages, num_microbatches
+    m_next = m if num_next_microbatches is None else num_next_microbatches
     carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
     ref_batches = _expected_ref_batches(ref_mode, ref_current, ref_next)
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        return Plan(p, m, ref_mode, _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out),
-                    ref_batches, carry_in, carry_out)
+        return Plan(p, m, ref_mode, _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out,
+                                              num_next_microbatches=num_next_microbatches),
+                    ref_batches, carry_in, carry_out, num_next_microbatches)
 
     def finish(plan: Plan) -> Plan:
         """The plan with its crossing transfers paired, the fastest way under `costs`."""
@@ -420,7 +443,8 @@ def _build_plan(
         return finish(plan_of(policy))
     current = [Op(OpKind.REF_FWD, mb, 0) for mb in range(m)] if 0 in ref_batches else []
     # Next-batch reference forwards run in this step by each stage: a prefix of 0..m-1.
-    next_refs = [[Op(OpKind.REF_FWD, mb, 1) for mb in range(m) if not (carry_out and mb in stage_range(s))]
+    next_refs = [[Op(OpKind.REF_FWD, mb, 1) for mb in range(m_next)
+                  if not (carry_out and mb in carried(s, num_stages=p, num_microbatches=m_next))]
                  for s in range(p)] if 1 in ref_batches else [[] for _ in range(p)]
     if ref_mode == "sequential":
         return finish(plan_of([current + policy[s] for s in range(p)]))
@@ -445,7 +469,8 @@ def _build_plan(
     if not (carry_in or carry_out):
         for max_in_flight in range(1, MAX_REF_ACTS_IN_FLIGHT + 1):
             orders = _greedy_interleaved(num_stages=p, num_microbatches=m, ref_batches=ref_batches,
-                                         costs=costs, max_in_flight=max_in_flight)
+                                         costs=costs, max_in_flight=max_in_flight,
+                                         num_next_microbatches=num_next_microbatches)
             candidates.append(plan_of(orders))
     scored = []
     for index, plan in enumerate(candidates):

@@ -33,6 +33,7 @@ from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
 from mcore_dpo.optim import CpuOptimizer, lr_at
+from mcore_dpo.packing import collate_packed, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
 from mcore_dpo.zero import ShardedOptimizer
@@ -123,6 +124,7 @@ class _Rank:
             vocab_size=self.spec.vocab_size,
             wait_clock=plat.IntervalClock(self.platform),
             sequence_parallel=self.sequence_parallel,
+            packed_thd=self.use_te and self.platform.is_cuda,
             logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
             **kwargs,
         )
@@ -260,18 +262,24 @@ class PolicyWorker(_Rank):
         return once
 
     # ------------------------------------------------------------------ data
-    def _local_microbatches(self, pairs: Sequence[TokenizedPair]) -> tuple[list[Microbatch], list[int]]:
-        """This dp rank's contiguous share of a global batch, cut into microbatches."""
+    def _local_microbatches(self, pairs: Sequence[TokenizedPair]) -> tuple[list[Microbatch], list[list[int]]]:
+        """This dp rank's share of a global batch cut into microbatches, and each microbatch's
+        pairs as positions in the global batch. Padded: a contiguous share, micro_batch_size
+        pairs per microbatch. Packed: the token-balanced split of `packing.plan_packed_step`."""
+        if self.config.packing:
+            groups = plan_packed_step(pairs, dp=self.layout.dp,
+                                      max_tokens=self.config.packing_budget)[self.mesh.dp_rank]
+            mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id, multiple=self.seq_multiple)
+                   for ids in groups]
+            return mbs, groups
         per_rank = len(pairs) // self.layout.dp
         lo = self.mesh.dp_rank * per_rank
         mine = list(range(lo, lo + per_rank))
         seq_len = padded_seq_len(pairs, multiple=self.seq_multiple)
         b = self.config.micro_batch_size
-        mbs = [
-            collate([pairs[i] for i in mine[k : k + b]], pad_token_id=self.pad_token_id, seq_len=seq_len)
-            for k in range(0, per_rank, b)
-        ]
-        return mbs, mine
+        groups = [mine[k : k + b] for k in range(0, per_rank, b)]
+        mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
+        return mbs, groups
 
     # ------------------------------------------------------------------ step
     def train_step(self, batch: StepBatch) -> dict[str, float] | None:
@@ -282,9 +290,10 @@ class PolicyWorker(_Rank):
         step_clock.start()
         spec = config.loss_spec()
         pairs = batch.pairs
-        mbs, local_ids = self._local_microbatches(pairs)
+        mbs, groups = self._local_microbatches(pairs)
         microbatches = {0: mbs}
         ref_current = ref_next = False
+        num_next_microbatches = None
         plan_ref_mode = config.ref_mode if self.reference is not None else "none"
         # TR-DPO: a step that ends with a reference sync does not compute the next batch's
         # reference (it would be the old one); the next step computes it, as the first step does.
@@ -294,12 +303,13 @@ class PolicyWorker(_Rank):
             ref_next = batch.next_pairs is not None and not sync_now
             if ref_next:
                 microbatches[1] = self._local_microbatches(batch.next_pairs)[0]
+                num_next_microbatches = len(microbatches[1])
         sort, sorted_refs = None, {}
         if spec.needs_batch_sort:
             # The sort needs every pair's reference before the step: compute it in the sort pass
             # when it is not at hand already (then the plan has no reference forward of this batch).
             with_reference = self.reference is not None and (config.ref_mode == "sequential" or ref_current)
-            sort, sorted_refs = self._sort_pass(batch, mbs, local_ids, spec=spec, with_reference=with_reference)
+            sort, sorted_refs = self._sort_pass(batch, mbs, groups, spec=spec, with_reference=with_reference)
             if with_reference:
                 ref_current = False
                 plan_ref_mode = "none" if config.ref_mode == "sequential" else plan_ref_mode
@@ -308,6 +318,7 @@ class PolicyWorker(_Rank):
         plan = build_plan(
             num_stages=self.layout.pp,
             num_microbatches=len(mbs),
+            num_next_microbatches=num_next_microbatches,
             ref_mode=plan_ref_mode,
             ref_current=ref_current,
             ref_next=ref_next,
@@ -324,12 +335,11 @@ class PolicyWorker(_Rank):
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         ctx.ref_logps.update(sorted_refs)
         self._ref_next = {}
-        b = config.micro_batch_size
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
-            positions = local_ids[mb * b : (mb + 1) * b]
-            pl = _pair_logps(logps, self._current_ref(batch, positions, ctx.ref_logps.pop((0, mb), None)), b=b,
-                             positions=positions)
+            positions = groups[mb]
+            pl = _pair_logps(logps, self._current_ref(batch, positions, ctx.ref_logps.pop((0, mb), None)),
+                             b=len(positions), positions=positions)
             kwargs = dict(spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global,
                           sort=sort)
             losses = pair_losses(pl, **kwargs)
@@ -370,9 +380,12 @@ class PolicyWorker(_Rank):
         )
         if metrics is None:
             return None
-        tokens = sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        token_stats = step_token_stats(pairs, packing=config.packing, dp=self.layout.dp,
+                                       max_tokens=config.packing_budget,
+                                       micro_batch_size=config.micro_batch_size, multiple=self.seq_multiple)
+        tokens = token_stats["tokens/real"]
         metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed,
-                        "bubble_fraction": bubble, "memory/peak_gib": peak_bytes / 2**30})
+                        "bubble_fraction": bubble, "memory/peak_gib": peak_bytes / 2**30, **token_stats})
         return metrics
 
     def _over_ranks(self, *, mean: float, max_: float) -> tuple[float, float]:
@@ -421,7 +434,7 @@ class PolicyWorker(_Rank):
 
     @torch.no_grad()
     def _sort_pass(
-        self, batch: StepBatch, mbs: list[Microbatch], local_ids: list[int], *, spec, with_reference: bool
+        self, batch: StepBatch, mbs: list[Microbatch], groups: list[list[int]], *, spec, with_reference: bool
     ) -> tuple[BatchSort | None, dict[tuple[int, int], SequenceLogps]]:
         """aot/aot_unpaired: a forward-only policy pass (and reference pass, if asked) over this
         rank's microbatches, then the BatchSort of the whole global batch on the last stage.
@@ -439,12 +452,12 @@ class PolicyWorker(_Rank):
         if not self.mesh.is_last_stage:
             return None, {}
         refs = dict(ctx.ref_logps)
-        b = self.config.micro_batch_size
         parts = {}
         for mb, logps in policy_rows.items():
-            positions = local_ids[mb * b : (mb + 1) * b]
+            positions = groups[mb]
             stored = refs.get((0, mb)) if with_reference else self._ref_next.get(mb)
-            parts[mb] = _pair_logps(logps, self._current_ref(batch, positions, stored), b=b, positions=positions)
+            parts[mb] = _pair_logps(logps, self._current_ref(batch, positions, stored), b=len(positions),
+                                    positions=positions)
         return self._global_sort(parts, num_pairs=len(batch.pairs), spec=spec), refs
 
     def _global_sort(self, parts: dict[int, PairLogps], *, num_pairs: int, spec) -> BatchSort:

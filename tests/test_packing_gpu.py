@@ -1,0 +1,90 @@
+"""Packed rows on a GPU with Transformer Engine: the THD layout (megatron-core's PackedSeqParams,
+cu_seqlens) gives every sequence the logits it gets alone. Marked `gpu`; on the CPU
+(MCORE_DPO_GPU_CHECKS_ON_CPU=1) the same check runs the local spec's block-diagonal mask.
+
+World size 1, fp32 with TF32 off: a packed row of sequences of uneven lengths (the last one
+followed by padding) against each sequence run alone, unpadded, through the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity import free_port, make_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+RTOL = 1e-4  # fp32 on a GPU: kernels sum in other orders for other shapes
+
+
+def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        from checkpoint_convert.mapping import hf_to_mcore_shard
+        from mcore_dpo import mesh as mesh_lib
+        from mcore_dpo import platform as plat
+        from mcore_dpo.data import TokenizedPair
+        from mcore_dpo.model import (build_stage_model, causal_mask, load_shard, open_weights, packed_causal_mask,
+                                     packed_seq_params, stage_forward)
+        from mcore_dpo.packing import collate_packed
+
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        weights = open_weights(model_dir)
+        use_te = plat.transformer_engine_available() and platform.is_cuda
+        with plat.building_models(platform):
+            model = build_stage_model(weights.spec, mesh=mesh, dtype=torch.float32, on_gpu=platform.is_cuda,
+                                      use_te=use_te).to(platform.device)
+        load_shard(model, hf_to_mcore_shard(weights.spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=weights.get,
+                                            layer_spec="te" if use_te else "local"))
+        model.eval()
+        gen = torch.Generator().manual_seed(0)
+        ids = lambda n: tuple(int(x) for x in torch.randint(3, 100, (n,), generator=gen))  # noqa: E731
+        pairs = [TokenizedPair(prompt_ids=ids(lp), chosen_ids=ids(lc), rejected_ids=ids(lr), source_line=i)
+                 for i, (lp, lc, lr) in enumerate(((5, 9, 3), (17, 2, 11), (3, 4, 6)))]
+        micro = collate_packed(pairs, pad_token_id=0, multiple=16)
+        device = platform.device
+        tokens, positions = micro.tokens.to(device), micro.position_ids.to(device)
+        with torch.no_grad():
+            if use_te:
+                packed = stage_forward(model, tokens=tokens, input_tensor=None, mask=None, position_ids=positions,
+                                       packed_params=packed_seq_params(micro.seq_lens, device=device))
+            else:
+                packed = stage_forward(model, tokens=tokens, input_tensor=None,
+                                       mask=packed_causal_mask(micro.segment_ids.to(device)), position_ids=positions)
+            alone = []
+            at = 0
+            for n in micro.seq_lens[: micro.num_sequences]:
+                seq = tokens[:, at : at + n]
+                alone.append(stage_forward(model, tokens=seq, input_tensor=None, mask=causal_mask(n, device=device)))
+                at += n
+        real = sum(micro.seq_lens[: micro.num_sequences])
+        torch.save({"packed": packed[0, :real].float().cpu(), "alone": torch.cat([a[0] for a in alone]).float().cpu(),
+                    "use_te": use_te}, Path(out_dir, "packed.pt"))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, "error.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_packed_row_gives_each_sequence_its_own_logits(tmp_path):
+    from convert_helpers import save_hf
+
+    model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
+    mp.start_processes(_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")
+    result = torch.load(tmp_path / "packed.pt", weights_only=True)
+    scale = result["alone"].abs().max().item()
+    err = (result["packed"] - result["alone"]).abs().max().item()
+    assert err <= RTOL * scale, f"packed ({'THD' if result['use_te'] else 'mask'}) vs alone: {err:.3e} (scale {scale:.3e})"
