@@ -385,8 +385,8 @@ def bool_flags(name: str) -> tuple[str, str]:
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
-    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "packing", "max_tokens_per_microbatch",
-                    "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
+    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
              "ref_model_mixup_alpha", "ref_model_sync_steps"),
