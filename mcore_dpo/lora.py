@@ -179,6 +179,10 @@ class ReferenceView:
         self.module = module  # the unwrapped stage model: stage_forward sets its input tensor
         self.adapter_mode = "frozen" if frozen else "off"
 
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """None of its own: the weights are the policy's (the frozen copies are buffers of a few MB)."""
+        return iter(())
+
     @torch.no_grad()
     def __call__(self, **kwargs) -> torch.Tensor:
         with mode(self.module, self.adapter_mode):

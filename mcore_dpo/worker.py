@@ -421,6 +421,8 @@ class PolicyWorker(_Rank):
             return
         module = self.policy.module
         weight = module.shared_embedding_or_output_weight()
+        if not weight.requires_grad:  # frozen (LoRA)
+            return
         dist.all_reduce(weight.main_grad, group=self.mesh.embedding_group)
 
     def _reduce_metrics(self, sums: torch.Tensor, *, spec) -> dict[str, float] | None:
@@ -629,6 +631,8 @@ class PolicyWorker(_Rank):
                 get=open_weights(os.path.join(directory, kind)).get,
                 layer_spec=layer_spec_name(use_te=self.use_te),
             )
+        if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
+            lora.load_shard(self.policy.module, shards["model"])
         moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
         self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
         rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"

@@ -95,19 +95,21 @@ def peft_reference_run(*, base_dir: Path, state: dict, frozen_reference: bool, b
         opt.step()
     with torch.no_grad():
         _, eval_metrics = _loss_and_metrics(model, reference, list(eval_pairs), **kw)
-    merged = {n: p.detach().clone() for n, p in model.merge_and_unload().named_parameters()}
+    merged = {n: p.detach().clone() for n, p in model.merge_and_unload().state_dict().items()}
     return {"metrics": metrics, "grads": grads, "eval": eval_metrics, "merged": merged}
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_parity")
-    base, _ = write_models("llama", root)
-    spec = open_hf_dir(base).spec
-    init_dir = root / "init_adapter"
-    write_adapter_dir(init_dir, random_adapter(spec, SHAPE, seed=5), adapter_config(SHAPE, dropout=0.0, base_model=None))
-    pairs = make_pairs(STEPS * GLOBAL_BATCH + EVAL_PAIRS, seed=11)
-    return {"base": base, "spec": spec, "init_dir": init_dir, "pairs": pairs}
+    found = {"pairs": make_pairs(STEPS * GLOBAL_BATCH + EVAL_PAIRS, seed=11)}
+    for family in ("llama", "qwen2"):  # qwen2: q/k/v biases and tied embeddings (frozen under LoRA)
+        base, _ = write_models(family, root)
+        spec = open_hf_dir(base).spec
+        init_dir = root / f"{family}_init_adapter"
+        write_adapter_dir(init_dir, random_adapter(spec, SHAPE, seed=5), adapter_config(SHAPE, dropout=0.0, base_model=None))
+        found[family] = {"base": base, "spec": spec, "init_dir": init_dir}
+    return found
 
 
 def _jobs(layout, setup) -> list[dict]:
@@ -116,18 +118,19 @@ def _jobs(layout, setup) -> list[dict]:
     train, held_out = pairs[: STEPS * GLOBAL_BATCH], pairs[STEPS * GLOBAL_BATCH:]
     jobs = []
     # The (1,2,2) layout also runs the replicated optimizer; (1,1,1) the sequential reference slot.
-    variants = [("fresh", "interleaved", True), ("init", "interleaved", True)]
-    variants += [("fresh", "interleaved", False)] if layout == (1, 2, 2) else []
-    variants += [("init", "sequential", True)] if layout == (1, 1, 1) else []
-    for start, mode, sharded in variants:
+    variants = [("llama", "fresh", "interleaved", True), ("llama", "init", "interleaved", True)]
+    variants += [("llama", "fresh", "interleaved", False)] if layout == (1, 2, 2) else []
+    variants += [("llama", "init", "sequential", True)] if layout == (1, 1, 1) else []
+    variants += [("qwen2", "init", "interleaved", True)] if layout == (2, 2, 1) else []
+    for family, start, mode, sharded in variants:
         jobs.append({
-            "key": (start, mode, sharded),
-            "config": dict(model=str(setup["base"]), tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH,
+            "key": (family, start, mode, sharded),
+            "config": dict(model=str(setup[family]["base"]), tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH,
                            global_batch_size=GLOBAL_BATCH, max_steps=STEPS, ref_mode=mode, lr=LR, adam_eps=ADAM_EPS,
                            timeout_s=60.0, clip_grad=CLIP, weight_decay=WD, beta=BETA, seed=SEED,
                            distributed_optimizer=sharded, lora_rank=SHAPE.rank, lora_alpha=SHAPE.alpha,
                            lora_targets=",".join(SHAPE.targets),
-                           init_adapter=str(setup["init_dir"]) if start == "init" else None),
+                           init_adapter=str(setup[family]["init_dir"]) if start == "init" else None),
             "batches": [train[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)],
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(STEPS)],
             "all_pairs": train, "eval_pairs": held_out,
@@ -138,18 +141,19 @@ def _jobs(layout, setup) -> list[dict]:
 _REFERENCES: dict = {}
 
 
-def _reference(setup, start: str) -> dict:
-    if start not in _REFERENCES:
+def _reference(setup, family: str, start: str) -> dict:
+    if (family, start) not in _REFERENCES:
         from safetensors.torch import load_file
 
-        state = (load_file(str(setup["init_dir"] / "adapter_model.safetensors")) if start == "init"
-                 else initial_adapter(setup["spec"], SHAPE, seed=SEED))
+        model = setup[family]
+        state = (load_file(str(model["init_dir"] / "adapter_model.safetensors")) if start == "init"
+                 else initial_adapter(model["spec"], SHAPE, seed=SEED))
         train = setup["pairs"][: STEPS * GLOBAL_BATCH]
-        _REFERENCES[start] = peft_reference_run(
-            base_dir=setup["base"], state=state, frozen_reference=start == "init",
+        _REFERENCES[(family, start)] = peft_reference_run(
+            base_dir=model["base"], state=state, frozen_reference=start == "init",
             batches=[train[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)],
             eval_pairs=setup["pairs"][STEPS * GLOBAL_BATCH:])
-    return _REFERENCES[start]
+    return _REFERENCES[(family, start)]
 
 
 def _check_metrics(ours: dict, ref: dict, *, prefix: str, names, what: str) -> None:
@@ -164,10 +168,10 @@ def test_lora_parity_with_peft(layout, setup, tmp_path):
     tp, pp, dp = layout
     jobs = _jobs(layout, setup)
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
-    spec = setup["spec"]
     for j, job in enumerate(jobs):
-        start = job["key"][0]
-        ref = _reference(setup, start)
+        family, start = job["key"][:2]
+        spec = setup[family]["spec"]
+        ref = _reference(setup, family, start)
         what = f"{job['key']} at tp{tp} pp{pp} dp{dp}"
         if start == "fresh":  # step 1 must have moved B off zero, else step 2 tests nothing new
             assert any(g.abs().max() > 0 for n, g in ref["grads"][1].items() if "lora_A" in n), what
