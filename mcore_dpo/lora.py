@@ -27,9 +27,9 @@ import torch
 from checkpoint_convert.mapping import ModelSpec
 from checkpoint_convert.peft_adapter import ADAPTER_MODULE, TARGET_MAP, TARGETS, LoraShape, part_features
 
-# Adapter modes: "train" (trained weights, dropout when training), "off" (no update),
-# "frozen" (the starting copy, no dropout).
-MODES = ("train", "off", "frozen")
+# Adapter modes: "train" (trained weights, dropout when training), "eval" (trained weights, no
+# dropout), "off" (no update), "frozen" (the starting copy, no dropout).
+MODES = ("train", "eval", "off", "frozen")
 
 
 class Adapter(torch.nn.Module):
@@ -76,7 +76,7 @@ class Adapter(torch.nn.Module):
             return None
         frozen = self.mode == "frozen"
         pairs = self.weights(frozen=frozen)
-        x = x if frozen else self.dropout(x)
+        x = self.dropout(x) if self.mode == "train" else x
         a_all = torch.cat([a for a, _ in pairs.values()], dim=0)  # one matmul for every part's A
         h = torch.matmul(x, a_all.t())
         if self.tp > 1:

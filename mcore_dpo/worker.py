@@ -508,6 +508,12 @@ class PolicyWorker(_Rank):
         one possibly partial; see `eval_passes`); metrics are means over all of them. The
         reference log-probs come from `ref_logps` ([pairs, 2], separate mode), the table
         precomputed for these pairs, or the colocated reference model."""
+        if self.config.lora:  # held-out metrics without adapter dropout
+            with lora.mode(self.policy.module, "eval"):
+                return self._evaluate(pairs, ref_logps)
+        return self._evaluate(pairs, ref_logps)
+
+    def _evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None) -> dict[str, float] | None:
         if ref_logps is None:
             ref_logps = self._ref_eval
         config = self.config
