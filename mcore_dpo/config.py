@@ -277,7 +277,6 @@ class TrainConfig:
         if not self.lora:
             given = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
             given += ["lora_dropout"] if self.lora_dropout else []
-            given += ["merge_lora"] if not self.merge_lora else []
             if given:
                 raise ConfigError(f"{given[0]}: needs --lora-rank or --init-adapter (LoRA is off)")
             return
