@@ -27,7 +27,8 @@ GOAL_RATIO = 0.55
 LORA = dict(lora_rank=16, lora_alpha=32.0, lora_targets="qkv,proj,fc1,fc2")
 
 
-def run(*, shape: common.LlamaShape, repeats: int, seq_len: int, num_microbatches: int, work_dir: Path) -> dict:
+def run(*, shape: common.LlamaShape, repeats: int, seq_len: int, num_microbatches: int, work_dir: Path,
+        steps: int = 3) -> dict:
     model_dir = common.write_random_llama(work_dir / "model", shape=shape)
     gbs = num_microbatches  # microbatches of one pair
     prompt_len = seq_len // 4
@@ -38,9 +39,9 @@ def run(*, shape: common.LlamaShape, repeats: int, seq_len: int, num_microbatche
     for repeat in range(repeats):
         for mode in ("full", "lora"):  # alternate so that slow drift hits both alike
             config = dict(model=str(model_dir), tp=1, pp=2, dp=1, micro_batch_size=1, global_batch_size=gbs,
-                          max_steps=4, max_length=seq_len, ref_mode="interleaved", lr=1e-5,
+                          max_steps=steps + 1, max_length=seq_len, ref_mode="interleaved", lr=1e-5,
                           **(LORA if mode == "lora" else {}))
-            job = common.RankJob(name=mode, config=config, num_steps=3, warmup_steps=1)
+            job = common.RankJob(name=mode, config=config, num_steps=steps, warmup_steps=1)
             results = common.run_ranks(world_size=2, jobs=[job], data=data, out_dir=work_dir / f"ranks_{mode}_{repeat}")
             step_times[mode].extend(common.reporting(results, 0)["step_time_s"])
             for rank, per_job in enumerate(results):
@@ -66,12 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_lora_memory_"))
     result = run(shape=common.TINY_SHAPE if args.tiny else common.SMALL_SHAPE, repeats=args.repeats,
-                 seq_len=16 if args.tiny else args.seq_len, num_microbatches=args.microbatches, work_dir=work)
+                 seq_len=16 if args.tiny else args.seq_len, num_microbatches=args.microbatches, work_dir=work,
+                 steps=args.steps)
     result["machine"] = common.machine()
     mib = 1 / 2**20
     for rank, row in result["ranks"].items():

@@ -14,7 +14,7 @@ from benchmarks import lora_memory  # noqa: E402
 
 
 def test_lora_memory_runs_both_modes(tmp_path):
-    result = lora_memory.main(["--tiny", "--repeats", "1", "--out", str(tmp_path / "l.json"), "--work-dir", str(tmp_path)])
+    result = lora_memory.main(["--tiny", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "l.json"), "--work-dir", str(tmp_path)])
     assert set(result["ranks"]) == {"0", "1"}
     for row in result["ranks"].values():
         full, lora = (row[m]["optimizer_state_bytes"]["median"] for m in ("full", "lora"))
