@@ -9,6 +9,9 @@
         optim/exp_avg/            AdamW first moments, same format and layout as the weights
         optim/exp_avg_sq/         AdamW second moments
         reference/                the reference weights, with --sync-ref-model only (TR-DPO moves them)
+        (LoRA runs: no model/; adapter/ holds the adapters' fp32 masters as a PEFT adapter,
+        optim/exp_avg*/adapter_model.safetensors their moments under the same PEFT names, and
+        base.json the base model's path and fingerprint)
         rng/rank{r}.safetensors   each rank's RNG states
         trainer_state.json        step, data position, layout, resolved config
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)
@@ -30,6 +33,10 @@ from mcore_dpo import durable
 FORMAT = "mcore_dpo.trainer_checkpoint"
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# LoRA checkpoints: checkpoint kind -> directory of its whole PEFT-named adapter_model.safetensors.
+ADAPTER_DIRS = {"model": "adapter", **{f"optim/{m}": f"optim/{m}" for m in MOMENTS}}
+LORA_SHARDS = "lora_shards"  # the ranks' adapter shards, joined into ADAPTER_DIRS before the commit
+BASE_FILE = "base.json"
 
 
 def root(output_dir: str | Path) -> Path:

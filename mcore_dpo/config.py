@@ -112,6 +112,22 @@ class TrainConfig:
     ref_model_sync_steps: int = 512
     """TR-DPO τ: steps between reference syncs."""
 
+    # --- LoRA ---
+    lora_rank: int | None = None
+    """LoRA rank r: train low-rank adapters on the frozen base instead of every weight (None = full
+    fine-tuning; --init-adapter alone takes the adapter's rank). The reference is then the starting
+    policy itself, adapters off or at their starting copy, with no second model (docs/LORA.md)."""
+    lora_alpha: float | None = None
+    """LoRA alpha: updates are scaled by alpha/r (default: r, or the --init-adapter's)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout); the reference never uses it."""
+    lora_targets: str | None = None
+    """Comma list of linears to adapt: qkv, proj, fc1, fc2 (default: all four, or the --init-adapter's)."""
+    init_adapter: str | None = None
+    """PEFT LoRA adapter directory to start from (e.g. a LoRA SFT result); the reference is its frozen copy."""
+    merge_lora: bool = True
+    """Export the merged model to OUTPUT/hf (--no-merge-lora: only the PEFT adapter in OUTPUT/adapter)."""
+
     # --- optimizer ---
     lr: float = 1e-3
     """Peak learning rate (the tiny default needs a large one; real models use ~5e-7)."""
@@ -247,7 +263,8 @@ class TrainConfig:
         if self.wandb_project is not None and not self.wandb:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         self._validate_trl_options()
-        for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template"):
+        self._validate_lora()
+        for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template", "init_adapter"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"{name}: {path} does not exist")
@@ -301,6 +318,40 @@ class TrainConfig:
             why = {"none": "there is no reference", "precomputed": "precomputed log-probs would go stale",
                    "separate": "the reference lives on other ranks with another layout"}[self.ref_mode]
             raise ConfigError(f"sync_ref_model: needs --ref-mode interleaved or sequential, not {self.ref_mode} ({why})")
+
+    @property
+    def lora(self) -> bool:
+        """Whether this run trains LoRA adapters (rank given or taken from --init-adapter)."""
+        return self.lora_rank is not None or self.init_adapter is not None
+
+    def _validate_lora(self) -> None:
+        from checkpoint_convert.peft_adapter import TARGETS
+
+        if self.lora_rank is not None and self.lora_rank <= 0:
+            raise ConfigError(f"lora_rank: must be a positive integer, got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha: must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_targets is not None:
+            names = [t.strip() for t in self.lora_targets.split(",")]
+            unknown = [t for t in names if t not in TARGETS]
+            if unknown or not names:
+                raise ConfigError(f"lora_targets: unknown target {unknown[0] if unknown else ''!r}; "
+                                  f"choose from {', '.join(TARGETS)}")
+        if not self.lora:
+            given = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
+            given += ["lora_dropout"] if self.lora_dropout else []
+            if given:
+                raise ConfigError(f"{given[0]}: needs --lora-rank or --init-adapter (LoRA is off)")
+            return
+        if self.sync_ref_model:
+            raise ConfigError("sync_ref_model: not with LoRA (the reference is the starting adapter, it does not move)")
+        if self.sequence_parallel:
+            raise ConfigError("sequence_parallel: not supported with LoRA (the adapters need whole-sequence inputs)")
+        if self.ref_mode == "separate" and not self.ref_model:
+            raise ConfigError("ref_mode: separate with LoRA needs --ref-model (without it the reference is the policy's "
+                              "own base and adapter, on the policy's ranks)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -394,6 +445,7 @@ HELP_GROUPS = {
                   "clip_grad", "max_steps"),
     "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "resume",
                       "max_restarts", "resume_with_changes", "export_hf"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "init_adapter", "merge_lora"),
     "logging": ("eval_interval", "wandb", "wandb_project"),
 }
 

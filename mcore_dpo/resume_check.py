@@ -50,6 +50,10 @@ def run_identity(config: TrainConfig) -> dict:
         "shuffle": not config.no_shuffle,
         "model": model_fingerprint(config.model),
         "ref_model": model_fingerprint(config.ref_model) if config.ref_model else None,
+        # LoRA: the adapters' shape and starting adapter (a resume loads the adapters into it).
+        "lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
+                 "init_adapter": model_fingerprint(config.init_adapter) if config.init_adapter else None}
+        if config.lora else None,
         "loss": {
             "loss_type": config.loss_type,
             "loss_weights": config.loss_weights,
@@ -67,6 +71,7 @@ _FLAGS = {
     "shuffle": "shuffle",
     "model": "--model",
     "ref_model": "--ref-model",
+    "lora": "LoRA (--lora-rank/--lora-alpha/--lora-targets/--init-adapter)",
     "loss": "the loss",
 }
 
@@ -84,7 +89,7 @@ def changes(saved: dict, current: dict) -> list[str]:
         if key == "loss":
             diff = [f"{k} {(old or {}).get(k)!r} -> {new.get(k)!r}" for k in new if (old or {}).get(k) != new.get(k)]
             found.append(f"{label} ({', '.join(diff)})")
-        elif key in ("data", "model", "ref_model"):
+        elif key in ("data", "model", "ref_model", "lora"):
             found.append(f"{label} changed")
         else:
             found.append(f"{label} {old} -> {new}")

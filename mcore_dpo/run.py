@@ -71,6 +71,8 @@ def prepare(config: TrainConfig) -> Prepared:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
+    if config.lora:
+        config = _resolve_lora(config, spec)
     if config.ref_model and config.ref_mode != "none":
         ref_spec = open_weights(config.ref_model).spec
         if replace(ref_spec, torch_dtype=spec.torch_dtype) != spec:
@@ -151,6 +153,18 @@ def _use_chat_template(tokenizer, path: str) -> None:
     except Exception as error:  # jinja's syntax and undefined-name errors
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise InputError(f"chat_template: {path} does not render a conversation ({detail})") from None
+
+
+def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
+    """LoRA's rank, alpha and targets, from --init-adapter where not given; the adapter checked
+    against them and against the base."""
+    from checkpoint_convert.mapping import ConversionError
+    from mcore_dpo import lora
+
+    try:
+        return lora.resolve(config, spec=spec)
+    except ConversionError as error:
+        raise InputError(str(error)) from None
 
 
 def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
@@ -297,7 +311,10 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                 last_save = time.monotonic()
                 if stop.requested:
                     raise Stopped(step)
-        if config.export_hf:
+        if config.lora:
+            export_adapter(group, config=config, spec=prep.spec, out=out)
+            log(f"exported the adapter to {out / 'adapter'}")
+        if config.export_hf and (config.merge_lora or not config.lora):
             export_policy(group, config=config, spec=prep.spec, out=out)
             log(f"exported the policy to {out / 'hf'}")
     finally:
@@ -432,8 +449,11 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     # fp32 master weights and moments
     meta, aux = _model_meta(config, spec, dtype="float32", layer_spec=_layer_spec_of(group))
     synced = ("reference",) if config.sync_ref_model else ()  # TR-DPO's moving reference
-    for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced:
-        write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
+    if config.lora:
+        _join_lora_checkpoint(tmp, config=config, spec=spec)
+    else:
+        for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced:
+            write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,
@@ -444,8 +464,47 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     return checkpoint.commit(out, tmp, step=step, trainer_state=state, keep_last=config.keep_last)
 
 
+def _join_lora_checkpoint(tmp: Path, *, config: TrainConfig, spec) -> None:
+    """A LoRA checkpoint: the ranks' adapter shards joined into whole PEFT-named files (any
+    layout resumes from them), and the base's path and fingerprint."""
+    from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
+    from mcore_dpo import lora
+    from mcore_dpo.resume_check import model_fingerprint
+
+    shape = lora.shape_of(config)
+    for kind, directory in checkpoint.ADAPTER_DIRS.items():
+        tensors = join_shard_files(tmp / checkpoint.LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+        write_adapter_dir(tmp / directory, tensors,
+                          adapter_config(shape, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
+    shutil.rmtree(tmp / checkpoint.LORA_SHARDS)
+    base = {"model": os.path.abspath(config.model), "fingerprint": model_fingerprint(config.model)}
+    durable.write_file(tmp / checkpoint.BASE_FILE, json.dumps(base, indent=2) + "\n")
+
+
+def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
+    """OUT/adapter: the trained adapter as a PEFT adapter directory (replaced atomically)."""
+    from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
+    from mcore_dpo import lora
+
+    shards = out / "checkpoints" / "final_adapter"
+    if shards.exists():
+        shutil.rmtree(shards)
+    group.call("write_adapter", str(shards))
+    shape = lora.shape_of(config)
+    tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+    tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
+    write_adapter_dir(tmp, tensors, adapter_config(shape, dropout=config.lora_dropout,
+                                                   base_model=os.path.abspath(config.model)))
+    durable.fsync_tree(tmp)
+    if (out / "adapter").exists():
+        shutil.rmtree(out / "adapter")
+    durable.move(tmp, out / "adapter")
+    shutil.rmtree(shards)
+
+
 def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
-    """Workers write the policy shards; the driver converts them to OUT/hf (atomic)."""
+    """Workers write the policy shards (LoRA: merged with the adapters); the driver converts
+    them to OUT/hf (atomic)."""
     from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta
 
     final = out / "checkpoints" / "final"

@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
-from mcore_dpo import hooks
+from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
+from mcore_dpo import hooks, lora
 from mcore_dpo import platform as plat
-from mcore_dpo.checkpoint import MOMENTS, read_state
+from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
@@ -87,8 +88,11 @@ class _Rank:
         self.mesh: Mesh = initialize(self.layout)
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
-        self.use_te = plat.transformer_engine_available()
-        self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=config.sequence_parallel, tp=layout.tp)
+        # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
+        self.use_te = plat.transformer_engine_available() and not config.lora
+        self.sequence_parallel = plat.use_sequence_parallel(
+            self.platform, requested=False if config.lora else config.sequence_parallel, tp=layout.tp
+        )
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
         self.reference: torch.nn.Module | None = None
 
@@ -195,8 +199,13 @@ class PolicyWorker(_Rank):
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
-        self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir else config.model)
-        if config.loss_spec().needs_reference and config.ref_mode != "separate":
+        # With LoRA the base never changes: the checkpoint holds the adapters only.
+        self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir and not config.lora else config.model)
+        if config.lora:
+            self._attach_adapters()  # before DDP: only the adapters require gradients
+        if config.loss_spec().needs_reference and config.lora and not config.ref_model and config.ref_mode != "separate":
+            self.reference = lora.ReferenceView(self.policy, frozen=config.init_adapter is not None)
+        elif config.loss_spec().needs_reference and config.ref_mode != "separate":
             synced = os.path.join(resume_dir, "reference") if resume_dir and config.sync_ref_model else None
             source = synced if synced and os.path.isdir(synced) else config.ref_model or config.model
             self.reference = freeze(self._build(source))
@@ -237,6 +246,29 @@ class PolicyWorker(_Rank):
         self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
 
     # ------------------------------------------------------------------ build
+    def _attach_adapters(self) -> None:
+        """Freeze the base, add the adapters, fill them from --init-adapter or PEFT's init; with
+        --init-adapter keep their starting copy (the reference)."""
+        from checkpoint_convert.peft_adapter import initial_adapter, read_adapter
+
+        config, shape = self.config, lora.shape_of(self.config)
+        lora.attach(self.policy, spec=self.spec, lora=shape, dropout=config.lora_dropout, tp=self.layout.tp,
+                    tp_group=self.mesh.tp_group)
+        if config.init_adapter:
+            whole = read_adapter(config.init_adapter, spec=self.spec, lora=shape)
+        else:
+            whole = initial_adapter(self.spec, shape, seed=config.seed)
+        lora.load_shard(self.policy, self._adapter_shard_of(whole))
+        if config.init_adapter:
+            for adapter in lora.adapters_of(self.policy):
+                adapter.keep_frozen_copy()
+
+    def _adapter_shard_of(self, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from checkpoint_convert.peft_adapter import peft_to_shard
+
+        return peft_to_shard(whole.__getitem__, spec=self.spec, lora=lora.shape_of(self.config), tp=self.layout.tp,
+                             tp_rank=self.mesh.tp_rank, pp=self.layout.pp, pp_rank=self.mesh.pp_rank)
+
     def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -251,6 +283,8 @@ class PolicyWorker(_Rank):
         tied_copy = self.spec.tie_word_embeddings and self.layout.pp > 1 and self.mesh.is_last_stage
         once = []
         for name, param in self.policy.module.named_parameters():
+            if not param.requires_grad:  # the frozen base of a LoRA run
+                continue
             if tied_copy and name == "output_layer.weight" and not self.mesh.is_first_stage:
                 continue
             if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0:
@@ -405,6 +439,8 @@ class PolicyWorker(_Rank):
             return
         module = self.policy.module
         weight = module.shared_embedding_or_output_weight()
+        if not weight.requires_grad:  # frozen (LoRA)
+            return
         dist.all_reduce(weight.main_grad, group=self.mesh.embedding_group)
 
     def _reduce_metrics(self, sums: torch.Tensor, *, spec) -> dict[str, float] | None:
@@ -490,6 +526,12 @@ class PolicyWorker(_Rank):
         one possibly partial; see `eval_passes`); metrics are means over all of them. The
         reference log-probs come from `ref_logps` ([pairs, 2], separate mode), the table
         precomputed for these pairs, or the colocated reference model."""
+        if self.config.lora:  # held-out metrics without adapter dropout
+            with lora.mode(self.policy.module, "eval"):
+                return self._evaluate(pairs, ref_logps)
+        return self._evaluate(pairs, ref_logps)
+
+    def _evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None) -> dict[str, float] | None:
         if ref_logps is None:
             ref_logps = self._ref_eval
         config = self.config
@@ -549,7 +591,21 @@ class PolicyWorker(_Rank):
         norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
         if self.mesh.dp_rank != 0:
             return None
+        if self.config.lora:  # the base with the adapters merged in
+            return lora.merged_weights(self.policy.module, dtype=self.dtype)
         return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
+
+    def adapter_shard(self) -> dict[str, torch.Tensor] | None:
+        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
+        if self.mesh.dp_rank != 0:
+            return None
+        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
+
+    def write_adapter(self, directory: str) -> None:
+        """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
+        shard = self.adapter_shard()
+        if shard is not None:
+            _write_adapter_shard(Path(directory), shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
 
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""
@@ -566,7 +622,9 @@ class PolicyWorker(_Rank):
         # its slices to dp rank 0); dp rank 0 writes.
         for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
             shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
-            if shard is not None:
+            if shard is not None and self.config.lora:  # the driver joins them into PEFT files
+                _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
+            elif shard is not None:
                 write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
             del shard
         if self.config.sync_ref_model and self.reference is not None and self.mesh.dp_rank == 0:
@@ -585,6 +643,9 @@ class PolicyWorker(_Rank):
         state = read_state(Path(directory))
         shards = {}
         for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
+            if self.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
+                shards[kind] = self._adapter_shard_of(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)))
+                continue
             shards[kind] = hf_to_mcore_shard(
                 self.spec,
                 tp=self.layout.tp,
@@ -594,6 +655,8 @@ class PolicyWorker(_Rank):
                 get=open_weights(os.path.join(directory, kind)).get,
                 layer_spec=layer_spec_name(use_te=self.use_te),
             )
+        if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
+            lora.load_shard(self.policy.module, shards["model"])
         moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
         self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
         rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
@@ -607,8 +670,14 @@ class PolicyWorker(_Rank):
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
-        return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()}
+        return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()
+                if p.requires_grad}
 
+
+
+def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in shard.items()}, str(directory / f"tp{tp_rank}_pp{pp_rank}.safetensors"))
 
 
 def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
