@@ -209,7 +209,8 @@ def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
     (["--ep", "3", "--dp", "3", "--global-batch-size", "6", "--micro-batch-size", "2"],
      "config.json: the expert count (4) is not divisible by ep=3"),
     (["--ep", "2", "--dp", "1", "--tp", "2"], "ep: 2 x tp 2 x pp 1 does not fit the world of tp x pp x dp = 2 ranks"),
-], ids=["ep-not-dividing-experts", "ep-not-fitting-world"])
+    (["--lora-rank", "4"], "lora_rank: LoRA on mixture-of-experts models"),
+], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-on-moe"])
 def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
     import json
 
@@ -220,7 +221,8 @@ def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n" for i in range(3, 30)))
     code = main(["--model", str(models["qwen3_moe"][0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
-                 "--no-export-hf", "--no-distributed-optimizer", *flags])
+                 "--no-export-hf", "--no-distributed-optimizer", "--save-interval", "0", "--save-interval-min", "0",
+                 *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert message in err, err
