@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
-from mcore_dpo.loss import LOSS_TYPES, LossSpec
+from mcore_dpo.loss_spec import LOSS_TYPES, LossSpec
 from mcore_dpo.schedule import REF_MODES
 
 # The plan's modes, plus the reference on a worker group of its own.
@@ -325,8 +325,6 @@ class TrainConfig:
         return self.lora_rank is not None or self.init_adapter is not None
 
     def _validate_lora(self) -> None:
-        from checkpoint_convert.peft_adapter import TARGETS
-
         if self.lora_rank is not None and self.lora_rank <= 0:
             raise ConfigError(f"lora_rank: must be a positive integer, got {self.lora_rank}")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
@@ -334,6 +332,8 @@ class TrainConfig:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.lora_targets is not None:
+            from checkpoint_convert.peft_adapter import TARGETS
+
             names = [t.strip() for t in self.lora_targets.split(",")]
             unknown = [t for t in names if t not in TARGETS]
             if unknown or not names:
@@ -452,7 +452,7 @@ HELP_GROUPS = {
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of the fields that take one of a fixed set, as --help lists them."""
-    from mcore_dpo.loss import F_DIVERGENCE_TYPES
+    from mcore_dpo.loss_spec import F_DIVERGENCE_TYPES
 
     return {
         "ref_mode": RUN_REF_MODES,
@@ -542,3 +542,23 @@ def write_resolved(config: TrainConfig, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.yaml"), "w", encoding="utf-8") as fh:
         yaml.safe_dump(config.to_dict(), fh, sort_keys=False)
+
+
+def world_size(config: TrainConfig) -> int:
+    """Ranks the run starts: the policy mesh, plus the reference's own with --ref-mode separate."""
+    world = config.tp * config.pp * config.dp
+    if config.ref_mode == "separate":
+        world += config.ref_tp * config.ref_pp * config.ref_dp
+    return world
+
+
+def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
+    """What a run is about to do, printed before anything slow: the Ray cluster, the workers
+    and what is loaded."""
+    ray = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
+    world = world_size(config)
+    workers = f"{world} worker{'s' if world > 1 else ''} (tp {config.tp} x pp {config.pp} x dp {config.dp}"
+    workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
+    model = config.model or "the tiny default model"
+    data = config.data or ("the default preference data" if config.model is None else "no --data")
+    return f"starting {ray} with {workers}; loading {model} and {data}"

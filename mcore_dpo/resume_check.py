@@ -1,5 +1,5 @@
 """What makes a resumed run the same run: the data (by content), the data order (seed, global
-batch size, shuffling), the model and the objective. A checkpoint records them
+batch size, shuffling), the model, the chat template (by content) and the objective. A checkpoint records them
 (`run_identity`); a resume compares them (`changes`) and refuses a silent change.
 
 Not compared, on purpose: the layout (tp/pp/dp: resume reshards), max_steps (a run may be
@@ -50,6 +50,8 @@ def run_identity(config: TrainConfig) -> dict:
         "shuffle": not config.no_shuffle,
         "model": model_fingerprint(config.model),
         "ref_model": model_fingerprint(config.ref_model) if config.ref_model else None,
+        # The template renders the conversations: another one changes every token.
+        "chat_template": file_sha256(config.chat_template) if config.chat_template else None,
         # LoRA: the adapters' shape and starting adapter (a resume loads the adapters into it).
         "lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "targets": config.lora_targets,
                  "init_adapter": model_fingerprint(config.init_adapter) if config.init_adapter else None}
@@ -71,6 +73,7 @@ _FLAGS = {
     "shuffle": "shuffle",
     "model": "--model",
     "ref_model": "--ref-model",
+    "chat_template": "--chat-template (its content)",
     "lora": "LoRA (--lora-rank/--lora-alpha/--lora-targets/--init-adapter)",
     "loss": "the loss",
 }
@@ -89,7 +92,7 @@ def changes(saved: dict, current: dict) -> list[str]:
         if key == "loss":
             diff = [f"{k} {(old or {}).get(k)!r} -> {new.get(k)!r}" for k in new if (old or {}).get(k) != new.get(k)]
             found.append(f"{label} ({', '.join(diff)})")
-        elif key in ("data", "model", "ref_model", "lora"):
+        elif key in ("data", "model", "ref_model", "chat_template", "lora"):
             found.append(f"{label} changed")
         else:
             found.append(f"{label} {old} -> {new}")

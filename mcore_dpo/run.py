@@ -18,7 +18,7 @@ from pathlib import Path
 
 from checkpoint_convert.mapping import check_layout
 from mcore_dpo import checkpoint, durable, output_dir
-from mcore_dpo.config import TrainConfig, write_resolved
+from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
 from mcore_dpo.resume_check import changes, run_identity
@@ -116,25 +116,6 @@ def prepare(config: TrainConfig) -> Prepared:
                     eval_pairs=eval_pairs, eval_stats=eval_stats)
 
 
-def _world_size(config: TrainConfig) -> int:
-    world = config.tp * config.pp * config.dp
-    if config.ref_mode == "separate":
-        world += config.ref_tp * config.ref_pp * config.ref_dp
-    return world
-
-
-def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
-    """What a run is about to do, printed before anything slow: the Ray cluster, the workers
-    and what is loaded."""
-    ray = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
-    world = _world_size(config)
-    workers = f"{world} worker{'s' if world > 1 else ''} (tp {config.tp} x pp {config.pp} x dp {config.dp}"
-    workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
-    model = config.model or "the tiny default model"
-    data = config.data or ("the default preference data" if config.model is None else "no --data")
-    return f"starting {ray} with {workers}; loading {model} and {data}"
-
-
 def _command_of(config: TrainConfig) -> dict:
     """What makes two invocations the same command: the resolved configuration, where the
     outputs go and --overwrite aside."""
@@ -188,11 +169,13 @@ def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
     return steps[: config.max_steps]
 
 
-def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> Path:
-    """Run DPO as configured; returns the output directory."""
+def train(config: TrainConfig, *, ray_address: str | None = None, log=print, announced: bool = False) -> Path:
+    """Run DPO as configured; returns the output directory. `announced`: the caller already
+    printed `starting_line` (the command line does, before the slow imports)."""
     from mcore_dpo import ray_workers
 
-    log(starting_line(config, ray_address=ray_address))
+    if not announced:
+        log(starting_line(config, ray_address=ray_address))
     prep = prepare(config)
     command = _command_of(prep.config)
     if prep.config.output_dir is None:  # a fresh directory per run, but the same command continues its own
@@ -234,7 +217,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print) -> 
         if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
             log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
                 f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
-    world = _world_size(config)
+    world = world_size(config)
     started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
     try:
         restarts = 0

@@ -22,15 +22,23 @@ import types
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mcore_dpo.config import ConfigError, resolve, starting_line
+
+    try:
+        config, args = resolve(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # Say what starts before the slow imports (torch, megatron-core, transformers, Ray).
+    print(starting_line(config, ray_address=args.ray_address), flush=True)
+
     from checkpoint_convert.mapping import ConversionError
     from mcore_dpo.checkpoint import CheckpointError
-    from mcore_dpo.config import ConfigError, resolve
     from mcore_dpo.data import DataError
     from mcore_dpo.run import InputError, Stopped, train
 
     try:
-        config, args = resolve(argv)
-        out = train(config, ray_address=args.ray_address)
+        out = train(config, ray_address=args.ray_address, announced=True)
     except Stopped as stopped:  # SIGINT/SIGTERM: a checkpoint of this step was written
         print(stopped, flush=True)
         return 0

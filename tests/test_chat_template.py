@@ -82,3 +82,14 @@ def test_the_template_is_kept_with_the_run_and_travels_with_the_weights(setup, t
     _, aux = run._model_meta(prep.config, prep.spec, dtype="float32", layer_spec="local")
     templates = [p for p in aux if p.name == "chat_template.jinja"]
     assert templates == [out / "chat_template.jinja"]  # what checkpoints and hf/ carry
+
+
+def test_a_resume_with_another_template_is_named_as_a_change(setup):
+    from mcore_dpo.resume_check import changes, run_identity
+
+    bare, template, _, argv = setup
+    config, _ = resolve([*argv, "--tokenizer", str(bare), "--chat-template", str(template)])
+    before = run_identity(config)
+    assert changes(before, run_identity(config)) == []
+    template.write_text(template.read_text() + "{# another template #}")
+    assert changes(before, run_identity(config)) == ["--chat-template (its content) changed"]

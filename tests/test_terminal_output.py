@@ -115,3 +115,28 @@ def test_plots_leave_out_the_last_interleaved_steps_throughput_and_mark_evaluati
     assert drawn["tokens/s"]["train"][0] == ([1, 2, 3] if ref_mode == "interleaved" else [1, 2, 3, 4])
     assert drawn["loss"]["train"][0] == [1, 2, 3, 4]
     assert drawn["loss"]["eval"] == ([0, 4], "o")
+
+
+def test_the_first_line_comes_before_the_slow_imports(tmp_path):
+    """The command line says what starts before torch, megatron-core, transformers or Ray load
+    (they take seconds): the first print sees none of them imported."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import builtins, os, sys\n"
+        "from mcore_dpo.train import main\n"
+        "def first(*args, **kwargs):\n"
+        "    heavy = [m for m in ('torch', 'megatron.core', 'transformers', 'ray') if m in sys.modules]\n"
+        "    sys.stdout.write(' '.join(map(str, args)) + '\\n' + 'loaded: ' + ','.join(heavy) + '\\n')\n"
+        "    sys.stdout.flush()\n"
+        "    os._exit(0)\n"
+        "builtins.print = first\n"
+        f"main(['--tp', '2', '--max-steps', '1', '--output-dir', {str(tmp_path / 'run')!r}])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, loaded = done.stdout.splitlines()[:2]
+    assert first.startswith("starting a local Ray cluster with 2 workers"), first
+    assert loaded == "loaded: ", loaded
+    assert not (tmp_path / "run").exists()
