@@ -116,6 +116,22 @@ def prepare(config: TrainConfig) -> Prepared:
                     eval_pairs=eval_pairs, eval_stats=eval_stats)
 
 
+def _adapter_shape_change(saved: dict, current: dict) -> str | None:
+    """Why a checkpoint's trained tensors cannot load into this run, even with
+    --resume-with-changes: LoRA on vs off, or another adapter rank or target set."""
+    if not saved or "lora" not in saved:  # no record (an older checkpoint): the workers check shapes
+        return None
+    old, new = saved["lora"], current.get("lora")
+    if (old is None) != (new is None):
+        held, wanted = ("LoRA adapters", "full weights") if new is None else ("full weights", "LoRA adapters")
+        return f"the checkpoint holds {held} but this run trains {wanted}; a resume cannot switch, choose another --output-dir"
+    if old is not None and (old["rank"], old["targets"]) != (new["rank"], new["targets"]):
+        return (f"the checkpoint's adapters have rank {old['rank']} on {old['targets']}, this run asks for rank "
+                f"{new['rank']} on {new['targets']}; a resume cannot change the adapters' shape (start a new run "
+                "with --init-adapter from an exported OUTPUT/adapter instead)")
+    return None
+
+
 def _command_of(config: TrainConfig) -> dict:
     """What makes two invocations the same command: the resolved configuration, where the
     outputs go and --overwrite aside."""
@@ -203,6 +219,9 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
                 f"{current / 'trainer_state.json'}: this run differs from the checkpoint's: {'; '.join(changed)}; "
                 "pass --resume-with-changes to continue anyway, or choose another --output-dir"
             )
+        shape_problem = _adapter_shape_change(checkpoint.read_state(current).get("run", {}), prep.identity)
+        if shape_problem:
+            raise InputError(f"{current / 'trainer_state.json'}: {shape_problem}")
         if changed:
             log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
     done_step = None if config.overwrite else output_dir.completed_step(out, identity=prep.identity)

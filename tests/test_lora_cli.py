@@ -169,3 +169,25 @@ def test_init_adapter_through_the_command_line(baseline, cache, monkeypatch):
     config, _ = resolve(["--init-adapter", str(baseline / "adapter")])
     prep = prepare(config)
     assert (prep.config.lora_rank, prep.config.lora_alpha, prep.config.lora_targets) == (4, 8.0, "qkv,proj,fc1,fc2")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-rank", "2", "--lora-alpha", "8", "--lora-targets", "qkv,proj,fc1,fc2"],
+     "the checkpoint's adapters have rank 4 on qkv,proj,fc1,fc2, this run asks for rank 2"),
+    ([], "the checkpoint holds LoRA adapters but this run trains full weights"),
+], ids=["another-rank", "lora-off"])
+def test_resume_cannot_change_the_adapters_shape(baseline, cache, tmp_path, monkeypatch, capsys, flags, message):
+    """Even with --resume-with-changes: one line naming the checkpoint, before any worker starts."""
+    import ray
+
+    from mcore_dpo.train import main
+
+    monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))
+    out = tmp_path / "run"
+    _copy_checkpoint(baseline, out)
+    common = COMMON[: len(COMMON) - len(LORA)]  # COMMON ends with LORA
+    code = main([*common, "--tp", "2", *flags, "--resume-with-changes", "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "trainer_state.json: " in err and message in err, err
+    assert not ray.is_initialized()
