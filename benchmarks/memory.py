@@ -195,6 +195,67 @@ def run(*, shape: common.LlamaShape, modes: tuple[str, ...], repeats: int, seq_l
     return out
 
 
+# The model table's bytes: a Llama-3-8B layer at tp 4 with sequence parallelism, flash attention,
+# bf16 (configs/llama3_8b.yaml): what one microbatch's stash weighs against one stage activation.
+TABLE_LAYERS = 32
+TABLE_STAGES = (2, 4, 8)
+TABLE_MICROBATCHES = (4, 8, 16, 32)
+TABLE_PLANS = {
+    "sequential": dict(ref_mode="sequential"),
+    "interleaved, first step": dict(ref_mode="interleaved", ref_current=True, carry_out=True),
+    "interleaved, carrying": dict(ref_mode="interleaved", carry_in=True, carry_out=True),
+    "interleaved, no carry": dict(ref_mode="interleaved"),
+}
+
+
+def stash_over_activation(*, layers_per_stage: float) -> float:
+    """One microbatch's policy stash on a stage over one stage-boundary activation, for the
+    Llama-3-8B layer of configs/llama3_8b.yaml (mcore_dpo/memory_estimate.py)."""
+    from mcore_dpo.memory_estimate import LayerShape, layer_activation_bytes
+
+    shape = LayerShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
+    kw = dict(seq_len=2048, rows=2, tp=4, sequence_parallel=True, attention="flash", dtype_bytes=2)
+    boundary = 2048 * 2 * 4096 * 2 / 4  # [s/tp, b, h] in bf16
+    return layers_per_stage * layer_activation_bytes(shape, **kw) / boundary
+
+
+def model_table() -> list[dict]:
+    """Per (stages, microbatches) and plan: the worst stage's reference activations in flight +
+    carried, in stage activations, and the peak-activation overhead over policy-only 1F1B."""
+    from mcore_dpo.plan_memory import plan_memory
+    from mcore_dpo.schedule import build_plan
+
+    rows = []
+    for p in TABLE_STAGES:
+        ratio = stash_over_activation(layers_per_stage=TABLE_LAYERS / p)
+        for m in TABLE_MICROBATCHES:
+            base = plan_memory(build_plan(num_stages=p, num_microbatches=m, ref_mode="none"))
+            base_peak = max(st.policy_stash * ratio for st in base)
+            row = {"pp": p, "m": m, "stash_stage0": base[0].policy_stash, "stash_over_activation": ratio}
+            for name, kwargs in TABLE_PLANS.items():
+                peaks = plan_memory(build_plan(num_stages=p, num_microbatches=m, **kwargs))
+                row[name] = {
+                    "in_flight": max(st.reference_in_flight for st in peaks),
+                    "carried": max(st.carried for st in peaks),
+                    "extra": max(st.reference_in_flight + st.carried for st in peaks),
+                    "overhead": max(st.policy_stash * ratio + st.reference_in_flight + st.carried for st in peaks)
+                    / base_peak - 1,
+                }
+            rows.append(row)
+    return rows
+
+
+def format_model_table(rows: list[dict]) -> str:
+    names = list(TABLE_PLANS)
+    head = ("| pp | m | 1F1B stash, stage 0 (microbatches) | "
+            + " | ".join(f"{n}: in flight + carried (overhead)" for n in names) + " |")
+    lines = [head, "|" + "---|" * (3 + len(names))]
+    for r in rows:
+        cells = [f"{r[n]['in_flight']} + {r[n]['carried']} ({100 * r[n]['overhead']:.2f} %)" for n in names]
+        lines.append(f"| {r['pp']} | {r['m']} | {r['stash_stage0']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/mcore_dpo_bench/memory.json")
@@ -205,7 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--model-table", action="store_true",
+                        help="print the plan memory model's table (no processes) and exit")
     args = parser.parse_args(argv)
+    if args.model_table:
+        rows = model_table()
+        print(format_model_table(rows))
+        return {"model_table": rows}
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_memory_"))
     modes = tuple(m.strip() for m in args.modes.split(","))
     result = run(shape=common.TINY_SHAPE if args.tiny else SHAPE, modes=modes, repeats=args.repeats,

@@ -144,3 +144,19 @@ def test_colocated_reference_costs_at_most_1_1_times_its_bytes(runs):
     for rank, ratio in memory.reference_overhead(runs[2]).items():
         # Below 1 by a hair is possible: the activation side peaks at another op in each mode.
         assert 0.99 <= ratio <= memory.GOAL_RATIO, (rank, ratio)
+
+
+def test_config_model_reduces_to_one_microbatch_at_pp1_and_sees_the_stage_split():
+    from mcore_dpo.memory_estimate import LayerShape, activation_bytes, boundary_bytes, plan_activation_bytes
+
+    shape = LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024)
+    kw = dict(seq_len=128, rows=2, tp=2, sequence_parallel=True, attention="flash", dtype_bytes=2)
+    one = activation_bytes(shape, layers=8, **kw)
+    for mode in ("interleaved", "none"):
+        assert plan_activation_bytes(shape, layers=8, pp=1, num_microbatches=8, ref_mode=mode, **kw) == one
+    # pp 4: the first stage holds 4 microbatches of 2 layers (8 layers' worth), one reference
+    # activation in flight and one carried, and no head; 1F1B alone holds no reference activation.
+    with_ref = plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode="interleaved", **kw)
+    policy_only = plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode="none", **kw)
+    boundary = boundary_bytes(shape, seq_len=128, rows=2, tp=2, sequence_parallel=True, dtype_bytes=2)
+    assert with_ref - policy_only == 2 * boundary
