@@ -39,8 +39,8 @@ GOAL_RATIO = 1.1
 SEQ_LEN, NUM_MICROBATCHES = 32, 4  # the benchmark's setting
 
 
-def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict], data: dict, num_steps: int,
-               out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict], data: dict,
+               steps_per_config: list[int], out_dir: str) -> None:
     """Run `configs` one after another in this rank process; per config and step: the exact
     memory report, the per-microbatch stash bytes and the plan's flags; per config: the
     stage-activation bytes, and peak RSS after the config's steps."""
@@ -50,18 +50,20 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
 
         torch.set_num_threads(1)
         from mcore_dpo.config import TrainConfig
+        from mcore_dpo.memory_account import storage_bytes
         from mcore_dpo.model import open_weights
         from mcore_dpo.worker import PolicyWorker, StepBatch
 
         baseline_rss = common.peak_rss_bytes()
         pairs = common.make_pairs(**data)
         results = []
-        for fields, port in zip(configs, ports):
+        for fields, port, num_steps in zip(configs, ports, steps_per_config):
             config = TrainConfig(**fields)
             worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=common.PAD_ID,
                                   rank=rank, master_addr="127.0.0.1", master_port=port)
             ref_bytes = sum(p.numel() * p.element_size() for p in worker.reference.parameters()) if worker.reference else 0
             policy_numel = sum(p.numel() for p in worker.policy.module.parameters())
+            policy_buffer_bytes = storage_bytes(list(worker.policy.module.buffers()))
             gbs = config.global_batch_size
             batches = [[(k * gbs + i) % len(pairs) for i in range(gbs)] for k in range(num_steps + 1)]
             if config.ref_mode == "precomputed":
@@ -86,6 +88,7 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
                 "pp_rank": worker.mesh.pp_rank,
                 "ref_param_bytes": ref_bytes,
                 "policy_numel": policy_numel,
+                "policy_buffer_bytes": policy_buffer_bytes,
                 "stage_activation_bytes": int(rows * seq_len * worker.spec.hidden_size * worker.dtype.itemsize),
                 "steps": steps,
                 "baseline_rss_bytes": baseline_rss,
@@ -100,9 +103,10 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
 
 
 def launch(*, model_dir: Path, pp: int, modes: tuple[str, ...], num_microbatches: int, seq_len: int, num_steps: int,
-           out_dir: Path, timeout_s: float = 1800) -> list[list[dict]]:
+           out_dir: Path, other_modes_steps: int | None = None, timeout_s: float = 1800) -> list[list[dict]]:
     """One group of `pp` rank processes (tp 1, dp 1) that runs each mode in turn; per rank,
-    one result per mode (see `_rank_main`)."""
+    one result per mode (see `_rank_main`). `other_modes_steps`: steps of the modes other
+    than interleaved (their plan is the same every step), default `num_steps`."""
     import torch.multiprocessing as mp
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -121,7 +125,8 @@ def launch(*, model_dir: Path, pp: int, modes: tuple[str, ...], num_microbatches
         if port not in ports:
             ports.append(port)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, pp, ports, configs, data, num_steps, str(out_dir)))
+    steps = [num_steps if mode == "interleaved" or other_modes_steps is None else other_modes_steps for mode in modes]
+    procs = [ctx.Process(target=_rank_main, args=(r, pp, ports, configs, data, steps, str(out_dir)))
              for r in range(pp)]
     for proc in procs:
         proc.start()

@@ -106,10 +106,12 @@ class MemoryAccount:
 
     # ---------------------------------------------------------------- policy stash
     @contextlib.contextmanager
-    def stash(self, microbatch: int) -> Iterator[None]:
-        """Record what autograd saves for the backward in the policy forward run inside."""
+    def stash(self, microbatch: int, *, shared: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+        """Record what autograd saves for the backward in the policy forward run inside.
+        `shared`: tensors every microbatch's forward saves (the attention mask), in no category."""
         mine: dict[int, int] = {}
         held = {key for saved in self._stash.values() for key in saved}
+        held |= {t.untyped_storage().data_ptr() for t in shared}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()

@@ -211,7 +211,9 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
 def _policy_forward(ctx: StageContext, mb: int) -> None:
     mesh = ctx.mesh
     inp = None if mesh.is_first_stage else ctx._policy_in.pop(mb)
-    stash = ctx.memory.stash(mb) if ctx.memory is not None and not ctx.forward_only else contextlib.nullcontext()
+    stash = contextlib.nullcontext()
+    if ctx.memory is not None and not ctx.forward_only:
+        stash = ctx.memory.stash(mb, shared=[ctx.mask(0)])
     with torch.set_grad_enabled(not ctx.forward_only), stash:
         out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, mask=ctx.mask(0))
         if mesh.is_last_stage:
