@@ -19,7 +19,7 @@ by tens of MiB between identical runs. Categories (`CATEGORIES`):
 The executor calls `observe` after each op and inside each transfer (when the sent and the
 received tensors are alive together); the peaks are over those points, per step. Temporary
 tensors inside one forward or backward are not in any category: on a GPU the CUDA
-allocator's own peak (`device_figures`) covers them.
+allocator's own peaks (`device_figures`) cover them.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class MemoryAccount:
 
 def device_figures(device: torch.device) -> dict[str, int]:
     """What the device's allocator says (GPU only): the peak of all allocated tensor bytes,
-    temporaries included, and of the bytes it reserved from the driver, since the last reset."""
+    temporaries included, and of the bytes it reserved from the driver, since the process
+    started or `reset_device_peaks`."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)  # GPU only

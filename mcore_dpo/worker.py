@@ -29,7 +29,7 @@ from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padd
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
 from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
                             pair_losses)
-from mcore_dpo.memory_account import MemoryAccount, device_figures, reset_device_peaks, static_bytes
+from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
@@ -235,6 +235,7 @@ class PolicyWorker(_Rank):
         # Exact tensor bytes by category (memory_account.py); memory_report: the last step's peaks.
         self.memory = MemoryAccount(tables=lambda: (self._ref_by_pair, self._ref_eval))
         self.memory_report: dict[str, int] = {}
+        self.last_plan = None  # the plan of the last step
 
     # ------------------------------------------------------------------ build
     def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
@@ -330,7 +331,6 @@ class PolicyWorker(_Rank):
         ctx.ref_logps.update(sorted_refs)
         self._ref_next = {}
         self.memory.start_step(exclude=self._all_params())
-        reset_device_peaks(self.platform.device)
         self.memory.observe(ctx)
         b = config.micro_batch_size
 
