@@ -180,3 +180,12 @@ def test_device_figures_read_the_cuda_allocator():
     figures = device_figures(device)
     assert figures["cuda_allocated_peak_bytes"] >= block.numel()
     assert figures["cuda_reserved_peak_bytes"] >= figures["cuda_allocated_peak_bytes"]
+
+
+def test_model_table_command(capsys):
+    rows = {(r["pp"], r["m"]): r for r in memory.main(["--model-table"])["model_table"]}
+    assert set(rows) == {(p, m) for p in memory.TABLE_STAGES for m in memory.TABLE_MICROBATCHES}
+    carrying = rows[(4, 8)]["interleaved, carrying"]
+    assert (carrying["in_flight"], carrying["carried"]) == (3, 1)
+    assert 0 < rows[(4, 8)]["sequential"]["overhead"] < carrying["overhead"] < 0.01
+    assert "| 4 | 8 | 4 |" in capsys.readouterr().out
