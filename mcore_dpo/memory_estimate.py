@@ -24,7 +24,10 @@ backward (2 fp32 copies of tokens x vocab/tp).
 
 1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
 layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
-given the whole model's layer count.
+given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
+memory model instead (`plan_memory.py`: per stage, the policy stash in microbatches and the
+reference activations in flight and carried), and `per_gpu_bytes` adds the per-parameter
+bytes: the configs' headers are computed with it.
 """
 
 from __future__ import annotations
@@ -100,3 +103,65 @@ def activation_bytes(
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes)
     return (layers * layer_activation_bytes(shape, **kw) + workspace_bytes(shape, **kw) + head_bytes(shape, **kw))
+
+
+def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool,
+                   dtype_bytes: int) -> float:
+    """One stage-boundary activation ([s, b, h], or [s/tp, b, h] with sequence parallelism):
+    the unit of the reference activations in flight and carried (`plan_memory`)."""
+    return seq_len * rows * shape.hidden * dtype_bytes / (tp if sequence_parallel else 1)
+
+
+def plan_activation_bytes(
+    shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
+    tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+) -> float:
+    """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
+    (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
+    is one microbatch through its layers/pp layers; the last stage adds the head; every stage
+    the workspace. Interleaved: the larger of the first step's plan and the carrying one."""
+    from mcore_dpo.plan_memory import plan_memory
+    from mcore_dpo.schedule import build_plan
+
+    kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+              dtype_bytes=dtype_bytes)
+    stash_unit = layers / pp * layer_activation_bytes(shape, **kw)
+    boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
+                              dtype_bytes=dtype_bytes)
+    plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
+    variants = [dict()]
+    if plan_mode == "interleaved":
+        variants = [dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)]
+    peak = 0.0
+    for extra in variants:
+        plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, **extra)
+        for stage, units in enumerate(plan_memory(plan)):
+            stage_bytes = (units.policy_stash * stash_unit + (units.reference_in_flight + units.carried) * boundary
+                           + workspace_bytes(shape, **kw) + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0))
+            peak = max(peak, stage_bytes)
+    return peak
+
+
+# Bytes per parameter a training rank holds (megatron-core mixed precision, bf16 weights):
+# policy weights, fp32 main grads, frozen reference (colocated modes) ...
+POLICY_BYTES_PER_PARAM = 2 + 4
+REFERENCE_BYTES_PER_PARAM = 2
+OPTIMIZER_BYTES_PER_PARAM = 12  # ... and fp32 masters + AdamW m, v, sharded over dp by the distributed optimizer
+
+
+def per_gpu_bytes(
+    shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
+    micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
+    attention: str, dtype_bytes: int = 2,
+) -> float:
+    """Memory of one training rank: parameters, grads and optimizer state per parameter
+    (averaged over the tp x pp shards), plus the worst stage's activations under the plan."""
+    colocated = ref_mode in ("interleaved", "sequential")
+    per_param = (POLICY_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if colocated else 0)
+                 + OPTIMIZER_BYTES_PER_PARAM / (dp if distributed_optimizer else 1))
+    activations = plan_activation_bytes(
+        shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=seq_len,
+        rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+        dtype_bytes=dtype_bytes,
+    )  # fmt: skip
+    return params * per_param / (tp * pp) + activations

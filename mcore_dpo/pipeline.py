@@ -14,6 +14,7 @@ communicator, and messages between two ranks stay in order only within one commu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from mcore_dpo.data import Microbatch
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, sequence_logps
+from mcore_dpo.memory_account import MemoryAccount
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import causal_mask, packed_causal_mask, packed_seq_params, stage_forward
 from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
@@ -69,6 +71,7 @@ class StageContext:
     trace: list[tuple[str, int, int, float, float]] | None = None
     sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
     packed_thd: bool = False  # packed rows run in the THD layout (Transformer Engine) rather than with a mask
+    memory: MemoryAccount | None = None  # exact tensor bytes by category (memory_account.py)
 
     def activation_shape(self, batch: int, mb: int) -> tuple[int, int, int]:
         """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
@@ -100,6 +103,11 @@ class StageContext:
 
 _SEND_TO_NEXT = (OpKind.SEND_ACT, OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)
 _RECV_FROM_PREV = (OpKind.RECV_ACT, OpKind.RECV_REF_ACT)
+_TRANSIT_CATEGORY = {
+    OpKind.SEND_ACT: "comm_buffers", OpKind.RECV_ACT: "comm_buffers", OpKind.SEND_GRAD: "comm_buffers",
+    OpKind.RECV_GRAD: "comm_buffers", OpKind.SEND_REF_ACT: "reference_in_flight",
+    OpKind.RECV_REF_ACT: "reference_in_flight", OpKind.SEND_KEPT_REF_ACT: "carried",
+}
 
 
 class PeerError(RuntimeError):
@@ -139,17 +147,23 @@ def transfer(ctx: StageContext, op: Op) -> None:
     parts = op.parts if op.kind is OpKind.P2P else (op,)
     mesh = ctx.mesh
     p2p_ops, received, words = [], [], []
+    in_transit: dict[str, list[torch.Tensor]] = {}  # sent and received tensors, by memory category
     for part in parts:
         if part.kind in _SEND_TO_NEXT or part.kind is OpKind.SEND_GRAD:
             peer = mesh.next_rank if part.kind in _SEND_TO_NEXT else mesh.prev_rank
-            p2p_ops.append(dist.P2POp(dist.isend, _outgoing(ctx, part), peer))
+            tensor = _outgoing(ctx, part)
+            in_transit.setdefault(_TRANSIT_CATEGORY[part.kind], []).append(tensor)
+            p2p_ops.append(dist.P2POp(dist.isend, tensor, peer))
             words.append(f"{part.kind.value} of microbatch {part.microbatch} to rank {peer}")
         else:
             peer = mesh.prev_rank if part.kind in _RECV_FROM_PREV else mesh.next_rank
             buf = torch.empty(ctx.activation_shape(part.batch, part.microbatch), dtype=ctx.dtype, device=ctx.device)
             p2p_ops.append(dist.P2POp(dist.irecv, buf, peer))
             received.append((part, buf))
+            in_transit.setdefault(_TRANSIT_CATEGORY[part.kind], []).append(buf)
             words.append(f"{part.kind.value} of microbatch {part.microbatch} from rank {peer}")
+    if ctx.memory is not None:
+        ctx.memory.observe(ctx, in_transit=in_transit)
     if ctx.wait_clock is not None:
         ctx.wait_clock.start()
     try:
@@ -206,13 +220,19 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
             raise ValueError(f"unknown op {op}")
         if ctx.trace is not None:
             ctx.trace.append((kind.value, mb, batch, start, time.perf_counter()))
+        if ctx.memory is not None:
+            ctx.memory.observe(ctx)
 
 
 def _policy_forward(ctx: StageContext, mb: int) -> None:
     mesh = ctx.mesh
     inp = None if mesh.is_first_stage else ctx._policy_in.pop(mb)
-    with torch.set_grad_enabled(not ctx.forward_only):
-        out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, **ctx.forward_inputs(0, mb))
+    inputs = ctx.forward_inputs(0, mb)
+    stash = contextlib.nullcontext()
+    if ctx.memory is not None and not ctx.forward_only:
+        stash = ctx.memory.stash(mb, shared=[inputs["mask"]] if inputs.get("mask") is not None else [])
+    with torch.set_grad_enabled(not ctx.forward_only), stash:
+        out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, **inputs)
         if mesh.is_last_stage:
             out = ctx.loss_fn(mb, _last_stage_logps(ctx, out, 0, mb))
     if ctx.forward_only:
@@ -232,6 +252,8 @@ def _policy_backward(ctx: StageContext, mb: int) -> None:
         torch.autograd.backward(out, grad_tensors=ctx._grad_in.pop(mb))
     if inp is not None:
         ctx._grad_out[mb] = inp.grad
+    if ctx.memory is not None:
+        ctx.memory.free_stash(mb)
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padd
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
 from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
                             pair_losses)
+from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
@@ -244,6 +245,10 @@ class PolicyWorker(_Rank):
         self.last_trace: list[tuple[str, int, int, float, float]] = []
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
         self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
+        # Exact tensor bytes by category (memory_account.py); memory_report: the last step's peaks.
+        self.memory = MemoryAccount(tables=lambda: (self._ref_by_pair, self._ref_eval))
+        self.memory_report: dict[str, int] = {}
+        self.last_plan = None  # the plan of the last step
 
     # ------------------------------------------------------------------ build
     def _attach_adapters(self) -> None:
@@ -276,6 +281,10 @@ class PolicyWorker(_Rank):
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
         )
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        models = [self.policy.module] + ([self.reference] if self.reference is not None else [])
+        return [t for m in models for t in (*m.parameters(), *m.buffers())]
 
     def _unique_params(self) -> list[torch.nn.Parameter]:
         """Each logical parameter once per model replica: tp-replicated ones (norms) count on tp
@@ -359,16 +368,20 @@ class PolicyWorker(_Rank):
             carry_in=self._carried,
             carry_out=ref_next and not spec.needs_batch_sort,
         )
+        self.last_plan = plan
         num_pairs_global = len(pairs)
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
         # Metric sums stay on the device until the step's end: one read per step, not per microbatch.
         sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
-        ctx = self._context(microbatches, trace=[] if self.trace_ops else None, kept_in=self._kept_ref_acts)
+        ctx = self._context(microbatches, trace=[] if self.trace_ops else None, kept_in=self._kept_ref_acts,
+                            memory=self.memory)
         self._kept_ref_acts = {}
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         ctx.ref_logps.update(sorted_refs)
         self._ref_next = {}
+        self.memory.start_step(exclude=self._all_params())
+        self.memory.observe(ctx)
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
             positions = groups[mb]
@@ -402,6 +415,11 @@ class PolicyWorker(_Rank):
         grad_norm = self.optimizer.step(lr=lr)
         if sync_now and self.reference is not None:
             self._sync_reference()
+        # Read after the optimizer step: AdamW allocates its moments in the first one.
+        self.memory.static = static_bytes(policy=self.policy.module, reference=self.reference,
+                                          optimizer_state_bytes=self.optimizer.state_bytes())
+        self.memory_report = {**self.memory.report(), **device_figures(self.platform.device)}
+        memory = self._max_over_ranks(self.memory_report)
         if ctx.trace is not None:
             ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
             self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]
@@ -420,7 +438,16 @@ class PolicyWorker(_Rank):
         tokens = token_stats["tokens/real"]
         metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed,
                         "bubble_fraction": bubble, "memory/peak_gib": peak_bytes / 2**30, **token_stats})
+        metrics.update({f"memory/{name}": value for name, value in memory.items()})
         return metrics
+
+    def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
+        """Each figure's largest value over the ranks of the group (the same keys on every rank)."""
+        if self.layout.world_size == 1:
+            return dict(figures)
+        vec = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.platform.device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        return dict(zip(figures, (int(v) for v in vec.tolist())))
 
     def _over_ranks(self, *, mean: float, max_: float) -> tuple[float, float]:
         """(mean of `mean`, max of `max_`) over every rank of the group."""

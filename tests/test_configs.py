@@ -14,19 +14,17 @@ import torch
 from checkpoint_convert.mapping import padded_vocab_size
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig, load_yaml
-from mcore_dpo.memory_estimate import LayerShape, activation_bytes
+from mcore_dpo.memory_estimate import LayerShape, per_gpu_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 REALISTIC = [p for p in ALL_CONFIGS if p.name != "tiny.yaml"]
 PATH_FIELDS = ("model", "ref_model", "data", "eval_data")
 
-# Per-parameter bytes, as the headers state: bf16 weights + fp32 main grads + frozen bf16
-# reference, plus fp32 master weights and Adam moments (sharded over dp by the distributed
-# optimizer). Activations: mcore_dpo.memory_estimate (checked against measured tensors in
-# tests/test_memory_estimate.py), with the attention implementation the header names.
-REPLICATED_BYTES_PER_PARAM = 2 + 4 + 2
-OPTIMIZER_BYTES_PER_PARAM = 12
+# Memory per GPU: mcore_dpo.memory_estimate.per_gpu_bytes, the same model the headers are
+# computed with (per-parameter bytes, and activations from the plan memory model with
+# per-layer coefficients checked against measured tensors in tests/test_memory_estimate.py),
+# with the attention implementation the header names.
 GPU = plat.Platform(device=torch.device("cuda", 0), backend="nccl")  # the default the headers assume
 
 
@@ -61,18 +59,16 @@ def param_count(arch: dict[str, str]) -> int:
 
 
 def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig, attention: str) -> float:
-    params = param_count(arch)
-    rows = 2 * config.micro_batch_size
-    optimizer_shards = config.dp if config.distributed_optimizer else 1
-    bytes_per_param = REPLICATED_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards
-    weights = params * bytes_per_param / (config.tp * config.pp)
     shape = LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
                        head_dim=int(arch["head_dim"]), ffn=int(arch["ffn"]),
                        vocab=padded_vocab_size(int(arch["vocab"]), tp=config.tp))
     sequence_parallel = plat.use_sequence_parallel(GPU, requested=config.sequence_parallel, tp=config.tp)
-    activations = activation_bytes(shape, layers=int(arch["layers"]), seq_len=config.max_length, rows=rows,
-                                   tp=config.tp, sequence_parallel=sequence_parallel, attention=attention, dtype_bytes=2)
-    return (weights + activations) / 1e9
+    num_microbatches = config.global_batch_size // (config.dp * config.micro_batch_size)
+    return per_gpu_bytes(shape, params=param_count(arch), layers=int(arch["layers"]), tp=config.tp, pp=config.pp,
+                         dp=config.dp, distributed_optimizer=config.distributed_optimizer,
+                         micro_batch_size=config.micro_batch_size, num_microbatches=num_microbatches,
+                         seq_len=config.max_length, ref_mode=config.ref_mode, sequence_parallel=sequence_parallel,
+                         attention=attention) / 1e9
 
 
 def config_without_paths(path: Path) -> TrainConfig:

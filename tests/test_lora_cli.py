@@ -35,7 +35,7 @@ def _run(args: list[str], out: Path, *, cache: Path) -> subprocess.CompletedProc
 
 def _metrics(out: Path, *, after: int = 0) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows if row["step"] > after]
+    return [{k: v for k, v in row.items() if k not in TIMING and not k.startswith("memory/")} for row in rows if row["step"] > after]
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def _run(out: Path, cache: Path) -> subprocess.CompletedProcess:
 
 def _steps(out: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: {k: v for k, v in row.items() if k not in TIMING} for row in rows if "loss" in row}
+    return {row["step"]: {k: v for k, v in row.items() if k not in TIMING and not k.startswith("memory/")} for row in rows if "loss" in row}
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:

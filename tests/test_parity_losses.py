@@ -232,5 +232,5 @@ def test_parity_losses(layout, names, models, tmp_path):
     timing = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
     for m_int, m_seq in zip(ours["trdpo_interleaved"], ours["trdpo_sequential"]):
         for key in m_seq:
-            if key not in timing:
+            if key not in timing and not key.startswith("memory/"):
                 assert m_int[key] == pytest.approx(m_seq[key], rel=1e-9, abs=1e-12), key
