@@ -11,6 +11,8 @@ RSS difference dp 1 - dp 2 is compared with the state bytes the sharding saves.
     python benchmarks/optimizer_memory.py                       # 3 repeats, fp32, ~4 min on 2 cores
     python benchmarks/optimizer_memory.py --dtype bfloat16      # fp32 masters appear in the state
     python benchmarks/optimizer_memory.py --tiny --repeats 1
+    python benchmarks/optimizer_memory.py --tiny --repeats 1 --share-launch   # smoke: the two dp-2
+        # configurations in one set of rank processes (exact state bytes; RSS then not per configuration)
 """
 
 from __future__ import annotations
@@ -28,24 +30,34 @@ from benchmarks.memory import SHAPE  # noqa: E402  (parameters dominate: hidden 
 CONFIGS = (("dp1_sharded", 1, True), ("dp2_sharded", 2, True), ("dp2_replicated", 2, False))
 
 
-def run(*, shape: common.LlamaShape, dtype: str, repeats: int, seq_len: int, work_dir: Path) -> dict:
+def run(*, shape: common.LlamaShape, dtype: str, repeats: int, seq_len: int, work_dir: Path,
+        share_launch: bool = False) -> dict:
     model_dir = common.write_random_llama(work_dir / "model", shape=shape)
     micro_batch_size, num_microbatches = 1, 2
     data = dict(num_pairs=16, prompt_len=seq_len // 4, completion_len=seq_len - seq_len // 4,
                 vocab_size=shape.vocab_size, seed=3)
     samples: dict[str, dict[int, dict[str, list[float]]]] = {name: {} for name, _, _ in CONFIGS}
+    # One launch per configuration (its own peak RSS), or with share_launch one per dp size.
+    launches = [[c for c in CONFIGS if c[1] == dp] for dp in sorted({c[1] for c in CONFIGS})] if share_launch \
+        else [[c] for c in CONFIGS]
     for repeat in range(repeats):
-        for name, dp, sharded in CONFIGS:  # alternate so that drift on a shared box hits all alike
-            config = dict(model=str(model_dir), tp=1, pp=1, dp=dp, micro_batch_size=micro_batch_size,
-                          global_batch_size=micro_batch_size * num_microbatches * dp, max_steps=2,
-                          max_length=seq_len, ref_mode="none", lr=1e-5, dtype=dtype, distributed_optimizer=sharded)
-            job = common.RankJob(name=name, config=config, num_steps=1, warmup_steps=1)
-            results = common.run_ranks(world_size=dp, jobs=[job], data=data, out_dir=work_dir / f"{name}_{repeat}")
-            for rank, per_job in enumerate(results):
-                entry = samples[name].setdefault(rank, {"optimizer_state_bytes": [], "peak_rss_bytes": []})
-                entry["optimizer_state_bytes"].append(per_job[0]["optimizer_state_bytes"])
-                entry["peak_rss_bytes"].append(per_job[0]["peak_rss_bytes"])
-    out = {"shape": shape.__dict__, "dtype": dtype, "seq_len": seq_len, "repeats": repeats, "configs": {}}
+        for launch in launches:  # alternate so that drift on a shared box hits all alike
+            dp = launch[0][1]
+            jobs = []
+            for name, _, sharded in launch:
+                config = dict(model=str(model_dir), tp=1, pp=1, dp=dp, micro_batch_size=micro_batch_size,
+                              global_batch_size=micro_batch_size * num_microbatches * dp, max_steps=2,
+                              max_length=seq_len, ref_mode="none", lr=1e-5, dtype=dtype, distributed_optimizer=sharded)
+                jobs.append(common.RankJob(name=name, config=config, num_steps=1, warmup_steps=1))
+            label = "_".join(name for name, _, _ in launch)
+            results = common.run_ranks(world_size=dp, jobs=jobs, data=data, out_dir=work_dir / f"{label}_{repeat}")
+            for j, (name, _, _) in enumerate(launch):
+                for rank, per_job in enumerate(results):
+                    entry = samples[name].setdefault(rank, {"optimizer_state_bytes": [], "peak_rss_bytes": []})
+                    entry["optimizer_state_bytes"].append(per_job[j]["optimizer_state_bytes"])
+                    entry["peak_rss_bytes"].append(per_job[j]["peak_rss_bytes"])
+    out = {"shape": shape.__dict__, "dtype": dtype, "seq_len": seq_len, "repeats": repeats,
+           "share_launch": share_launch, "configs": {}}
     for name, _, _ in CONFIGS:
         out["configs"][name] = {str(rank): {k: common.summary(v) for k, v in row.items()}
                                 for rank, row in samples[name].items()}
@@ -65,10 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--share-launch", action="store_true",
+                        help="smoke runs: configurations of one dp size share rank processes (peak RSS is then theirs together)")
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_optimizer_memory_"))
     result = run(shape=common.TINY_SHAPE if args.tiny else SHAPE, dtype=args.dtype, repeats=args.repeats,
-                 seq_len=16 if args.tiny else args.seq_len, work_dir=work)
+                 seq_len=16 if args.tiny else args.seq_len, work_dir=work, share_launch=args.share_launch)
     result["machine"] = common.machine()
     mib = 1 / 2**20
     for name, ranks in result["configs"].items():

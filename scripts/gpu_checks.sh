@@ -4,7 +4,12 @@
 #
 #   bash scripts/gpu_checks.sh            # on a GPU machine
 #   bash scripts/gpu_checks.sh --cpu      # dry run on the CPU at the smallest sizes: everything
-#                                         # but the CUDA-only parts (tests/test_gpu_checks_script.py)
+#                                         # but the CUDA-only parts
+#   bash scripts/gpu_checks.sh --cpu --wiring
+#                                         # the script's wiring only (tests/test_gpu_checks_script.py):
+#                                         # the long pytest checks are only collected (row COLLECTED),
+#                                         # te-vs-local, convert-verify and gpu-step run at their
+#                                         # smallest sizes
 #
 # Checks (one row each in the summary table; logs and JSON in $OUT, default /tmp/gpu_checks):
 #   parity-sharded-opt   tests/test_gpu.py: world size 1, the dp-sharded optimizer (--distributed-optimizer),
@@ -16,14 +21,23 @@
 #   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
 #   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
 #                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
-# Exit code: 0 when every check passed or was skipped for want of Transformer Engine; 1 when
-# one failed or did not run before the deadline.
+# Exit code: 0 when every check passed (or, with --wiring, was collected) or was skipped for want
+# of Transformer Engine; 1 when one failed or did not run before the deadline; 2 on a bad argument.
 set -u
 cd "$(dirname "$0")/.."
 
 MODE=gpu
-if [ "${1:-}" = "--cpu" ]; then
-  MODE=cpu
+WIRING=0
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) MODE=cpu ;;
+    --wiring) WIRING=1 ;;
+    *) echo "gpu_checks.sh: unknown argument '$arg' (use --cpu, --cpu --wiring or nothing)" >&2; exit 2 ;;
+  esac
+done
+if [ "$WIRING" = 1 ] && [ "$MODE" != cpu ]; then
+  echo "gpu_checks.sh: --wiring is a CPU dry run; use it with --cpu" >&2
+  exit 2
 fi
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -38,6 +52,7 @@ STEP_ARGS=(--model-dir "$OUT/llama_1b")  # written once with random weights, reu
 if [ "$MODE" = cpu ]; then
   export MCORE_DPO_FORCE_CPU=1 MCORE_DPO_GPU_CHECKS_ON_CPU=1 OMP_NUM_THREADS=1
   STEP_ARGS=(--tiny)
+  [ "$WIRING" = 1 ] && STEP_ARGS=(--tiny --steps 1 --warmup-steps 1)
   DEADLINE_S=${DEADLINE_S_CPU:-3000}
   LIMIT_SCALE=${CPU_LIMIT_SCALE:-8}  # a shared 2-core box runs these far slower than a GPU
 else
@@ -63,7 +78,9 @@ run_check() {
   t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
-  if [ $rc -eq 0 ]; then
+  if [ $rc -eq 0 ] && [ "${COLLECT_ONLY:-0}" = 1 ]; then
+    status=COLLECTED  # --wiring: collected, not run
+  elif [ $rc -eq 0 ]; then
     status=PASS
     grep -q "skipped" "$OUT/$name.log" && ! grep -qE "[0-9]+ passed" "$OUT/$name.log" && status=SKIP
   elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
@@ -81,11 +98,27 @@ pytest_summary() {  # the last summary line of a pytest log, and a skip reason i
   grep -E "[0-9]+ (passed|failed|skipped|error)" "$OUT/$1.log" | tail -1
 }
 
-PYTEST=($PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py)
-run_check parity-sharded-opt 150 "pytest_summary parity-sharded-opt" -- "${PYTEST[@]}" -k "parity_on_gpu and sharded"
-run_check parity-adamw 150 "pytest_summary parity-adamw" -- "${PYTEST[@]}" -k "parity_on_gpu and adamw"
-run_check te-vs-local 90 "pytest_summary te-vs-local" -- "${PYTEST[@]}" -k "transformer_engine_spec"
-run_check bf16-resume 240 "pytest_summary bf16-resume" -- "${PYTEST[@]}" -k "exact_resume"
+PYTEST=($PY -m pytest -q -p no:cacheprovider -rs)
+GPU_TESTS=tests/test_gpu.py
+# pytest_check NAME LIMIT_S TEST_ID: one test of tests/test_gpu.py, by its node id. --wiring lists
+# the long ones instead of running them on the CPU (their code paths run in the CPU suite:
+# tests/test_parity.py, tests/test_sharded_optimizer.py, tests/test_resume.py,
+# tests/test_train_cli.py): the row is COLLECTED when pytest collects that node id.
+if [ "$WIRING" = 1 ]; then
+  "${PYTEST[@]}" --collect-only "$GPU_TESTS" > "$OUT/collected.txt" 2>&1
+fi
+pytest_check() {
+  local name=$1 limit=$2 test_id=$3
+  if [ "$WIRING" = 1 ] && [ "$name" != te-vs-local ]; then
+    COLLECT_ONLY=1 run_check "$name" "$limit" "echo $test_id" -- grep -qxF "$test_id" "$OUT/collected.txt"
+  else
+    run_check "$name" "$limit" "pytest_summary $name" -- "${PYTEST[@]}" "$test_id"
+  fi
+}
+pytest_check parity-sharded-opt 150 "$GPU_TESTS::test_parity_on_gpu[sharded-optimizer]"
+pytest_check parity-adamw 150 "$GPU_TESTS::test_parity_on_gpu[adamw]"
+pytest_check te-vs-local 90 "$GPU_TESTS::test_transformer_engine_spec_matches_local_spec"
+pytest_check bf16-resume 240 "$GPU_TESTS::test_bf16_checkpoint_and_exact_resume_through_cli"
 
 convert_verify() {
   local hf
@@ -109,7 +142,7 @@ rm -f "$OUT/gpu_step.json"
 run_check gpu-step 180 step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}"
 
 {
-  echo "GPU checks ($MODE mode), $(head -1 "$OUT/versions.txt"), total $(($(date +%s) - START)) s"
+  echo "GPU checks ($MODE mode$([ "$WIRING" = 1 ] && echo ", wiring only")), $(head -1 "$OUT/versions.txt"), total $(($(date +%s) - START)) s"
   printf '| %-20s | %-6s | %7s | %s\n' check status seconds detail
   printf '|%s|%s|%s|%s\n' "----------------------" "--------" "---------" "------"
   for row in "${ROWS[@]}"; do

@@ -1,7 +1,8 @@
 """GPU checks (marked `gpu`; skipped on machines without CUDA). `scripts/gpu_checks.sh` runs
 them one by one and prints a table; `scripts/gpu_checks.sh --cpu` runs them on the CPU at
-their smallest size (MCORE_DPO_GPU_CHECKS_ON_CPU=1), which is how the CPU suite knows they
-work apart from the CUDA-only parts.
+their smallest size (MCORE_DPO_GPU_CHECKS_ON_CPU=1). The CPU suite runs `--cpu --wiring`
+(tests/test_gpu_checks_script.py): it collects the parity and resume checks by node id, whose
+code paths the CPU suite runs elsewhere, and runs the Transformer Engine check (SKIP).
 
 - Parity at world size 1 with both optimizers (megatron-core's distributed optimizer and the
   AdamW path) against the single-process HF reference on the CPU. Gradients are compared

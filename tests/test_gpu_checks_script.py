@@ -1,6 +1,10 @@
-"""scripts/gpu_checks.sh works apart from the CUDA-only parts: its CPU dry run (`--cpu`) runs
-every check at its smallest size and prints the summary table; Transformer Engine, which
-needs CUDA, is reported as SKIP. Also: the step benchmark counts 8N flops per token."""
+"""scripts/gpu_checks.sh works apart from the CUDA-only parts: its CPU wiring run (`--cpu
+--wiring`) finds every pytest check it names among the collected tests of tests/test_gpu.py
+(their code paths run elsewhere in this suite: parity at world size 1 with the sharded optimizer
+in tests/test_parity.py, the replicated optimizer against it in tests/test_sharded_optimizer.py,
+exact resume in tests/test_resume.py, bf16 export in tests/test_train_cli.py), runs the others
+at their smallest sizes and prints the summary table; Transformer Engine, which needs CUDA, is
+reported as SKIP. Also: the step benchmark counts 8N flops per token."""
 
 from __future__ import annotations
 
@@ -25,24 +29,41 @@ def _table(text: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
+LISTED = {"parity-sharded-opt": "test_parity_on_gpu[sharded-optimizer]", "parity-adamw": "test_parity_on_gpu[adamw]",
+          "bf16-resume": "test_bf16_checkpoint_and_exact_resume_through_cli"}
+
+
 @pytest.mark.slow
-def test_gpu_checks_dry_run_on_cpu(tmp_path):
+def test_gpu_checks_wiring_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MCORE_DPO_FAULT",)}
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu", "--wiring"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
     rows = _table(proc.stdout)
     assert set(rows) == set(CHECKS), proc.stdout + proc.stderr[-2000:]
     for name, (status, detail) in rows.items():
-        expected = "SKIP" if name == "te-vs-local" else "PASS"  # no Transformer Engine without CUDA
+        expected = "COLLECTED" if name in LISTED else "SKIP" if name == "te-vs-local" else "PASS"
         log = (tmp_path / "out" / f"{name}.log").read_text()[-3000:]
         assert status == expected, f"{name}: {status} ({detail})\n{log}"
+    for name, test in LISTED.items():  # the row names the test a GPU run executes
+        assert rows[name][1] == f"tests/test_gpu.py::{test}", rows[name]
     assert proc.returncode == 0, proc.stdout
     assert "Transformer Engine needs CUDA" in rows["te-vs-local"][1]
     assert "MFU(8N)" in rows["gpu-step"][1]
     step = json.loads((tmp_path / "out" / "gpu_step.json").read_text())
-    assert step["layer_spec"] == "local" and step["tokens_per_step"] > 0
+    assert step["layer_spec"] == "local" and step["tokens_per_step"] == 2 * 2 * 32  # --tiny: 2 pairs x 2 sequences x 32 tokens
+    assert step["step_time_s"]["median"] > 0
     assert (tmp_path / "out" / "summary.md").read_text().strip() == proc.stdout.strip()
+
+
+@pytest.mark.parametrize("argv, message", [(["--cpu", "--bogus"], "unknown argument '--bogus'"),
+                                           (["--wiring"], "--wiring is a CPU dry run")])
+def test_gpu_checks_refuses_bad_arguments_before_running_anything(tmp_path, argv, message):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", (proc.returncode, proc.stderr)
+    assert not (tmp_path / "out").exists()
 
 
 def test_step_benchmark_counts_8n_flops_per_token():

@@ -38,7 +38,28 @@ MODES = ("interleaved", "sequential", "precomputed")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm")
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)]
+# Each layout runs a code path the others do not:
+#   (1,1,1) no parallelism: the engine's batching, loss and optimizer alone;
+#   (2,1,1) tensor parallelism alone (vocab-parallel logits and log-probs, no pipeline);
+#   (2,2,1) tp x pp: every loss type through the pipeline's last stage (all_losses);
+#   (1,1,2) data parallelism alone (gradient reduction, dp-sharded optimizer, a rank's eval share);
+#   (2,2,2) tp x pp x dp together, and --ref-mode separate feeding a dp-split policy.
+# Pipeline parallelism without tp runs at pp 4 below (warm-up, steady-state interleaving and
+# carrying, every reference mode); a separate pp-2 layout would repeat that path.
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)]
+# Sequence parallelism (megatron-core `sequence_parallel`): jobs with it on join the launch of
+# these layouts (tp 2, and tp 2 x pp 2): untied Llama with GQA and tied Qwen2 with qkv bias, the
+# three colocated reference modes.
+SEQUENCE_PARALLEL = {(2, 1, 1): [("llama", "interleaved", "sigmoid"), ("qwen2", "sequential", "ipo"),
+                                 ("qwen2", "precomputed", "sigmoid")],
+                     (2, 2, 1): [("llama", "interleaved", "sigmoid"), ("qwen2", "interleaved", "ipo")]}
+# At 8 ranks every (family, mode), (family, loss) and (mode, loss) pair runs once rather than
+# every triple: no code path there depends on all three together, and the full product runs at
+# the smaller layouts.
+PAIRWISE = {(2, 2, 2): [("llama", "interleaved", "sigmoid"), ("qwen2", "interleaved", "ipo"),
+                        ("llama", "sequential", "ipo"), ("qwen2", "sequential", "sigmoid"),
+                        ("llama", "precomputed", "sigmoid"), ("qwen2", "precomputed", "ipo"),
+                        ("llama", "separate", "ipo"), ("qwen2", "separate", "sigmoid")]}
 PP4 = (1, 4, 1)
 PP4_STEPS = 4
 # --ref-mode separate: the reference on a group of its own layout (tp 2), fed to the policy.
@@ -122,7 +143,7 @@ def _check_job(out_dir: Path, j: int, job: dict, layout, rtol: float = RTOL) -> 
     family, mode, loss = job["key"]
     steps = len(job["batches"])
     ref = _reference(job["config"]["model"], job["config"]["ref_model"], loss, mode, steps)
-    what = f"{family}/{mode}/{loss} at tp{tp} pp{pp} dp{dp}"
+    what = f"{family}/{mode}/{loss} at tp{tp} pp{pp} dp{dp}" + (" sequence-parallel" if job["config"].get("sequence_parallel") else "")
     _check_tensors(out_dir, j, job, layout, ref, what, rtol)
     metrics_file = out_dir / f"job{j}_metrics.json"
     assert metrics_file.is_file(), f"{what}: the reporting rank wrote no metrics"
@@ -167,6 +188,15 @@ def test_reference_has_a_formula_for_every_loss_type():
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
 def test_parity(layout, models, tmp_path):
     jobs = _jobs_for(layout, models, all_losses=layout == (2, 2, 1))
+    if layout in PAIRWISE:
+        jobs = [job for job in jobs if job["key"] in PAIRWISE[layout]]
+        assert len(jobs) == len(PAIRWISE[layout])
+    if layout in SEQUENCE_PARALLEL:
+        sp_jobs = [job for job in _jobs_for(layout, models, all_losses=False) if job["key"] in SEQUENCE_PARALLEL[layout]]
+        assert len(sp_jobs) == len(SEQUENCE_PARALLEL[layout])
+        for job in sp_jobs:
+            job["config"]["sequence_parallel"] = True
+        jobs += sp_jobs
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, layout)
