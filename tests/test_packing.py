@@ -209,6 +209,7 @@ def test_step_token_stats():
     (["--packing", "--max-tokens-per-microbatch", "128", "--ld-alpha", "0.5"], "packing: cannot serve --ld-alpha"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
      "global_batch_size: 2 pairs cannot give each of dp 4"),
+    (["--packing", "--dp", "2", "--ep", "2", "--global-batch-size", "4"], "packing: cannot serve --ep 2"),
 ])
 def test_bad_packing_flags_are_one_line_before_anything_starts(argv, fragment, capsys, tmp_path):
     out = tmp_path / "out"
