@@ -306,6 +306,9 @@ class TrainConfig:
         if self.ld_alpha is not None:
             raise ConfigError("packing: cannot serve --ld-alpha (LD-DPO weighs tokens by their place in an unpacked "
                               "row); use --no-packing")
+        if self.ep > 1:
+            raise ConfigError(f"packing: cannot serve --ep {self.ep} (expert-parallel ranks must run the same "
+                              "microbatches; packed dp replicas each run their own count); use --no-packing")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:

@@ -173,3 +173,14 @@ def step_token_stats(
         count = -(-len(pairs) // micro_batch_size)
     return {"tokens/real": float(real), "tokens/padded": float(padded), "padding_fraction": 1.0 - real / padded,
             "microbatches": float(count)}
+
+
+def eval_microbatches(costs: Sequence[int], passes: Sequence[tuple[range, Sequence[Sequence[int]]]], *,
+                      max_tokens: int) -> list[list[list[int]]]:
+    """Packed evaluation: for each held-out chunk of `data.eval_passes` (one dp rank's passes),
+    that rank's whole share of the chunk cut by tokens (`split_microbatches`): one forward-only
+    pass per chunk, its microbatches as lists of indices into `costs`."""
+    shares: dict[tuple[int, int], list[int]] = {}
+    for chunk, groups in passes:
+        shares.setdefault((chunk.start, chunk.stop), []).extend(i for g in groups for i in g)
+    return [split_microbatches(costs, sorted(ids), max_tokens=max_tokens) for ids in shares.values() if ids]

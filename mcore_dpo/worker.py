@@ -35,7 +35,7 @@ from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
 from mcore_dpo.optim import CpuOptimizer, lr_at
-from mcore_dpo.packing import collate_packed, plan_packed_step, step_token_stats
+from mcore_dpo.packing import collate_packed, eval_microbatches, pair_tokens, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
 from mcore_dpo.zero import ShardedOptimizer
@@ -569,9 +569,17 @@ class PolicyWorker(_Rank):
         passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
                              dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
         parts: list[PairLogps] = []
+        if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
+            costs = [pair_tokens(p) for p in pairs]
+            passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
         for chunk, groups in passes:
-            seq_len = padded_seq_len([pairs[i] for i in chunk], multiple=self.seq_multiple)
-            mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
+            if config.packing:
+                mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id,
+                                      multiple=self.seq_multiple) for ids in groups]
+            else:
+                seq_len = padded_seq_len([pairs[i] for i in chunk], multiple=self.seq_multiple)
+                mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len)
+                       for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
 
             def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx) -> torch.Tensor:

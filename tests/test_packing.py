@@ -209,6 +209,7 @@ def test_step_token_stats():
     (["--packing", "--max-tokens-per-microbatch", "128", "--ld-alpha", "0.5"], "packing: cannot serve --ld-alpha"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
      "global_batch_size: 2 pairs cannot give each of dp 4"),
+    (["--packing", "--dp", "2", "--ep", "2", "--global-batch-size", "4"], "packing: cannot serve --ep 2"),
 ])
 def test_bad_packing_flags_are_one_line_before_anything_starts(argv, fragment, capsys, tmp_path):
     out = tmp_path / "out"
@@ -227,3 +228,22 @@ def test_packing_flags_parse_from_the_command_line():
     assert not config.packing and config.max_tokens_per_microbatch is None
     config, _ = resolve(["--packing", "--max-length", "100"])
     assert config.packing and config.packing_budget == 200  # unset: the smallest budget that fits any pair
+
+
+def test_eval_microbatches_pack_each_chunk_share_by_tokens():
+    from mcore_dpo.data import eval_passes
+    from mcore_dpo.packing import eval_microbatches
+
+    costs = [10, 30, 12, 8, 20, 6, 14]  # 7 held-out pairs, global batch 4, dp 2
+    for dp_rank in (0, 1):
+        passes = eval_passes(num_pairs=7, global_batch_size=4, dp=2, dp_rank=dp_rank, micro_batch_size=1)
+        packed = eval_microbatches(costs, passes, max_tokens=32)
+        shares = {}
+        for chunk, groups in passes:
+            shares.setdefault(chunk.start, []).extend(i for g in groups for i in g)
+        # one pass per chunk holding exactly this rank's share of it, every microbatch within budget
+        assert [sorted(i for mb in p for i in mb) for p in packed] == [sorted(v) for v in shares.values()]
+        assert all(sum(costs[i] for i in mb) <= 32 for p in packed for mb in p)
+    passes = eval_passes(num_pairs=7, global_batch_size=4, dp=2, dp_rank=0, micro_batch_size=1)
+    # rank 0: pairs 0, 1 of the first chunk (40 tokens: two rows), pairs 4, 5 of the second (26: one row)
+    assert eval_microbatches(costs, passes, max_tokens=32) == [[[0], [1]], [[4, 5]]]

@@ -8,7 +8,10 @@ at tp 2 the packed job is also sequence-parallel). Checked:
 - packing on against a single-process Hugging Face reference that runs every sequence alone,
   unpadded (TRL's formulas from tests/parity.py): every metric, every gradient of every rank,
   the weights after the second AdamW step;
-- packing on against packing off: every metric and every gradient within 1e-5 relative.
+- packing on against packing off: every metric and every gradient within 1e-5 relative;
+- evaluation after the second step, packed too (`EVAL_PAIRS` held-out pairs, not a multiple of
+  the global batch): against the reference's metrics over every pair alone, and against the
+  padded evaluation, within 1e-5 relative.
 The data has a pair that fills a microbatch exactly (32 of 32 tokens, no padding), a pair
 alone in its microbatch (30 tokens), and small pairs packed several to a row.
 """
@@ -31,6 +34,7 @@ MAX_LENGTH = 16
 BUDGET = 2 * MAX_LENGTH  # the smallest budget --max-length 16 allows
 GLOBAL_BATCH = 8
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 2, 2)]
+EVAL_PAIRS = 6  # the first batch's first six: the pair that fills a row and the one alone among them
 
 
 def _pairs() -> list[list[TokenizedPair]]:
@@ -90,7 +94,7 @@ def reference(models):
     try:
         return reference_run(policy_dir=policy_dir, ref_dir=ref_dir, batches=_pairs(), loss_type="sigmoid", beta=BETA,
                              label_smoothing=0.0, reference_free=False, lr=LR, clip_grad=CLIP, weight_decay=WD,
-                             adam_eps=ADAM_EPS)
+                             adam_eps=ADAM_EPS, eval_pairs=_pairs()[0][:EVAL_PAIRS])
     finally:
         parity._completion_sums = original
 
@@ -108,7 +112,7 @@ def _job(layout, models, *, packing: bool) -> dict:
         config.update(sequence_parallel=tp > 1)
     return {"key": ("llama", "interleaved", "sigmoid"), "config": config, "batches": batches,
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(2)],
-            "all_pairs": batches[0] + batches[1]}
+            "all_pairs": batches[0] + batches[1], "eval_pairs": batches[0][:EVAL_PAIRS]}
 
 
 def test_the_data_covers_the_edge_cases():
@@ -136,7 +140,14 @@ def test_packing_parity(layout, models, reference, tmp_path):
     for step, (ours, ref) in enumerate(zip(packed, reference["metrics"]), start=1):
         _check_metrics(ours, ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=RTOL)
     # Packing on equals packing off: every metric and every gradient.
-    for step, (on, off) in enumerate(zip(packed, padded), start=1):
+    assert len(packed) == len(padded) == 3  # two steps, then the evaluation
+    eval_names = tuple(n for n in METRICS if n != "grad_norm")
+    _check_metrics(packed[2], reference["eval"], names=eval_names, prefix="eval/", what=f"{what} packed evaluation",
+                   rtol=RTOL)
+    for name in eval_names:
+        assert_close(torch.tensor(packed[2][f"eval/{name}"]), torch.tensor(padded[2][f"eval/{name}"]),
+                     what=f"{what} eval/{name} vs padded")
+    for step, (on, off) in enumerate(zip(packed[:2], padded[:2]), start=1):
         for name in METRICS:
             assert_close(torch.tensor(on[name]), torch.tensor(off[name]), what=f"{what} step {step} {name} vs padded")
         assert on["tokens/real"] == off["tokens/real"]
