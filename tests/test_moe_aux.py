@@ -1,0 +1,173 @@
+"""--moe-aux-loss-coef: the routers' load-balancing loss (mcore_dpo/moe_aux.py) against
+transformers' own `load_balancing_loss_func`, and on real ranks against HF
+AutoModelForCausalLM(output_router_logits=True) + TRL's sum `loss + coef * aux_loss`, one
+microbatch at a time; the load metrics against the HF routers' top-k counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+import test_parity as tp_
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mapping import hf_to_mcore_shard
+from convert_helpers import save_hf
+from mcore_dpo import moe_aux
+from mcore_dpo.data import collate
+from parity import PAD, _loss_and_metrics, _sequences, assert_close, load_rank_tensors, make_pairs, run_ranks
+from test_moe import _with_hub_names, qwen3_moe
+from test_qwen3 import parity_job
+
+COEF = 0.5  # large enough that the aux term moves the router gradients well past the tolerance
+
+
+def test_formula_matches_transformers_value_and_gradient():
+    torch.manual_seed(0)
+    layers, rows, seq, experts, topk = 3, 4, 7, 6, 2
+    logits = torch.randn(layers, rows * seq, experts, dtype=torch.float64, requires_grad=True)
+    attention = torch.ones(rows, seq)
+    attention[1, 4:] = 0
+    attention[3, 2:] = 0
+    expected = load_balancing_loss_func(tuple(logits.float().unbind(0)), experts, topk, attention)
+    (g_expected,) = torch.autograd.grad(expected, logits)
+    # The engine's token order is [s, b] (megatron-core's hidden states): permute, then flatten.
+    order = torch.arange(rows * seq).reshape(rows, seq).t().reshape(-1)
+    counts = prob_sums = 0
+    for layer in range(layers):
+        c, s = moe_aux.layer_sums(logits[layer][order], attention.t().reshape(-1), topk=topk)
+        counts, prob_sums = counts + c, prob_sums + s
+    ours = moe_aux.load_balancing_loss(counts, prob_sums, num_layers=layers, num_tokens=attention.sum())
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    assert torch.allclose(ours.float(), expected, rtol=1e-6)
+    assert torch.allclose(g_ours, g_expected.double(), rtol=1e-5, atol=1e-9)
+    low, high = moe_aux.load_shares(torch.tensor([[2.0, 2.0, 4.0], [0.0, 1.0, 3.0]]))
+    assert low.tolist() == [0.25, 0.0] and high.tolist() == [0.5, 0.75]
+
+
+def test_real_token_mask_is_the_attention_mask_of_the_collated_rows():
+    pairs = make_pairs(6, seed=3)
+    micro = collate(pairs, pad_token_id=PAD, seq_len=max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
+                                                          for p in pairs) + 3)
+    _, attention, _ = _sequences(pairs)
+    mask = moe_aux.real_token_mask(micro.loss_mask)
+    assert torch.equal(mask[:, :attention.shape[1]], attention.float()) and not mask[:, attention.shape[1]:].any()
+
+
+# --------------------------------------------------------------------------- parity on real ranks
+def _reference(policy_dir: str, ref_dir: str, batches, *, groups: list[list[int]], steps: int) -> dict:
+    """HF forward + TRL's sigmoid loss over the global batch, plus COEF x the mean over the
+    engine's microbatches (`groups`: pair positions) of the HF model's own aux_loss."""
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    params = list(policy.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tp_.WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=tp_.LR, betas=(0.9, 0.999), eps=tp_.ADAM_EPS)
+    kw = tp_._loss_kwargs("sigmoid")
+    metrics, grads = [], []
+    for pairs in batches[:steps]:
+        opt.zero_grad()
+        loss, m = _loss_and_metrics(policy, reference, pairs, loss_type="sigmoid", beta=kw["beta"],
+                                    eps=kw["label_smoothing"], reference_free=False)
+        auxes, counts = [], 0
+        for group in groups:
+            ids, attention, _ = _sequences([pairs[i] for i in group])
+            out = policy(input_ids=ids, attention_mask=attention, output_router_logits=True)
+            auxes.append(out.aux_loss)
+            flat = attention.reshape(-1).float()
+            counts = counts + torch.stack([
+                torch.zeros(logits.shape[-1]).scatter_add_(
+                    0, torch.topk(logits.detach(), policy.config.num_experts_per_tok, dim=-1).indices.reshape(-1),
+                    flat.repeat_interleave(policy.config.num_experts_per_tok))
+                for logits in out.router_logits])
+        aux = torch.stack(auxes).mean()
+        (loss + COEF * aux).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in policy.named_parameters()})
+        m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), tp_.CLIP))
+        shares = counts / counts.sum(-1, keepdim=True)
+        m.update({"aux_loss": float(aux.detach()), "moe/load_min": float(shares.min()), "moe/load_max": float(shares.max()),
+                  "per_layer": (shares.min(-1).values.tolist(), shares.max(-1).values.tolist())})
+        metrics.append(m)
+        opt.step()
+    return {"metrics": metrics, "grads": grads, "weights": {n: p.detach().clone() for n, p in policy.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_aux")
+    return save_hf(qwen3_moe(seed=1), root / "policy"), save_hf(qwen3_moe(seed=2), root / "ref")
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 1, 2, 2)], ids=["single-rank", "dp2-ep2"])
+def test_parity_with_aux_loss(moe_models, tmp_path, layout):
+    """Every metric (aux_loss and the load shares too) and every gradient, 2 steps, 1e-5."""
+    tp, pp, dp, ep = layout
+    job = parity_job(layout, *moe_models, name="qwen3_moe", ep=ep, moe_aux_loss_coef=COEF, export_hf=False,
+                     distributed_optimizer=False)
+    job["eval_pairs"] = []
+    run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path)
+    b, per_rank = tp_.MICRO_BATCH, tp_.GLOBAL_BATCH // dp
+    groups = [list(range(d * per_rank + k, d * per_rank + k + b)) for d in range(dp) for k in range(0, per_rank, b)]
+    config = job["config"]
+    ref = _with_hub_names(_reference(config["model"], config["ref_model"], job["batches"], groups=groups, steps=2),
+                          Path(config["model"]))
+    spec = open_hf_dir(config["model"]).spec
+    what = f"aux {COEF} at tp{tp} pp{pp} dp{dp} ep{ep}"
+    for step, ref_grads in enumerate(ref["grads"], start=1):
+        for (t, p, d), shard in load_rank_tensors(tmp_path, 0, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=d % ep,
+                                         get=ref_grads.__getitem__)
+            assert set(expected) == set(shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (dp{d})")
+    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+    assert len(ours) == 2, what
+    for step, (m_ours, m_ref) in enumerate(zip(ours, ref["metrics"]), start=1):
+        tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
+        for name in ("aux_loss", "moe/load_min", "moe/load_max"):
+            assert_close(torch.tensor(m_ours[name]), torch.tensor(m_ref[name]), what=f"{what} step {step} {name}")
+        low, high = m_ref["per_layer"]
+        for layer in range(len(low)):
+            assert m_ours[f"moe/load_min/layer{layer}"] == pytest.approx(low[layer], rel=1e-6), (what, layer)
+            assert m_ours[f"moe/load_max/layer{layer}"] == pytest.approx(high[layer], rel=1e-6), (what, layer)
+    # The aux term is not lost in the tolerance: it changes the router's gradient by far more.
+    plain = tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 1)["grads"][0]
+    router = "model.layers.0.mlp.gate.weight"
+    assert (plain[router] - ref["grads"][0][router]).abs().max() > 100 * tp_.RTOL * ref["grads"][0][router].abs().max()
+
+
+# --------------------------------------------------------------------------- the flag, from the command line
+def test_flag_parses_and_defaults_from_the_model_config():
+    from mcore_dpo.config import TrainConfig, build_parser
+
+    assert build_parser().parse_args(["--moe-aux-loss-coef", "0.02"]).moe_aux_loss_coef == 0.02
+    assert build_parser().parse_args([]).moe_aux_loss_coef is None
+    config = TrainConfig()
+    assert config.moe_aux_loss_coef is None
+    assert config.resolve_moe_aux_loss_coef(num_experts=4, default=0.001, source="c") == 0.001  # the HF config's
+    assert TrainConfig(moe_aux_loss_coef=0.0).resolve_moe_aux_loss_coef(num_experts=4, default=0.001, source="c") == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-aux-loss-coef", "0.01", "--pp", "2"], "moe_aux_loss_coef: the load-balancing loss with pp 2 > 1"),
+    (["--moe-aux-loss-coef", "-1"], "moe_aux_loss_coef: must be >= 0, got -1.0"),
+], ids=["pp2", "negative"])
+def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, message):
+    import ray
+
+    from mcore_dpo.train import main
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n"
+                            for i in range(3, 30)))
+    code = main(["--model", str(moe_models[0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+                 "--no-export-hf", "--save-interval", "0", "--save-interval-min", "0", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
