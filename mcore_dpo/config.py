@@ -276,7 +276,12 @@ class TrainConfig:
 
     def resolve_moe_aux_loss_coef(self, *, num_experts: int, default: float, source: str) -> float:
         """The load-balancing loss weight for a model with `num_experts` (0: dense) whose config
-        says `default`; combinations not supported are refused (ConfigError)."""
+        says `default`; MoE layouts and combinations not supported are refused (ConfigError)."""
+        if num_experts and self.tp > 1:
+            # megatron-core's MoE layer refuses to train at tp > 1 without sequence parallelism,
+            # and the local layer spec's sequence-parallel norms are not built for MoE blocks.
+            raise ConfigError(f"tp: {source} describes a mixture-of-experts model, which trains at tp 1 only for now "
+                              f"(got tp {self.tp}; split the experts with --ep instead)")
         coef = default if self.moe_aux_loss_coef is None else self.moe_aux_loss_coef
         if coef < 0:
             raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")

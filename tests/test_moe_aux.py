@@ -156,7 +156,8 @@ def test_flag_parses_and_defaults_from_the_model_config():
 @pytest.mark.parametrize("flags,message", [
     (["--moe-aux-loss-coef", "0.01", "--pp", "2"], "moe_aux_loss_coef: the load-balancing loss with pp 2 > 1"),
     (["--moe-aux-loss-coef", "-1"], "moe_aux_loss_coef: must be >= 0, got -1.0"),
-], ids=["pp2", "negative"])
+    (["--tp", "2"], "describes a mixture-of-experts model, which trains at tp 1 only for now (got tp 2"),
+], ids=["pp2", "negative", "tp2"])
 def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, message):
     import ray
 
