@@ -74,27 +74,54 @@ def _reference(policy_dir: str, ref_dir: str, batches, *, groups: list[list[int]
         opt.zero_grad()
         loss, m = _loss_and_metrics(policy, reference, pairs, loss_type="sigmoid", beta=kw["beta"],
                                     eps=kw["label_smoothing"], reference_free=False)
-        auxes, counts = [], 0
-        for group in groups:
-            ids, attention, _ = _sequences([pairs[i] for i in group])
-            out = policy(input_ids=ids, attention_mask=attention, output_router_logits=True)
-            auxes.append(out.aux_loss)
-            flat = attention.reshape(-1).float()
-            counts = counts + torch.stack([
-                torch.zeros(logits.shape[-1]).scatter_add_(
-                    0, torch.topk(logits.detach(), policy.config.num_experts_per_tok, dim=-1).indices.reshape(-1),
-                    flat.repeat_interleave(policy.config.num_experts_per_tok))
-                for logits in out.router_logits])
-        aux = torch.stack(auxes).mean()
+        aux, router = _router_metrics(policy, pairs, groups=groups)
         (loss + COEF * aux).backward()
         grads.append({n: p.grad.detach().clone() for n, p in policy.named_parameters()})
         m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), tp_.CLIP))
-        shares = counts / counts.sum(-1, keepdim=True)
-        m.update({"aux_loss": float(aux.detach()), "moe/load_min": float(shares.min()), "moe/load_max": float(shares.max()),
-                  "per_layer": (shares.min(-1).values.tolist(), shares.max(-1).values.tolist())})
-        metrics.append(m)
+        metrics.append({**m, "router": router})
         opt.step()
     return {"metrics": metrics, "grads": grads, "weights": {n: p.detach().clone() for n, p in policy.named_parameters()}}
+
+
+def router_metrics(policy_dir: str, pairs, *, groups: list[list[int]]) -> dict:
+    """aux_loss and the load shares of one step at the weights in `policy_dir` (HF routers)."""
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return _router_metrics(model, pairs, groups=groups)[1]
+
+
+def _router_metrics(model, pairs, *, groups: list[list[int]]) -> tuple[torch.Tensor, dict]:
+    """The mean over `groups` (microbatches) of the HF model's aux_loss, and the metrics."""
+    topk = model.config.num_experts_per_tok
+    auxes, counts = [], 0
+    for group in groups:
+        ids, attention, _ = _sequences([pairs[i] for i in group])
+        out = model(input_ids=ids, attention_mask=attention, output_router_logits=True)
+        auxes.append(out.aux_loss)
+        flat = attention.reshape(-1).float()
+        counts = counts + torch.stack([
+            torch.zeros(logits.shape[-1]).scatter_add_(0, torch.topk(logits.detach(), topk, dim=-1).indices.reshape(-1),
+                                                       flat.repeat_interleave(topk))
+            for logits in out.router_logits])
+    aux = torch.stack(auxes).mean()
+    shares = counts / counts.sum(-1, keepdim=True)
+    low, high = shares.min(-1).values.tolist(), shares.max(-1).values.tolist()
+    metrics = {"aux_loss": float(aux.detach()), "moe/load_min": min(low), "moe/load_max": max(high)}
+    metrics.update({f"moe/load_min/layer{i}": v for i, v in enumerate(low)})
+    metrics.update({f"moe/load_max/layer{i}": v for i, v in enumerate(high)})
+    return aux, metrics
+
+
+def check_router_metrics(ours: dict, ref: dict, *, what: str) -> None:
+    assert {k for k in ours if k.startswith(("aux_loss", "moe/"))} == set(ref), what
+    for name, value in ref.items():
+        assert_close(torch.tensor(ours[name]), torch.tensor(value), what=f"{what} {name}")
+
+
+def engine_groups(*, dp: int) -> list[list[int]]:
+    """The pair positions of each microbatch of a test_parity global batch, over all dp ranks."""
+    b, per_rank = tp_.MICRO_BATCH, tp_.GLOBAL_BATCH // dp
+    return [list(range(d * per_rank + k, d * per_rank + k + b)) for d in range(dp) for k in range(0, per_rank, b)]
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +138,7 @@ def test_parity_with_aux_loss(moe_models, tmp_path, layout):
                      distributed_optimizer=False)
     job["eval_pairs"] = []
     run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path)
-    b, per_rank = tp_.MICRO_BATCH, tp_.GLOBAL_BATCH // dp
-    groups = [list(range(d * per_rank + k, d * per_rank + k + b)) for d in range(dp) for k in range(0, per_rank, b)]
+    groups = engine_groups(dp=dp)
     config = job["config"]
     ref = _with_hub_names(_reference(config["model"], config["ref_model"], job["batches"], groups=groups, steps=2),
                           Path(config["model"]))
@@ -129,12 +155,7 @@ def test_parity_with_aux_loss(moe_models, tmp_path, layout):
     assert len(ours) == 2, what
     for step, (m_ours, m_ref) in enumerate(zip(ours, ref["metrics"]), start=1):
         tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
-        for name in ("aux_loss", "moe/load_min", "moe/load_max"):
-            assert_close(torch.tensor(m_ours[name]), torch.tensor(m_ref[name]), what=f"{what} step {step} {name}")
-        low, high = m_ref["per_layer"]
-        for layer in range(len(low)):
-            assert m_ours[f"moe/load_min/layer{layer}"] == pytest.approx(low[layer], rel=1e-6), (what, layer)
-            assert m_ours[f"moe/load_max/layer{layer}"] == pytest.approx(high[layer], rel=1e-6), (what, layer)
+        check_router_metrics(m_ours, m_ref["router"], what=f"{what} step {step}")
     # The aux term is not lost in the tolerance: it changes the router's gradient by far more.
     plain = tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 1)["grads"][0]
     router = "model.layers.0.mlp.gate.weight"
@@ -172,3 +193,35 @@ def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, mess
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert message in err, err
     assert not ray.is_initialized(), "a worker group was started before the input was checked"
+
+
+def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path):
+    """Through `python -m mcore_dpo.train` (Ray, one rank): with no flag the coefficient is the
+    model config's router_aux_loss_coef (output_router_logits is true), written to the resolved
+    config.yaml; metrics.jsonl holds aux_loss and the load shares of every MoE layer."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    model = save_hf(qwen3_moe(seed=5, output_router_logits=True, router_aux_loss_coef=0.03), tmp_path / "model")
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w4 w{i + 7}", "chosen": f" w5 w{i}", "rejected": " w6"}) + "\n"
+                            for i in range(3, 20)))
+    out = tmp_path / "out"
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "mcore_dpo.train", "--model", str(model), "--data", str(data), "--output-dir", str(out),
+         "--max-steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
+         "--no-export-hf", "--save-interval", "0", "--save-interval-min", "0", "--no-distributed-optimizer"],
+        cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache")),
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load((out / "config.yaml").read_text())["moe_aux_loss_coef"] == 0.03
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 0 < row["aux_loss"] <= 4  # E * sum_e f_e P_e <= E * max_e f_e, f_e <= 1; 2 (= k) when balanced
+        assert 0 <= row["moe/load_min"] <= 0.25 <= row["moe/load_max"] <= 1
+        assert {f"moe/load_min/layer{i}" for i in (0, 1)} <= set(row)
