@@ -57,6 +57,9 @@ class TrainConfig:
     """Data-parallel size."""
     ep: int = 1
     """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from the dp ranks."""
+    moe_aux_loss_coef: float | None = None
+    """Weight of the routers' load-balancing loss added to the policy's loss (MoE models; docs/MODELS.md
+    has the formula). Default: the model config's router_aux_loss_coef when output_router_logits is true, else 0."""
     micro_batch_size: int = 8
     """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
     global_batch_size: int = 64
@@ -271,6 +274,26 @@ class TrainConfig:
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
 
+    def resolve_moe_aux_loss_coef(self, *, num_experts: int, default: float, source: str) -> float:
+        """The load-balancing loss weight for a model with `num_experts` (0: dense) whose config
+        says `default`; MoE layouts and combinations not supported are refused (ConfigError)."""
+        if num_experts and self.tp > 1:
+            # megatron-core's MoE layer refuses to train at tp > 1 without sequence parallelism,
+            # and the local layer spec's sequence-parallel norms are not built for MoE blocks.
+            raise ConfigError(f"tp: {source} describes a mixture-of-experts model, which trains at tp 1 only for now "
+                              f"(got tp {self.tp}; split the experts with --ep instead)")
+        coef = default if self.moe_aux_loss_coef is None else self.moe_aux_loss_coef
+        if coef < 0:
+            raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")
+        if coef and not num_experts:
+            raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
+        if coef and self.pp > 1:
+            raise ConfigError(f"moe_aux_loss_coef: the load-balancing loss with pp {self.pp} > 1 is not supported yet "
+                              "(pass --moe-aux-loss-coef 0 or --pp 1)")
+        if coef and self.packing:
+            raise ConfigError("moe_aux_loss_coef: the load-balancing loss with --packing is not supported yet")
+        return coef
+
     def _validate_expert_parallel(self) -> None:
         if self.ep <= 0:
             raise ConfigError(f"ep: must be a positive integer, got {self.ep}")
@@ -439,7 +462,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
-    "parallelism": ("tp", "pp", "dp", "ep", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+    "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",

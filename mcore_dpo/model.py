@@ -300,3 +300,33 @@ def stage_forward(
     seq_len = tokens.shape[1]
     position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+
+
+class RouterTap:
+    """Records the router logits of a model's MoE layers while `active`, in forward order, as
+    (global layer index from 0, logits [s, b, E] or [s*b, E] in the graph). The routers' own
+    gating runs unchanged: this wraps it on each router instance."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.active = False
+        self.records: list[tuple[int, torch.Tensor]] = []
+        self.num_layers = 0
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                self.num_layers += 1
+                module.gating = self._wrap(module, module.gating)
+
+    def _wrap(self, router, gating):
+        def tapped(input: torch.Tensor) -> torch.Tensor:
+            logits = gating(input)
+            if self.active:
+                self.records.append((router.layer_number - 1, logits))
+            return logits
+
+        return tapped
+
+    def take(self) -> list[tuple[int, torch.Tensor]]:
+        records, self.records = self.records, []
+        return records

@@ -71,6 +71,8 @@ def prepare(config: TrainConfig) -> Prepared:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
+    config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
+        num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
     if config.lora:
         config = _resolve_lora(config, spec)
     if config.ref_model and config.ref_mode != "none":

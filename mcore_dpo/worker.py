@@ -32,6 +32,7 @@ from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, f
                             pair_losses)
 from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.mesh import Layout, Mesh, initialize
+from mcore_dpo.moe_step import MoeStep
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights)
 from mcore_dpo.optim import CpuOptimizer, lr_at
@@ -212,6 +213,11 @@ class PolicyWorker(_Rank):
             self.reference = freeze(self._build(source))
         # --distributed-optimizer: DDP reduce-scatters gradients and all-gathers parameters, the
         # optimizer keeps only this dp rank's slice of the fp32 masters and moments (at dp 1, all).
+        # MoE: the routers' load-balancing loss and load metrics (moe_step.py).
+        self.moe = None
+        if self.spec.num_experts:
+            self.moe = MoeStep(self.policy, moe_layers=self.spec.moe_layers, num_experts=self.spec.num_experts,
+                               topk=self.spec.moe_topk, mesh=self.mesh, device=self.platform.device)
         sharded = config.distributed_optimizer
         self.policy = self._wrap_ddp(self.policy, distributed_optimizer=sharded)
         # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.
@@ -392,11 +398,18 @@ class PolicyWorker(_Rank):
             losses = pair_losses(pl, **kwargs)
             sums.add_(metric_sum_vector(pl, **kwargs))
             # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
-            return losses.sum() / num_pairs_global * self.layout.dp
+            loss = losses.sum() / num_pairs_global * self.layout.dp
+            if aux_coef:  # the mean over the step's microbatches (each dp rank holds len(mbs))
+                loss = loss + aux_coef * self.moe.aux_loss(mb, mbs[mb]) / len(mbs)
+            return loss
 
         ctx.loss_fn = loss_fn
+        aux_coef = (config.moe_aux_loss_coef or 0.0) if self.moe is not None else 0.0
+        if self.moe is not None:
+            self.moe.begin()
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
+        moe_metrics = self.moe.finish(mbs) if self.moe is not None else None
         self._sync_tied_embedding_grads()  # before the dp reduction: sums commute, shards need not line up
         allreduce_sequence_parallel_grads(self.policy, tp_group=mesh.tp_group)  # the same holds for these
         self.policy.finish_grad_sync()
@@ -439,6 +452,7 @@ class PolicyWorker(_Rank):
         metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed, "tokens/s": tokens / elapsed,
                         "bubble_fraction": bubble, "memory/peak_gib": peak_bytes / 2**30, **token_stats})
         metrics.update({f"memory/{name}": value for name, value in memory.items()})
+        metrics.update(moe_metrics or {})
         return metrics
 
     def _max_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:

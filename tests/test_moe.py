@@ -190,6 +190,12 @@ def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, 
     for step, (m_ours, m_ref) in enumerate(zip(ours[:2], ref["metrics"]), start=1):
         tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
     assert len(ours) == 2, what  # no evaluation: it is refused with ep > 1
+    # The router metrics (the aux loss at 0): step 1 runs at the starting weights; at pp 2 each
+    # stage's layers meet over the pp group.
+    from test_moe_aux import check_router_metrics, engine_groups, router_metrics
+
+    check_router_metrics(ours[0], router_metrics(config["model"], job["batches"][0], groups=engine_groups(dp=dp)),
+                         what=f"{what} step 1")
 
 
 def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
