@@ -181,3 +181,24 @@ def test_torch_dist_training_checkpoints(tmp_path):
         reference = hf_model(input_ids=tokens).logits
     megatron = load_file(job["logits"])["logits"]
     assert (megatron[..., :127] - reference).abs().max().item() <= 1e-5
+
+
+def test_save_format_flag_values_and_refusals():
+    """--save-format through the CLI's parser: the allowed values are listed in --help; an
+    unknown value and a combination not yet stored are one line naming the field."""
+    from mcore_dpo.config import ConfigError, build_parser, resolve
+
+    help_text = build_parser().format_help()
+    block = help_text[help_text.index("--save-format"):].split("\n  --", 1)[0]
+    assert "safetensors" in block and "torch_dist" in block and "(default: safetensors)" in " ".join(block.split())
+    config, _ = resolve(["--save-format", "torch_dist"])
+    assert config.save_format == "torch_dist"
+    assert resolve([])[0].save_format == "safetensors"
+    for argv, words in ((["--save-format", "megatron"], "'megatron' is not safetensors or torch_dist"),
+                        (["--save-format", "torch_dist", "--sync-ref-model"], "--sync-ref-model")):
+        try:
+            resolve(argv)
+            raise AssertionError(f"expected a ConfigError for {argv}")
+        except ConfigError as error:
+            message = str(error)
+            assert message.startswith("save_format: ") and words in message and "\n" not in message, message
