@@ -242,7 +242,9 @@ class TorchDistCheckpoint:
             expected = shape if layer is None else (spec.num_layers,) + shape
             if stored.shape != expected:
                 raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
-            if stored.dtype != DTYPES[spec.torch_dtype]:
+            # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
+            fp32_norm = stored.dtype == torch.float32 and "norm" in name
+            if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
                 raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
             used.add(key)
         for key in self.reader.tensors:
