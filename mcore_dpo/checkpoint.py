@@ -20,7 +20,8 @@ Both kinds go through the same begin/commit/prune below; a run may mix them.
 
 A checkpoint is written into a `.partial-*` directory, fsynced, renamed to its final name, and
 only then made current by replacing `latest` (a new file renamed over it; see durable.py). A kill at any moment leaves the previous checkpoint
-current and loadable. Only safetensors and JSON are written; nothing is unpickled.
+current and loadable. The safetensors format holds only safetensors and JSON; the pickles of a
+torch_dist one are read back only through checkpoint_convert's restricted unpickler.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ def root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-SAVE_FORMATS = ("safetensors", "torch_dist")
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 _PREFIXES = ("step_", "iter_")
 
