@@ -142,7 +142,8 @@ def prune(output_dir: str | Path, *, keep_last: int) -> None:
     if keep_last <= 0:
         return
     base = root(output_dir)
-    steps = sorted((p for p in base.iterdir() if p.is_dir() and _step_of(p.name) is not None), key=lambda p: _step_of(p.name))
+    found = [p for p in base.iterdir() if p.is_dir() and _step_of(p.name) is not None]
+    steps = sorted(found, key=lambda p: _step_of(p.name))
     current = _current_name(base)
     for path in steps[:-keep_last]:
         if path.name != current:
