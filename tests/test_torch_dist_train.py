@@ -154,14 +154,16 @@ def test_torch_dist_training_checkpoints(tmp_path):
     tp, pp, divisor = 2, 1, 64
     tokens = torch.randint(0, 127, (2, 12), generator=torch.Generator().manual_seed(0))
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
-    job = {"checkpoint": str(iter_dir), "tp": tp, "pp": pp, "divisor": divisor, "tokens": str(tmp_path / "tokens.safetensors"),
+    job = {"checkpoint": str(iter_dir), "tp": tp, "pp": pp, "divisor": divisor,
+           "tokens": str(tmp_path / "tokens.safetensors"),
            "logits": str(tmp_path / "logits.safetensors"), "state": str(tmp_path / "state_rank{rank}.safetensors")}
     spawn(training_consumer_rank, world_size=tp * pp, job=job)
     model_view = open_weights(str(iter_dir))
     for rank in range(tp):
         loaded = load_file(job["state"].format(rank=rank))
-        for part, view in (("model", model_view), ("fp32_param", open_part(iter_dir, "model")),
-                           ("exp_avg", open_part(iter_dir, "exp_avg")), ("exp_avg_sq", open_part(iter_dir, "exp_avg_sq"))):
+        parts = {"model": model_view, "fp32_param": open_part(iter_dir, "model"),
+                 "exp_avg": open_part(iter_dir, "exp_avg"), "exp_avg_sq": open_part(iter_dir, "exp_avg_sq")}
+        for part, view in parts.items():
             expected = hf_to_mcore_shard(model_view.spec, tp=tp, tp_rank=rank, pp=pp, pp_rank=0, get=view.get,
                                          divisor=divisor)  # fmt: skip
             for name, tensor in expected.items():

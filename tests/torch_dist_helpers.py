@@ -145,8 +145,11 @@ def training_consumer_rank(rank: int, world_size: int, port: int, job: dict) -> 
         model_sd = model.sharded_state_dict()
         by_param = {id(t.data): t for t in nested_values(model_sd) if hasattr(t, "data")}
         params = dict(model.named_parameters())
-        optim = {kind: {name: make_sharded_optimizer_tensor(by_param[id(p)], torch.empty_like(p), prefix=f"optimizer.state.{kind}")
-                        for name, p in params.items()} for kind in ("fp32_param", "exp_avg", "exp_avg_sq")}  # fmt: skip
+        optim = {
+            kind: {name: make_sharded_optimizer_tensor(by_param[id(p)], torch.empty_like(p), prefix=f"optimizer.state.{kind}")
+                   for name, p in params.items()}
+            for kind in ("fp32_param", "exp_avg", "exp_avg_sq")
+        }  # fmt: skip
         state = dist_checkpointing.load({"model": model_sd, "optimizer": optim}, job["checkpoint"])
         model.load_state_dict(state["model"], strict=True)
         loaded = {f"model/{n}": p.detach().clone() for n, p in params.items()}
