@@ -163,7 +163,10 @@ class TorchDistCheckpoint:
 
     format = FORMAT
 
-    def __init__(self, directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None,
+                 key_prefix: str | None = None) -> None:
+        """key_prefix: read the tensors stored under this prefix instead of the model's, e.g.
+        "optimizer.state.exp_avg." (the optimizer state of a training checkpoint, same layout)."""
         self.root = Path(directory)
         if not self.root.is_dir():
             raise ConversionError(f"{self.root}: not a directory")
@@ -176,7 +179,8 @@ class TorchDistCheckpoint:
         self.args = common.get("args")
         self.iteration = common.get("iteration")
         self.written_tp, self.written_pp = layout_from_args(self.args) if self.args is not None else (1, 1)
-        embed = self._find_prefix()
+        self._part_prefix = key_prefix
+        embed = self._find_prefix(key_prefix)
         rows, _ = self.reader.tensors[embed].shape
         self.padded_vocab = rows
         own = self.dir / HF_FILES_DIR / "config.json"
@@ -208,8 +212,15 @@ class TorchDistCheckpoint:
         self._shard = _GlobalShard(self, self._expected_names(spec, rows=rows))
         self._validate(spec)
 
-    def _find_prefix(self) -> str:
-        keys = [k for k in self.reader.tensors if k.endswith("embedding.word_embeddings.weight")]
+    def _find_prefix(self, key_prefix: str | None) -> str:
+        if key_prefix is not None:
+            self.key_prefix = key_prefix
+            key = key_prefix + "embedding.word_embeddings.weight"
+            if key not in self.reader.tensors:
+                raise ConversionError(f"{self.dir}: tensor '{key}' is missing")
+            return key
+        keys = [k for k in self.reader.tensors
+                if k.endswith("embedding.word_embeddings.weight") and not k.startswith(_NON_MODEL_PREFIXES)]
         if len(keys) != 1:
             raise ConversionError(f"{self.dir}: expected one '*embedding.word_embeddings.weight' tensor, found {len(keys)}")
         self.key_prefix = keys[0][: -len("embedding.word_embeddings.weight")]
@@ -233,10 +244,14 @@ class TorchDistCheckpoint:
             expected = shape if layer is None else (spec.num_layers,) + shape
             if stored.shape != expected:
                 raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
-            if stored.dtype != DTYPES[spec.torch_dtype]:
+            # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
+            fp32_norm = stored.dtype == torch.float32 and "norm" in name
+            if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
                 raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
             used.add(key)
         for key in self.reader.tensors:
+            if self._part_prefix and not key.startswith(self._part_prefix):
+                continue  # another part of a training checkpoint (the model's, another optimizer state)
             local = key[len(self.key_prefix):] if key.startswith(self.key_prefix) else key
             if key not in used and not local.startswith(_NON_MODEL_PREFIXES):
                 raise ConversionError(f"{self.dir}: tensor '{key}' is not part of a {spec.architecture} this package maps")

@@ -16,9 +16,15 @@
         trainer_state.json        step, data position, layout, resolved config
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)
 
+With --save-format torch_dist a checkpoint is a Megatron-LM iteration directory instead
+(`iter_0000010/`, see checkpoint_torch_dist.py), and `latest_checkpointed_iteration.txt`, Megatron-LM's
+own pointer, is replaced right after `latest`: OUTPUT/checkpoints is then a Megatron-LM save directory.
+Both kinds go through the same begin/commit/prune below; a run may mix them.
+
 A checkpoint is written into a `.partial-*` directory, fsynced, renamed to its final name, and
 only then made current by replacing `latest` (a new file renamed over it; see durable.py). A kill at any moment leaves the previous checkpoint
-current and loadable. Only safetensors and JSON are written; nothing is unpickled.
+current and loadable. The safetensors format holds only safetensors and JSON; the pickles of a
+torch_dist one are read back only through checkpoint_convert's restricted unpickler.
 """
 
 from __future__ import annotations
@@ -43,13 +49,25 @@ def root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def name_of(step: int) -> str:
-    return f"step_{step:08d}"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+_PREFIXES = ("step_", "iter_")
 
 
-def begin(output_dir: str | Path, *, step: int) -> Path:
+def name_of(step: int, *, fmt: str = "safetensors") -> str:
+    return f"iter_{step:07d}" if fmt == "torch_dist" else f"step_{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a checkpoint directory name of either format, else None."""
+    for prefix in _PREFIXES:
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return int(name[len(prefix):])
+    return None
+
+
+def begin(output_dir: str | Path, *, step: int, fmt: str = "safetensors") -> Path:
     """A fresh directory to write the checkpoint of `step` into."""
-    tmp = root(output_dir) / f"{name_of(step)}.partial-{uuid.uuid4().hex[:8]}"
+    tmp = root(output_dir) / f"{name_of(step, fmt=fmt)}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     return tmp
 
@@ -64,7 +82,7 @@ def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict,
     state = {"format": FORMAT, "format_version": FORMAT_VERSION, **trainer_state}
     durable.write_file(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
     durable.fsync_tree(tmp)
-    final = base / name_of(step)
+    final = base / tmp.name.split(".partial-", 1)[0]
     aside = None
     if final.exists():
         if final.name == _current_name(base):
@@ -73,10 +91,22 @@ def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict,
         durable.move(final, aside)
     durable.move(tmp, final)
     durable.replace_file(base / "latest", final.name + "\n")
+    _point_megatron_tracker(base, final)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     prune(output_dir, keep_last=keep_last)
     return final
+
+
+def _point_megatron_tracker(base: Path, current: Path) -> None:
+    """Megatron-LM's pointer follows `latest` when the current checkpoint is a torch_dist one;
+    otherwise it is removed (Megatron-LM cannot continue from the safetensors format)."""
+    tracker = base / MEGATRON_TRACKER
+    if current.name.startswith("iter_"):
+        durable.replace_file(tracker, str(_step_of(current.name)) + "\n")
+    elif tracker.exists():
+        tracker.unlink()
+        durable.fsync_dir(base)
 
 
 def _current_name(base: Path) -> str | None:
@@ -111,7 +141,7 @@ def remove_partials(output_dir: str | Path) -> None:
     base = root(output_dir)
     if base.is_dir():
         for path in base.iterdir():
-            if ".partial-" in path.name or path.name.startswith("latest.tmp-"):
+            if ".partial-" in path.name or path.name.startswith(("latest.tmp-", f"{MEGATRON_TRACKER}.tmp-")):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
@@ -119,7 +149,8 @@ def prune(output_dir: str | Path, *, keep_last: int) -> None:
     if keep_last <= 0:
         return
     base = root(output_dir)
-    steps = sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("step_") and ".partial-" not in p.name)
+    found = [p for p in base.iterdir() if p.is_dir() and _step_of(p.name) is not None]
+    steps = sorted(found, key=lambda p: _step_of(p.name))
     current = _current_name(base)
     for path in steps[:-keep_last]:
         if path.name != current:

@@ -179,6 +179,9 @@ class TrainConfig:
     """Also write a checkpoint when this many minutes passed since the last one (0 = by time never)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints (0 = keep all)."""
+    save_format: str = "safetensors"
+    """Training checkpoint format: safetensors (this project's) or torch_dist (Megatron-LM's layout, model and
+    optimizer state, with megatron-core dist_checkpointing: Megatron-LM can continue from it)."""
     resume: bool = True
     """Continue from OUTPUT's latest checkpoint when there is one (--no-resume refuses to run over it)."""
     max_restarts: int = 0
@@ -243,6 +246,14 @@ class TrainConfig:
             raise ConfigError(f"lr_schedule: {self.lr_schedule!r} is not constant or cosine")
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError(f"on_bad_row: {self.on_bad_row!r} is not error or skip")
+        if self.save_format not in ("safetensors", "torch_dist"):
+            raise ConfigError(f"save_format: {self.save_format!r} is not safetensors or torch_dist")
+        if self.save_format == "torch_dist" and self.lora:
+            raise ConfigError("save_format: LoRA checkpoints are PEFT adapter files; torch_dist is for full-weight "
+                              "runs (drop --save-format torch_dist)")
+        if self.save_format == "torch_dist" and self.sync_ref_model:
+            raise ConfigError("save_format: torch_dist does not yet store the moving reference of --sync-ref-model; "
+                              "use --save-format safetensors")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
         for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
@@ -469,8 +480,8 @@ HELP_GROUPS = {
              "ref_model_mixup_alpha", "ref_model_sync_steps"),
     "optimizer": ("lr", "lr_schedule", "lr_warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                   "clip_grad", "max_steps"),
-    "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "resume",
-                      "max_restarts", "resume_with_changes", "export_hf"),
+    "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "save_format",
+                      "resume", "max_restarts", "resume_with_changes", "export_hf"),
     "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "init_adapter", "merge_lora"),
     "logging": ("eval_interval", "wandb", "wandb_project"),
 }
@@ -486,6 +497,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "dtype": ("float32", "bfloat16", "float16"),
         "lr_schedule": ("constant", "cosine"),
         "on_bad_row": ("error", "skip"),
+        "save_format": ("safetensors", "torch_dist"),
         "f_divergence_type": tuple(F_DIVERGENCE_TYPES),
     }
 

@@ -451,16 +451,22 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     makes it current atomically."""
     from checkpoint_convert.convert import write_mcore_meta
 
-    tmp = checkpoint.begin(out, step=step)
+    tmp = checkpoint.begin(out, step=step, fmt=config.save_format)
     group.call("save_checkpoint", str(tmp), step=step)
     # fp32 master weights and moments
     meta, aux = _model_meta(config, spec, dtype="float32", layer_spec=_layer_spec_of(group))
     synced = ("reference",) if config.sync_ref_model else ()  # TR-DPO's moving reference
-    if config.lora:
+    kinds = ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced
+    if config.lora:  # PEFT-named adapter files; the base is pointed at, not copied
         _join_lora_checkpoint(tmp, config=config, spec=spec)
-    else:
-        for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced:
-            write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
+        kinds = ()
+    elif config.save_format == "torch_dist":  # one Megatron-LM iteration directory; the family is in hf_files/
+        from mcore_dpo.checkpoint_torch_dist import write_hf_files
+
+        write_hf_files(tmp, hf_config=meta.hf_config, aux_files=aux)
+        kinds = ()
+    for kind in kinds:
+        write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,

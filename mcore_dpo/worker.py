@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
-from mcore_dpo import hooks, lora
+from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
 from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
@@ -202,7 +202,11 @@ class PolicyWorker(_Rank):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         # With LoRA the base never changes: the checkpoint holds the adapters only.
-        self.policy = self._build(os.path.join(resume_dir, "model") if resume_dir and not config.lora else config.model)
+        source = config.model
+        if resume_dir and not config.lora:
+            torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(resume_dir)
+            source = resume_dir if torch_dist else os.path.join(resume_dir, "model")
+        self.policy = self._build(source)
         if config.lora:
             self._attach_adapters()  # before DDP: only the adapters require gradients
         if config.loss_spec().needs_reference and config.lora and not config.ref_model and config.ref_mode != "separate":
@@ -666,10 +670,15 @@ class PolicyWorker(_Rank):
         """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
         hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
+        if self.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
+            checkpoint_torch_dist.save(root, config=self.config, spec=self.spec, layout=self.layout,
+                                       model=self.policy.module, optimizer=self.optimizer, dp_rank=self.mesh.dp_rank,
+                                       step=step, platform=self.platform)  # fmt: skip
         # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
         # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
         # its slices to dp rank 0); dp rank 0 writes.
-        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
+        kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
+        for kind in kinds:
             shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
             if shard is not None and self.config.lora:  # the driver joins them into PEFT files
                 _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
@@ -690,6 +699,7 @@ class PolicyWorker(_Rank):
         """Master weights and AdamW moments (resharded through HF names when the layout changed)
         and RNG states."""
         state = read_state(Path(directory))
+        torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(directory)
         shards = {}
         for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
             if self.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
@@ -701,7 +711,8 @@ class PolicyWorker(_Rank):
                 tp_rank=self.mesh.tp_rank,
                 pp=self.layout.pp,
                 pp_rank=self.mesh.pp_rank,
-                get=open_weights(os.path.join(directory, kind)).get,
+                get=(checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
+                     else open_weights(os.path.join(directory, kind))).get,
                 layer_spec=layer_spec_name(use_te=self.use_te),
             )
         if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters

@@ -128,6 +128,40 @@ def consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
         _teardown()
 
 
+def training_consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
+    """As Megatron-LM resumes from a training checkpoint: load the model and the optimizer state
+    (megatron-core's model-space keys `optimizer.state.<kind>.<model key>`, sharded like the
+    model tensor) with dist_checkpointing.load at this group's tp x pp, save what was loaded
+    (per rank) and the logits. `job["divisor"]` keeps the padded vocabulary of the writer."""
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    try:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        args = dist_checkpointing.load_common_state_dict(job["checkpoint"])["args"]
+        args.make_vocab_size_divisible_by = job["divisor"]
+        model = build_gpt(args, vocab_size=args.vocab_size, platform=platform)
+        model_sd = model.sharded_state_dict()
+        by_param = {id(t.data): t for t in nested_values(model_sd) if hasattr(t, "data")}
+        params = dict(model.named_parameters())
+        optim = {
+            kind: {name: make_sharded_optimizer_tensor(by_param[id(p)], torch.empty_like(p), prefix=f"optimizer.state.{kind}")
+                   for name, p in params.items()}
+            for kind in ("fp32_param", "exp_avg", "exp_avg_sq")
+        }  # fmt: skip
+        state = dist_checkpointing.load({"model": model_sd, "optimizer": optim}, job["checkpoint"])
+        model.load_state_dict(state["model"], strict=True)
+        loaded = {f"model/{n}": p.detach().clone() for n, p in params.items()}
+        for kind in optim:  # (the result also holds common.pt's entries under "optimizer")
+            loaded.update({f"{kind}/{n}": t.detach().clone() for n, t in state["optimizer"][kind].items()})
+        save_file(loaded, job["state"].format(rank=rank))
+        tokens = load_file(job["tokens"])["tokens"]
+        _forward(model, tokens, hidden_size=args.hidden_size, out_path=job["logits"])
+    finally:
+        _teardown()
+
+
 def _fill_from_hf(model, hf: dict[str, torch.Tensor], args: Namespace) -> None:
     """The HF weights in this rank's GPTModel chunk (the mapping spelled out here, on purpose)."""
     from megatron.core import parallel_state
