@@ -183,6 +183,10 @@ class ReferenceView:
         """None of its own: the weights are the policy's (the frozen copies are buffers of a few MB)."""
         return iter(())
 
+    def buffers(self) -> Iterator[torch.Tensor]:
+        """None of its own either: the frozen starting copies are buffers of the policy's module."""
+        return iter(())
+
     @torch.no_grad()
     def __call__(self, **kwargs) -> torch.Tensor:
         with mode(self.module, self.adapter_mode):
