@@ -96,7 +96,7 @@ def _train(args: list[str], out: Path, *, cache: Path, fault: str | None = None)
 
 def _metrics(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+    return [{k: v for k, v in row.items() if k not in TIMING and not k.startswith("memory/")} for row in rows]
 
 
 def _hf_weights(out: Path) -> dict[str, torch.Tensor]:
