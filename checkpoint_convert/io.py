@@ -248,20 +248,6 @@ class _LazyShard(Mapping):
             raise KeyError(name)
         return self._handle.read(name)
 
-    def _get_fused(self, name: str) -> torch.Tensor:
-        stored, expert, part, parts = self._fused[name]
-        tensor = self._handles[self._file_of[stored]].read(stored)
-        if expert is not None:
-            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
-                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
-                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
-            tensor = tensor[expert]
-        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
-        expected = self._fused_shapes[name]
-        if tuple(tensor.shape) != expected:
-            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
-        return tensor
-
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` without reading the rest."""
         return self._handle.read(name, rows=(start, stop))
@@ -375,20 +361,6 @@ class HFView:
         )
         self._cache = {n: t for n, t in tensors.items() if n != name}
         return tensors[name]
-
-    def _get_fused(self, name: str) -> torch.Tensor:
-        stored, expert, part, parts = self._fused[name]
-        tensor = self._handles[self._file_of[stored]].read(stored)
-        if expert is not None:
-            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
-                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
-                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
-            tensor = tensor[expert]
-        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
-        expected = self._fused_shapes[name]
-        if tuple(tensor.shape) != expected:
-            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
-        return tensor
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of HF tensor `name` (vocabulary tensors: without gathering the rest)."""
