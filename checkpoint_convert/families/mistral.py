@@ -3,29 +3,14 @@ only matters for sequences longer than it."""
 
 from __future__ import annotations
 
+from checkpoint_convert.families import llama
 from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "MistralForCausalLM"
 MODEL_TYPE = "mistral"
 
-LAYER_KEYS = {
-    "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),
-    "decoder.layers.{layer}.self_attention.linear_qkv.weight": (
-        "qkv",
-        (
-            "model.layers.{layer}.self_attn.q_proj.weight",
-            "model.layers.{layer}.self_attn.k_proj.weight",
-            "model.layers.{layer}.self_attn.v_proj.weight",
-        ),
-    ),
-    "decoder.layers.{layer}.self_attention.linear_proj.weight": ("row", ("model.layers.{layer}.self_attn.o_proj.weight",)),
-    "decoder.layers.{layer}.pre_mlp_layernorm.weight": ("replicated", ("model.layers.{layer}.post_attention_layernorm.weight",)),
-    "decoder.layers.{layer}.mlp.linear_fc1.weight": (
-        "fc1",
-        ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
-    ),
-    "decoder.layers.{layer}.mlp.linear_fc2.weight": ("row", ("model.layers.{layer}.mlp.down_proj.weight",)),
-}
+# Mistral's layer is Llama's, tensor for tensor.
+LAYER_KEYS = llama.LAYER_KEYS
 
 
 def spec_from_config(config: dict, *, source: str) -> ModelSpec:

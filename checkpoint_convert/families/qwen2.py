@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
+from checkpoint_convert.families import llama
 from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 MODEL_TYPE = "qwen2"
 
+# Llama's layer plus the q/k/v biases, fused like the weights.
 LAYER_KEYS = {
-    "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),
-    "decoder.layers.{layer}.self_attention.linear_qkv.weight": (
-        "qkv",
-        (
-            "model.layers.{layer}.self_attn.q_proj.weight",
-            "model.layers.{layer}.self_attn.k_proj.weight",
-            "model.layers.{layer}.self_attn.v_proj.weight",
-        ),
-    ),
-    "decoder.layers.{layer}.self_attention.linear_proj.weight": ("row", ("model.layers.{layer}.self_attn.o_proj.weight",)),
-    "decoder.layers.{layer}.pre_mlp_layernorm.weight": ("replicated", ("model.layers.{layer}.post_attention_layernorm.weight",)),
-    "decoder.layers.{layer}.mlp.linear_fc1.weight": (
-        "fc1",
-        ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
-    ),
-    "decoder.layers.{layer}.mlp.linear_fc2.weight": ("row", ("model.layers.{layer}.mlp.down_proj.weight",)),
+    **llama.LAYER_KEYS,
     "decoder.layers.{layer}.self_attention.linear_qkv.bias": (
         "qkv",
         (

@@ -12,6 +12,7 @@ projection (`mlp.experts.{e}.gate_proj.weight`); transformers 5 holds them in me
 
 from __future__ import annotations
 
+from checkpoint_convert.families import qwen3
 from checkpoint_convert.families.base import (
     ConversionError, ModelSpec, decoder_fields, expert_keys, field, moe_fields, moe_transformer_fields, refuse,
 )  # fmt: skip
@@ -19,28 +20,9 @@ from checkpoint_convert.families.base import (
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
 
-ATTENTION_KEYS = {
-    "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),
-    "decoder.layers.{layer}.self_attention.linear_qkv.weight": (
-        "qkv",
-        (
-            "model.layers.{layer}.self_attn.q_proj.weight",
-            "model.layers.{layer}.self_attn.k_proj.weight",
-            "model.layers.{layer}.self_attn.v_proj.weight",
-        ),
-    ),
-    "decoder.layers.{layer}.self_attention.q_layernorm.weight": ("replicated", ("model.layers.{layer}.self_attn.q_norm.weight",)),
-    "decoder.layers.{layer}.self_attention.k_layernorm.weight": ("replicated", ("model.layers.{layer}.self_attn.k_norm.weight",)),
-    "decoder.layers.{layer}.self_attention.linear_proj.weight": ("row", ("model.layers.{layer}.self_attn.o_proj.weight",)),
-    "decoder.layers.{layer}.pre_mlp_layernorm.weight": ("replicated", ("model.layers.{layer}.post_attention_layernorm.weight",)),
-}
-DENSE_MLP_KEYS = {
-    "decoder.layers.{layer}.mlp.linear_fc1.weight": (
-        "fc1",
-        ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
-    ),
-    "decoder.layers.{layer}.mlp.linear_fc2.weight": ("row", ("model.layers.{layer}.mlp.down_proj.weight",)),
-}
+# A Qwen3-MoE layer is a Qwen3 layer whose MLP is either dense (as in Qwen3) or the experts.
+ATTENTION_KEYS = {name: entry for name, entry in qwen3.LAYER_KEYS.items() if ".mlp." not in name}
+DENSE_MLP_KEYS = {name: entry for name, entry in qwen3.LAYER_KEYS.items() if ".mlp." in name}
 MOE_KEYS = {
     "decoder.layers.{layer}.mlp.router.weight": ("replicated", ("model.layers.{layer}.mlp.gate.weight",)),
     "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight": (
