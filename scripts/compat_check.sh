@@ -40,6 +40,7 @@ case "$(cd "$(dirname "$VENV")" 2>/dev/null && pwd || dirname "$VENV")/" in
 esac
 PINS=${COMPAT_PINS:-}
 LOG="$VENV.log"
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc reports OMP_NUM_THREADS when set
 start=$(date +%s)
 
 # A machine-wide pip constraint file (PIP_CONSTRAINT or pip.conf) may cap torch at a locally
@@ -101,7 +102,7 @@ set -e
 end=$(date +%s)
 
 {
-  echo "== compat_check summary ($(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $(nproc) cores)"
+  echo "== compat_check summary ($(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $CORES cores)"
   "$PY" - <<'EOF'
 import platform
 from importlib.metadata import version
