@@ -5,7 +5,7 @@ setup(
     name="mcore_dpo",
     version="0.1.0",
     description="Preference optimization (DPO family) on megatron-core with TP/PP/DP, launched by Ray",
-    python_requires=">=3.10,<3.13",
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["mcore_dpo", "mcore_dpo.*", "checkpoint_convert", "checkpoint_convert.*"]),
     package_data={"mcore_dpo": ["assets/*", "assets/**/*"]},
     include_package_data=True,
@@ -20,7 +20,7 @@ setup(
         "datasets>=5.2,<5.3",
         "pyyaml>=6.0,<7",
         "tensorboard>=2.21,<2.22",
-        "matplotlib>=3.9,<3.12",
+        "matplotlib>=3.11,<3.12",
         "packaging>=24.2",
     ],
     extras_require={

@@ -119,7 +119,7 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
         "checkpoint_version": 3.0,
         "iteration": step,
     }
-    with plat.saving_dist_checkpoint(platform):
+    with plat.saving_dist_checkpoint(platform, directory=directory):
         dist_checkpointing.save(state, str(directory), content_metadata=dict(CONTENT_METADATA))
 
 

@@ -130,20 +130,38 @@ def building_models(platform: Platform):
 
 
 @contextlib.contextmanager
-def saving_dist_checkpoint(platform: Platform):
-    """Context for megatron-core `dist_checkpointing.save`. On the CPU its torch_dist writer
-    calls `torch.cuda.synchronize()`, which has nothing to wait for: make it a no-op there
-    (`torch.cuda.current_device` already points at the CPU, see `activate`). Loading needs no
-    adaptation, as long as the fully parallel load wrapper (it calls `.cuda()`) is not used."""
-    if platform.is_cuda:
-        yield
-        return
+def saving_dist_checkpoint(platform: Platform, *, directory: str | os.PathLike | None = None):
+    """Context for megatron-core `dist_checkpointing.save` into `directory`. On the CPU its
+    torch_dist writer calls `torch.cuda.synchronize()`, which has nothing to wait for: make it a
+    no-op there (`torch.cuda.current_device` already points at the CPU, see `activate`). Loading
+    needs no adaptation, as long as the fully parallel load wrapper (it calls `.cuda()`) is not used.
+
+    megatron-core 0.19 stopped writing the common (non-tensor) state to `common.pt` and keeps it
+    as an object inside the .distcp files; every megatron-core release and Megatron-LM read
+    `common.pt` when it is there, and this project's restricted reader reads only `common.pt`.
+    With `directory` given, rank 0 writes it after the save when the release did not: the same
+    dict, the file the older releases write."""
     original = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    if not platform.is_cuda:
+        torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
         yield
     finally:
         torch.cuda.synchronize = original  # type: ignore[assignment]
+    if directory is not None:
+        _write_common_pt(directory)
+
+
+def _write_common_pt(directory: str | os.PathLike) -> None:
+    """Collective: the common state of the torch_dist checkpoint just saved in `directory`, as
+    `common.pt` (rank 0 writes; nothing when the release wrote it)."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(directory, "common.pt")
+    if torch.distributed.get_rank() == 0 and not os.path.exists(path):
+        common = dist_checkpointing.load_common_state_dict(str(directory))  # weights_only load
+        torch.save(common, path)
+    torch.distributed.barrier()
 
 
 def init_model_rng(platform: Platform, seed: int) -> None:

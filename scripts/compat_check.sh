@@ -9,13 +9,15 @@
 #   4. a focused part of the suite:
 #        parity at (tp, pp, dp) = (2, 2, 1) and (1, 2, 2)   scripts/compat_suite.py
 #        one conversion round trip (HF -> tp2 pp2 -> tp1 pp4 -> HF, identical)
+#        MoE parity with experts split over ep 2 (tp1 pp2 dp2; megatron-core's MoE layer and expert groups)
+#        --save-format torch_dist training checkpoints (dist_checkpointing.save, resume, megatron-core's load)
 #        the tp4 x pp2 run as 8 Ray actors (equal to one rank)
 #        exact resume after a killed rank (tp2 pp2, and dp2)
 #   and prints a summary (versions, each test's result, times). Not part of .ci/run.
 #
 #   bash scripts/compat_check.sh          # first run: ~4 GB of CUDA wheels into pip's cache
 #   COMPAT_VENV=/path/venv PYTHON=/path/python3.12 bash scripts/compat_check.sh
-#   PYTHON=python3.10 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
+#   PYTHON=python3.11 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
 #   COMPAT_REUSE=1 bash scripts/compat_check.sh   # keep an existing venv's stack (after a code change)
 #   COMPAT_TESTS="tests/test_x.py::test_y ..." bash scripts/compat_check.sh   # another set of tests
 #
@@ -28,8 +30,8 @@ if [ -z "$PYTHON" ]; then
     if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PYTHON=$candidate; break; fi
   done
 fi
-if [ -z "$PYTHON" ] || ! "$PYTHON" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
-  echo "compat_check: no Python 3.10-3.12 interpreter (default: python3.12; set PYTHON=/path/to/python)" >&2
+if [ -z "$PYTHON" ] || ! "$PYTHON" -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
+  echo "compat_check: no Python 3.11-3.12 interpreter (default: python3.12; set PYTHON=/path/to/python)" >&2
   exit 2
 fi
 VENV=${COMPAT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore_dpo/compat-venv312}
@@ -38,6 +40,7 @@ case "$(cd "$(dirname "$VENV")" 2>/dev/null && pwd || dirname "$VENV")/" in
 esac
 PINS=${COMPAT_PINS:-}
 LOG="$VENV.log"
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc reports OMP_NUM_THREADS when set
 start=$(date +%s)
 
 # A machine-wide pip constraint file (PIP_CONSTRAINT or pip.conf) may cap torch at a locally
@@ -82,6 +85,8 @@ export PYTHONPATH="$REPO"
 # Cheapest first; -v with unbuffered output shows each result in pytest.txt as it comes.
 TESTS=(
   "tests/test_convert_cli.py::test_reshard_tp2pp2_to_tp1pp4_to_hf_is_identical"
+  "tests/test_moe.py::test_parity_expert_parallel_pp2_dp2_ep2"
+  "tests/test_torch_dist_train.py::test_torch_dist_training_checkpoints"
   "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
   "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
   "tests/test_resume.py::test_exact_resume_after_kill"
@@ -97,7 +102,7 @@ set -e
 end=$(date +%s)
 
 {
-  echo "== compat_check summary ($(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $(nproc) cores)"
+  echo "== compat_check summary ($(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $CORES cores)"
   "$PY" - <<'EOF'
 import platform
 from importlib.metadata import version
