@@ -156,6 +156,16 @@ def pipeline_side_group(mesh: Mesh, *, device) -> tuple[object, list[int]]:
     return group, [r for r in mine if r != mesh.rank]
 
 
+def release_layout() -> None:
+    """Drop this process's layout (megatron-core's parallel state) but keep torch.distributed
+    up, so that `initialize` may build another layout over the same world."""
+    global _CURRENT
+    from megatron.core import parallel_state as ps
+
+    _CURRENT = None
+    ps.destroy_model_parallel()
+
+
 def destroy() -> None:
     global _CURRENT
     from megatron.core import parallel_state as ps

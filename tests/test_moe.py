@@ -55,10 +55,10 @@ def _with_hub_names(ref: dict, policy_dir: Path) -> dict:
     return ref
 
 
-def _check(out_dir: Path, job: dict, layout: tuple[int, ...]) -> None:
+def _check(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0) -> None:
     config = job["config"]
     _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2), Path(config["model"]))
-    tp_._check_job(out_dir, 0, job, layout[:3])
+    tp_._check_job(out_dir, j, job, layout[:3])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -223,17 +223,19 @@ def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
     """(tp, pp, dp, ep) = (2, 1, 1, 2): the expert-parallel group is the tp group, each rank holds
     half the experts whole (expert tp 1), sequence parallelism is on (megatron-core's MoE layer
     needs it at tp > 1). In one launch: the aux loss at 0, and on (each tp rank adds the share
-    of its slice of the sequence)."""
+    of its slice of the sequence); then Mixtral at (2, 1, 1, 1), its experts split over tp."""
     from test_moe_aux import aux_job, check_aux_parity
 
     layout = (2, 1, 1, 2)
     job = parity_job(layout, *models["qwen3_moe"], name="qwen3_moe", ep=2, export_hf=False,
                      distributed_optimizer=False)
     job["eval_pairs"] = []
-    jobs = [job, aux_job(layout, *models["qwen3_moe"])]
+    split = parity_job((2, 1, 1), *models["mixtral"], name="mixtral")
+    jobs = [job, aux_job(layout, *models["qwen3_moe"]), split]
     run_ranks(world_size=2, jobs=jobs, out_dir=tmp_path)
     _check_expert_parallel(tmp_path, 0, jobs[0], layout)
     check_aux_parity(tmp_path, 1, jobs[1], layout)
+    _check(tmp_path, split, (2, 1, 1, 1), j=2)
 
 
 @pytest.mark.parametrize("flags,message", [
