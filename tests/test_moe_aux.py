@@ -49,6 +49,39 @@ def test_formula_matches_transformers_value_and_gradient():
     assert low.tolist() == [0.25, 0.0] and high.tolist() == [0.5, 0.75]
 
 
+def test_parts_over_stages_and_tp_slices_add_up_to_the_aux_gradient():
+    """moe_step's decomposition: layers split over 2 stages, the sequence over 2 tp ranks
+    (router_token_mask's order); each part E/(L R)^2 sum_e C[e] S_part[e], with the total C,
+    has gradients that add up to aux's; and the _AuxGradient hook hands S_part exactly that."""
+    from mcore_dpo.moe_step import _AuxGradient, router_token_mask
+
+    torch.manual_seed(1)
+    layers, rows, seq, experts, topk, tp = 4, 3, 8, 4, 2, 2
+    logits = torch.randn(layers, seq * rows, experts, dtype=torch.float64, requires_grad=True)  # [s, b] order
+    mask = torch.ones(rows, seq)
+    mask[0, 5:] = 0
+    mask[2, 3:] = 0
+    sums = [moe_aux.layer_sums(logits[layer], mask.t().reshape(-1), topk=topk) for layer in range(layers)]
+    full = moe_aux.load_balancing_loss(sum(c for c, _ in sums), sum(s for _, s in sums), num_layers=layers,
+                                       num_tokens=mask.sum())
+    (expected,) = torch.autograd.grad(full, logits)
+    parts, total_counts = [], 0
+    for stage_layers in ((0, 1), (2, 3)):
+        for rank in range(tp):
+            flat = router_token_mask(mask, tp=tp, tp_rank=rank)
+            sliced = [logits[layer].reshape(seq, rows, experts).chunk(tp, dim=0)[rank].reshape(-1, experts)
+                      for layer in stage_layers]
+            c_s = [moe_aux.layer_sums(z, flat, topk=topk) for z in sliced]
+            total_counts = total_counts + sum(c for c, _ in c_s)
+            parts.append(sum(s for _, s in c_s))
+    scale = experts / (layers * mask.sum()) ** 2
+    output = torch.zeros(3, requires_grad=True)
+    outs = [_AuxGradient.apply(output, part, lambda: scale * total_counts) for part in parts]
+    torch.autograd.backward(outs, grad_tensors=[torch.ones(3)] * len(outs))
+    assert torch.allclose(logits.grad, expected, rtol=1e-12, atol=1e-15)
+    assert torch.equal(output.grad, torch.full((3,), float(len(outs))))  # the output's own gradient passes through
+
+
 def test_real_token_mask_is_the_attention_mask_of_the_collated_rows():
     pairs = make_pairs(6, seed=3)
     micro = collate(pairs, pad_token_id=PAD, seq_len=max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
