@@ -147,6 +147,18 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
+def expert_tp_size(*, tp: int, ep: int) -> int:
+    """Over how many tensor-parallel ranks each expert is split (megatron-core's
+    `expert_tensor_parallel_size`). Experts split over ep > 1 ranks are whole on their rank (1):
+    a stage's expert-parallel groups are then carved from its tp x dp ranks. Without expert
+    parallelism they are split over tp like a dense MLP (megatron-core's default)."""
+    return 1 if ep > 1 else tp
+
+
+def is_expert_entry(template: str) -> bool:
+    return _EXPERT.search(template) is not None
+
+
 def _local_expert(template: str, *, num_experts: int, ep: int, ep_rank: int) -> str | None:
     """An expert entry's template with the local expert index of expert-parallel rank ep_rank
     (which holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)), or None for another rank's expert."""
@@ -253,7 +265,8 @@ def hf_to_mcore_shard(
     ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The parameters of one (tp_rank, pp_rank, ep_rank) GPTModel chunk, named as its
-    named_parameters() (experts by their local index on ep_rank).
+    named_parameters() (experts by their local index on ep_rank, split over
+    `expert_tp_size(tp, ep)` ranks: whole when ep > 1).
 
     `get(hf_name)` returns one HF tensor; each result is a fresh contiguous tensor (no view
     into the full HF tensor is kept), so memory holds one shard plus one HF tensor.
@@ -261,11 +274,14 @@ def hf_to_mcore_shard(
     check_layout(spec, tp=tp, pp=pp, ep=ep, divisor=divisor)
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shard: dict[str, torch.Tensor] = {}
+    etp = expert_tp_size(tp=tp, ep=ep)
     for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
         name = mcore_name(template, layer=local, layer_spec=layer_spec)
         hf_names = [t.format(layer=global_layer) for t in hf]
         if kind == "vocab":
             out = _pad_vocab(get(hf_names[0]), vocab_padded=vocab).chunk(tp, dim=0)[tp_rank]
+        elif is_expert_entry(template):  # split over the expert tp ranks only
+            out = split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=etp, tp_rank=tp_rank % etp)
         else:
             out = split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=tp, tp_rank=tp_rank)
         shard[name] = out.contiguous().clone()
@@ -421,3 +437,43 @@ def fused_hf_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[st
             if template.format(layer=layer) in stored:
                 sources[hub.format(layer=layer)] = (template.format(layer=layer), None, 0, 1)
     return sources
+
+
+def expert_parallel_view(
+    spec: ModelSpec, *, tp: int, pp: int, ep: int, get_shard: Callable[[int, int, int], Mapping[str, torch.Tensor]]
+) -> Callable[[int, int], Mapping[str, torch.Tensor]]:
+    """The (tp_rank, pp_rank) shards of the ep-1 layout, read from the shards of an
+    expert-parallel one (`get_shard(tp_rank, pp_rank, ep_rank)`, as `hf_to_mcore_shard` makes
+    them), so that `mcore_to_hf` gathers either. Dense tensors come from ep rank 0; expert e
+    from ep rank e // (E/ep) under its local index, its tp part cut from the whole expert (expert
+    tp 1) by the ep-1 rule. Lazy: a tensor is read when asked for."""
+    etp = expert_tp_size(tp=tp, ep=ep)
+    per_rank = spec.num_experts // ep
+
+    class _View(Mapping):
+        def __init__(self, tp_rank: int, pp_rank: int):
+            self.tp_rank, self.pp_rank = tp_rank, pp_rank
+            self.kinds = {mcore_name(t, layer=local, layer_spec="local"): kind
+                          for t, kind, _, local, _ in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
+
+        def __getitem__(self, name: str) -> torch.Tensor:
+            match = _EXPERT.search(name)
+            if match is None or ep == 1:
+                return get_shard(self.tp_rank, self.pp_rank, 0)[name]
+            expert = int(match.group(1))
+            local = name[: match.start()] + f".local_experts.{expert % per_rank}." + name[match.end():]
+            part = get_shard(self.tp_rank % etp, self.pp_rank, expert // per_rank)[local]
+            if etp == tp:
+                return part
+            kind = self.kinds[name]
+            if kind == "fc1":
+                return split_entry(spec, kind=kind, tensors=list(part.chunk(2, dim=0)), tp=tp, tp_rank=self.tp_rank)
+            return split_entry(spec, kind=kind, tensors=[part], tp=tp, tp_rank=self.tp_rank)
+
+        def __iter__(self):
+            return iter(self.kinds)
+
+        def __len__(self) -> int:
+            return len(self.kinds)
+
+    return _View

@@ -56,7 +56,7 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel size."""
     ep: int = 1
-    """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from the dp ranks."""
+    """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from each stage's tp x dp ranks."""
     moe_aux_loss_coef: float | None = None
     """Weight of the routers' load-balancing loss added to the policy's loss (MoE models; docs/MODELS.md
     has the formula). Default: the model config's router_aux_loss_coef when output_router_logits is true, else 0."""
@@ -154,7 +154,8 @@ class TrainConfig:
     the whole state on every dp rank (gradients all-reduced). Same results either way."""
     sequence_parallel: bool | None = None
     """Split the activations outside the tensor-parallel linears over tp along the sequence.
-    Default (unset): on for tp > 1 on GPUs, off on the CPU; --sequence-parallel needs tp > 1."""
+    Default (unset): on for tp > 1 on GPUs, off on the CPU, and always on for MoE models at tp > 1
+    (megatron-core's MoE layer needs it); --sequence-parallel needs tp > 1."""
 
     # --- run ---
     eval_interval: int = 40
@@ -288,19 +289,15 @@ class TrainConfig:
     def resolve_moe_aux_loss_coef(self, *, num_experts: int, default: float, source: str) -> float:
         """The load-balancing loss weight for a model with `num_experts` (0: dense) whose config
         says `default`; MoE layouts and combinations not supported are refused (ConfigError)."""
-        if num_experts and self.tp > 1:
-            # megatron-core's MoE layer refuses to train at tp > 1 without sequence parallelism,
-            # and the local layer spec's sequence-parallel norms are not built for MoE blocks.
-            raise ConfigError(f"tp: {source} describes a mixture-of-experts model, which trains at tp 1 only for now "
-                              f"(got tp {self.tp}; split the experts with --ep instead)")
+        if num_experts and self.tp > 1 and self.sequence_parallel is False:
+            # megatron-core's MoE layer trains at tp > 1 with sequence parallelism only (it is on by default).
+            raise ConfigError(f"sequence_parallel: {source} describes a mixture-of-experts model, which needs "
+                              f"sequence parallelism at tp {self.tp} > 1 (drop --no-sequence-parallel)")
         coef = default if self.moe_aux_loss_coef is None else self.moe_aux_loss_coef
         if coef < 0:
             raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")
         if coef and not num_experts:
             raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
-        if coef and self.pp > 1:
-            raise ConfigError(f"moe_aux_loss_coef: the load-balancing loss with pp {self.pp} > 1 is not supported yet "
-                              "(pass --moe-aux-loss-coef 0 or --pp 1)")
         if coef and self.packing:
             raise ConfigError("moe_aux_loss_coef: the load-balancing loss with --packing is not supported yet")
         return coef
@@ -310,11 +307,11 @@ class TrainConfig:
             raise ConfigError(f"ep: must be a positive integer, got {self.ep}")
         if self.ep == 1:
             return
-        # megatron-core builds the expert groups from the same world with expert tp = tp:
-        # tp x ep x (dp/ep) x pp, so ep must divide dp.
-        if self.dp % self.ep:
-            raise ConfigError(f"ep: {self.ep} x tp {self.tp} x pp {self.pp} does not fit the world of tp x pp x dp = "
-                              f"{self.tp * self.pp * self.dp} ranks (ep must divide dp {self.dp})")
+        # megatron-core carves the expert groups from each stage's tp x dp ranks, each expert
+        # whole on its rank (expert tp 1): ep x (tp x dp / ep) x pp, so ep must divide tp x dp.
+        if (self.tp * self.dp) % self.ep:
+            raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
+                              f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
         if self.distributed_optimizer:
             raise ConfigError("ep: expert parallelism with --distributed-optimizer is not supported yet")
         # Every ep rank must run the same forwards (the experts' all-to-all is a collective);

@@ -18,12 +18,24 @@ class Layout:
     pp: int
     dp: int
     # Expert parallelism: the experts of a layer are split over ep ranks. megatron-core carves
-    # the expert groups from the same world (expert tp = tp, so ep divides dp).
+    # the expert groups from each stage's tp x dp ranks (ordered tp-ep-dp), with the experts
+    # whole on their rank (expert tp 1, so ep divides tp x dp) when ep > 1.
     ep: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size (checkpoint_convert.mapping.expert_tp_size)."""
+        from checkpoint_convert.mapping import expert_tp_size
+
+        return expert_tp_size(tp=self.tp, ep=self.ep)
+
+    def ep_rank_of(self, *, tp_rank: int, dp_rank: int) -> int:
+        """The expert-parallel rank of the rank at (tp_rank, dp_rank) of a stage."""
+        return (tp_rank + self.tp * dp_rank) // self.etp % self.ep
 
 
 @dataclass(frozen=True)
@@ -41,8 +53,10 @@ class Mesh:
     next_rank: int | None
     embedding_group: object | None  # first + last stage, for tied embeddings when pp > 1
     ep_rank: int = 0
+    edp_rank: int = 0  # expert-data-parallel rank: which copy of this rank's experts it holds
     # The ranks whose squared gradient norms add up to the global one: tp x pp, and with
-    # experts split over ep, tp x ep x pp (dense parameters then count on ep rank 0 only).
+    # experts split over ep the whole world (each parameter then counts on one rank of the
+    # world: see `counts_in_grad_norm`).
     grad_norm_group: object | None = None
 
     @property
@@ -57,6 +71,14 @@ class Mesh:
     def returns_result(self) -> bool:
         """tp rank 0 of the last stage of dp replica 0 reports results for the group."""
         return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def counts_in_grad_norm(self, *, expert: bool) -> bool:
+        """Whether this rank's copy of a parameter counts in the gradient norm over
+        `grad_norm_group` (tp-replicated parameters aside, which count on tp rank 0): with ep > 1,
+        dense parameters on dp rank 0, experts on expert-data-parallel rank 0."""
+        if self.layout.ep == 1:
+            return True
+        return self.edp_rank == 0 if expert else self.dp_rank == 0
 
     def coordinates(self) -> str:
         return f"tp{self.tp_rank}-pp{self.pp_rank}-dp{self.dp_rank}"
@@ -83,6 +105,7 @@ def initialize(layout: Layout) -> Mesh:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     pp_rank = ps.get_pipeline_model_parallel_rank()
     prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None
@@ -104,11 +127,43 @@ def initialize(layout: Layout) -> Mesh:
         next_rank=next_rank,
         embedding_group=embedding_group,
         ep_rank=ps.get_expert_model_parallel_rank(),
-        grad_norm_group=(
-            ps.get_expert_tensor_model_pipeline_parallel_group() if layout.ep > 1 else ps.get_model_parallel_group()
-        ),
+        edp_rank=ps.get_expert_data_parallel_rank() if layout.ep > 1 else ps.get_data_parallel_rank(),
+        grad_norm_group=dist.group.WORLD if layout.ep > 1 else ps.get_model_parallel_group(),
     )
+    if layout.ep > 1:
+        expected = layout.ep_rank_of(tp_rank=_CURRENT.tp_rank, dp_rank=_CURRENT.dp_rank)
+        if _CURRENT.ep_rank != expected:  # the converter's and the tests' layout rule
+            raise AssertionError(f"megatron-core gave ep rank {_CURRENT.ep_rank}, the layout rule {expected}")
     return _CURRENT
+
+
+def pipeline_side_group(mesh: Mesh, *, device) -> tuple[object, list[int]]:
+    """A process group over this rank's pipeline group of its own (so that its messages never
+    interleave with the pipeline's transfers, which on NCCL are matched in order per
+    communicator), and the global ranks of the other stages in it. A collective: every rank of
+    the world calls it at once."""
+    import torch
+
+    mine = dist.get_process_group_ranks(mesh.pp_group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    group = None
+    for ranks in sorted({tuple(r) for r in every}):
+        created = dist.new_group(list(ranks))
+        if mesh.rank in ranks:
+            group = created
+    dist.all_reduce(torch.zeros(1, device=device), group=group)  # set up before the schedule needs it
+    return group, [r for r in mine if r != mesh.rank]
+
+
+def release_layout() -> None:
+    """Drop this process's layout (megatron-core's parallel state) but keep torch.distributed
+    up, so that `initialize` may build another layout over the same world."""
+    global _CURRENT
+    from megatron.core import parallel_state as ps
+
+    _CURRENT = None
+    ps.destroy_model_parallel()
 
 
 def destroy() -> None:

@@ -60,6 +60,7 @@ def transformer_config(
         # Experts split over ep ranks: their parameters are then reduced over the
         # expert-data-parallel group (allreduce=False), not over dp.
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -93,11 +94,11 @@ def build_stage_model(
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
     if config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
-        if sequence_parallel:
-            raise ValueError("sequence parallelism is not supported with MoE layers")
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank
         )
+        if sequence_parallel and not use_te:
+            layer_spec = _block_spec_with_sp_norms(layer_spec)
     elif use_te:
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
@@ -147,6 +148,26 @@ def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def _block_spec_with_sp_norms(block_spec):
+    """A local block spec (MoE and dense layers mixed) with every norm sequence-parallel: the
+    layers' pre-attention and pre-MLP norms, the q/k norms (which megatron-core's torch-norm
+    wrapper refuses under sequence parallelism too) and the final norm."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    block_spec = copy.deepcopy(block_spec)
+    for layer_spec in block_spec.layer_specs:
+        layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layer_spec.submodules.self_attention.submodules
+        for name in ("q_layernorm", "k_layernorm"):
+            if getattr(attention, name, IdentityOp) not in (None, IdentityOp):
+                setattr(attention, name, SequenceParallelRMSNorm)
+    block_spec.layer_norm = SequenceParallelRMSNorm
+    return block_spec
 
 
 def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> None:

@@ -1,17 +1,33 @@
-"""One train step's router bookkeeping on a MoE policy: the load-balancing loss each microbatch
-adds (`moe_aux.py` has the formula) and the metrics `aux_loss`, `moe/load_min`, `moe/load_max`
-and, per MoE layer i (HF numbering), `moe/load_min/layer{i}` and `moe/load_max/layer{i}`.
+"""One train step's router bookkeeping on a MoE policy: the load-balancing loss's gradient
+(`moe_aux.py` has the formula) and the metrics `aux_loss`, `moe/load_min`, `moe/load_max` and,
+per MoE layer i (HF numbering), `moe/load_min/layer{i}` and `moe/load_max/layer{i}`.
+
+The aux of one forward couples all MoE layers and, at tp > 1 (sequence parallel), all tokens:
+aux = E / (L R)^2 * sum_e C[e] S[e], with C and S sums over layers and tokens and C without
+gradient. So each piece of the model can carry its own share: on each stage and tp rank,
+
+    aux_part = E / (L R)^2 * sum_e C[e] * S_part[e]
+
+(S_part: this rank's layers and tokens, C: everyone's), and the parts' gradients add up to
+aux's. Each stage attaches its part to its own output's backward (a custom autograd function
+that, at the backward, hands S_part the gradient coef / microbatches * E C / (L R)^2 and passes
+the output's gradient through), as megatron-core's MoEAuxLossAutoScaler attaches its per-layer
+loss. C is summed over tp in the forward; at pp > 1 each stage sends its counts to the other
+stages right after its forward (on a process group of their own, in microbatch order) and
+receives theirs when the backward needs them, by which time every stage has run that forward.
 
 The reference never goes through here: its routing is its own and frozen."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from mcore_dpo import moe_aux
 from mcore_dpo.data import Microbatch
-from mcore_dpo.mesh import Mesh
+from mcore_dpo.mesh import Mesh, pipeline_side_group
 from mcore_dpo.model import RouterTap
 
 
@@ -22,9 +38,28 @@ def token_mask(micro: Microbatch) -> torch.Tensor:
     return moe_aux.real_token_mask(micro.loss_mask)
 
 
-def _flat_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mask in the router's token order: megatron-core's hidden states are [s, b, h]."""
-    return mask.to(logits.device).t().reshape(-1)
+def router_token_mask(mask: torch.Tensor, *, tp: int, tp_rank: int) -> torch.Tensor:
+    """The mask [rows, S] in one rank's router token order: megatron-core's hidden states are
+    [s, b, h], and with sequence parallelism (tp > 1) tp rank r holds positions
+    [r S/tp, (r+1) S/tp)."""
+    seq = mask.t()
+    if tp > 1:
+        seq = seq.chunk(tp, dim=0)[tp_rank]
+    return seq.reshape(-1)
+
+
+class _AuxGradient(torch.autograd.Function):
+    """Identity on a stage's output; in the backward, also the gradient of this rank's aux part
+    with respect to its probability sums S_part (computed then: it needs every stage's counts)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, prob_sums: torch.Tensor, weight: Callable[[], torch.Tensor]):
+        ctx.weight = weight
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output, ctx.weight(), None
 
 
 class MoeStep:
@@ -34,47 +69,92 @@ class MoeStep:
         self.moe_layers = tuple(sorted(moe_layers))
         self.slot = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.num_experts, self.topk, self.mesh, self.device = num_experts, topk, mesh, device
-        self._stats: dict[int, torch.Tensor] = {}  # microbatch -> [L, 2, E] (C, S), detached
+        # MoE models run sequence-parallel at tp > 1: each tp rank routes its slice of the sequence.
+        self.split = mesh.layout.tp
+        self.side_group, self.peers = None, []
+        if mesh.layout.pp > 1:  # every rank calls this at once (a collective)
+            self.side_group, self.peers = pipeline_side_group(mesh, device=device)
+        policy.register_forward_hook(self._after_forward)
+        self._microbatches: list[Microbatch] = []
+        self._coef = 0.0
+        self._forwards = 0
+        self._stats: dict[int, torch.Tensor] = {}  # microbatch -> [L, 2, E] (C, S) of this rank, detached
         self._rows: dict[int, float] = {}
+        self._sends: list = []
+        self._received: dict[int, list[torch.Tensor]] = {}
 
-    def begin(self) -> None:
+    def begin(self, microbatches: list[Microbatch], *, coef: float) -> None:
+        """Before the step's forwards: its microbatches (this dp rank's, in order) and the aux weight."""
         self.tap.take()
-        self._stats, self._rows = {}, {}
+        self._microbatches, self._coef, self._forwards = microbatches, coef, 0
+        self._stats, self._rows, self._sends = {}, {}, []
+        self._received = {peer: [] for peer in self.peers}
         self.tap.active = True
 
-    def _record(self, mb: int, micro: Microbatch, records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _after_forward(self, module, args, output):
+        """Forward hook of the policy: the step's training forwards run in microbatch order."""
+        if not self.tap.active or not torch.is_grad_enabled():
+            return None
+        mb = self._forwards
+        self._forwards += 1
+        micro = self._microbatches[mb]
         mask = token_mask(micro)
+        flat = router_token_mask(mask, tp=self.split, tp_rank=self.mesh.tp_rank)
         stats = torch.zeros(len(self.moe_layers), 2, self.num_experts, dtype=torch.float64)
-        counts = prob_sums = 0
-        for layer, logits in records:
-            c, s = moe_aux.layer_sums(logits, _flat_mask(logits, mask), topk=self.topk)
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
+        prob_sums = None
+        for layer, logits in self.tap.take():
+            c, s = moe_aux.layer_sums(logits, flat.to(logits.device), topk=self.topk)
             stats[self.slot[layer], 0], stats[self.slot[layer], 1] = c.detach().double().cpu(), s.detach().double().cpu()
-            counts, prob_sums = counts + c, prob_sums + s
-        self._stats[mb] = stats
-        self._rows[mb] = float(mask.sum())
-        return counts, prob_sums, mask.sum()
+            counts = counts + c.detach()
+            prob_sums = s if prob_sums is None else prob_sums + s
+        self._stats[mb], self._rows[mb] = stats, float(mask.sum())
+        if not self._coef:
+            return None
+        if self.split > 1:
+            dist.all_reduce(counts, group=self.mesh.tp_group)
+        for peer in self.peers:  # every stage, routers or not, so that the messages pair up
+            self._sends.append((dist.isend(counts, dst=peer, group=self.side_group), counts))
+        if prob_sums is None:  # no MoE layer on this stage
+            return None
+        scale = self._coef / len(self._microbatches) * self.num_experts / (len(self.moe_layers) * self._rows[mb]) ** 2
 
-    def aux_loss(self, mb: int, micro: Microbatch) -> torch.Tensor:
-        """The differentiable aux of microbatch `mb`'s policy forward, just run (every MoE layer
-        on this stage: pp 1)."""
-        counts, prob_sums, tokens = self._record(mb, micro, self.tap.take())
-        return moe_aux.load_balancing_loss(counts, prob_sums, num_layers=len(self.moe_layers), num_tokens=tokens)
+        def weight() -> torch.Tensor:
+            total = counts + sum((self._receive(peer, mb) for peer in self.peers), torch.zeros_like(counts))
+            return (scale * total).to(prob_sums.dtype)
+
+        return _AuxGradient.apply(output, prob_sums, weight)
+
+    def _receive(self, peer: int, mb: int) -> torch.Tensor:
+        """Stage `peer`'s counts of microbatch `mb` (received in microbatch order)."""
+        got = self._received[peer]
+        while len(got) <= mb:
+            buf = torch.empty(self.num_experts, dtype=torch.float32, device=self.device)
+            dist.recv(buf, src=peer, group=self.side_group)
+            got.append(buf)
+        return got[mb]
 
     def finish(self, microbatches: list[Microbatch]) -> dict[str, float] | None:
-        """Collective over the pp group, then (last stage) the dp group: the step's metrics on
-        the reporting rank, None elsewhere. Forwards not taken by `aux_loss` ran in microbatch
-        order, each over this stage's MoE layers."""
+        """Collective over the tp group, the pp group, then (last stage) the dp group: the step's
+        metrics on the reporting rank, None elsewhere."""
         self.tap.active = False
-        records = self.tap.take()
-        per_forward = self.tap.num_layers
-        pending = [mb for mb in range(len(microbatches)) if mb not in self._stats]
-        for k, mb in enumerate(pending):
-            with torch.no_grad():
-                self._record(mb, microbatches[mb], records[k * per_forward:(k + 1) * per_forward])
+        self.tap.take()
+        if self._coef:  # the counts no backward asked for (a stage without routers), then our sends
+            for peer in self.peers:
+                self._receive(peer, len(microbatches) - 1)
+            for work, _ in self._sends:
+                work.wait()
+            self._sends = []
         mesh = self.mesh
         num_mb = len(microbatches)
+        if sorted(self._stats) != list(range(num_mb)):
+            raise AssertionError(f"router statistics of microbatches {sorted(self._stats)}, expected {num_mb}")
         stats = torch.stack([self._stats[mb] for mb in range(num_mb)]) if num_mb else torch.zeros(0)
         rows = torch.tensor([self._rows[mb] for mb in range(num_mb)], dtype=torch.float64)
+        if self.split > 1:  # each tp rank routed its slice of the sequence
+            flat = stats.reshape(-1).to(self.device)
+            dist.all_reduce(flat, group=mesh.tp_group)
+            stats = flat.cpu().reshape(stats.shape)
         if mesh.layout.pp > 1:  # each stage holds its own layers: sum them; the rows once
             rows = rows if mesh.is_first_stage else torch.zeros_like(rows)
             flat = torch.cat([stats.reshape(-1), rows]).to(self.device)
@@ -101,4 +181,3 @@ class MoeStep:
         for layer, lo, hi in zip(self.moe_layers, low.tolist(), high.tolist()):
             out[f"moe/load_min/layer{layer}"], out[f"moe/load_max/layer{layer}"] = lo, hi
         return out
-

@@ -92,9 +92,9 @@ class _Rank:
         self.dtype = DTYPES[config.dtype]
         # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
         self.use_te = plat.transformer_engine_available() and not config.lora
-        self.sequence_parallel = plat.use_sequence_parallel(
-            self.platform, requested=False if config.lora else config.sequence_parallel, tp=layout.tp
-        )
+        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
+        requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
+        self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
         self.reference: torch.nn.Module | None = None
 
@@ -306,10 +306,11 @@ class PolicyWorker(_Rank):
                 continue
             if tied_copy and name == "output_layer.weight" and not self.mesh.is_first_stage:
                 continue
-            if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0:
+            expert = not getattr(param, "allreduce", True)
+            whole_expert = expert and self.layout.etp == 1  # not split over tp, nor repeated on its tp ranks
+            if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0 and not whole_expert:
                 continue
-            # Expert parallelism: dense parameters repeat on every ep rank (experts do not).
-            if self.mesh.ep_rank != 0 and getattr(param, "allreduce", True):
+            if not self.mesh.counts_in_grad_norm(expert=expert):  # repeats over dp / expert dp (ep > 1)
                 continue
             once.append(param)
         return once
@@ -403,14 +404,11 @@ class PolicyWorker(_Rank):
             sums.add_(metric_sum_vector(pl, **kwargs))
             # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
             loss = losses.sum() / num_pairs_global * self.layout.dp
-            if aux_coef:  # the mean over the step's microbatches (each dp rank holds len(mbs))
-                loss = loss + aux_coef * self.moe.aux_loss(mb, mbs[mb]) / len(mbs)
             return loss
 
         ctx.loss_fn = loss_fn
-        aux_coef = (config.moe_aux_loss_coef or 0.0) if self.moe is not None else 0.0
-        if self.moe is not None:
-            self.moe.begin()
+        if self.moe is not None:  # the aux loss's gradient joins each stage's backward (moe_step.py)
+            self.moe.begin(mbs, coef=config.moe_aux_loss_coef or 0.0)
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
         moe_metrics = self.moe.finish(mbs) if self.moe is not None else None

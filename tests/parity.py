@@ -271,6 +271,10 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
         for j, job in enumerate(jobs):
             config = TrainConfig(**job["config"])
             spec = open_weights(config.model).spec
+            if worker is not None and worker.layout != _policy_layout(config):  # another layout, the same world
+                from mcore_dpo.mesh import release_layout
+
+                release_layout()
             worker = PolicyWorker(config=config, spec=spec, pad_token_id=PAD, rank=rank,
                                   master_addr="127.0.0.1", master_port=port)
             batches = job["batches"]
@@ -296,6 +300,12 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     except BaseException:
         Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _policy_layout(config):
+    from mcore_dpo.mesh import Layout
+
+    return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep)
 
 
 # Rank processes fork from a server that has imported torch, megatron-core and the worker once

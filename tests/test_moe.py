@@ -55,10 +55,10 @@ def _with_hub_names(ref: dict, policy_dir: Path) -> dict:
     return ref
 
 
-def _check(out_dir: Path, job: dict, layout: tuple[int, ...]) -> None:
+def _check(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0) -> None:
     config = job["config"]
     _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2), Path(config["model"]))
-    tp_._check_job(out_dir, 0, job, layout[:3])
+    tp_._check_job(out_dir, j, job, layout[:3])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -159,14 +159,17 @@ def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path,
 
 
 def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
-    """test_parity's checks with the experts of each rank's ep share: with expert tp = tp, the
-    expert-parallel rank of data-parallel rank d is d % ep (megatron-core's tp-ep-dp-pp order)."""
+    """test_parity's checks with the experts of each rank's ep share: experts whole on their rank
+    (expert tp 1), the expert-parallel rank of the rank at (tp rank t, dp rank d) of a stage is
+    (t + tp d) % ep (megatron-core's tp-ep-dp order; `Layout.ep_rank_of`)."""
     import json
 
     from checkpoint_convert.mapping import hf_to_mcore_shard
+    from mcore_dpo.mesh import Layout
     from parity import assert_close, load_rank_tensors
 
     tp, pp, dp, ep = layout
+    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
     config = job["config"]
     ref = _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2),
                           Path(config["model"]))
@@ -174,15 +177,15 @@ def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, 
     what = f"{job['key'][0]} at tp{tp} pp{pp} dp{dp} ep{ep}"
     for step, ref_grads in enumerate(ref["grads"], start=1):
         for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=d % ep,
-                                         get=ref_grads.__getitem__)
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
+                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref_grads.__getitem__)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
     for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=(tp, pp, dp)).items():
         if d == 0:
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=0,
-                                         get=ref["weights"].__getitem__)
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
+                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref["weights"].__getitem__)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
@@ -200,21 +203,46 @@ def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, 
 
 def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
     """(tp, pp, dp, ep) = (1, 2, 2, 2), Qwen3-MoE and Mixtral (tied, over two stages) in one
-    launch: each rank holds half the experts; the reference is split the same way."""
+    launch: each rank holds half the experts; the reference is split the same way. In the same
+    launch, Qwen3-MoE with the load-balancing loss on: each stage adds its layers' share."""
+    from test_moe_aux import aux_job, check_aux_parity
+
     layout = (1, 2, 2, 2)
     jobs = [parity_job(layout, *models[family], name=family, ep=2, export_hf=False,
                        distributed_optimizer=False) for family in ("qwen3_moe", "mixtral")]
     for job in jobs:
         job["eval_pairs"] = []  # evaluation with ep > 1 is refused (uneven eval chunks per ep rank)
+    jobs.append(aux_job(layout, *models["qwen3_moe"]))
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path)
-    for j, job in enumerate(jobs):
+    for j, job in enumerate(jobs[:2]):
         _check_expert_parallel(tmp_path, j, job, layout)
+    check_aux_parity(tmp_path, 2, jobs[2], layout)
+
+
+def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
+    """(tp, pp, dp, ep) = (2, 1, 1, 2): the expert-parallel group is the tp group, each rank holds
+    half the experts whole (expert tp 1), sequence parallelism is on (megatron-core's MoE layer
+    needs it at tp > 1). In one launch: the aux loss at 0, and on (each tp rank adds the share
+    of its slice of the sequence); then Mixtral at (2, 1, 1, 1), its experts split over tp."""
+    from test_moe_aux import aux_job, check_aux_parity
+
+    layout = (2, 1, 1, 2)
+    job = parity_job(layout, *models["qwen3_moe"], name="qwen3_moe", ep=2, export_hf=False,
+                     distributed_optimizer=False)
+    job["eval_pairs"] = []
+    split = parity_job((2, 1, 1), *models["mixtral"], name="mixtral")
+    jobs = [job, aux_job(layout, *models["qwen3_moe"]), split]
+    run_ranks(world_size=2, jobs=jobs, out_dir=tmp_path)
+    _check_expert_parallel(tmp_path, 0, jobs[0], layout)
+    check_aux_parity(tmp_path, 1, jobs[1], layout)
+    _check(tmp_path, split, (2, 1, 1, 1), j=2)
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--ep", "3", "--dp", "3", "--global-batch-size", "6", "--micro-batch-size", "2"],
      "config.json: the expert count (4) is not divisible by ep=3"),
-    (["--ep", "2", "--dp", "1", "--tp", "2"], "ep: 2 x tp 2 x pp 1 does not fit the world of tp x pp x dp = 2 ranks"),
+    (["--ep", "4", "--dp", "1", "--tp", "2"],
+     "ep: 4 x pp 1 does not fit the world of tp x pp x dp = 2 ranks (ep must divide tp x dp = 2)"),
     (["--lora-rank", "4"], "lora_rank: LoRA on mixture-of-experts models"),
 ], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-on-moe"])
 def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):

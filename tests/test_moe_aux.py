@@ -49,6 +49,39 @@ def test_formula_matches_transformers_value_and_gradient():
     assert low.tolist() == [0.25, 0.0] and high.tolist() == [0.5, 0.75]
 
 
+def test_parts_over_stages_and_tp_slices_add_up_to_the_aux_gradient():
+    """moe_step's decomposition: layers split over 2 stages, the sequence over 2 tp ranks
+    (router_token_mask's order); each part E/(L R)^2 sum_e C[e] S_part[e], with the total C,
+    has gradients that add up to aux's; and the _AuxGradient hook hands S_part exactly that."""
+    from mcore_dpo.moe_step import _AuxGradient, router_token_mask
+
+    torch.manual_seed(1)
+    layers, rows, seq, experts, topk, tp = 4, 3, 8, 4, 2, 2
+    logits = torch.randn(layers, seq * rows, experts, dtype=torch.float64, requires_grad=True)  # [s, b] order
+    mask = torch.ones(rows, seq)
+    mask[0, 5:] = 0
+    mask[2, 3:] = 0
+    sums = [moe_aux.layer_sums(logits[layer], mask.t().reshape(-1), topk=topk) for layer in range(layers)]
+    full = moe_aux.load_balancing_loss(sum(c for c, _ in sums), sum(s for _, s in sums), num_layers=layers,
+                                       num_tokens=mask.sum())
+    (expected,) = torch.autograd.grad(full, logits)
+    parts, total_counts = [], 0
+    for stage_layers in ((0, 1), (2, 3)):
+        for rank in range(tp):
+            flat = router_token_mask(mask, tp=tp, tp_rank=rank)
+            sliced = [logits[layer].reshape(seq, rows, experts).chunk(tp, dim=0)[rank].reshape(-1, experts)
+                      for layer in stage_layers]
+            c_s = [moe_aux.layer_sums(z, flat, topk=topk) for z in sliced]
+            total_counts = total_counts + sum(c for c, _ in c_s)
+            parts.append(sum(s for _, s in c_s))
+    scale = experts / (layers * mask.sum()) ** 2
+    output = torch.zeros(3, requires_grad=True)
+    outs = [_AuxGradient.apply(output, part, lambda: scale * total_counts) for part in parts]
+    torch.autograd.backward(outs, grad_tensors=[torch.ones(3)] * len(outs))
+    assert torch.allclose(logits.grad, expected, rtol=1e-12, atol=1e-15)
+    assert torch.equal(output.grad, torch.full((3,), float(len(outs))))  # the output's own gradient passes through
+
+
 def test_real_token_mask_is_the_attention_mask_of_the_collated_rows():
     pairs = make_pairs(6, seed=3)
     micro = collate(pairs, pad_token_id=PAD, seq_len=max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
@@ -132,34 +165,50 @@ def moe_models(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [(1, 1, 1, 1), (1, 1, 2, 2)], ids=["single-rank", "dp2-ep2"])
 def test_parity_with_aux_loss(moe_models, tmp_path, layout):
-    """Every metric (aux_loss and the load shares too) and every gradient, 2 steps, 1e-5."""
+    """Every metric (aux_loss and the load shares too) and every gradient, 2 steps, 1e-5. At tp 2
+    (sequence parallel) and at pp 2 it runs in tests/test_moe.py, in those layouts' launches."""
     tp, pp, dp, ep = layout
-    job = parity_job(layout, *moe_models, name="qwen3_moe", ep=ep, moe_aux_loss_coef=COEF, export_hf=False,
-                     distributed_optimizer=False)
-    job["eval_pairs"] = []
+    job = aux_job(layout, *moe_models)
     run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path)
+    check_aux_parity(tmp_path, 0, job, layout, router_effect=True)
+
+
+def aux_job(layout: tuple[int, int, int, int], policy_dir: Path, ref_dir: Path) -> dict:
+    job = parity_job(layout, policy_dir, ref_dir, name="qwen3_moe", ep=layout[3], moe_aux_loss_coef=COEF,
+                     export_hf=False, distributed_optimizer=False)
+    job["eval_pairs"] = []
+    return job
+
+
+def check_aux_parity(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int], *,
+                     router_effect: bool = False) -> None:
+    """Job j's gradients, metrics and router metrics against HF + TRL's sum with COEF x aux."""
+    from mcore_dpo.mesh import Layout
+
+    tp, pp, dp, ep = layout
     groups = engine_groups(dp=dp)
     config = job["config"]
     ref = _with_hub_names(_reference(config["model"], config["ref_model"], job["batches"], groups=groups, steps=2),
                           Path(config["model"]))
     spec = open_hf_dir(config["model"]).spec
     what = f"aux {COEF} at tp{tp} pp{pp} dp{dp} ep{ep}"
+    mesh_layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
     for step, ref_grads in enumerate(ref["grads"], start=1):
-        for (t, p, d), shard in load_rank_tensors(tmp_path, 0, f"grads{step}", layout=(tp, pp, dp)).items():
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=d % ep,
-                                         get=ref_grads.__getitem__)
+        for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
+                                         ep_rank=mesh_layout.ep_rank_of(tp_rank=t, dp_rank=d), get=ref_grads.__getitem__)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
-                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (dp{d})")
-    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (tp{t} pp{p} dp{d})")
+    ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
     assert len(ours) == 2, what
     for step, (m_ours, m_ref) in enumerate(zip(ours, ref["metrics"]), start=1):
         tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
         check_router_metrics(m_ours, m_ref["router"], what=f"{what} step {step}")
-    # The aux term is not lost in the tolerance: it changes the router's gradient by far more.
-    plain = tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 1)["grads"][0]
-    router = "model.layers.0.mlp.gate.weight"
-    assert (plain[router] - ref["grads"][0][router]).abs().max() > 100 * tp_.RTOL * ref["grads"][0][router].abs().max()
+    if router_effect:  # the aux term is not lost in the tolerance: it changes the router's gradient by far more
+        plain = tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 1)["grads"][0]
+        router = "model.layers.0.mlp.gate.weight"
+        assert (plain[router] - ref["grads"][0][router]).abs().max() > 100 * tp_.RTOL * ref["grads"][0][router].abs().max()
 
 
 # --------------------------------------------------------------------------- the flag, from the command line
@@ -175,10 +224,11 @@ def test_flag_parses_and_defaults_from_the_model_config():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--moe-aux-loss-coef", "0.01", "--pp", "2"], "moe_aux_loss_coef: the load-balancing loss with pp 2 > 1"),
+    (["--moe-aux-loss-coef", "0.01", "--packing"], "moe_aux_loss_coef: the load-balancing loss with --packing"),
     (["--moe-aux-loss-coef", "-1"], "moe_aux_loss_coef: must be >= 0, got -1.0"),
-    (["--tp", "2"], "describes a mixture-of-experts model, which trains at tp 1 only for now (got tp 2"),
-], ids=["pp2", "negative", "tp2"])
+    (["--tp", "2", "--no-sequence-parallel"], "describes a mixture-of-experts model, which needs sequence "
+                                              "parallelism at tp 2 > 1 (drop --no-sequence-parallel)"),
+], ids=["packing", "negative", "tp2-without-sequence-parallel"])
 def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, message):
     import ray
 

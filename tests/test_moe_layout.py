@@ -1,0 +1,51 @@
+"""Where the experts live with expert parallelism: the expert tensor-parallel rule, the
+expert-parallel rank of each (tp, dp) rank, and the converter's shards of an expert-parallel
+layout, whose HF round trip is bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint_convert.mapping import (expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf,
+                                        spec_from_hf_config)
+from mcore_dpo.mesh import Layout
+from test_families import _hub_tensors
+from test_moe import mixtral, qwen3_moe
+
+
+def test_expert_tp_rule_and_ep_ranks():
+    assert expert_tp_size(tp=2, ep=1) == 2  # no expert parallelism: split over tp like a dense MLP
+    assert expert_tp_size(tp=2, ep=2) == expert_tp_size(tp=4, ep=8) == expert_tp_size(tp=1, ep=2) == 1
+    # megatron-core's tp-ep-dp order: the stage's rank index is t + tp * d, its ep rank that mod ep.
+    assert [Layout(tp=2, pp=1, dp=1, ep=2).ep_rank_of(tp_rank=t, dp_rank=0) for t in (0, 1)] == [0, 1]
+    assert [Layout(tp=1, pp=2, dp=2, ep=2).ep_rank_of(tp_rank=0, dp_rank=d) for d in (0, 1)] == [0, 1]
+    layout = Layout(tp=2, pp=1, dp=4, ep=4)
+    assert [layout.ep_rank_of(tp_rank=t, dp_rank=d) for d in range(4) for t in range(2)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("family,tp,pp,ep", [("qwen3_moe", 2, 1, 2), ("qwen3_moe", 2, 1, 4), ("qwen3_moe", 2, 2, 2),
+                                             ("mixtral", 2, 1, 4)])
+def test_round_trip_at_expert_parallel_layouts_is_bit_exact(family, tp, pp, ep):
+    """HF -> the (tp, pp, ep) shards (experts whole on their ep rank, the same on each tp rank)
+    -> HF again through the ep-1 view: every tensor equal bit for bit."""
+    model = qwen3_moe(seed=7, num_layers=4) if family == "qwen3_moe" else mixtral(seed=7)
+    spec = spec_from_hf_config(model.config.to_dict())
+    hub = _hub_tensors(model)
+    shards = {(t, p, r): hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=r, get=hub.__getitem__)
+              for t in range(tp) for p in range(pp) for r in range(ep)}
+    fc1 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    fc2 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    width = spec.moe_intermediate_size if spec.moe_intermediate_size else spec.intermediate_size
+    for r in range(ep):  # whole experts: [gate; up] of expert r E/ep, the same on every tp rank
+        expert = r * spec.num_experts // ep
+        gate, up = (hub[f"model.layers.0.mlp.experts.{expert}.{p}_proj.weight"] for p in ("gate", "up")) \
+            if family == "qwen3_moe" else (hub[f"model.layers.0.block_sparse_moe.experts.{expert}.{p}.weight"] for p in ("w1", "w3"))
+        assert shards[(0, 0, r)][fc1].shape == (2 * width, spec.hidden_size)
+        assert shards[(0, 0, r)][fc2].shape == (spec.hidden_size, width)
+        assert torch.equal(shards[(0, 0, r)][fc1], torch.cat([gate, up]))
+        assert all(torch.equal(shards[(t, 0, r)][fc1], shards[(0, 0, r)][fc1]) for t in range(tp))
+    view = expert_parallel_view(spec, tp=tp, pp=pp, ep=ep, get_shard=lambda t, p, r: shards[(t, p, r)])
+    back = dict(mcore_to_hf(spec, tp=tp, pp=pp, get_shard=view))
+    assert set(back) == set(hub)
+    assert all(torch.equal(back[n], t) for n, t in hub.items())
