@@ -13,18 +13,13 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
-from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
-from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
@@ -39,6 +34,7 @@ from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.packing import collate_packed, eval_microbatches, pair_tokens, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
+from mcore_dpo.worker_checkpoint import PolicyCheckpointing
 from mcore_dpo.zero import ShardedOptimizer
 
 
@@ -197,7 +193,7 @@ class ReferenceWorker(_Rank):
         return table.cpu() if self.mesh.returns_result else None
 
 
-class PolicyWorker(_Rank):
+class PolicyWorker(PolicyCheckpointing, _Rank):
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
@@ -638,106 +634,12 @@ class PolicyWorker(_Rank):
         self.reference = None
         gc.collect()
 
-    # ------------------------------------------------------------------ checkpoints and export
-    def policy_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's policy parameters on the CPU in the run's dtype (megatron-core keeps some
-        norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
-        if self.mesh.dp_rank != 0:
-            return None
-        if self.config.lora:  # the base with the adapters merged in
-            return lora.merged_weights(self.policy.module, dtype=self.dtype)
-        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
-
-    def adapter_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
-        if self.mesh.dp_rank != 0:
-            return None
-        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
-
-    def write_adapter(self, directory: str) -> None:
-        """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
-        shard = self.adapter_shard()
-        if shard is not None:
-            _write_adapter_shard(Path(directory), shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
-
-    def write_policy(self, directory: str) -> None:
-        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""
-        shard = self.policy_shard()
-        if shard is not None:
-            write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-
-    def save_checkpoint(self, directory: str, *, step: int) -> None:
-        """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
-        hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
-        root = Path(directory)
-        if self.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
-            checkpoint_torch_dist.save(root, config=self.config, spec=self.spec, layout=self.layout,
-                                       model=self.policy.module, optimizer=self.optimizer, dp_rank=self.mesh.dp_rank,
-                                       step=step, platform=self.platform)  # fmt: skip
-        # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
-        # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
-        # its slices to dp rank 0); dp rank 0 writes.
-        kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
-        for kind in kinds:
-            shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
-            if shard is not None and self.config.lora:  # the driver joins them into PEFT files
-                _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
-            elif shard is not None:
-                write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-            del shard
-        if self.config.sync_ref_model and self.reference is not None and self.mesh.dp_rank == 0:
-            # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
-            shard = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.reference.named_parameters()}
-            write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-        rng = {"torch": torch.get_rng_state()}
-        if self.platform.is_cuda:
-            rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
-        (root / "rng").mkdir(parents=True, exist_ok=True)
-        save_file(rng, str(root / "rng" / f"rank{self.rank}.safetensors"))
-
-    def _load_checkpoint(self, directory: str) -> None:
-        """Master weights and AdamW moments (resharded through HF names when the layout changed)
-        and RNG states."""
-        state = read_state(Path(directory))
-        torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(directory)
-        shards = {}
-        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
-            if self.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
-                shards[kind] = self._adapter_shard_of(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)))
-                continue
-            shards[kind] = hf_to_mcore_shard(
-                self.spec,
-                tp=self.layout.tp,
-                tp_rank=self.mesh.tp_rank,
-                pp=self.layout.pp,
-                pp_rank=self.mesh.pp_rank,
-                get=(checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
-                     else open_weights(os.path.join(directory, kind))).get,
-                layer_spec=layer_spec_name(use_te=self.use_te),
-            )
-        if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
-            lora.load_shard(self.policy.module, shards["model"])
-        moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
-        self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
-        rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
-        if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
-            rng = load_file(str(rng_file))
-            torch.set_rng_state(rng["torch"])
-            if self.platform.is_cuda and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
-
     def grad_shard(self) -> dict[str, torch.Tensor]:
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
         return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()
                 if p.requires_grad}
-
-
-
-def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in shard.items()}, str(directory / f"tp{tp_rank}_pp{pp_rank}.safetensors"))
 
 
 def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
