@@ -22,6 +22,7 @@ from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
+from mcore_dpo.even_passes import even_passes
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
 from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
                             pair_losses)
@@ -580,13 +581,21 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
-        passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
-                             dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
+        costs = [pair_tokens(p) for p in pairs] if config.packing else None
+
+        def passes_of(dp_rank: int) -> list:
+            passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
+                                 dp_rank=dp_rank, micro_batch_size=config.micro_batch_size)
+            if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
+                passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
+            return passes
+
+        if self.layout.ep > 1:  # the same forwards on every rank; the dummies' results are dropped
+            passes = even_passes([passes_of(r) for r in range(self.layout.dp)], dp_rank=self.mesh.dp_rank)
+        else:
+            passes = [(chunk, groups, len(groups)) for chunk, groups in passes_of(self.mesh.dp_rank)]
         parts: list[PairLogps] = []
-        if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
-            costs = [pair_tokens(p) for p in pairs]
-            passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
-        for chunk, groups in passes:
+        for chunk, groups, num_real in passes:
             if config.packing:
                 mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id,
                                       multiple=self.seq_multiple) for ids in groups]
@@ -596,13 +605,14 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
                        for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
 
-            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx) -> torch.Tensor:
+            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx, num_real=num_real) -> torch.Tensor:
                 ids = groups[mb]
                 if ref_logps is not None:
                     ref = _table_rows(ref_logps, ids, device=self.platform.device)
                 else:
                     ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-                parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
+                if mb < num_real:
+                    parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
                 return torch.zeros(())
 
             ctx.loss_fn = loss_fn

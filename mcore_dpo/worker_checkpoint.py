@@ -10,9 +10,11 @@ layout, mesh, models and optimizer.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
@@ -48,8 +50,13 @@ class PolicyCheckpointing:
             _write_adapter_shard(Path(directory), shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
 
     def write_policy(self, directory: str) -> None:
-        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""
-        shard = self.policy_shard()
+        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
+        format; with ep > 1 every expert of the stage, gathered, under its global index)."""
+        if self.layout.ep > 1:
+            local = {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
+            shard = self._whole_over_ep(local)
+        else:
+            shard = self.policy_shard()
         if shard is not None:
             write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
 
@@ -66,16 +73,18 @@ class PolicyCheckpointing:
         # its slices to dp rank 0); dp rank 0 writes.
         kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
         for kind in kinds:
-            shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
+            shard = self._checkpoint_tensors(kind.removeprefix("optim/"))
             if shard is not None and self.config.lora:  # the driver joins them into PEFT files
                 _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
             elif shard is not None:
                 write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
             del shard
-        if self.config.sync_ref_model and self.reference is not None and self.mesh.dp_rank == 0:
+        if self.config.sync_ref_model and self.reference is not None and (self.mesh.dp_rank == 0 or self.layout.ep > 1):
             # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
             shard = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.reference.named_parameters()}
-            write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
+            shard = self._whole_over_ep(shard) if self.layout.ep > 1 else shard
+            if shard is not None:
+                write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
         rng = {"torch": torch.get_rng_state()}
         if self.platform.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
@@ -101,6 +110,8 @@ class PolicyCheckpointing:
                 get=(checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
                      else open_weights(os.path.join(directory, kind))).get,
                 layer_spec=layer_spec_name(use_te=self.use_te),
+                ep=self.layout.ep,
+                ep_rank=self.mesh.ep_rank,
             )
         if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
             lora.load_shard(self.policy.module, shards["model"])
@@ -113,6 +124,53 @@ class PolicyCheckpointing:
             if self.platform.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
 
+
+    def _checkpoint_tensors(self, kind: str) -> dict[str, torch.Tensor] | None:
+        """The optimizer's "model" (fp32 masters) or moment tensors of this (tp, pp) stage, whole,
+        on dp rank 0 (None elsewhere); with ep > 1 every expert of the stage under its global index."""
+        if self.layout.ep == 1:
+            return self.optimizer.checkpoint_tensors(kind, dp_rank=self.mesh.dp_rank)
+        # The replicated optimizer (the dp-sharded one is refused with ep > 1): every dp rank holds
+        # the whole state of its own parameters, its ep share of the experts among them.
+        return self._whole_over_ep(self.optimizer.checkpoint_tensors(kind, dp_rank=0))
+
+    def _whole_over_ep(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Expert parallelism: this rank's tensors (the dense ones and its local experts), from
+        every dp rank; on dp rank 0 the dense ones and every expert of the stage, each under its
+        global index (the layout of ep 1, which checkpoint_convert reads and any ep loads); None
+        elsewhere. The dp group holds every ep rank (megatron-core carves the expert groups from
+        it); dp rank 0 takes each ep rank's experts from the first dp rank of that ep rank."""
+        mesh, dp = self.mesh, self.layout.dp
+        ep_of: list[int] = [0] * dp
+        dist.all_gather_object(ep_of, mesh.ep_rank, group=mesh.dp_group)
+        source = {}  # ep rank -> the first dp rank holding its experts
+        for d, r in enumerate(ep_of):
+            source.setdefault(r, d)
+        if sorted(source) != list(range(self.layout.ep)):
+            raise RuntimeError(f"the dp group holds ep ranks {sorted(source)}, not all {self.layout.ep}: "
+                               "this expert layout cannot be gathered for a checkpoint")
+        per_rank = self.spec.num_experts // self.layout.ep
+        out = {n: t for n, t in local.items() if not _EXPERT.search(n)} if mesh.dp_rank == 0 else None
+        dst = dist.get_global_rank(mesh.dp_group, 0)
+        for name in sorted(n for n in local if _EXPERT.search(n)):  # the same names on every ep rank
+            tensor = local[name].contiguous().to(self.platform.device)
+            parts = [torch.empty_like(tensor) for _ in range(dp)] if mesh.dp_rank == 0 else None
+            dist.gather(tensor, parts, dst=dst, group=mesh.dp_group)
+            if out is not None:
+                for r, d in source.items():
+                    out[_global_expert_name(name, ep_rank=r, per_rank=per_rank)] = parts[d].to("cpu")
+        return out
+
+
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _global_expert_name(name: str, *, ep_rank: int, per_rank: int) -> str:
+    """A local expert's parameter name on expert-parallel rank `ep_rank` (which holds experts
+    [ep_rank * per_rank, (ep_rank + 1) * per_rank)) with the expert's global index."""
+    match = _EXPERT.search(name)
+    expert = ep_rank * per_rank + int(match.group(1))
+    return f"{name[: match.start()]}.local_experts.{expert}.{name[match.end():]}"
 
 
 def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
