@@ -316,10 +316,9 @@ class TrainConfig:
             raise ConfigError(f"ep: {self.ep} x tp {self.tp} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide dp {self.dp})")
         # Not yet with ep > 1: the dp-sharded optimizer (expert parameters live in buffers of their
-        # own over the expert-data-parallel group) and the precomputed reference pass.
-        if self.distributed_optimizer or self.ref_mode == "precomputed":
-            raise ConfigError("ep: --distributed-optimizer and --ref-mode precomputed are not supported with ep > 1 yet "
-                              "(pass --no-distributed-optimizer; --ref-mode interleaved or sequential)")
+        # own over the expert-data-parallel group).
+        if self.distributed_optimizer:
+            raise ConfigError("ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)")
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch

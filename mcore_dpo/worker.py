@@ -140,27 +140,29 @@ class _Rank:
         Chunks hold this group's share of a global batch (its own dp, which for the "ref" group
         need not be the policy's), in whole microbatches; a chunk's last microbatch may be smaller."""
         dp, mesh = self.layout.dp, self.mesh
-        mine = list(range(mesh.dp_rank, len(pairs), dp))
         b = self.config.micro_batch_size
         rows_per_chunk = max(1, self.config.global_batch_size // dp // b) * b
+
+        def passes_of(dp_rank: int) -> list:
+            mine = list(range(dp_rank, len(pairs), dp))
+            chunks = [mine[lo : lo + rows_per_chunk] for lo in range(0, len(mine), rows_per_chunk)]
+            return [(None, [ids[k : k + b] for k in range(0, len(ids), b)]) for ids in chunks]
+
+        if self.layout.ep > 1:  # the same forwards on every rank (expert all-to-all); dummies dropped
+            passes = even_passes([passes_of(r) for r in range(dp)], dp_rank=mesh.dp_rank)
+        else:
+            passes = [(None, groups, len(groups)) for _, groups in passes_of(mesh.dp_rank)]
         table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
-        for lo in range(0, len(mine), rows_per_chunk):
-            ids = mine[lo : lo + rows_per_chunk]
-            chunk = [pairs[i] for i in ids]
-            seq_len = padded_seq_len(chunk, multiple=self.seq_multiple)
-            mbs = [
-                collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
-                for k in range(0, len(chunk), b)
-            ]
+        for _, groups, num_real in passes:
+            seq_len = padded_seq_len([pairs[i] for ids in groups for i in ids], multiple=self.seq_multiple)
+            mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
             if mesh.is_last_stage:
-                for mb in range(len(mbs)):
+                for mb, ids in enumerate(groups[:num_real]):
                     logps = ctx.ref_logps.pop((0, mb))
-                    n = len(logps.logp_sum) // 2
-                    mb_ids = ids[mb * b : mb * b + n]
-                    table[mb_ids, 0] = logps.logp_sum[:n].double()
-                    table[mb_ids, 1] = logps.logp_sum[n:].double()
+                    table[ids, 0] = logps.logp_sum[: len(ids)].double()
+                    table[ids, 1] = logps.logp_sum[len(ids) :].double()
         if not mesh.is_last_stage:
             return None
         if dp > 1:

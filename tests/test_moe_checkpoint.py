@@ -166,9 +166,7 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
             assert err <= RTOL * theirs[name].abs().max().item(), (name, err)
 
 
-@pytest.mark.parametrize("flags", [["--distributed-optimizer"], ["--no-distributed-optimizer", "--ref-mode", "precomputed"]],
-                         ids=["distributed-optimizer", "precomputed"])
-def test_what_stays_refused_with_expert_parallelism_is_one_line(tmp_path, capsys, flags):
+def test_the_sharded_optimizer_stays_refused_with_expert_parallelism_in_one_line(tmp_path, capsys):
     import ray
 
     from mcore_dpo.train import main
@@ -176,8 +174,33 @@ def test_what_stays_refused_with_expert_parallelism_is_one_line(tmp_path, capsys
     model = save_hf(qwen3_moe(seed=1), tmp_path / "policy")
     (tmp_path / "train.jsonl").write_text(_rows(3, 8))
     code = main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--output-dir", str(tmp_path / "out"),
-                 "--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2", *flags])
+                 "--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                 "--distributed-optimizer"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "ep: --distributed-optimizer and --ref-mode precomputed are not supported with ep > 1 yet" in err, err
+    assert "ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)" in err, err
     assert not ray.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_precomputed_reference_and_evaluation_at_ep2_match_hf(tmp_path):
+    """--ref-mode precomputed at (tp, pp, dp, ep) = (1, 1, 2, 2), 2 steps, 13 held-out pairs: the
+    reference tables' and the evaluation's shares are uneven over the dp ranks (dummy
+    microbatches and a dummy pass); every metric and the evaluation equal HF + TRL within 1e-5."""
+    import test_parity as tp_
+    from parity import run_ranks
+    from test_moe import _with_hub_names
+    from test_qwen3 import parity_job
+
+    policy, ref = save_hf(qwen3_moe(seed=1), tmp_path / "policy"), save_hf(qwen3_moe(seed=2), tmp_path / "ref")
+    job = parity_job((1, 1, 2), policy, ref, name="qwen3_moe", ep=2, export_hf=False, distributed_optimizer=False)
+    job["config"]["ref_mode"] = "precomputed"
+    assert len(job["eval_pairs"]) == 13 and len(job["all_pairs"]) == 16
+    run_ranks(world_size=2, jobs=[job], out_dir=tmp_path)
+    expected = _with_hub_names(tp_._reference(str(policy), str(ref), "sigmoid", "interleaved", 2), policy)
+    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+    assert len(ours) == 3
+    for step in (1, 2):
+        tp_._check_metrics(ours[step - 1], expected["metrics"][step - 1], names=tp_.METRICS, prefix="",
+                           what=f"precomputed ep2 step {step}", rtol=tp_.RTOL)
+    tp_._check_metrics(ours[2], expected["eval"], names=tuple(n for n in tp_.METRICS if n != "grad_norm"),
+                       prefix="eval/", what="precomputed ep2 eval", rtol=tp_.RTOL)
