@@ -61,7 +61,8 @@ class PolicyCheckpointing:
             write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
-        """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
+        """Weights and AdamW moments (dp rank 0 of each (tp, pp); with ep > 1 it gathers every
+        expert of its stage first), and every rank's RNG states."""
         hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
         if self.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
@@ -123,7 +124,6 @@ class PolicyCheckpointing:
             torch.set_rng_state(rng["torch"])
             if self.platform.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
-
 
     def _checkpoint_tensors(self, kind: str) -> dict[str, torch.Tensor] | None:
         """The optimizer's "model" (fp32 masters) or moment tensors of this (tp, pp) stage, whole,
