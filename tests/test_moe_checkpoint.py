@@ -10,7 +10,11 @@ dp rank 0: the expert all-to-all needs dummies there) and exports hf/. Then:
 - `checkpoint_convert mcore-to-hf` of the step-4 checkpoint equals hf/ bit for bit, and
   transformers loads hf/ with no missing or unexpected keys;
 - resumed from the step-2 checkpoint at ep 2, steps 3-4 (metrics, evaluation, final weights)
-  are bit-identical to the uninterrupted run; resumed at ep 1 they agree within 1e-5.
+  are bit-identical to the uninterrupted run.
+
+The checkpoint holds every expert under its global index (the ep-1 layout), so a resume at
+another ep reads it through the same key map as a start from HF weights at that ep; the step-4
+evaluation of hf/ (written through the same gather as the checkpoint) checks the indices.
 """
 
 from __future__ import annotations
@@ -139,31 +143,19 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     assert _tensors(tmp_path / "step2").keys() == exported.keys()
     assert {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(2) for e in range(4)} <= exported.keys()
 
-    # Resume from step 2: at ep 2 bit-identical, at ep 1 within 1e-5.
-    for ep in (2, 1):
-        resumed_out = tmp_path / f"resume_ep{ep}"
-        (resumed_out / "checkpoints").mkdir(parents=True)
-        shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
-        (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
-        result = _train([*run["args"], "--ep", str(ep)], resumed_out, cache=root / "cache")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "resuming from" in result.stdout
-        ours = _metrics(resumed_out)
-        assert [m["step"] for m in ours] == [3, 4]
-        theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
-        assert theirs.keys() == resumed.keys()
-        if ep == 2:
-            assert ours == [by_step[3], by_step[4]]
-            for name in theirs:
-                assert torch.equal(theirs[name], resumed[name]), name
-            continue
-        for a, b in zip(ours, [by_step[3], by_step[4]]):
-            assert a.keys() == b.keys()
-            for key in b:
-                assert abs(a[key] - b[key]) <= RTOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
-        for name in theirs:
-            err = (theirs[name] - resumed[name]).abs().max().item()
-            assert err <= RTOL * theirs[name].abs().max().item(), (name, err)
+    # Resume from step 2 at ep 2: bit-identical.
+    resumed_out = tmp_path / "resumed"
+    (resumed_out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
+    (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
+    result = _train([*run["args"], "--ep", "2"], resumed_out, cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
+    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
+    assert theirs.keys() == resumed.keys()
+    for name in theirs:
+        assert torch.equal(theirs[name], resumed[name]), name
 
 
 def test_the_sharded_optimizer_stays_refused_with_expert_parallelism_in_one_line(tmp_path, capsys):
