@@ -177,24 +177,38 @@ def _first_line(error: BaseException) -> str:
     return text[-1] if text else type(error).__name__
 
 
-def _bundles_by_node(pg, *, world_size: int, tp: int, role: str) -> list[int]:
-    """Ranks in megatron-core order (tp fastest) onto bundles grouped by node, so that every
-    tensor-parallel group lands on one node."""
-    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+def bundle_order(node_of: Sequence[str], *, tp: int, ep: int = 1, role: str) -> list[int]:
+    """The bundle of each rank (megatron-core order: tp fastest, then dp, then pp), given each
+    bundle's node. Every tensor-parallel group lands on one node (else WorkerGroupError), and
+    as many expert-parallel blocks as the nodes can hold whole: with the expert groups carved
+    from tp x dp (expert tp = tp, ep dividing dp), the tp x ep consecutive ranks of a block
+    hold whole ep groups, the ranks that exchange tokens. Blocks go whole onto the nodes in the
+    order the bundles name them (bundles in index order within a node); the blocks left over,
+    if any, are spread over what remains, one tp group at a time."""
+    world_size = len(node_of)
     nodes: list[str] = []
-    for index in range(world_size):
-        if node_of[index] not in nodes:
-            nodes.append(node_of[index])
-    order = sorted(range(world_size), key=lambda index: (nodes.index(node_of[index]), index))
-    for start in range(0, world_size, tp):
-        group_nodes = {node_of[index] for index in order[start : start + tp]}
-        if len(group_nodes) > 1:
-            counts = {node[:8]: sum(1 for i in range(world_size) if node_of[i] == node) for node in nodes}
-            raise WorkerGroupError(
-                f"{role}: a tensor-parallel group of {tp} ranks would span nodes (bundles per node: {counts}); "
-                f"give every node a multiple of tp={tp} devices"
-            )
+    for node in node_of:
+        if node not in nodes:
+            nodes.append(node)
+    free = {node: [i for i in range(world_size) if node_of[i] == node] for node in nodes}
+    order: list[int] = []
+    for size in (tp * ep, tp):  # whole blocks first, then what is left by tp group
+        for node in nodes:
+            while len(free[node]) >= size and len(order) < world_size:
+                order.extend(free[node][:size])
+                free[node] = free[node][size:]
+    if len(order) < world_size:
+        counts = {node[:8]: sum(1 for n in node_of if n == node) for node in nodes}
+        raise WorkerGroupError(
+            f"{role}: a tensor-parallel group of {tp} ranks would span nodes (bundles per node: {counts}); "
+            f"give every node a multiple of tp={tp} devices"
+        )
     return order
+
+
+def _bundles_by_node(pg, *, world_size: int, tp: int, ep: int, role: str) -> list[int]:
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    return bundle_order([node_of[i] for i in range(world_size)], tp=tp, ep=ep, role=role)
 
 
 def create_group(
@@ -208,9 +222,11 @@ def create_group(
     kwargs_of_rank: Callable[[int, str, int], dict],
     use_gpus: bool,
     placement_timeout_s: float,
+    ep: int = 1,
 ) -> WorkerGroup:
     """One placement group (a bundle per rank, PACK so a tp group shares a node where it
-    fits), then one actor per bundle. Rendezvous: bundle 0's node and a free port there."""
+    fits), then one actor per bundle (`bundle_order`: tp groups, and ep groups where they fit,
+    on one node). Rendezvous: bundle 0's node and a free port there."""
     bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name=f"{role}-group")
     try:
@@ -222,7 +238,7 @@ def create_group(
             f"{role}: could not place {world_size} bundles of {bundle} within {placement_timeout_s:.0f} s; "
             f"the cluster has CPU={available.get('CPU', 0):g} GPU={available.get('GPU', 0):g} available"
         ) from None
-    bundle_of_rank = _bundles_by_node(pg, world_size=world_size, tp=tp, role=role)
+    bundle_of_rank = _bundles_by_node(pg, world_size=world_size, tp=tp, ep=ep, role=role)
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_of_rank[0])
     master_addr, master_port = ray.get(_node_address_and_port.options(num_cpus=0, scheduling_strategy=strategy).remote())
     actor_cls = ray.remote(_RayWorker)

@@ -276,7 +276,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
-        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp,
+        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep,
                              resume_dir=str(resume_dir) if resume_dir else None)
         workers = {}
         for g in (ref_group, group):
@@ -359,7 +359,7 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, **worker_kwargs):
+def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, ep: int = 1, **worker_kwargs):
     """One worker group for a role: an actor per rank, each building `factory(...)`."""
     from mcore_dpo import ray_workers
 
@@ -370,6 +370,7 @@ def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: in
         tp=tp,
         pp=pp,
         dp=dp,
+        ep=ep,
         factory=factory,
         kwargs_of_rank=lambda rank, addr, port: dict(
             config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
@@ -470,7 +471,7 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,
-        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp},
+        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep},
         "config": config.to_dict(),
         "run": identity if identity is not None else run_identity(config),  # what a resume must agree on
     }

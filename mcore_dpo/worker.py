@@ -13,20 +13,16 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
-from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
-from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
+from mcore_dpo.even_passes import even_passes
 from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
 from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
                             pair_losses)
@@ -39,6 +35,7 @@ from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.packing import collate_packed, eval_microbatches, pair_tokens, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
+from mcore_dpo.worker_checkpoint import PolicyCheckpointing
 from mcore_dpo.zero import ShardedOptimizer
 
 
@@ -143,27 +140,29 @@ class _Rank:
         Chunks hold this group's share of a global batch (its own dp, which for the "ref" group
         need not be the policy's), in whole microbatches; a chunk's last microbatch may be smaller."""
         dp, mesh = self.layout.dp, self.mesh
-        mine = list(range(mesh.dp_rank, len(pairs), dp))
         b = self.config.micro_batch_size
         rows_per_chunk = max(1, self.config.global_batch_size // dp // b) * b
+
+        def passes_of(dp_rank: int) -> list:
+            mine = list(range(dp_rank, len(pairs), dp))
+            chunks = [mine[lo : lo + rows_per_chunk] for lo in range(0, len(mine), rows_per_chunk)]
+            return [(None, [ids[k : k + b] for k in range(0, len(ids), b)]) for ids in chunks]
+
+        if self.layout.ep > 1:  # the same forwards on every rank (expert all-to-all); dummies dropped
+            passes = even_passes([passes_of(r) for r in range(dp)], dp_rank=mesh.dp_rank)
+        else:
+            passes = [(None, groups, len(groups)) for _, groups in passes_of(mesh.dp_rank)]
         table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
-        for lo in range(0, len(mine), rows_per_chunk):
-            ids = mine[lo : lo + rows_per_chunk]
-            chunk = [pairs[i] for i in ids]
-            seq_len = padded_seq_len(chunk, multiple=self.seq_multiple)
-            mbs = [
-                collate(chunk[k : k + b], pad_token_id=self.pad_token_id, seq_len=seq_len)
-                for k in range(0, len(chunk), b)
-            ]
+        for _, groups, num_real in passes:
+            seq_len = padded_seq_len([pairs[i] for ids in groups for i in ids], multiple=self.seq_multiple)
+            mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len) for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
             if mesh.is_last_stage:
-                for mb in range(len(mbs)):
+                for mb, ids in enumerate(groups[:num_real]):
                     logps = ctx.ref_logps.pop((0, mb))
-                    n = len(logps.logp_sum) // 2
-                    mb_ids = ids[mb * b : mb * b + n]
-                    table[mb_ids, 0] = logps.logp_sum[:n].double()
-                    table[mb_ids, 1] = logps.logp_sum[n:].double()
+                    table[ids, 0] = logps.logp_sum[: len(ids)].double()
+                    table[ids, 1] = logps.logp_sum[len(ids) :].double()
         if not mesh.is_last_stage:
             return None
         if dp > 1:
@@ -197,7 +196,7 @@ class ReferenceWorker(_Rank):
         return table.cpu() if self.mesh.returns_result else None
 
 
-class PolicyWorker(_Rank):
+class PolicyWorker(PolicyCheckpointing, _Rank):
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
@@ -582,13 +581,21 @@ class PolicyWorker(_Rank):
         sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
-        passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
-                             dp_rank=self.mesh.dp_rank, micro_batch_size=config.micro_batch_size)
+        costs = [pair_tokens(p) for p in pairs] if config.packing else None
+
+        def passes_of(dp_rank: int) -> list:
+            passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
+                                 dp_rank=dp_rank, micro_batch_size=config.micro_batch_size)
+            if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
+                passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
+            return passes
+
+        if self.layout.ep > 1:  # the same forwards on every rank; the dummies' results are dropped
+            passes = even_passes([passes_of(r) for r in range(self.layout.dp)], dp_rank=self.mesh.dp_rank)
+        else:
+            passes = [(chunk, groups, len(groups)) for chunk, groups in passes_of(self.mesh.dp_rank)]
         parts: list[PairLogps] = []
-        if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
-            costs = [pair_tokens(p) for p in pairs]
-            passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
-        for chunk, groups in passes:
+        for chunk, groups, num_real in passes:
             if config.packing:
                 mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id,
                                       multiple=self.seq_multiple) for ids in groups]
@@ -598,13 +605,14 @@ class PolicyWorker(_Rank):
                        for ids in groups]
             ctx = self._context({0: mbs}, forward_only=True)
 
-            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx) -> torch.Tensor:
+            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx, num_real=num_real) -> torch.Tensor:
                 ids = groups[mb]
                 if ref_logps is not None:
                     ref = _table_rows(ref_logps, ids, device=self.platform.device)
                 else:
                     ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-                parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
+                if mb < num_real:
+                    parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
                 return torch.zeros(())
 
             ctx.loss_fn = loss_fn
@@ -636,106 +644,12 @@ class PolicyWorker(_Rank):
         self.reference = None
         gc.collect()
 
-    # ------------------------------------------------------------------ checkpoints and export
-    def policy_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's policy parameters on the CPU in the run's dtype (megatron-core keeps some
-        norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
-        if self.mesh.dp_rank != 0:
-            return None
-        if self.config.lora:  # the base with the adapters merged in
-            return lora.merged_weights(self.policy.module, dtype=self.dtype)
-        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
-
-    def adapter_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
-        if self.mesh.dp_rank != 0:
-            return None
-        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
-
-    def write_adapter(self, directory: str) -> None:
-        """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
-        shard = self.adapter_shard()
-        if shard is not None:
-            _write_adapter_shard(Path(directory), shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
-
-    def write_policy(self, directory: str) -> None:
-        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert format)."""
-        shard = self.policy_shard()
-        if shard is not None:
-            write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-
-    def save_checkpoint(self, directory: str, *, step: int) -> None:
-        """Weights and AdamW moments (dp rank 0 of each (tp, pp)), and every rank's RNG states."""
-        hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
-        root = Path(directory)
-        if self.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
-            checkpoint_torch_dist.save(root, config=self.config, spec=self.spec, layout=self.layout,
-                                       model=self.policy.module, optimizer=self.optimizer, dp_rank=self.mesh.dp_rank,
-                                       step=step, platform=self.platform)  # fmt: skip
-        # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
-        # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
-        # its slices to dp rank 0); dp rank 0 writes.
-        kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
-        for kind in kinds:
-            shard = self.optimizer.checkpoint_tensors(kind.removeprefix("optim/"), dp_rank=self.mesh.dp_rank)
-            if shard is not None and self.config.lora:  # the driver joins them into PEFT files
-                _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
-            elif shard is not None:
-                write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-            del shard
-        if self.config.sync_ref_model and self.reference is not None and self.mesh.dp_rank == 0:
-            # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
-            shard = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.reference.named_parameters()}
-            write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
-        rng = {"torch": torch.get_rng_state()}
-        if self.platform.is_cuda:
-            rng["cuda"] = torch.cuda.get_rng_state(self.platform.device)
-        (root / "rng").mkdir(parents=True, exist_ok=True)
-        save_file(rng, str(root / "rng" / f"rank{self.rank}.safetensors"))
-
-    def _load_checkpoint(self, directory: str) -> None:
-        """Master weights and AdamW moments (resharded through HF names when the layout changed)
-        and RNG states."""
-        state = read_state(Path(directory))
-        torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(directory)
-        shards = {}
-        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
-            if self.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
-                shards[kind] = self._adapter_shard_of(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)))
-                continue
-            shards[kind] = hf_to_mcore_shard(
-                self.spec,
-                tp=self.layout.tp,
-                tp_rank=self.mesh.tp_rank,
-                pp=self.layout.pp,
-                pp_rank=self.mesh.pp_rank,
-                get=(checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
-                     else open_weights(os.path.join(directory, kind))).get,
-                layer_spec=layer_spec_name(use_te=self.use_te),
-            )
-        if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
-            lora.load_shard(self.policy.module, shards["model"])
-        moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
-        self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
-        rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
-        if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
-            rng = load_file(str(rng_file))
-            torch.set_rng_state(rng["torch"])
-            if self.platform.is_cuda and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
-
     def grad_shard(self) -> dict[str, torch.Tensor]:
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
         return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()
                 if p.requires_grad}
-
-
-
-def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in shard.items()}, str(directory / f"tp{tp_rank}_pp{pp_rank}.safetensors"))
 
 
 def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:

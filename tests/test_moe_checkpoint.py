@@ -1,0 +1,198 @@
+"""Expert-parallel runs through the real command line: training checkpoints, exact resume (and
+resume at another ep), the hf/ export, and evaluation with uneven held-out shares.
+
+One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (1, 1, 2, 2) writes checkpoints at
+steps 2 and 4, evaluates 7 held-out pairs (dp rank 1 has a microbatch and a pass fewer than
+dp rank 0: the expert all-to-all needs dummies there) and exports hf/. Then:
+
+- its evaluation at step 0 and after the last step equals HF AutoModelForCausalLM + TRL's
+  formulas on the same pairs within 1e-5 relative (the dummies count nowhere);
+- `checkpoint_convert mcore-to-hf` of the step-4 checkpoint equals hf/ bit for bit, and
+  transformers loads hf/ with no missing or unexpected keys;
+- resumed from the step-2 checkpoint at ep 2, steps 3-4 (metrics, evaluation, final weights)
+  are bit-identical to the uninterrupted run.
+
+The checkpoint holds every expert under its global index (the ep-1 layout), so a resume at
+another ep reads it through the same key map as a start from HF weights at that ep; the step-4
+evaluation of hf/ (written through the same gather as the checkpoint) checks the indices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+from convert_helpers import save_hf  # noqa: E402
+from test_moe import qwen3_moe  # noqa: E402
+
+from mcore_dpo.even_passes import even_passes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
+RTOL = 1e-5
+EVAL_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected", "logits/chosen", "logits/rejected")
+COMMON = ["--max-steps", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--save-interval", "2",
+          "--eval-interval", "2", "--no-distributed-optimizer", "--dp", "2", "--seed", "3"]
+
+
+def test_even_passes_pads_microbatches_and_passes():
+    # dp rank 0: a pass of 2 microbatches, then one of 1; dp rank 1: one pass of 1 microbatch.
+    passes = [[(range(0, 7), [[0, 1], [2, 3]]), (range(7, 8), [[7]])], [(range(0, 7), [[4, 5]])]]
+    assert even_passes(passes, dp_rank=0) == [(range(0, 7), [[0, 1], [2, 3]], 2), (range(7, 8), [[7]], 1)]
+    assert even_passes(passes, dp_rank=1) == [(range(0, 7), [[4, 5], [4, 5]], 1), (range(0, 1), [[0]], 0)]
+    assert even_passes([[], []], dp_rank=1) == []
+
+
+def _rows(start: int, count: int) -> str:
+    """Preference rows of uneven prompt lengths (1 to 3 words)."""
+    return "".join(json.dumps({"prompt": " ".join(f"w{i + k}" for k in range(1 + i % 3)), "chosen": f" w{i + 3} w{i + 5}",
+                               "rejected": f" w{i + 4}"}) + "\n" for i in range(start, start + count))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe_ckpt")
+    policy = save_hf(qwen3_moe(seed=1), root / "policy")
+    ref = save_hf(qwen3_moe(seed=2), root / "ref")
+    (root / "train.jsonl").write_text(_rows(3, 32))
+    (root / "eval.jsonl").write_text(_rows(40, 7))
+    args = ["--model", str(policy), "--ref-model", str(ref), "--data", str(root / "train.jsonl"),
+            "--eval-data", str(root / "eval.jsonl")]
+    result = _train([*args, "--ep", "2"], root / "a", cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref}
+
+
+def _train(args: list[str], out: Path, *, cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING and not k.startswith("memory/")} for row in rows]
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _hf_eval(policy_dir: Path, ref_dir: Path, eval_file: Path) -> dict[str, float]:
+    """TRL's metrics of every held-out pair, from HF models (parity.py's formulas)."""
+    from parity import _loss_and_metrics
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mcore_dpo.data import load_pairs
+
+    pairs, _ = load_pairs(str(eval_file), tokenizer=AutoTokenizer.from_pretrained(str(policy_dir)), max_length=64,
+                          on_bad_row="error")
+    policy, reference = (AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+                         for d in (policy_dir, ref_dir))
+    with torch.no_grad():
+        _, metrics = _loss_and_metrics(policy, reference, pairs, loss_type="sigmoid", beta=0.1, eps=0.0,
+                                       reference_free=False)
+    return metrics
+
+
+def _assert_close_metrics(ours: dict, ref: dict, *, names, prefix: str, what: str) -> None:
+    for name in names:
+        a, b = ours[prefix + name], ref[name]
+        assert abs(a - b) <= RTOL * max(1.0, abs(b)), f"{what}: {name} {a} vs {b}"
+
+
+def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
+    out, root = run["out"], run["root"]
+    rows = _metrics(out)
+    by_step = {row["step"]: row for row in rows}
+    assert sorted(by_step) == [0, 1, 2, 3, 4]
+    # Evaluation at ep 2 over uneven shares equals HF at the start and after the last step.
+    _assert_close_metrics(by_step[0], _hf_eval(run["policy"], run["ref"], root / "eval.jsonl"), names=EVAL_METRICS,
+                          prefix="eval/", what="eval at step 0")
+    _assert_close_metrics(by_step[4], _hf_eval(out / "hf", run["ref"], root / "eval.jsonl"), names=EVAL_METRICS,
+                          prefix="eval/", what="eval after step 4")
+
+    # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it, every
+    # expert under its global index; transformers loads it with no missing or unexpected keys.
+    from checkpoint_convert.__main__ import main as convert
+    from transformers import AutoModelForCausalLM
+
+    assert convert(["mcore-to-hf", "--mcore-dir", str(out / "checkpoints" / "final"), "--out", str(tmp_path / "final")]) == 0
+    exported, converted = _tensors(out / "hf"), _tensors(tmp_path / "final")
+    assert exported.keys() == converted.keys()
+    for name in exported:
+        assert torch.equal(exported[name], converted[name]), name
+    _, info = AutoModelForCausalLM.from_pretrained(str(out / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # The training checkpoint is in the converter's layout too: it converts to the same key set.
+    model_dir = out / "checkpoints" / "step_00000002" / "model"
+    assert convert(["mcore-to-hf", "--mcore-dir", str(model_dir), "--out", str(tmp_path / "step2")]) == 0
+    assert _tensors(tmp_path / "step2").keys() == exported.keys()
+    assert {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(2) for e in range(4)} <= exported.keys()
+
+    # Resume from step 2 at ep 2: bit-identical.
+    resumed_out = tmp_path / "resumed"
+    (resumed_out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
+    (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
+    result = _train([*run["args"], "--ep", "2"], resumed_out, cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
+    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
+    assert theirs.keys() == resumed.keys()
+    for name in theirs:
+        assert torch.equal(theirs[name], resumed[name]), name
+
+
+def test_the_sharded_optimizer_stays_refused_with_expert_parallelism_in_one_line(tmp_path, capsys):
+    import ray
+
+    from mcore_dpo.train import main
+
+    model = save_hf(qwen3_moe(seed=1), tmp_path / "policy")
+    (tmp_path / "train.jsonl").write_text(_rows(3, 8))
+    code = main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--output-dir", str(tmp_path / "out"),
+                 "--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                 "--distributed-optimizer"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)" in err, err
+    assert not ray.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_precomputed_reference_and_evaluation_at_ep2_match_hf(tmp_path):
+    """--ref-mode precomputed at (tp, pp, dp, ep) = (1, 1, 2, 2), 2 steps, 13 held-out pairs: the
+    reference tables' and the evaluation's shares are uneven over the dp ranks (dummy
+    microbatches and a dummy pass); every metric and the evaluation equal HF + TRL within 1e-5."""
+    import test_parity as tp_
+    from parity import run_ranks
+    from test_moe import _with_hub_names
+    from test_qwen3 import parity_job
+
+    policy, ref = save_hf(qwen3_moe(seed=1), tmp_path / "policy"), save_hf(qwen3_moe(seed=2), tmp_path / "ref")
+    job = parity_job((1, 1, 2), policy, ref, name="qwen3_moe", ep=2, export_hf=False, distributed_optimizer=False)
+    job["config"]["ref_mode"] = "precomputed"
+    assert len(job["eval_pairs"]) == 13 and len(job["all_pairs"]) == 16
+    run_ranks(world_size=2, jobs=[job], out_dir=tmp_path)
+    expected = _with_hub_names(tp_._reference(str(policy), str(ref), "sigmoid", "interleaved", 2), policy)
+    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+    assert len(ours) == 3
+    for step in (1, 2):
+        tp_._check_metrics(ours[step - 1], expected["metrics"][step - 1], names=tp_.METRICS, prefix="",
+                           what=f"precomputed ep2 step {step}", rtol=tp_.RTOL)
+    tp_._check_metrics(ours[2], expected["eval"], names=tuple(n for n in tp_.METRICS if n != "grad_norm"),
+                       prefix="eval/", what="precomputed ep2 eval", rtol=tp_.RTOL)
