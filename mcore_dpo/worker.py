@@ -282,7 +282,8 @@ class PolicyWorker(_Rank):
         from checkpoint_convert.peft_adapter import peft_to_shard
 
         return peft_to_shard(whole.__getitem__, spec=self.spec, lora=lora.shape_of(self.config), tp=self.layout.tp,
-                             tp_rank=self.mesh.tp_rank, pp=self.layout.pp, pp_rank=self.mesh.pp_rank)
+                             tp_rank=self.mesh.tp_rank, pp=self.layout.pp, pp_rank=self.mesh.pp_rank,
+                             ep=self.layout.ep, ep_rank=self.mesh.ep_rank)
 
     def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
