@@ -27,8 +27,8 @@ import torch
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
-from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, peft_shapes, peft_to_shard,
-                                             shards_to_peft, write_adapter_dir)
+from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_shapes,
+                                             peft_to_shard, shards_to_peft, write_adapter_dir)
 from convert_helpers import save_hf
 from parity import _loss_and_metrics, assert_close, load_rank_tensors, make_pairs, run_ranks
 from test_moe import mixtral, qwen3_moe
@@ -90,6 +90,7 @@ def test_expert_adapters_are_peft_target_parameters(family, tmp_path):
         whole = {k: torch.randn(v.shape, generator=gen) for k, v in initial_adapter(spec, shape, seed=0).items()}
         assert set(whole) == set(peft_shapes(spec, shape))
         write_adapter_dir(tmp_path / "a", whole, adapter_config(shape, dropout=0.0, base_model=None))
+        assert lora_shape_of(tmp_path / "a") == (shape, 0.0)  # what --init-adapter reads back
         model = _peft(base, tmp_path / "a")
         loaded = _lora_tensors(model)
         assert set(loaded) == set(whole), (targets, sorted(set(loaded) ^ set(whole))[:4])
@@ -233,3 +234,25 @@ def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path):
         if name in ours:
             assert_close(ours[name], value, what=f"merged export {name} vs merge_and_unload()")
     assert set(reference) - set(ours) <= {"lm_head.weight"}, sorted(set(reference) - set(ours))
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-rank", "4", "--lora-targets", "qkv,fc1"], "LoRA target 'fc1' is for dense MLPs; on a mixture-of-experts "
+                                                         "model use expert_fc1/expert_fc2"),
+    (["--lora-rank", "4", "--lora-dropout", "0.1"], "lora_dropout 0.1 with expert targets: PEFT's adapters on the fused "
+                                                    "expert parameters take no dropout"),
+], ids=["dense-target-on-moe", "dropout-on-experts"])
+def test_bad_moe_lora_input_is_one_line(setup, tmp_path, capsys, flags, message):
+    import ray
+
+    from mcore_dpo.train import main
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n" for i in range(3, 30)))
+    code = main(["--model", str(setup["base"]), "--data", str(data), "--output-dir", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{setup['base']}/config.json" in err and message in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
+    assert not (tmp_path / "out").exists()

@@ -215,8 +215,8 @@ def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
     (["--ep", "3", "--dp", "3", "--global-batch-size", "6", "--micro-batch-size", "2"],
      "config.json: the expert count (4) is not divisible by ep=3"),
     (["--ep", "2", "--dp", "1", "--tp", "2"], "ep: 2 x tp 2 x pp 1 does not fit the world of tp x pp x dp = 2 ranks"),
-    (["--lora-rank", "4"], "lora_rank: LoRA on mixture-of-experts models"),
-], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-on-moe"])
+    (["--lora-rank", "4", "--lora-targets", "fc1"], "LoRA target 'fc1' is for dense MLPs"),
+], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-dense-target-on-moe"])
 def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
     import json
 
