@@ -189,6 +189,7 @@ class ReferenceView:
     def __init__(self, module: torch.nn.Module, *, frozen: bool):
         self.module = module  # the unwrapped stage model: stage_forward sets its input tensor
         self.adapter_mode = "frozen" if frozen else "off"
+        self.router_tap = None  # a MoE policy's RouterTap: the reference's routing is not the policy's
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """None of its own: the weights are the policy's (the frozen copies are buffers of a few MB)."""
@@ -200,8 +201,16 @@ class ReferenceView:
 
     @torch.no_grad()
     def __call__(self, **kwargs) -> torch.Tensor:
-        with mode(self.module, self.adapter_mode):
-            return self.module(**kwargs)
+        tap = self.router_tap
+        recording = tap is not None and tap.active
+        if recording:
+            tap.active = False
+        try:
+            with mode(self.module, self.adapter_mode):
+                return self.module(**kwargs)
+        finally:
+            if recording:
+                tap.active = True
 
 
 def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -222,6 +222,8 @@ class PolicyWorker(_Rank):
         if self.spec.num_experts:
             self.moe = MoeStep(self.policy, moe_layers=self.spec.moe_layers, num_experts=self.spec.num_experts,
                                topk=self.spec.moe_topk, mesh=self.mesh, device=self.platform.device)
+            if isinstance(self.reference, lora.ReferenceView):  # LoRA: the reference runs the policy's routers
+                self.reference.router_tap = self.moe.tap
         sharded = config.distributed_optimizer
         self.policy = self._wrap_ddp(self.policy, distributed_optimizer=sharded)
         # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.

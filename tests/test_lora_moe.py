@@ -31,6 +31,7 @@ from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_
                                              peft_to_shard, shards_to_peft, write_adapter_dir)
 from convert_helpers import save_hf
 from parity import _loss_and_metrics, assert_close, load_rank_tensors, make_pairs, run_ranks
+import test_parity as tp_
 from test_moe import mixtral, qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +192,13 @@ def test_lora_moe_parity_with_peft(layout, setup, tmp_path):
             assert any(".local_experts." in n for n in shard), what
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} step {step + 1} grad {name} (tp{t} pp{p} dp{d})")
+    # The router metrics of step 1 (the policy is the base then): the reference forwards run the
+    # same module with the adapters off, and must not count as the policy's routing.
+    from test_moe_aux import check_router_metrics, engine_groups, router_metrics
+
+    assert GLOBAL_BATCH == tp_.GLOBAL_BATCH and MICRO_BATCH == tp_.MICRO_BATCH  # engine_groups' microbatches
+    check_router_metrics(ours[0], router_metrics(str(setup["base"]), job["batches"][0], groups=engine_groups(dp=dp)),
+                         what=f"{what} step 1")
     for (t, p, d), shard in load_rank_tensors(tmp_path, 0, "weights", layout=(tp, pp, dp)).items():
         if d != 0:
             continue
