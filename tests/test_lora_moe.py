@@ -124,6 +124,34 @@ def test_expert_adapters_are_peft_target_parameters(family, tmp_path):
         assert set(back) == set(whole) and all(torch.equal(back[k], whole[k]) for k in whole), (tp, pp, ep)
 
 
+def test_targets_checked_against_the_base(setup):
+    """Which targets a base takes, and the MoE limits, before any process starts (run.prepare
+    turns these into one line; the command line cases are below)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from checkpoint_convert.mapping import ConversionError
+    from mcore_dpo.lora import check_targets, shape_of
+
+    spec = setup["spec"]
+
+    def config(**kw):
+        return SimpleNamespace(**{"lora_rank": 4, "lora_alpha": None, "lora_targets": None, "tp": 1, "lora_dropout": 0.0,
+                                  **kw})
+
+    assert shape_of(config(lora_targets="experts,qkv")).targets == ("qkv", "expert_fc1", "expert_fc2")
+    check_targets(config(lora_targets="qkv,proj,experts"), spec=spec, where="m")
+    for kw, message in [({"lora_targets": "qkv,fc2"}, "LoRA target 'fc2' is for dense MLPs"),
+                        ({"lora_targets": "qkv,experts", "tp": 2}, "trains at tp 1 only"),
+                        ({"lora_targets": "expert_fc2", "lora_dropout": 0.05}, "take no dropout")]:
+        with pytest.raises(ConversionError, match=message):
+            check_targets(config(**kw), spec=spec, where="m")
+    dense = replace(spec, num_experts=0, moe_layers=())
+    check_targets(config(lora_targets="qkv,fc1,fc2", tp=2, lora_dropout=0.05), spec=dense, where="m")
+    with pytest.raises(ConversionError, match="LoRA target 'expert_fc1' needs a mixture-of-experts model"):
+        check_targets(config(lora_targets="qkv,experts"), spec=dense, where="m")
+
+
 # --------------------------------------------------------------------------- parity
 _REFERENCE: dict = {}
 
