@@ -125,7 +125,8 @@ class TrainConfig:
     lora_dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout); the reference never uses it."""
     lora_targets: str | None = None
-    """Comma list of linears to adapt: qkv, proj, fc1, fc2 (default: all four, or the --init-adapter's)."""
+    """Comma list of linears to adapt: qkv, proj, fc1, fc2; on MoE models qkv, proj, expert_fc1, expert_fc2
+    (experts = both). Default: every one the model has, or the --init-adapter's."""
     init_adapter: str | None = None
     """PEFT LoRA adapter directory to start from (e.g. a LoRA SFT result); the reference is its frozen copy."""
     merge_lora: bool = True
