@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_shapes,
-                                             peft_to_shard, shards_to_peft, write_adapter_dir)
+                                             peft_to_shard, read_adapter, shards_to_peft, write_adapter_dir)
 from convert_helpers import save_hf
 from parity import _loss_and_metrics, assert_close, load_rank_tensors, make_pairs, run_ranks
 import test_parity as tp_
@@ -247,12 +248,18 @@ def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mcore_dpo.train", "--model", str(setup["base"]), "--data", str(data), "--output-dir",
          str(out), "--max-steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
-         "--save-interval", "0", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
+         "--save-interval", "1", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
          "--lora-targets", "qkv,proj,expert_fc1,expert_fc2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], config
+    # The step-1 checkpoint holds the adapter and its moments PEFT-named (what a resume at any layout reads).
+    step1 = out / "checkpoints" / "step_00000001"
+    for kind in ("adapter", "optim/exp_avg", "optim/exp_avg_sq"):
+        tensors = read_adapter(step1 / "adapter", spec=setup["spec"], lora=SHAPE) if kind == "adapter" else \
+            load_file(str(step1 / kind / "adapter_model.safetensors"))
+        assert set(tensors) == set(peft_shapes(setup["spec"], SHAPE)), kind
     peft = _peft(setup["base"], out / "adapter")
     trained = _lora_tensors(peft)
     assert set(trained) == set(peft_shapes(setup["spec"], SHAPE))
