@@ -9,6 +9,16 @@ between projections. Tensor-parallel splits:
                                 q/k/v's B rows split by whole query groups, like the fused weight
     row-parallel (proj, fc2):   A split on its input dim (dim 1), B whole on every tp rank
 
+Mixture-of-experts layers: transformers 5 holds the experts of a layer as two fused 3-D
+parameters (`mlp.experts.gate_up_proj` [E, 2I, h], `mlp.experts.down_proj` [E, h, I]), which PEFT
+adapts through `target_parameters` (its `ParamWrapper`): one lora_A [r·E, in] and one lora_B
+[out, r·E] per parameter, expert e's pair being A[e·r:(e+1)·r] and B[:, e::E] (PEFT reshapes B to
+[out, r, E]), so W_e + scaling·B_e·A_e with scaling = alpha/r. That is one independent A/B pair
+per expert, which the engine keeps on each expert's linear_fc1 (gate and up share it, as they
+share the fused parameter) and linear_fc2 (`expert_fc1`, `expert_fc2`). When both are targeted
+PEFT nests the two wrappers: gate_up_proj's tensors are saved under `mlp.experts.base_layer.`,
+down_proj's under `mlp.experts.`.
+
 Pure functions (the key map, shard <-> whole) plus the PEFT directory reader and writer
 (`adapter_config.json`, `adapter_model.safetensors`). Only safetensors and JSON are read.
 """
@@ -25,7 +35,10 @@ import torch
 
 from checkpoint_convert.mapping import ConversionError, ModelSpec, stage_layers
 
-TARGETS = ("qkv", "proj", "fc1", "fc2")
+TARGETS = ("qkv", "proj", "fc1", "fc2")  # the dense linears (fc1/fc2: the dense MLP layers only)
+EXPERT_TARGETS = ("expert_fc1", "expert_fc2")  # every expert's linear_fc1 / linear_fc2 on the MoE layers
+ALL_TARGETS = TARGETS + EXPERT_TARGETS
+TARGET_ALIASES = {"experts": EXPERT_TARGETS}  # --lora-targets shorthand
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -37,6 +50,12 @@ TARGET_MAP: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
     "fc1": ("mlp.linear_fc1", "column", (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"))),
     "fc2": ("mlp.linear_fc2", "row", (("down", "mlp.down_proj"),)),
 }
+# expert target -> (linear under an expert, column|row, part, HF parameter under the layer)
+EXPERT_TARGET_MAP: dict[str, tuple[str, str, str, str]] = {
+    "expert_fc1": ("linear_fc1", "column", "gate_up", "mlp.experts.gate_up_proj"),
+    "expert_fc2": ("linear_fc2", "row", "down", "mlp.experts.down_proj"),
+}
+PEFT_PARAMETER_TO_TARGET = {hf.split(".", 1)[1]: t for t, (_, _, _, hf) in EXPERT_TARGET_MAP.items()}
 PEFT_MODULE_TO_TARGET = {hf.rsplit(".", 1)[1]: t for t, (_, _, parts) in TARGET_MAP.items() for _, hf in parts}
 ADAPTER_MODULE = "adapter"  # the adapter's submodule name under a megatron-core linear
 
@@ -54,6 +73,30 @@ class LoraShape:
         return self.alpha / self.rank
 
 
+def target_names(text: str | None) -> tuple[str, ...] | None:
+    """--lora-targets' names (aliases expanded) in the canonical order; None for None. Unknown
+    names are kept out: `unknown_targets` reports them."""
+    if text is None:
+        return None
+    names = set()
+    for name in (t.strip() for t in text.split(",")):
+        names.update(TARGET_ALIASES.get(name, (name,)))
+    return tuple(t for t in ALL_TARGETS if t in names)
+
+
+def unknown_targets(text: str) -> list[str]:
+    return [t for t in (t.strip() for t in text.split(",")) if t not in ALL_TARGETS and t not in TARGET_ALIASES]
+
+
+def target_layout(target: str) -> tuple[str, tuple[str, ...]]:
+    """(column|row, the A/B parts) of one target's linear."""
+    if target in EXPERT_TARGET_MAP:
+        _, parallel, part, _ = EXPERT_TARGET_MAP[target]
+        return parallel, (part,)
+    _, parallel, parts = TARGET_MAP[target]
+    return parallel, tuple(part for part, _ in parts)
+
+
 def peft_name(layer: int, hf_module: str, ab: str) -> str:
     """PEFT's saved key (no adapter name) of lora_A / lora_B of one projection."""
     return f"base_model.model.model.layers.{layer}.{hf_module}.lora_{ab}.weight"
@@ -65,29 +108,111 @@ def mcore_adapter_name(local_layer: int, target: str, part: str, ab: str) -> str
     return f"decoder.layers.{local_layer}.{linear}.{ADAPTER_MODULE}.lora_{ab}_{part}"
 
 
+def peft_expert_name(layer: int, target: str, ab: str, *, targets: tuple[str, ...]) -> str:
+    """PEFT's saved key of the experts' lora_A / lora_B of one fused parameter (all experts in
+    one tensor). PEFT wraps gate_up_proj first, so with both targeted it is the inner wrapper."""
+    nested = "base_layer." if target == "expert_fc1" and "expert_fc2" in targets else ""
+    return f"base_model.model.model.layers.{layer}.mlp.experts.{nested}lora_{ab}.weight"
+
+
+def mcore_expert_adapter_name(local_layer: int, local_expert: int, target: str, ab: str) -> str:
+    linear, _, part, _ = EXPERT_TARGET_MAP[target]
+    return f"decoder.layers.{local_layer}.mlp.experts.local_experts.{local_expert}.{linear}.{ADAPTER_MODULE}.lora_{ab}_{part}"
+
+
 def part_features(spec: ModelSpec, target: str, part: str) -> tuple[int, int]:
-    """(in_features, out_features) of one HF projection (whole, not split)."""
+    """(in_features, out_features) of one HF projection, or of one expert (whole, not split)."""
     q_out = spec.num_heads * spec.head_dim
     kv_out = spec.num_query_groups * spec.head_dim
-    h, ffn = spec.hidden_size, spec.intermediate_size
+    h, ffn, moe = spec.hidden_size, spec.intermediate_size, spec.moe_intermediate_size
     return {
         ("qkv", "q"): (h, q_out), ("qkv", "k"): (h, kv_out), ("qkv", "v"): (h, kv_out),
         ("proj", "o"): (q_out, h), ("fc1", "gate"): (h, ffn), ("fc1", "up"): (h, ffn), ("fc2", "down"): (ffn, h),
+        ("expert_fc1", "gate_up"): (h, 2 * moe), ("expert_fc2", "down"): (moe, h),
     }[(target, part)]
+
+
+def targets_present(spec: ModelSpec) -> tuple[str, ...]:
+    """The targets an adapter on this base can have: the dense MLP's fc1/fc2 on a model without
+    experts, the experts' on a MoE model. (On Qwen3-MoE and Mixtral under transformers 5, PEFT reads
+    target_modules gate_proj/up_proj/down_proj or w1/w3/w2 as transformers 4's per-expert linears
+    and moves them onto the fused expert parameters, so a dense MLP layer of a MoE model cannot be
+    named in a PEFT adapter.)"""
+    dense = ("fc1", "fc2") if not spec.num_experts else EXPERT_TARGETS
+    return tuple(t for t in ALL_TARGETS if t in ("qkv", "proj") or t in dense)
 
 
 def adapter_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int
                     ) -> Iterator[tuple[str, str, str, str, int]]:
     """(megatron name, PEFT name, "A"|"B", "column"|"row", global layer) of every adapter tensor
-    on one pipeline stage, in a fixed order."""
+    on one pipeline stage, in a fixed order: the dense linears' (fc1/fc2 on dense MLP layers only)."""
     for local, layer in enumerate(stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank)):
         for target in TARGETS:
-            if target not in lora.targets:
+            if target not in lora.targets or (target in ("fc1", "fc2") and spec.is_moe_layer(layer)):
                 continue
             _, parallel, parts = TARGET_MAP[target]
             for part, hf_module in parts:
                 for ab in ("A", "B"):
                     yield mcore_adapter_name(local, target, part, ab), peft_name(layer, hf_module, ab), ab, parallel, layer
+
+
+def expert_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
+                   ) -> Iterator[tuple[str, str, str, str, int, int]]:
+    """(megatron name, PEFT name, "A"|"B", "column"|"row", global layer, global expert) of every
+    expert adapter tensor on one pipeline stage and expert-parallel rank (which holds experts
+    [ep_rank·E/ep, (ep_rank+1)·E/ep) as its local experts 0..E/ep-1), in a fixed order."""
+    per_rank = spec.num_experts // ep
+    for local, layer in enumerate(stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank)):
+        if not spec.is_moe_layer(layer):
+            continue
+        for local_expert in range(per_rank):
+            for target in EXPERT_TARGETS:
+                if target not in lora.targets:
+                    continue
+                parallel = EXPERT_TARGET_MAP[target][1]
+                for ab in ("A", "B"):
+                    yield (mcore_expert_adapter_name(local, local_expert, target, ab),
+                           peft_expert_name(layer, target, ab, targets=lora.targets), ab, parallel, layer,
+                           ep_rank * per_rank + local_expert)
+
+
+def expert_piece(value: torch.Tensor, *, ab: str, expert: int, num_experts: int, rank: int) -> torch.Tensor:
+    """Expert `expert`'s A [r, in] or B [out, r] from PEFT's fused A [r·E, in] or B [out, r·E]."""
+    if ab == "A":
+        return value[expert * rank:(expert + 1) * rank]
+    return value[:, expert::num_experts]
+
+
+def join_experts(pieces: list[torch.Tensor], *, ab: str) -> torch.Tensor:
+    """PEFT's fused A [r·E, in] or B [out, r·E] from every expert's piece, in expert order."""
+    if ab == "A":
+        return torch.cat(pieces, dim=0)
+    return torch.stack(pieces, dim=-1).reshape(pieces[0].shape[0], -1)
+
+
+def _split_expert(value: torch.Tensor, *, target: str, ab: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """One tp rank's piece of an expert's A or B. linear_fc1's rows on a tp rank are
+    [its gate chunk; its up chunk], so B of expert_fc1 splits each half."""
+    dim = _split_dim(ab, EXPERT_TARGET_MAP[target][1])
+    if dim is None or tp == 1:
+        return value
+    if target == "expert_fc1":
+        return torch.cat([half.chunk(tp, dim=0)[tp_rank] for half in value.chunk(2, dim=0)], dim=0)
+    return value.chunk(tp, dim=dim)[tp_rank]
+
+
+def _join_expert(pieces: list[torch.Tensor], *, target: str, ab: str) -> torch.Tensor:
+    dim = _split_dim(ab, EXPERT_TARGET_MAP[target][1])
+    if dim is None or len(pieces) == 1:
+        return pieces[0]
+    if target == "expert_fc1":
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(pieces, dim=dim)
+
+
+def _expert_target(name: str) -> str:
+    return next(t for t, (linear, *_) in EXPERT_TARGET_MAP.items() if f".{linear}.{ADAPTER_MODULE}." in name)
 
 
 def _split_dim(ab: str, parallel: str) -> int | None:
@@ -98,9 +223,10 @@ def _split_dim(ab: str, parallel: str) -> int | None:
 
 
 def peft_to_shard(get: Callable[[str], torch.Tensor], *, spec: ModelSpec, lora: LoraShape, tp: int, tp_rank: int,
-                  pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """One (tp_rank, pp_rank)'s adapter tensors (megatron names) from whole PEFT-named tensors.
-    B of q/k/v splits into equal row chunks: whole query groups per rank, as the fused weight."""
+                  pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """One (tp_rank, pp_rank, ep_rank)'s adapter tensors (megatron names) from whole PEFT-named
+    tensors. B of q/k/v splits into equal row chunks: whole query groups per rank, as the fused
+    weight. Experts: this ep rank's experts, each its slice of PEFT's fused A/B."""
     shard = {}
     for name, peft, ab, parallel, _ in adapter_entries(spec, lora, pp=pp, pp_rank=pp_rank):
         value = get(peft)
@@ -108,21 +234,63 @@ def peft_to_shard(get: Callable[[str], torch.Tensor], *, spec: ModelSpec, lora: 
         if dim is not None:
             value = value.chunk(tp, dim=dim)[tp_rank]
         shard[name] = value.contiguous().clone()
+    fused: dict[str, torch.Tensor] = {}
+    for name, peft, ab, _, _, expert in expert_entries(spec, lora, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
+        if peft not in fused:
+            fused[peft] = get(peft)
+        value = expert_piece(fused[peft], ab=ab, expert=expert, num_experts=spec.num_experts, rank=lora.rank)
+        shard[name] = _split_expert(value, target=_expert_target(name), ab=ab, tp=tp, tp_rank=tp_rank).contiguous().clone()
     return shard
 
 
-def shards_to_peft(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], *, spec: ModelSpec,
-                   lora: LoraShape, tp: int, pp: int) -> dict[str, torch.Tensor]:
-    """Whole PEFT-named tensors from every (tp_rank, pp_rank)'s adapter shard."""
+def shards_to_peft(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], *, spec: ModelSpec,
+                   lora: LoraShape, tp: int, pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
+    """Whole PEFT-named tensors from every rank's adapter shard, keyed (tp_rank, pp_rank), or
+    (tp_rank, pp_rank, ep_rank) when ep > 1 (dense adapters are taken from ep rank 0; each expert
+    from the ep rank holding it, under its global index)."""
+    def shard(t: int, p: int, e: int = 0) -> Mapping[str, torch.Tensor]:
+        return shards[(t, p, e) if ep > 1 else (t, p)]
+
     out = {}
     for pp_rank in range(pp):
         for name, peft, ab, parallel, _ in adapter_entries(spec, lora, pp=pp, pp_rank=pp_rank):
             dim = _split_dim(ab, parallel)
             try:
-                pieces = [shards[(t, pp_rank)][name] for t in (range(tp) if dim is not None else (0,))]
+                pieces = [shard(t, pp_rank)[name] for t in (range(tp) if dim is not None else (0,))]
             except KeyError:
                 raise ConversionError(f"adapter shard of pp rank {pp_rank}: tensor '{name}' is missing") from None
             out[peft] = torch.cat(pieces, dim=dim) if dim is not None else pieces[0]
+        experts: dict[str, dict[int, torch.Tensor]] = {}
+        for ep_rank in range(ep):
+            for name, peft, ab, parallel, _, expert in expert_entries(spec, lora, pp=pp, pp_rank=pp_rank, ep=ep,
+                                                                      ep_rank=ep_rank):
+                ranks = range(tp) if _split_dim(ab, parallel) is not None else (0,)
+                try:
+                    pieces = [shard(t, pp_rank, ep_rank)[name] for t in ranks]
+                except KeyError:
+                    raise ConversionError(f"adapter shard of pp rank {pp_rank} ep rank {ep_rank}: tensor '{name}' "
+                                          "is missing") from None
+                experts.setdefault(peft, {})[expert] = _join_expert(pieces, target=_expert_target(name), ab=ab)
+        for peft, by_expert in experts.items():
+            out[peft] = join_experts([by_expert[e] for e in sorted(by_expert)], ab="A" if ".lora_A." in peft else "B")
+    return out
+
+
+def peft_shapes(spec: ModelSpec, lora: LoraShape) -> dict[str, tuple[str, int, tuple[int, int]]]:
+    """PEFT name -> ("A"|"B", in_features, whole shape) of every tensor of an adapter on this base,
+    in a fixed order (the dense ones, then the experts' fused ones)."""
+    out = {}
+    for _, peft, ab, _, _ in adapter_entries(spec, lora, pp=1, pp_rank=0):
+        target = PEFT_MODULE_TO_TARGET[peft.split(".")[-3]]
+        fan_in, fan_out = part_features(spec, target, _part_of(peft))
+        out[peft] = (ab, fan_in, (lora.rank, fan_in) if ab == "A" else (fan_out, lora.rank))
+    for name, peft, ab, _, _, _ in expert_entries(spec, lora, pp=1, pp_rank=0):
+        if peft in out:
+            continue
+        target = _expert_target(name)
+        fan_in, fan_out = part_features(spec, target, EXPERT_TARGET_MAP[target][2])
+        stacked = lora.rank * spec.num_experts
+        out[peft] = (ab, fan_in, (stacked, fan_in) if ab == "A" else (fan_out, stacked))
     return out
 
 
@@ -130,17 +298,16 @@ def initial_adapter(spec: ModelSpec, lora: LoraShape, *, seed: int, dtype: torch
                     ) -> dict[str, torch.Tensor]:
     """A fresh adapter, PEFT-named and whole, as PEFT initialises one: A Kaiming-uniform with
     a = sqrt(5) over its whole input dim (bound 1/sqrt(in_features)), B zero. Each A has a
-    generator of its own (seed, layer, projection), so every layout starts from the same adapter."""
+    generator of its own (seed, layer, projection), so every layout starts from the same adapter.
+    The experts' fused A [r·E, in] is drawn as one tensor, as PEFT does (the same bound)."""
     out = {}
-    for index, (_, peft, ab, _, layer) in enumerate(adapter_entries(spec, lora, pp=1, pp_rank=0)):
-        target = PEFT_MODULE_TO_TARGET[peft.split(".")[-3]]
-        fan_in, fan_out = part_features(spec, target, _part_of(peft))
+    for index, (peft, (ab, fan_in, shape)) in enumerate(peft_shapes(spec, lora).items()):
         if ab == "B":
-            out[peft] = torch.zeros(fan_out, lora.rank, dtype=dtype)
+            out[peft] = torch.zeros(shape, dtype=dtype)
             continue
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
         bound = 1.0 / math.sqrt(fan_in)
-        out[peft] = (torch.rand(lora.rank, fan_in, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).to(dtype)
+        out[peft] = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).to(dtype)
     return out
 
 
@@ -153,7 +320,9 @@ def _part_of(peft: str) -> str:
 # --------------------------------------------------------------------------- PEFT directories
 def adapter_config(lora: LoraShape, *, dropout: float, base_model: str | None) -> dict:
     """adapter_config.json of a plain LoRA adapter for a causal LM."""
-    modules = sorted(hf.rsplit(".", 1)[1] for t in lora.targets for _, hf in TARGET_MAP[t][2])
+    modules = sorted(hf.rsplit(".", 1)[1] for t in lora.targets if t in TARGET_MAP for _, hf in TARGET_MAP[t][2])
+    parameters = sorted(EXPERT_TARGET_MAP[t][3] for t in lora.targets if t in EXPERT_TARGET_MAP)
+    extra = {"target_parameters": parameters} if parameters else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -161,7 +330,8 @@ def adapter_config(lora: LoraShape, *, dropout: float, base_model: str | None) -
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": dropout,
-        "target_modules": modules,
+        "target_modules": modules or None,
+        **extra,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -197,7 +367,8 @@ def read_adapter_config(directory: str | Path) -> dict:
 
 def lora_shape_of(directory: str | Path) -> tuple[LoraShape, float]:
     """The LoRA shape and dropout an adapter directory declares; only plain LoRA on the four
-    projection groups is accepted (no DoRA, rsLoRA, biases, per-module ranks or saved modules)."""
+    projection groups and the experts' fused parameters is accepted (no DoRA, rsLoRA, biases,
+    per-module ranks or saved modules)."""
     path = Path(directory) / ADAPTER_CONFIG
     config = read_adapter_config(directory)
     if config.get("peft_type") != "LORA":
@@ -213,7 +384,19 @@ def lora_shape_of(directory: str | Path) -> tuple[LoraShape, float]:
         raise ConversionError(f"{path}: field 'r' must be a positive integer, got {rank!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise ConversionError(f"{path}: field 'lora_alpha' must be a positive number, got {alpha!r}")
+    parameters = config.get("target_parameters") or []
+    if not isinstance(parameters, list):
+        raise ConversionError(f"{path}: field 'target_parameters' must list parameter names, got {parameters!r}")
+    expert_targets = []
+    for name in parameters:
+        short = ".".join(str(name).split(".")[-2:])
+        if short not in PEFT_PARAMETER_TO_TARGET:
+            raise ConversionError(f"{path}: field 'target_parameters' names {name!r}; supported: "
+                                  f"{', '.join(sorted(hf for *_, hf in EXPERT_TARGET_MAP.values()))}")
+        expert_targets.append(PEFT_PARAMETER_TO_TARGET[short])
     modules = config.get("target_modules")
+    if modules is None and expert_targets:
+        modules = []
     if isinstance(modules, str) or not isinstance(modules, list):
         raise ConversionError(f"{path}: field 'target_modules' must list module names, got {modules!r}")
     unknown = sorted(set(modules) - set(PEFT_MODULE_TO_TARGET))
@@ -229,6 +412,7 @@ def lora_shape_of(directory: str | Path) -> tuple[LoraShape, float]:
                                   "the fused linears take all of their projections")
         if have:
             targets.append(target)
+    targets += [t for t in EXPERT_TARGETS if t in expert_targets]
     dropout = config.get("lora_dropout", 0.0)
     return LoraShape(rank=rank, alpha=float(alpha), targets=tuple(targets)), float(dropout or 0.0)
 
@@ -244,7 +428,7 @@ def read_adapter(directory: str | Path, *, spec: ModelSpec, lora: LoraShape) -> 
     try:
         with safe_open(str(path), framework="pt") as fh:
             found = {_strip_adapter_name(k): k for k in fh.keys()}
-            expected = {peft: (ab, layer) for _, peft, ab, _, layer in adapter_entries(spec, lora, pp=1, pp_rank=0)}
+            expected = peft_shapes(spec, lora)
             extra = sorted(set(found) - set(expected))
             missing = sorted(set(expected) - set(found))
             if extra:
@@ -253,11 +437,8 @@ def read_adapter(directory: str | Path, *, spec: ModelSpec, lora: LoraShape) -> 
             if missing:
                 raise ConversionError(f"{path}: tensor '{missing[0]}' is missing")
             out = {}
-            for peft, (ab, _) in expected.items():
+            for peft, (_, _, want) in expected.items():
                 value = fh.get_tensor(found[peft])
-                target = PEFT_MODULE_TO_TARGET[peft.split(".")[-3]]
-                fan_in, fan_out = part_features(spec, target, _part_of(peft))
-                want = (lora.rank, fan_in) if ab == "A" else (fan_out, lora.rank)
                 if tuple(value.shape) != want:
                     raise ConversionError(f"{path}: tensor '{peft}' has shape {tuple(value.shape)}, the base "
                                           f"expects {want} at rank {lora.rank}; the adapter was made for another base or rank")
@@ -274,16 +455,22 @@ def _strip_adapter_name(key: str) -> str:
     return key.replace(".lora_A.default.weight", ".lora_A.weight").replace(".lora_B.default.weight", ".lora_B.weight")
 
 
-def join_shard_files(directory: str | Path, *, spec: ModelSpec, lora: LoraShape, tp: int, pp: int
+def shard_file_name(*, tp_rank: int, pp_rank: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """An adapter shard's file name: tp{t}_pp{p}, with _ep{e} when the experts are split (ep > 1)."""
+    return f"tp{tp_rank}_pp{pp_rank}" + (f"_ep{ep_rank}" if ep > 1 else "") + ".safetensors"
+
+
+def join_shard_files(directory: str | Path, *, spec: ModelSpec, lora: LoraShape, tp: int, pp: int, ep: int = 1
                      ) -> dict[str, torch.Tensor]:
-    """Whole PEFT-named tensors from the `tp{t}_pp{p}.safetensors` adapter shards in `directory`."""
+    """Whole PEFT-named tensors from the adapter shards (`shard_file_name`) in `directory`."""
     from safetensors.torch import load_file
 
     shards = {}
     for t in range(tp):
         for p in range(pp):
-            path = Path(directory) / f"tp{t}_pp{p}.safetensors"
-            if not path.is_file():
-                raise ConversionError(f"{path}: adapter shard missing")
-            shards[(t, p)] = load_file(str(path))
-    return shards_to_peft(shards, spec=spec, lora=lora, tp=tp, pp=pp)
+            for e in range(ep):
+                path = Path(directory) / shard_file_name(tp_rank=t, pp_rank=p, ep_rank=e, ep=ep)
+                if not path.is_file():
+                    raise ConversionError(f"{path}: adapter shard missing")
+                shards[(t, p, e) if ep > 1 else (t, p)] = load_file(str(path))
+    return shards_to_peft(shards, spec=spec, lora=lora, tp=tp, pp=pp, ep=ep)

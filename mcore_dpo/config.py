@@ -125,7 +125,8 @@ class TrainConfig:
     lora_dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout); the reference never uses it."""
     lora_targets: str | None = None
-    """Comma list of linears to adapt: qkv, proj, fc1, fc2 (default: all four, or the --init-adapter's)."""
+    """Comma list of linears to adapt: qkv, proj, fc1, fc2; on MoE models qkv, proj, expert_fc1, expert_fc2
+    (experts = both). Default: every one the model has, or the --init-adapter's."""
     init_adapter: str | None = None
     """PEFT LoRA adapter directory to start from (e.g. a LoRA SFT result); the reference is its frozen copy."""
     merge_lora: bool = True
@@ -364,13 +365,12 @@ class TrainConfig:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.lora_targets is not None:
-            from checkpoint_convert.peft_adapter import TARGETS
+            from checkpoint_convert.peft_adapter import ALL_TARGETS, TARGET_ALIASES, unknown_targets
 
-            names = [t.strip() for t in self.lora_targets.split(",")]
-            unknown = [t for t in names if t not in TARGETS]
-            if unknown or not names:
-                raise ConfigError(f"lora_targets: unknown target {unknown[0] if unknown else ''!r}; "
-                                  f"choose from {', '.join(TARGETS)}")
+            unknown = unknown_targets(self.lora_targets)
+            if unknown:
+                raise ConfigError(f"lora_targets: unknown target {unknown[0]!r}; "
+                                  f"choose from {', '.join(ALL_TARGETS + tuple(TARGET_ALIASES))}")
         if not self.lora:
             given = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
             given += ["lora_dropout"] if self.lora_dropout else []

@@ -1,6 +1,7 @@
 """LoRA adapters on megatron-core's tensor-parallel linears, and the reference they give for free.
 
-Each targeted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2) gets an `Adapter`
+Each targeted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2, and each expert's
+linear_fc1/linear_fc2 on MoE layers) gets an `Adapter`
 submodule and a forward hook that adds the low-rank update to the linear's output. A fused
 linear holds one A/B pair per Hugging Face projection (q, k, v; gate, up), so the adapters are
 exactly PEFT's (`checkpoint_convert.peft_adapter` has the key map and the splits):
@@ -25,7 +26,8 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint_convert.mapping import ModelSpec
-from checkpoint_convert.peft_adapter import ADAPTER_MODULE, TARGET_MAP, TARGETS, LoraShape, part_features
+from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGET_MAP, TARGETS,
+                                             LoraShape, part_features, target_layout, target_names, targets_present)
 
 # Adapter modes: "train" (trained weights, dropout when training), "eval" (trained weights, no
 # dropout), "off" (no update), "frozen" (the starting copy, no dropout).
@@ -41,8 +43,7 @@ class Adapter(torch.nn.Module):
 
         super().__init__()
         self.target = target
-        _, self.parallel, parts = TARGET_MAP[target]
-        self.parts = tuple(part for part, _ in parts)
+        self.parallel, self.parts = target_layout(target)
         self.spec = spec
         self.scaling = lora.scaling
         self.tp, self.tp_group = tp, tp_group
@@ -116,18 +117,28 @@ def _hook(linear, args, kwargs, output):
 def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout: float, tp: int, tp_group
            ) -> list[Adapter]:
     """Freeze every base parameter of this stage model and give each targeted linear of each of
-    its layers an adapter (zeros until `load_shard`). Returns the adapters, layer by layer."""
+    its layers an adapter (zeros until `load_shard`): fc1/fc2 on dense MLP layers, expert_fc1/fc2
+    on each local expert of the MoE layers. Returns the adapters, layer by layer."""
     for param in model.parameters():
         param.requires_grad_(False)
     adapters = []
     for layer in model.decoder.layers:
+        linears = []
         for target in TARGETS:
-            if target not in lora.targets:
-                continue
-            linear = layer.get_submodule(TARGET_MAP[target][0])
-            ref = next(linear.parameters())
+            path = TARGET_MAP[target][0]
+            if target in lora.targets and (target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1])):
+                linears.append((target, layer.get_submodule(path)))
+        experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", ())
+        for expert in experts:
+            linears += [(t, getattr(expert, EXPERT_TARGET_MAP[t][0])) for t in EXPERT_TARGETS if t in lora.targets]
+        for target, linear in linears:
+            ref = linear.weight
             adapter = Adapter(spec=spec, target=target, lora=lora, dropout=dropout, tp=tp, tp_group=tp_group,
                               dtype=ref.dtype, device=ref.device)
+            # An expert's adapters are expert parameters too: with ep > 1 megatron-core's DDP reduces
+            # them over the expert-data-parallel group (allreduce=False), as the expert weights.
+            for param in adapter.parameters():
+                param.allreduce = getattr(ref, "allreduce", True)
             linear.add_module(ADAPTER_MODULE, adapter)
             linear.register_forward_hook(_hook, with_kwargs=True)
             adapters.append(adapter)
@@ -178,6 +189,7 @@ class ReferenceView:
     def __init__(self, module: torch.nn.Module, *, frozen: bool):
         self.module = module  # the unwrapped stage model: stage_forward sets its input tensor
         self.adapter_mode = "frozen" if frozen else "off"
+        self.router_tap = None  # a MoE policy's RouterTap: the reference's routing is not the policy's
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """None of its own: the weights are the policy's (the frozen copies are buffers of a few MB)."""
@@ -189,8 +201,16 @@ class ReferenceView:
 
     @torch.no_grad()
     def __call__(self, **kwargs) -> torch.Tensor:
-        with mode(self.module, self.adapter_mode):
-            return self.module(**kwargs)
+        tap = self.router_tap
+        recording = tap is not None and tap.active
+        if recording:
+            tap.active = False
+        try:
+            with mode(self.module, self.adapter_mode):
+                return self.module(**kwargs)
+        finally:
+            if recording:
+                tap.active = True
 
 
 def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -215,10 +235,33 @@ def merged_weights(model: torch.nn.Module, *, dtype: torch.dtype) -> dict[str, t
 # --------------------------------------------------------------------------- configuration
 def shape_of(config) -> LoraShape:
     """The adapters' shape from a TrainConfig whose LoRA fields are resolved (`resolve`)."""
-    targets = TARGETS if config.lora_targets is None else tuple(t.strip() for t in config.lora_targets.split(","))
+    targets = TARGETS if config.lora_targets is None else target_names(config.lora_targets)
     rank = config.lora_rank
     return LoraShape(rank=rank, alpha=float(config.lora_alpha if config.lora_alpha is not None else rank),
-                     targets=tuple(t for t in TARGETS if t in targets))
+                     targets=targets)
+
+
+def check_targets(config, *, spec: ModelSpec, where: str) -> None:
+    """Raise ConversionError (one line) when a target has no linear in this base, or the run asks
+    for what PEFT's adapters on the experts cannot be (dropout) or the engine does not build
+    (experts at tp > 1)."""
+    from checkpoint_convert.mapping import ConversionError
+
+    targets = shape_of(config).targets
+    present = targets_present(spec)
+    absent = [t for t in targets if t not in present]
+    if absent:
+        if absent[0] in EXPERT_TARGETS:
+            raise ConversionError(f"{where}: LoRA target {absent[0]!r} needs a mixture-of-experts model; "
+                                  f"{spec.architecture} has no experts (targets: {', '.join(present)})")
+        raise ConversionError(f"{where}: LoRA target {absent[0]!r} is for dense MLPs; on a mixture-of-experts model "
+                              f"use expert_fc1/expert_fc2 (PEFT maps gate/up/down_proj onto the experts there)")
+    if spec.num_experts and config.tp > 1:
+        raise ConversionError(f"{where}: LoRA on a mixture-of-experts model trains at tp 1 only (split the experts "
+                              f"with --ep instead), got tp {config.tp}")
+    if config.lora_dropout and any(t in EXPERT_TARGETS for t in targets):
+        raise ConversionError(f"{where}: lora_dropout {config.lora_dropout:g} with expert targets: PEFT's adapters "
+                              "on the fused expert parameters take no dropout (use 0)")
 
 
 def resolve(config, *, spec: ModelSpec):
@@ -231,6 +274,9 @@ def resolve(config, *, spec: ModelSpec):
     from checkpoint_convert.peft_adapter import ADAPTER_CONFIG, lora_shape_of, read_adapter
 
     if config.init_adapter is None:
+        if spec.num_experts and config.lora_targets is None:  # default: every target the base has
+            config = replace(config, lora_targets=",".join(targets_present(spec)))
+        check_targets(config, spec=spec, where=f"{config.model}/config.json")
         return replace(config, lora_alpha=shape_of(config).alpha)
     declared, _ = lora_shape_of(config.init_adapter)
     where = f"{config.init_adapter}/{ADAPTER_CONFIG}"
@@ -241,5 +287,7 @@ def resolve(config, *, spec: ModelSpec):
     if config.lora_targets is not None and shape_of(replace(config, lora_rank=declared.rank)).targets != declared.targets:
         raise ConversionError(f"{where}: the adapter targets {','.join(declared.targets)}, --lora-targets is "
                               f"{config.lora_targets}")
+    resolved = replace(config, lora_rank=declared.rank, lora_alpha=declared.alpha, lora_targets=",".join(declared.targets))
+    check_targets(resolved, spec=spec, where=where)
     read_adapter(config.init_adapter, spec=spec, lora=declared)  # every tensor against the base
-    return replace(config, lora_rank=declared.rank, lora_alpha=declared.alpha, lora_targets=",".join(declared.targets))
+    return resolved

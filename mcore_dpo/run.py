@@ -160,9 +160,6 @@ def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
     from checkpoint_convert.mapping import ConversionError
     from mcore_dpo import lora
 
-    if spec.num_experts:
-        raise InputError(f"lora_rank: LoRA on mixture-of-experts models ({os.path.join(config.model, 'config.json')}: "
-                         f"{spec.num_experts} experts) is not supported yet; train all weights instead")
     try:
         return lora.resolve(config, spec=spec)
     except ConversionError as error:

@@ -221,6 +221,8 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         if self.spec.num_experts:
             self.moe = MoeStep(self.policy, moe_layers=self.spec.moe_layers, num_experts=self.spec.num_experts,
                                topk=self.spec.moe_topk, mesh=self.mesh, device=self.platform.device)
+            if isinstance(self.reference, lora.ReferenceView):  # LoRA: the reference runs the policy's routers
+                self.reference.router_tap = self.moe.tap
         sharded = config.distributed_optimizer
         self.policy = self._wrap_ddp(self.policy, distributed_optimizer=sharded)
         # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.
@@ -281,7 +283,8 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         from checkpoint_convert.peft_adapter import peft_to_shard
 
         return peft_to_shard(whole.__getitem__, spec=self.spec, lora=lora.shape_of(self.config), tp=self.layout.tp,
-                             tp_rank=self.mesh.tp_rank, pp=self.layout.pp, pp_rank=self.mesh.pp_rank)
+                             tp_rank=self.mesh.tp_rank, pp=self.layout.pp, pp_rank=self.mesh.pp_rank,
+                             ep=self.layout.ep, ep_rank=self.mesh.ep_rank)
 
     def _wrap_ddp(self, model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
