@@ -10,6 +10,7 @@ allocations), and the peak of the running total is compared with the formula. To
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -241,3 +242,70 @@ def test_moe_activations_count_the_routed_copies():
     assert mlp_activation_bytes_per_token(shape, tp=2, dtype_bytes=2, expert_tp=1) == 2 * e * 4 + 2 * k * h * 2 + 5 * k * f * 2
     dense = LayerShape(hidden=h, heads=4, kv_heads=2, head_dim=16, ffn=64, vocab=128)
     assert mlp_activation_bytes_per_token(dense, tp=2, dtype_bytes=2) == 5 * 64 * 2 / 2
+
+
+# The MoE layer's activations, measured: one rank (ep 1, so every routed copy stays on it), a
+# Mixtral-shaped model whose MLP term (router, routed copies, expert MLPs) is most of a layer's.
+MOE_SEQ_LEN, MOE_ROWS = 64, 2
+
+
+def _moe_measure_spec() -> ModelSpec:
+    from transformers import MixtralConfig
+
+    from checkpoint_convert.mapping import spec_from_hf_config
+
+    config = MixtralConfig(vocab_size=120, hidden_size=64, intermediate_size=192, num_hidden_layers=LAYERS,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    return spec_from_hf_config(config.to_dict())
+
+
+def _moe_rank_main(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        from mcore_dpo import mesh as mesh_lib
+        from mcore_dpo import platform as plat
+        from mcore_dpo.logprobs import sequence_logps
+        from mcore_dpo.model import build_stage_model, causal_mask, stage_forward
+
+        spec = _moe_measure_spec()
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=rank, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        with plat.building_models(platform):
+            model = build_stage_model(spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
+        tokens = torch.randint(3, spec.vocab_size, (MOE_ROWS, MOE_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        mask = causal_mask(MOE_SEQ_LEN, device=torch.device("cpu"))
+
+        def loss() -> torch.Tensor:
+            logits = stage_forward(model, tokens=tokens, input_tensor=None, mask=mask)
+            logps = sequence_logps(logits, tokens, torch.ones(MOE_ROWS, MOE_SEQ_LEN), vocab_size=spec.vocab_size,
+                                   tp_rank=0, tp_group=mesh.tp_group)
+            return logps.logp_sum.sum()
+
+        meter = PeakTensorBytes()
+        with meter:
+            loss().backward()
+        Path(out_dir, "moe.json").write_text(json.dumps({"peak": meter.peak}))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_moe_estimate_matches_measured_peak(tmp_path):
+    mp.start_processes(_moe_rank_main, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    peak = json.loads((tmp_path / "moe.json").read_text())["peak"]
+    spec = _moe_measure_spec()
+    shape = _moe_shape(spec)
+    assert shape.moe_ffn == 192 and shape.experts == 4
+    kw = dict(layers=LAYERS, seq_len=MOE_SEQ_LEN, rows=MOE_ROWS, tp=1, sequence_parallel=False, attention="local",
+              dtype_bytes=4)
+    estimate = activation_bytes(shape, **kw)
+    assert abs(estimate / peak - 1) <= TOLERANCE, f"MoE: estimate {estimate:.0f} B, measured peak {peak} B"
+    # The routed term matters at this size: counting one copy per token instead of k misses it.
+    one_copy = activation_bytes(dataclasses.replace(shape, topk=1), **kw)
+    assert abs(one_copy / peak - 1) > TOLERANCE, f"MoE: one-copy estimate {one_copy:.0f} B, measured peak {peak} B"
