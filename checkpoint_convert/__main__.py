@@ -1,14 +1,16 @@
 """Command line: convert checkpoints between Hugging Face and megatron-core layouts.
 
-    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--dtype bf16] [--format torch_dist]
+    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--ep 2] [--dtype bf16] [--format torch_dist]
     python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB] [--hf-config DIR]
-    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--format torch_dist] [--hf-config DIR]
+    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--ep 1] [--format torch_dist] [--hf-config DIR]
     python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
 
 --mcore-dir reads either format: this package's (safetensors per rank) or torch_dist
 (megatron-core dist_checkpointing in Megatron-LM's layout, from Megatron-LM, Megatron-Bridge,
 ms-swift or this package). --hf-config DIR names a directory whose config.json describes the
 model when a torch_dist checkpoint has no HF config of its own and its args do not say enough.
+--ep N splits the experts of a MoE model over N expert-parallel ranks (one file per tp, pp and
+ep rank; default 1: every rank file holds all experts). reshard reads any ep and writes --ep.
 
 (also installed as `mcore-convert`). Bad input prints one line and exits with code 2.
 """
@@ -26,17 +28,19 @@ FORMATS = ("safetensors", "torch_dist")
 _FORMAT_HELP = "safetensors: this package's format; torch_dist: Megatron-LM's layout with megatron-core dist_checkpointing"
 
 EXIT_BAD_INPUT = 2
+_EP_HELP = "expert-parallel ranks the experts of a MoE model are split over (default 1)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-convert", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron checkpoint sharded tp x pp")
+    p = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron checkpoint sharded tp x pp (x ep)")
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: keep the source dtype")
     p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local", help="'te' for Transformer Engine names")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help=_FORMAT_HELP)
@@ -50,11 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
     p.add_argument("--overwrite", action="store_true")
 
-    p = sub.add_parser("reshard", help="Megatron checkpoint -> Megatron checkpoint at a new tp x pp")
+    p = sub.add_parser("reshard", help="Megatron checkpoint -> Megatron checkpoint at a new tp x pp x ep")
     p.add_argument("--mcore-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
     p.add_argument("--format", choices=FORMATS, default=None, help=_FORMAT_HELP + " (default: the input's)")
     p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
     p.add_argument("--overwrite", action="store_true")
@@ -107,7 +112,7 @@ def run(argv: list[str] | None = None) -> int:
         from checkpoint_convert.convert import hf_to_mcore
 
         hf_to_mcore(
-            args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
             layer_spec=args.layer_spec, overwrite=args.overwrite, fmt=args.format,
         )  # fmt: skip
     elif args.command == "mcore-to-hf":
@@ -121,7 +126,7 @@ def run(argv: list[str] | None = None) -> int:
         from checkpoint_convert.convert import reshard
 
         reshard(
-            args.mcore_dir, args.out, tp=args.tp, pp=args.pp, overwrite=args.overwrite, fmt=args.format,
+            args.mcore_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, overwrite=args.overwrite, fmt=args.format,
             hf_config_dir=args.hf_config,
         )  # fmt: skip
     elif args.command == "verify":

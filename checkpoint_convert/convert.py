@@ -4,13 +4,15 @@ Each streams: every output file's header is written first (names and shapes are 
 from the spec), then tensors are appended one mapping entry at a time (q/k/v, gate/up and
 their fused result), and the vocabulary-sized tensors move in row blocks. Memory holds
 one entry, never a shard or the model. hf-to-mcore and reshard write the tp ranks of a
-stage side by side, so each source tensor is read once. Output goes into a temporary
+stage side by side (with ep > 1, every ep rank's file of each: an expert's tensor goes to
+the rank that holds it, every other tensor to all of them), so each source tensor is read once. Output goes into a temporary
 directory that replaces the target only when everything has been written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import shutil
@@ -26,6 +28,8 @@ from checkpoint_convert.io import (
     FORMAT_VERSION,
     McoreMeta,
     atomic_output_dir,
+    ep_shard_shapes,
+    expert_rank_name,
     meta_json,
     open_hf_dir,
     open_mcore_dir,
@@ -41,7 +45,6 @@ from checkpoint_convert.mapping import (
     check_layout,
     entry_blocks,
     hf_tensor_shapes,
-    mcore_shard_shapes,
     padded_vocab_size,
     split_entry,
 )
@@ -77,9 +80,12 @@ def checkpoint_format(source: object) -> str:
     return getattr(source, "format", "safetensors")
 
 
-def write_mcore_shard(directory: Path, *, tp_rank: int, pp_rank: int, shard: dict[str, torch.Tensor]) -> None:
-    """Write one rank's tensors (used by the converter and by the trainer's checkpointer)."""
-    path = directory / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
+def write_mcore_shard(
+    directory: Path, *, tp_rank: int, pp_rank: int, shard: dict[str, torch.Tensor], ep: int = 1, ep_rank: int = 0
+) -> None:
+    """Write one rank's tensors (used by the converter and by the trainer's checkpointer); with
+    ep > 1, `shard` holds ep rank ep_rank's experts under their local index."""
+    path = directory / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_tensors(path, {k: v.detach() for k, v in shard.items()}, metadata={"format": "pt"})
 
@@ -135,46 +141,57 @@ def _write_mcore(
     divisor: int,
     aux_files: Iterable[Path],
     log: Callable[[str], None],
+    ep: int = 1,
 ) -> None:
     torch_dtype = DTYPES[dtype]
     rows_per_rank = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor) // tp
     for pp_rank in range(pp):
-        shapes = mcore_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
-        declared = [(name, torch_dtype, shape) for name, shape in shapes.items()]
+        per_ep_rank = ep_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, layer_spec=layer_spec, divisor=divisor)
         with contextlib.ExitStack() as stack:
-            writers = []
+            writers: list[list[SafetensorsWriter]] = []  # [tp_rank][ep_rank]
             for tp_rank in range(tp):
-                path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                writers.append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
+                writers.append([])
+                for ep_rank, shapes in enumerate(per_ep_rank):
+                    declared = [(name, torch_dtype, shape) for name, shape in shapes.items()]
+                    path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
             for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
                 name = mcore_name(template, layer=local, layer_spec=layer_spec)
                 hf_names = [t.format(layer=global_layer) for t in hf]
+                owner = expert_rank_name(name, num_experts=spec.num_experts, ep=ep) if ep > 1 else None
+                # (ep rank, name there) for each file that holds the entry: its expert's rank, or all.
+                targets = [owner] if owner is not None else [(r, name) for r in range(ep)]
                 if kind == "vocab":
-                    for tp_rank, writer in enumerate(writers):
-                        _write_vocab_rank(
-                            writer, name=name, hf_name=hf_names[0], get_rows=get_rows, first_row=tp_rank * rows_per_rank,
-                            rows_per_rank=rows_per_rank, spec=spec, dtype=torch_dtype,
-                        )  # fmt: skip
+                    for tp_rank in range(tp):
+                        for ep_rank, target in targets:
+                            _write_vocab_rank(
+                                writers[tp_rank][ep_rank], name=target, hf_name=hf_names[0], get_rows=get_rows,
+                                first_row=tp_rank * rows_per_rank, rows_per_rank=rows_per_rank, spec=spec,
+                                dtype=torch_dtype,
+                            )  # fmt: skip
                     continue
                 # Cast after splitting: the same values, and no full-size copy in the new dtype.
                 tensors = [get(n) for n in hf_names]
-                parts = (split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=t) for t in range(tp))
-                for writer, part in zip(writers, parts):
-                    writer.write(name, part.to(torch_dtype))
+                for tp_rank in range(tp):
+                    part = split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=tp_rank).to(torch_dtype)
+                    for ep_rank, target in targets:
+                        writers[tp_rank][ep_rank].write(target, part)
         for tp_rank in range(tp):
-            log(f"wrote {shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)} ({len(shapes)} tensors)")
+            for ep_rank, shapes in enumerate(per_ep_rank):
+                log(f"wrote {shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)} ({len(shapes)} tensors)")
     meta = McoreMeta(
         spec=spec, tp=tp, pp=pp, dtype=dtype, layer_spec=layer_spec, vocab_divisor=divisor,
-        hf_config=hf_config, format_version=FORMAT_VERSION,
+        hf_config=hf_config, format_version=FORMAT_VERSION, ep=ep,
     )  # fmt: skip
     write_mcore_meta(tmp, meta=meta, aux_files=aux_files)
 
 
-def _writer(fmt: str) -> Callable[..., None]:
-    """The checkpoint writer of a format; all take the same keyword arguments as _write_mcore."""
+def _writer(fmt: str, *, ep: int = 1) -> Callable[..., None]:
+    """The checkpoint writer of a format; all take the same keyword arguments as _write_mcore
+    (but ep, which only this package's format has: torch_dist refuses experts)."""
     if fmt == "safetensors":
-        return _write_mcore
+        return functools.partial(_write_mcore, ep=ep)
     if fmt == "torch_dist":
         from checkpoint_convert.torch_dist import write_checkpoint
 
@@ -188,6 +205,7 @@ def hf_to_mcore(
     *,
     tp: int,
     pp: int,
+    ep: int = 1,
     dtype: str | None = None,
     layer_spec: str = "local",
     divisor: int = 128,
@@ -195,18 +213,19 @@ def hf_to_mcore(
     fmt: str = DEFAULT_FORMAT,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Convert an HF directory into a Megatron checkpoint sharded tp x pp (format `fmt`)."""
+    """Convert an HF directory into a Megatron checkpoint sharded tp x pp, its experts over ep
+    (format `fmt`)."""
     source = open_hf_dir(hf_dir)
-    check_layout(source.spec, tp=tp, pp=pp, source=str(source.dir / "config.json"), divisor=divisor)
+    check_layout(source.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir / "config.json"), divisor=divisor)
     target_dtype = DTYPE_FLAGS[dtype] if dtype else source.spec.torch_dtype
-    write = _writer(fmt)
+    write = _writer(fmt, ep=ep)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         write(
             tmp, spec=source.spec, hf_config=source.config, get=source.get, get_rows=source.get_rows, tp=tp, pp=pp,
             dtype=target_dtype,
             layer_spec=layer_spec, divisor=divisor, aux_files=source.aux_files(), log=log,
         )  # fmt: skip
-    log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp} dtype={target_dtype})")
+    log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp} ep={ep} dtype={target_dtype})")
 
 
 def reshard(
@@ -215,18 +234,19 @@ def reshard(
     *,
     tp: int,
     pp: int,
+    ep: int = 1,
     overwrite: bool = False,
     fmt: str | None = None,
     hf_config_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Re-split a Megatron checkpoint for a new tp x pp by going through HF names; the output
-    format is `fmt`, by default the input's."""
+    """Re-split a Megatron checkpoint for a new tp x pp x ep by going through HF names (each
+    expert read from the ep rank that holds it); the output format is `fmt`, by default the input's."""
     source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
     fmt = fmt or checkpoint_format(source)
-    write = _writer(fmt)
-    check_layout(meta.spec, tp=tp, pp=pp, source=str(source.dir), divisor=meta.vocab_divisor)
+    check_layout(meta.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir), divisor=meta.vocab_divisor)
+    write = _writer(fmt, ep=ep)
     aux = sorted(p for p in source.hf_files_dir.iterdir() if p.is_file()) if source.hf_files_dir.is_dir() else []
     view = source.hf_view()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(getattr(source, "root", source.dir),)) as tmp:
@@ -235,7 +255,8 @@ def reshard(
             dtype=meta.dtype,
             layer_spec=meta.layer_spec, divisor=meta.vocab_divisor, aux_files=aux, log=log,
         )  # fmt: skip
-    log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp}) -> {out} ({fmt}, tp={tp} pp={pp})")
+    log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
+        f"({fmt}, tp={tp} pp={pp} ep={ep})")
 
 
 def _plan_hf_shards(spec: ModelSpec, *, dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
@@ -366,7 +387,6 @@ def mcore_to_hf_dir(
             raise
         writer.close()
         index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if source.hf_files_dir.is_dir():
             for path in sorted(source.hf_files_dir.iterdir()):
@@ -374,4 +394,5 @@ def mcore_to_hf_dir(
                     shutil.copy2(path, tmp / path.name)
         config = _export_config(meta.hf_config, dtype=meta.dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    log(f"mcore-to-hf: {source.dir} (tp={meta.tp} pp={meta.pp}) -> {out} ({len(files)} shard(s))")
+    log(f"mcore-to-hf: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
+        f"({len(files)} shard(s))")

@@ -5,11 +5,14 @@ tokenizer files, optional generation_config.json.
 
 Megatron checkpoint directory (this project's format, safetensors + JSON only):
 
-    mcore_checkpoint.json        meta: format, format_version, tp, pp, dtype, layer_spec,
+    mcore_checkpoint.json        meta: format, format_version, tp, pp, ep, dtype, layer_spec,
                                  vocab_divisor, padded_vocab_size, hf_config (source config.json)
     hf_files/                    config.json, generation_config.json (when the source had one)
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
+    tp{t}_pp{p}_ep{e}/model.safetensors   the same with experts split over ep > 1 ranks: rank e
+                                 holds experts [e*E/ep, (e+1)*E/ep) as its local experts
+                                 0..E/ep-1 and a copy of every other tensor of its tp rank
 
 Tensors are read one at a time with plain reads (safetensors_stream), never memory-mapped,
 so file pages a conversion touches are not charged to its resident memory.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -216,10 +220,55 @@ class McoreMeta:
     vocab_divisor: int
     hf_config: dict  # the source config.json, verbatim
     format_version: int
+    ep: int = 1  # expert-parallel ranks the experts are split over
 
 
-def shard_relpath(*, tp_rank: int, pp_rank: int) -> str:
+def shard_relpath(*, tp_rank: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> str:
+    """One rank's file; the ep rank is part of the name only when the experts are split (ep > 1)."""
+    if ep > 1:
+        return f"tp{tp_rank}_pp{pp_rank}_ep{ep_rank}/model.safetensors"
     return f"tp{tp_rank}_pp{pp_rank}/model.safetensors"
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def expert_rank_name(name: str, *, num_experts: int, ep: int) -> tuple[int, str] | None:
+    """(ep rank, name there) of a tensor of expert e named by its global index: rank e // (E/ep)
+    holds it as local expert e % (E/ep). None for a tensor that is not an expert's."""
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return None
+    per_rank = num_experts // ep
+    expert = int(match.group(1))
+    return expert // per_rank, f"{name[: match.start()]}.local_experts.{expert % per_rank}.{name[match.end():]}"
+
+
+def global_expert_name(name: str, *, num_experts: int, ep: int, ep_rank: int) -> str:
+    """The inverse: a local expert's tensor on ep rank ep_rank under its global index."""
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name
+    expert = ep_rank * (num_experts // ep) + int(match.group(1))
+    return f"{name[: match.start()]}.local_experts.{expert}.{name[match.end():]}"
+
+
+def ep_shard_shapes(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, ep: int, layer_spec: str, divisor: int) -> list[
+        dict[str, tuple[int, ...]]]:
+    """Name -> shape of each ep rank's file of one (tp rank, stage), in streaming order: the
+    stage's tensors with the experts of that rank under their local index."""
+    shapes = mcore_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
+    if ep == 1:
+        return [shapes]
+    ranks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(ep)]
+    for name, shape in shapes.items():
+        owner = expert_rank_name(name, num_experts=spec.num_experts, ep=ep)
+        if owner is None:
+            for rank in ranks:
+                rank[name] = shape
+        else:
+            ranks[owner[0]][owner[1]] = shape
+    return ranks
 
 
 def meta_json(meta: McoreMeta) -> dict:
@@ -228,6 +277,7 @@ def meta_json(meta: McoreMeta) -> dict:
         "format_version": meta.format_version,
         "tp": meta.tp,
         "pp": meta.pp,
+        **({"ep": meta.ep} if meta.ep > 1 else {}),
         "dtype": meta.dtype,
         "layer_spec": meta.layer_spec,
         "vocab_divisor": meta.vocab_divisor,
@@ -259,6 +309,34 @@ class _LazyShard(Mapping):
         return len(self._names)
 
 
+class _ExpertParallelShard(Mapping):
+    """The ep files of one (tp rank, stage) seen as one ep-1 shard: experts under their global
+    index, every other tensor from ep rank 0 (the ranks hold the same copy)."""
+
+    def __init__(self, ranks: list[_LazyShard], *, num_experts: int) -> None:
+        self._where: dict[str, tuple[_LazyShard, str]] = {}
+        for ep_rank, shard in enumerate(ranks):
+            for name in shard:
+                full = global_expert_name(name, num_experts=num_experts, ep=len(ranks), ep_rank=ep_rank)
+                if full == name and ep_rank > 0:
+                    continue
+                self._where[full] = (shard, name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shard, local = self._where[name]
+        return shard[local]
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shard, local = self._where[name]
+        return shard.get_rows(local, start, stop)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 class McoreCheckpoint:
     """A validated Megatron checkpoint directory written by this package (or the trainer)."""
 
@@ -275,13 +353,16 @@ class McoreCheckpoint:
         for field in ("tp", "pp", "vocab_divisor"):
             if not isinstance(raw.get(field), int) or raw[field] < 1:
                 raise ConversionError(f"{meta_path}: field '{field}' must be a positive integer")
+        ep = raw.get("ep", 1)
+        if not isinstance(ep, int) or ep < 1:
+            raise ConversionError(f"{meta_path}: field 'ep' must be a positive integer")
         if raw.get("dtype") not in DTYPES:
             raise ConversionError(f"{meta_path}: field 'dtype' is {raw.get('dtype')!r}; supported: {', '.join(DTYPES)}")
         if raw.get("layer_spec") not in LAYER_SPECS:
             raise ConversionError(f"{meta_path}: field 'layer_spec' must be one of {LAYER_SPECS}")
         spec = spec_from_hf_config(raw.get("hf_config"), source=f"{meta_path}: hf_config")
         spec = replace(spec, torch_dtype=raw["dtype"])
-        check_layout(spec, tp=raw["tp"], pp=raw["pp"], source=f"{meta_path}: hf_config", divisor=raw["vocab_divisor"])
+        check_layout(spec, tp=raw["tp"], pp=raw["pp"], ep=ep, source=f"{meta_path}: hf_config", divisor=raw["vocab_divisor"])
         self.meta = McoreMeta(
             spec=spec,
             tp=raw["tp"],
@@ -291,25 +372,30 @@ class McoreCheckpoint:
             vocab_divisor=raw["vocab_divisor"],
             hf_config=raw["hf_config"],
             format_version=raw["format_version"],
+            ep=ep,
         )
-        self._shards: dict[tuple[int, int], _LazyShard] = {}
+        self._shards: dict[tuple[int, int], _LazyShard | _ExpertParallelShard] = {}
         for pp_rank in range(self.meta.pp):
-            expected = mcore_shard_shapes(
-                spec, tp=self.meta.tp, pp=self.meta.pp, pp_rank=pp_rank,
+            per_ep_rank = ep_shard_shapes(
+                spec, tp=self.meta.tp, pp=self.meta.pp, pp_rank=pp_rank, ep=ep,
                 layer_spec=self.meta.layer_spec, divisor=self.meta.vocab_divisor,
             )  # fmt: skip
             for tp_rank in range(self.meta.tp):
-                path = self.dir / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank)
-                handle = _open_safetensors(path)
-                names = list(handle.keys())
-                for name in expected:
-                    if name not in names:
-                        raise ConversionError(f"{path}: tensor '{name}' is missing")
-                for name in names:
-                    if name not in expected:
-                        raise ConversionError(f"{path}: unexpected tensor '{name}'")
-                _check_shapes(path, handle, names, expected)
-                self._shards[(tp_rank, pp_rank)] = _LazyShard(path, handle)
+                ranks = []
+                for ep_rank, expected in enumerate(per_ep_rank):
+                    path = self.dir / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+                    handle = _open_safetensors(path)
+                    names = list(handle.keys())
+                    for name in expected:
+                        if name not in names:
+                            raise ConversionError(f"{path}: tensor '{name}' is missing")
+                    for name in names:
+                        if name not in expected:
+                            raise ConversionError(f"{path}: unexpected tensor '{name}'")
+                    _check_shapes(path, handle, names, expected)
+                    ranks.append(_LazyShard(path, handle))
+                shard = ranks[0] if ep == 1 else _ExpertParallelShard(ranks, num_experts=spec.num_experts)
+                self._shards[(tp_rank, pp_rank)] = shard
 
     @property
     def spec(self) -> ModelSpec:
@@ -320,12 +406,14 @@ class McoreCheckpoint:
         """config.json, generation_config.json and the tokenizer files of the source model."""
         return self.dir / HF_FILES_DIR
 
-    def shard_view(self, tp_rank: int, pp_rank: int) -> _LazyShard:
-        """Lazy mapping of one rank's tensors."""
+    def shard_view(self, tp_rank: int, pp_rank: int) -> _LazyShard | _ExpertParallelShard:
+        """Lazy mapping of one rank's tensors (with ep > 1: of its ep files together, every
+        expert under its global index, as at ep 1)."""
         return self._shards[(tp_rank, pp_rank)]
 
     def shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-        """One rank's tensors, all read, names as that stage's GPTModel.named_parameters()."""
+        """One rank's tensors, all read, names as that stage's GPTModel.named_parameters() at
+        ep 1 (every expert of the stage)."""
         view = self._shards[(tp_rank, pp_rank)]
         return {name: view[name] for name in view}
 

@@ -22,6 +22,15 @@ persistent [s, b, h] workspace. The last stage adds the final norm and the vocab
 logits, which the log-prob kernel keeps in fp32 together with their gradient during the
 backward (2 fp32 copies of tokens x vocab/tp).
 
+Mixture-of-experts layers (a shape with `experts` > 0; every layer is then a MoE layer, as in
+Qwen3-30B-A3B and Mixtral): the MLP term becomes the routed one. Each token goes to its top k
+experts, so with balanced routing a rank's experts see k copies of each of its tokens (the
+all-to-all brings as many in as it sends out; routing skewed towards one ep rank's experts
+raises that rank's share, up to ep x k copies with a dropless dispatcher). Per token: the router's
+fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 keeps (kh) and the
+k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
+by the expert tensor-parallel size.
+
 1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
 layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
 given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
@@ -46,6 +55,31 @@ class LayerShape:
     head_dim: int
     ffn: int
     vocab: int
+    experts: int = 0  # routed experts per layer; 0: a dense model
+    topk: int = 0  # experts each token is routed to
+    moe_ffn: int = 0  # one expert's FFN size
+
+
+def expert_param_count(shape: LayerShape, *, moe_layers: int) -> int:
+    """Parameters of the routed experts (SwiGLU: gate, up, down) of `moe_layers` MoE layers;
+    the routers ([E, h] each) are replicated like the dense parameters."""
+    return moe_layers * shape.experts * 3 * shape.hidden * shape.moe_ffn
+
+
+def expert_params_per_rank(shape: LayerShape, *, moe_layers: int, ep: int, expert_tp: int) -> float:
+    """Expert parameters one rank of a stage holding `moe_layers` MoE layers keeps: E/ep experts
+    of each layer, each split over the expert tensor-parallel ranks."""
+    if shape.experts % ep:
+        raise ValueError(f"ep {ep} does not divide the expert count {shape.experts}")
+    return expert_param_count(shape, moe_layers=moe_layers) / (ep * expert_tp)
+
+
+def expert_data_parallel_size(*, tp: int, dp: int, ep: int, expert_tp: int) -> int:
+    """Ranks holding the same experts (megatron-core's expert-data-parallel group of one stage)."""
+    ranks, rest = divmod(tp * dp, ep * expert_tp)
+    if rest or not ranks:
+        raise ValueError(f"ep {ep} x expert tp {expert_tp} does not divide tp {tp} x dp {dp}")
+    return ranks
 
 
 def _norm_elems(attention: str) -> int:
@@ -53,8 +87,21 @@ def _norm_elems(attention: str) -> int:
     return 3 if attention == "local" else 2
 
 
+def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: int, expert_tp: int | None = None) -> float:
+    """Bytes per token the MLP block keeps: dense SwiGLU 5f / tp; MoE: router 2E fp32, the k
+    routed copies in and out (2kh) and k expert MLPs 5 f_moe / expert tp (balanced routing)."""
+    if not shape.experts:
+        return 5 * shape.ffn * dtype_bytes / tp
+    expert_tp = tp if expert_tp is None else expert_tp
+    router = 2 * shape.experts * FP32_BYTES
+    routed = 2 * shape.topk * shape.hidden * dtype_bytes
+    experts = 5 * shape.topk * shape.moe_ffn * dtype_bytes / expert_tp
+    return router + routed + experts
+
+
 def layer_activation_bytes(
-    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    expert_tp: int | None = None,
 ) -> float:
     """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len])."""
     if attention not in ATTENTION_IMPLS:
@@ -69,7 +116,7 @@ def layer_activation_bytes(
         attn = (4 * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
     else:
         attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + shape.heads * FP32_BYTES) / tp
-    mlp = 5 * shape.ffn * dtype_bytes / tp
+    mlp = mlp_activation_bytes_per_token(shape, tp=tp, dtype_bytes=dtype_bytes, expert_tp=expert_tp)
     return tokens * (norms + attn + mlp)
 
 
@@ -96,13 +143,14 @@ def head_bytes(
 
 def activation_bytes(
     shape: LayerShape, *, layers: int, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str,
-    dtype_bytes: int,
+    dtype_bytes: int, expert_tp: int | None = None,
 ) -> float:
     """Peak activation bytes of one microbatch's forward + backward through `layers` layers
     and the last stage's head (the peak is where the backward starts)."""
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes)
-    return (layers * layer_activation_bytes(shape, **kw) + workspace_bytes(shape, **kw) + head_bytes(shape, **kw))
+    return (layers * layer_activation_bytes(shape, **kw, expert_tp=expert_tp) + workspace_bytes(shape, **kw)
+            + head_bytes(shape, **kw))
 
 
 def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool,
@@ -114,7 +162,7 @@ def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, seque
 
 def plan_activation_bytes(
     shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
-    tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int, expert_tp: int | None = None,
 ) -> float:
     """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
     (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
@@ -125,7 +173,7 @@ def plan_activation_bytes(
 
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes)
-    stash_unit = layers / pp * layer_activation_bytes(shape, **kw)
+    stash_unit = layers / pp * layer_activation_bytes(shape, **kw, expert_tp=expert_tp)
     boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
                               dtype_bytes=dtype_bytes)
     plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
@@ -149,19 +197,35 @@ REFERENCE_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12  # ... and fp32 masters + AdamW m, v, sharded over dp by the distributed optimizer
 
 
+def bytes_per_param(*, ref_mode: str, optimizer_shards: int) -> float:
+    """Bytes a rank keeps per parameter it holds: weights and main grads, the frozen reference
+    when colocated, the optimizer state over its `optimizer_shards` ranks."""
+    colocated = ref_mode in ("interleaved", "sequential")
+    return (POLICY_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if colocated else 0)
+            + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards)
+
+
 def per_gpu_bytes(
     shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
-    attention: str, dtype_bytes: int = 2,
+    attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
-    (averaged over the tp x pp shards), plus the worst stage's activations under the plan."""
-    colocated = ref_mode in ("interleaved", "sequential")
-    per_param = (POLICY_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if colocated else 0)
-                 + OPTIMIZER_BYTES_PER_PARAM / (dp if distributed_optimizer else 1))
+    (averaged over the tp x pp shards), plus the worst stage's activations under the plan.
+
+    MoE: `params` counts the parameters outside the routed experts (split over tp x pp, the
+    optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
+    pp, the optimizer state over the expert-data-parallel group); expert tp defaults to tp."""
+    expert_tp = tp if expert_tp is None else expert_tp
+    dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
+    experts = 0.0
+    if expert_params:
+        edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=expert_tp)
+        per_param = bytes_per_param(ref_mode=ref_mode, optimizer_shards=edp if distributed_optimizer else 1)
+        experts = expert_params * per_param / (ep * expert_tp * pp)
     activations = plan_activation_bytes(
         shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=seq_len,
         rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=dtype_bytes, expert_tp=expert_tp,
     )  # fmt: skip
-    return params * per_param / (tp * pp) + activations
+    return dense + experts + activations

@@ -14,7 +14,7 @@ import torch
 from checkpoint_convert.mapping import padded_vocab_size
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig, load_yaml
-from mcore_dpo.memory_estimate import LayerShape, per_gpu_bytes
+from mcore_dpo.memory_estimate import LayerShape, expert_param_count, per_gpu_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -46,29 +46,49 @@ def key_values(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split())
 
 
-def param_count(arch: dict[str, str]) -> int:
-    """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm."""
-    hidden, layers, ffn, vocab = (int(arch[k]) for k in ("hidden", "layers", "ffn", "vocab"))
+def is_moe(arch: dict[str, str]) -> bool:
+    return "experts" in arch
+
+
+def dense_param_count(arch: dict[str, str]) -> int:
+    """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm. For a MoE arch
+    (every layer a MoE layer), everything but the routed experts: the MLP is the router [E, h]."""
+    hidden, layers, vocab = (int(arch[k]) for k in ("hidden", "layers", "vocab"))
     heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     if arch["qkv_bias"] == "true":
         attention += (heads + 2 * kv_heads) * head_dim
-    per_layer = attention + 3 * hidden * ffn + 2 * hidden
+    mlp = int(arch["experts"]) * hidden if is_moe(arch) else 3 * hidden * int(arch["ffn"])
+    per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if arch["tied_embeddings"] == "true" else 2)
     return embeddings + layers * per_layer + hidden
 
 
+def layer_shape(arch: dict[str, str], *, tp: int) -> LayerShape:
+    moe = dict(experts=int(arch["experts"]), topk=int(arch["topk"]), moe_ffn=int(arch["moe_ffn"])) if is_moe(arch) else {}
+    return LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
+                      head_dim=int(arch["head_dim"]), ffn=int(arch.get("ffn", 0)),
+                      vocab=padded_vocab_size(int(arch["vocab"]), tp=tp), **moe)
+
+
+def expert_params(arch: dict[str, str]) -> int:
+    """The routed experts' parameters (SwiGLU: 3 h x f_moe matrices each, every layer)."""
+    return expert_param_count(layer_shape(arch, tp=1), moe_layers=int(arch["layers"])) if is_moe(arch) else 0
+
+
+def param_count(arch: dict[str, str]) -> int:
+    return dense_param_count(arch) + expert_params(arch)
+
+
 def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig, attention: str) -> float:
-    shape = LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
-                       head_dim=int(arch["head_dim"]), ffn=int(arch["ffn"]),
-                       vocab=padded_vocab_size(int(arch["vocab"]), tp=config.tp))
+    shape = layer_shape(arch, tp=config.tp)
     sequence_parallel = plat.use_sequence_parallel(GPU, requested=config.sequence_parallel, tp=config.tp)
     num_microbatches = config.global_batch_size // (config.dp * config.micro_batch_size)
-    return per_gpu_bytes(shape, params=param_count(arch), layers=int(arch["layers"]), tp=config.tp, pp=config.pp,
+    return per_gpu_bytes(shape, params=dense_param_count(arch), layers=int(arch["layers"]), tp=config.tp, pp=config.pp,
                          dp=config.dp, distributed_optimizer=config.distributed_optimizer,
                          micro_batch_size=config.micro_batch_size, num_microbatches=num_microbatches,
                          seq_len=config.max_length, ref_mode=config.ref_mode, sequence_parallel=sequence_parallel,
-                         attention=attention) / 1e9
+                         attention=attention, expert_params=expert_params(arch), ep=config.ep) / 1e9
 
 
 def config_without_paths(path: Path) -> TrainConfig:
@@ -80,7 +100,8 @@ def config_without_paths(path: Path) -> TrainConfig:
 
 def test_configs_exist():
     names = {p.name for p in ALL_CONFIGS}
-    assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml"} <= names
+    assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml", "qwen3_8b.yaml", "qwen3_30b_a3b.yaml",
+            "mixtral_8x7b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
@@ -114,6 +135,30 @@ def test_realistic_config_header_arithmetic(path: Path):
     assert int(arch["kv_heads"]) % config.tp == 0 and int(arch["heads"]) % config.tp == 0
     assert int(arch["layers"]) % config.pp == 0
     assert config.dtype == "bfloat16"
+    if is_moe(arch):
+        assert expert_params(arch) / 1e9 == pytest.approx(float(header["expert_params_b"]), abs=0.005)
+        # Experts split evenly over ep; an expert-parallel group (tp x ep ranks) stays inside one node.
+        assert int(arch["experts"]) % config.ep == 0 and config.tp * config.ep <= int(cluster["gpus_per_node"])
+    else:
+        assert config.ep == 1
+
+
+def test_moe_configs_split_the_experts():
+    for name, ep in (("qwen3_30b_a3b.yaml", 8), ("mixtral_8x7b.yaml", 8)):
+        config = config_without_paths(CONFIG_DIR / name)
+        assert config.ep == ep and is_moe(key_values(header_values(CONFIG_DIR / name)["arch"]))
+
+
+def test_expert_memory_is_in_the_header_arithmetic():
+    # Without the experts branch (all 30.5 B parameters treated as dense, over tp x pp = 1) the
+    # Qwen3-30B-A3B figure would be far off: the experts' split over ep 8 is what fits it.
+    path = CONFIG_DIR / "qwen3_30b_a3b.yaml"
+    header = header_values(path)
+    arch, config = key_values(header["arch"]), config_without_paths(path)
+    stated = float(header["memory_gb_per_gpu"])
+    assert memory_gb_per_gpu(arch=arch, config=config, attention="flash") == pytest.approx(stated, abs=0.05)
+    single_rank = dataclasses.replace(config, ep=1)
+    assert memory_gb_per_gpu(arch=arch, config=single_rank, attention="flash") > stated + 400
 
 
 def test_70b_config_is_tp8_pp4_or_more():

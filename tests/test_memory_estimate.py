@@ -6,10 +6,13 @@ probabilities count, at tp 2 with and without sequence parallelism, fp32 and bf1
 storage a tensor op allocates inside the measurement is counted from its allocation until it
 is freed (a TorchDispatchMode with storage finalizers; parameters and their views are not
 allocations), and the peak of the running total is compared with the formula. Tolerance 20%.
+The experts branch: the expert parameters each rank of a tiny MoE model holds, counted exactly,
+and a one-rank MoE forward + backward measured the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -141,3 +144,170 @@ def test_flash_estimate_would_miss_the_local_scores(measured):
     # The attention implementation matters at this size: the flash arithmetic (no s x s
     # probabilities) falls outside the tolerance of what the local spec holds.
     assert _estimate("float32", True, attention="flash") < (1 - TOLERANCE) * measured["float32/sp=True"]
+
+
+# ---------------------------------------------------------------------------------------
+# The experts branch: parameters per rank, against what each rank of a tiny MoE model holds
+# (the key map the trainer loads with: checkpoint_convert.mapping.hf_to_mcore_shard). No processes.
+# ---------------------------------------------------------------------------------------
+
+
+def _tiny_moe_spec(*, mlp_only_layers: list[int]) -> ModelSpec:
+    from transformers import Qwen3MoeConfig
+
+    from checkpoint_convert.mapping import spec_from_hf_config
+
+    config = Qwen3MoeConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=mlp_only_layers)
+    return spec_from_hf_config(config.to_dict())
+
+
+def _moe_shape(spec: ModelSpec) -> LayerShape:
+    return LayerShape(hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_query_groups, head_dim=spec.head_dim,
+                      ffn=spec.intermediate_size, vocab=padded_vocab_size(spec.vocab_size, tp=1),
+                      experts=spec.num_experts, topk=spec.moe_topk, moe_ffn=spec.moe_intermediate_size)
+
+
+def _held(spec: ModelSpec, *, tp: int, t: int, pp: int, p: int, ep: int, e: int) -> tuple[int, int]:
+    """(expert, other) parameter counts rank (t, p, e) holds."""
+    from checkpoint_convert.mapping import hf_tensor_shapes, hf_to_mcore_shard, stage_layers
+
+    shapes = hf_tensor_shapes(spec)
+    shard = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=e,
+                              get=lambda name: torch.zeros(shapes[name]))
+    assert stage_layers(spec.num_layers, pp=pp, pp_rank=p)  # every stage holds layers
+    experts = sum(v.numel() for n, v in shard.items() if ".local_experts." in n)
+    return experts, sum(v.numel() for v in shard.values()) - experts
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 2), (2, 1, 4), (2, 2, 2)], ids=lambda l: "tp{}-pp{}-ep{}".format(*l))
+def test_expert_params_per_rank_is_the_exact_count(layout):
+    """Every rank holds E/ep experts of each MoE layer of its stage, split over expert tp (= tp):
+    exactly expert_params_per_rank; over all ranks, each expert parameter once per tp slice."""
+    from checkpoint_convert.mapping import stage_layers
+    from mcore_dpo.memory_estimate import expert_param_count, expert_params_per_rank
+
+    tp, pp, ep = layout
+    spec = _tiny_moe_spec(mlp_only_layers=[1])  # stages with 1 and 2 MoE layers at pp 2
+    shape = _moe_shape(spec)
+    total = 0
+    for p in range(pp):
+        moe_layers = sum(spec.is_moe_layer(layer) for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=p))
+        for t in range(tp):
+            for e in range(ep):
+                experts, _ = _held(spec, tp=tp, t=t, pp=pp, p=p, ep=ep, e=e)
+                assert experts == expert_params_per_rank(shape, moe_layers=moe_layers, ep=ep, expert_tp=tp), (layout, p, t, e)
+                total += experts
+    assert total == expert_param_count(shape, moe_layers=len(spec.moe_layers))
+    assert total == 3 * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size  # 3 MoE layers of 4
+
+
+def test_per_gpu_bytes_expert_term_is_the_held_experts_times_their_bytes():
+    """All layers MoE, even stages: per_gpu_bytes with the experts minus without them is the
+    exact count on each rank times its bytes per parameter, the optimizer state sharded over
+    the ranks holding the same experts (counted here from the layout: dp rank d has ep rank d % ep)."""
+    from mcore_dpo.memory_estimate import bytes_per_param, expert_data_parallel_size, expert_param_count, per_gpu_bytes
+
+    spec = _tiny_moe_spec(mlp_only_layers=[])
+    shape = _moe_shape(spec)
+    tp, pp, dp, ep = 2, 2, 4, 2
+    groups: dict[tuple[int, int], int] = {}
+    for t in range(tp):
+        for d in range(dp):
+            groups[(t, d % ep)] = groups.get((t, d % ep), 0) + 1
+    edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=tp)
+    assert set(groups.values()) == {edp} == {2}
+    held = {_held(spec, tp=tp, t=t, pp=pp, p=p, ep=ep, e=e)[0] for t in range(tp) for p in range(pp) for e in range(ep)}
+    assert len(held) == 1  # even: every rank holds the same count
+    count = held.pop()
+    kw = dict(params=1000, layers=spec.num_layers, tp=tp, pp=pp, dp=dp, micro_batch_size=1, num_microbatches=4,
+              seq_len=16, ref_mode="interleaved", sequence_parallel=False, attention="local")
+    expert_params = expert_param_count(shape, moe_layers=spec.num_layers)
+    for distributed, shards in ((True, edp), (False, 1)):
+        with_experts = per_gpu_bytes(shape, **kw, distributed_optimizer=distributed, expert_params=expert_params, ep=ep)
+        without = per_gpu_bytes(shape, **kw, distributed_optimizer=distributed)
+        expected = count * bytes_per_param(ref_mode="interleaved", optimizer_shards=shards)
+        assert with_experts - without == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="does not divide"):
+        expert_data_parallel_size(tp=1, dp=3, ep=2, expert_tp=1)
+
+
+def test_moe_activations_count_the_routed_copies():
+    """The MoE layer's MLP term: router 2E fp32 + 2kh routed copies + 5k f_moe / expert tp per
+    token; a dense shape keeps 5f / tp."""
+    from mcore_dpo.memory_estimate import mlp_activation_bytes_per_token
+
+    shape = _moe_shape(_tiny_moe_spec(mlp_only_layers=[]))
+    h, k, f, e = shape.hidden, shape.topk, shape.moe_ffn, shape.experts
+    assert mlp_activation_bytes_per_token(shape, tp=2, dtype_bytes=2) == 2 * e * 4 + 2 * k * h * 2 + 5 * k * f * 2 / 2
+    assert mlp_activation_bytes_per_token(shape, tp=2, dtype_bytes=2, expert_tp=1) == 2 * e * 4 + 2 * k * h * 2 + 5 * k * f * 2
+    dense = LayerShape(hidden=h, heads=4, kv_heads=2, head_dim=16, ffn=64, vocab=128)
+    assert mlp_activation_bytes_per_token(dense, tp=2, dtype_bytes=2) == 5 * 64 * 2 / 2
+
+
+# The MoE layer's activations, measured: one rank (ep 1, so every routed copy stays on it), a
+# Mixtral-shaped model whose MLP term (router, routed copies, expert MLPs) is most of a layer's.
+MOE_SEQ_LEN, MOE_ROWS = 64, 2
+
+
+def _moe_measure_spec() -> ModelSpec:
+    from transformers import MixtralConfig
+
+    from checkpoint_convert.mapping import spec_from_hf_config
+
+    config = MixtralConfig(vocab_size=120, hidden_size=64, intermediate_size=192, num_hidden_layers=LAYERS,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    return spec_from_hf_config(config.to_dict())
+
+
+def _moe_rank_main(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        from mcore_dpo import mesh as mesh_lib
+        from mcore_dpo import platform as plat
+        from mcore_dpo.logprobs import sequence_logps
+        from mcore_dpo.model import build_stage_model, causal_mask, stage_forward
+
+        spec = _moe_measure_spec()
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=rank, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        with plat.building_models(platform):
+            model = build_stage_model(spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
+        tokens = torch.randint(3, spec.vocab_size, (MOE_ROWS, MOE_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        mask = causal_mask(MOE_SEQ_LEN, device=torch.device("cpu"))
+
+        def loss() -> torch.Tensor:
+            logits = stage_forward(model, tokens=tokens, input_tensor=None, mask=mask)
+            logps = sequence_logps(logits, tokens, torch.ones(MOE_ROWS, MOE_SEQ_LEN), vocab_size=spec.vocab_size,
+                                   tp_rank=0, tp_group=mesh.tp_group)
+            return logps.logp_sum.sum()
+
+        meter = PeakTensorBytes()
+        with meter:
+            loss().backward()
+        Path(out_dir, "moe.json").write_text(json.dumps({"peak": meter.peak}))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_moe_estimate_matches_measured_peak(tmp_path):
+    mp.start_processes(_moe_rank_main, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    peak = json.loads((tmp_path / "moe.json").read_text())["peak"]
+    spec = _moe_measure_spec()
+    shape = _moe_shape(spec)
+    assert shape.moe_ffn == 192 and shape.experts == 4
+    kw = dict(layers=LAYERS, seq_len=MOE_SEQ_LEN, rows=MOE_ROWS, tp=1, sequence_parallel=False, attention="local",
+              dtype_bytes=4)
+    estimate = activation_bytes(shape, **kw)
+    assert abs(estimate / peak - 1) <= TOLERANCE, f"MoE: estimate {estimate:.0f} B, measured peak {peak} B"
+    # The routed term matters at this size: counting one copy per token instead of k misses it.
+    one_copy = activation_bytes(dataclasses.replace(shape, topk=1), **kw)
+    assert abs(one_copy / peak - 1) > TOLERANCE, f"MoE: one-copy estimate {one_copy:.0f} B, measured peak {peak} B"
