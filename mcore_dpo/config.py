@@ -381,6 +381,11 @@ class TrainConfig:
             raise ConfigError("sync_ref_model: not with LoRA (the reference is the starting adapter, it does not move)")
         if self.sequence_parallel:
             raise ConfigError("sequence_parallel: not supported with LoRA (the adapters need whole-sequence inputs)")
+        if self.ep > 1:
+            # The adapters' expert parts live on their ep ranks; the checkpoint and OUTPUT/adapter
+            # writers do not gather them over ep yet.
+            raise ConfigError(f"ep: LoRA with ep {self.ep} > 1 is not supported yet (its adapter files would miss "
+                              "the other ep ranks' experts); use --ep 1")
         if self.ref_mode == "separate" and not self.ref_model:
             raise ConfigError("ref_mode: separate with LoRA needs --ref-model (without it the reference is the policy's "
                               "own base and adapter, on the policy's ranks)")

@@ -90,6 +90,7 @@ TESTS=(
   "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
   "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
   "tests/test_resume.py::test_exact_resume_after_kill"
+  "tests/test_resume.py::test_kill_during_checkpoint_write"
   "scripts/compat_suite.py::test_parity_compat[tp2-pp2-dp1]"
 )
 if [ -n "${COMPAT_TESTS:-}" ]; then read -r -a TESTS <<< "$COMPAT_TESTS"; fi  # a subset, space-separated
