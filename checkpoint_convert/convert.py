@@ -44,6 +44,7 @@ from checkpoint_convert.mapping import (
     mcore_name,
     check_layout,
     entry_blocks,
+    expert_tp_size,
     hf_tensor_shapes,
     padded_vocab_size,
     split_entry,
@@ -173,8 +174,11 @@ def _write_mcore(
                     continue
                 # Cast after splitting: the same values, and no full-size copy in the new dtype.
                 tensors = [get(n) for n in hf_names]
+                # An expert is split over expert tp (mapping.expert_tp_size: whole on its rank at ep > 1).
+                split_tp = expert_tp_size(tp=tp, ep=ep) if owner is not None else tp
                 for tp_rank in range(tp):
-                    part = split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=tp_rank).to(torch_dtype)
+                    part = split_entry(spec, kind=kind, tensors=tensors, tp=split_tp, tp_rank=tp_rank % split_tp)
+                    part = part.to(torch_dtype)
                     for ep_rank, target in targets:
                         writers[tp_rank][ep_rank].write(target, part)
         for tp_rank in range(tp):

@@ -43,8 +43,11 @@ from checkpoint_convert.mapping import (
     hf_tensor_shapes,
     mcore_shard_shapes,
     hf_entry_index,
+    expert_tp_size,
+    mcore_entries,
     mcore_name,
     mcore_to_hf_tensor,
+    split_entry,
     padded_vocab_size,
     spec_from_hf_config,
 )
@@ -260,6 +263,10 @@ def ep_shard_shapes(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, ep: int,
     shapes = mcore_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
     if ep == 1:
         return [shapes]
+    # The experts are split over expert tp (mapping.expert_tp_size: whole on their rank at ep > 1).
+    etp = expert_tp_size(tp=tp, ep=ep)
+    expert_shapes = mcore_shard_shapes(spec, tp=etp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
+    shapes = {name: expert_shapes[name] if _LOCAL_EXPERT.search(name) else shape for name, shape in shapes.items()}
     ranks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(ep)]
     for name, shape in shapes.items():
         owner = expert_rank_name(name, num_experts=spec.num_experts, ep=ep)
@@ -313,7 +320,14 @@ class _ExpertParallelShard(Mapping):
     """The ep files of one (tp rank, stage) seen as one ep-1 shard: experts under their global
     index, every other tensor from ep rank 0 (the ranks hold the same copy)."""
 
-    def __init__(self, ranks: list[_LazyShard], *, num_experts: int) -> None:
+    def __init__(
+        self, ranks: list[_LazyShard], *, spec: ModelSpec, tp: int, tp_rank: int, pp: int, pp_rank: int, layer_spec: str
+    ) -> None:
+        num_experts = spec.num_experts
+        self._spec, self._tp, self._tp_rank = spec, tp, tp_rank
+        self._whole_experts = expert_tp_size(tp=tp, ep=len(ranks)) != tp
+        self._kinds = {mcore_name(t, layer=local, layer_spec=layer_spec): kind
+                       for t, kind, _, local, _ in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
         self._where: dict[str, tuple[_LazyShard, str]] = {}
         for ep_rank, shard in enumerate(ranks):
             for name in shard:
@@ -324,7 +338,11 @@ class _ExpertParallelShard(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shard, local = self._where[name]
-        return shard[local]
+        if not (self._whole_experts and _LOCAL_EXPERT.search(name)):
+            return shard[local]
+        whole, kind = shard[local], self._kinds[name]
+        parts = list(whole.chunk(2, dim=0)) if kind == "fc1" else [whole]
+        return split_entry(self._spec, kind=kind, tensors=parts, tp=self._tp, tp_rank=self._tp_rank)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         shard, local = self._where[name]
@@ -394,7 +412,9 @@ class McoreCheckpoint:
                             raise ConversionError(f"{path}: unexpected tensor '{name}'")
                     _check_shapes(path, handle, names, expected)
                     ranks.append(_LazyShard(path, handle))
-                shard = ranks[0] if ep == 1 else _ExpertParallelShard(ranks, num_experts=spec.num_experts)
+                shard = ranks[0] if ep == 1 else _ExpertParallelShard(
+                    ranks, spec=spec, tp=self.meta.tp, tp_rank=tp_rank, pp=self.meta.pp, pp_rank=pp_rank,
+                    layer_spec=self.meta.layer_spec)
                 self._shards[(tp_rank, pp_rank)] = shard
 
     @property

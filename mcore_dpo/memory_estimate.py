@@ -215,8 +215,10 @@ def per_gpu_bytes(
 
     MoE: `params` counts the parameters outside the routed experts (split over tp x pp, the
     optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
-    pp, the optimizer state over the expert-data-parallel group); expert tp defaults to tp."""
-    expert_tp = tp if expert_tp is None else expert_tp
+    pp, the optimizer state over the expert-data-parallel group); expert tp defaults to the
+    trainer's rule (checkpoint_convert.mapping.expert_tp_size): 1 at ep > 1, else tp."""
+    if expert_tp is None:
+        expert_tp = 1 if ep > 1 else tp
     dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
     experts = 0.0
     if expert_params:

@@ -183,12 +183,14 @@ def _held(spec: ModelSpec, *, tp: int, t: int, pp: int, p: int, ep: int, e: int)
 
 @pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 2), (2, 1, 4), (2, 2, 2)], ids=lambda l: "tp{}-pp{}-ep{}".format(*l))
 def test_expert_params_per_rank_is_the_exact_count(layout):
-    """Every rank holds E/ep experts of each MoE layer of its stage, split over expert tp (= tp):
-    exactly expert_params_per_rank; over all ranks, each expert parameter once per tp slice."""
-    from checkpoint_convert.mapping import stage_layers
+    """Every rank holds E/ep experts of each MoE layer of its stage, split over expert tp
+    (mapping.expert_tp_size: 1 at ep > 1, whole experts): exactly expert_params_per_rank; over
+    all (tp, ep) ranks, each expert parameter once per tp rank that repeats its slice."""
+    from checkpoint_convert.mapping import expert_tp_size, stage_layers
     from mcore_dpo.memory_estimate import expert_param_count, expert_params_per_rank
 
     tp, pp, ep = layout
+    etp = expert_tp_size(tp=tp, ep=ep)
     spec = _tiny_moe_spec(mlp_only_layers=[1])  # stages with 1 and 2 MoE layers at pp 2
     shape = _moe_shape(spec)
     total = 0
@@ -197,27 +199,28 @@ def test_expert_params_per_rank_is_the_exact_count(layout):
         for t in range(tp):
             for e in range(ep):
                 experts, _ = _held(spec, tp=tp, t=t, pp=pp, p=p, ep=ep, e=e)
-                assert experts == expert_params_per_rank(shape, moe_layers=moe_layers, ep=ep, expert_tp=tp), (layout, p, t, e)
+                assert experts == expert_params_per_rank(shape, moe_layers=moe_layers, ep=ep, expert_tp=etp), (layout, p, t, e)
                 total += experts
-    assert total == expert_param_count(shape, moe_layers=len(spec.moe_layers))
-    assert total == 3 * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size  # 3 MoE layers of 4
+    assert total == expert_param_count(shape, moe_layers=len(spec.moe_layers)) * (tp // etp)
+    assert total // (tp // etp) == 3 * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size  # 3 MoE layers of 4
 
 
 def test_per_gpu_bytes_expert_term_is_the_held_experts_times_their_bytes():
     """All layers MoE, even stages: per_gpu_bytes with the experts minus without them is the
     exact count on each rank times its bytes per parameter, the optimizer state sharded over
-    the ranks holding the same experts (counted here from the layout: dp rank d has ep rank d % ep)."""
+    the ranks holding the same experts (counted here from the layout: the rank at tp rank t, dp
+    rank d has ep rank (t + tp·d) mod ep, its experts whole)."""
     from mcore_dpo.memory_estimate import bytes_per_param, expert_data_parallel_size, expert_param_count, per_gpu_bytes
 
     spec = _tiny_moe_spec(mlp_only_layers=[])
     shape = _moe_shape(spec)
     tp, pp, dp, ep = 2, 2, 4, 2
-    groups: dict[tuple[int, int], int] = {}
+    groups: dict[int, int] = {}
     for t in range(tp):
         for d in range(dp):
-            groups[(t, d % ep)] = groups.get((t, d % ep), 0) + 1
-    edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=tp)
-    assert set(groups.values()) == {edp} == {2}
+            groups[(t + tp * d) % ep] = groups.get((t + tp * d) % ep, 0) + 1
+    edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=1)
+    assert set(groups.values()) == {edp} == {4}
     held = {_held(spec, tp=tp, t=t, pp=pp, p=p, ep=ep, e=e)[0] for t in range(tp) for p in range(pp) for e in range(ep)}
     assert len(held) == 1  # even: every rank holds the same count
     count = held.pop()
@@ -226,7 +229,7 @@ def test_per_gpu_bytes_expert_term_is_the_held_experts_times_their_bytes():
     expert_params = expert_param_count(shape, moe_layers=spec.num_layers)
     for distributed, shards in ((True, edp), (False, 1)):
         with_experts = per_gpu_bytes(shape, **kw, distributed_optimizer=distributed, expert_params=expert_params, ep=ep)
-        without = per_gpu_bytes(shape, **kw, distributed_optimizer=distributed)
+        without = per_gpu_bytes(shape, **kw, distributed_optimizer=distributed, ep=ep)
         expected = count * bytes_per_param(ref_mode="interleaved", optimizer_shards=shards)
         assert with_experts - without == pytest.approx(expected, rel=1e-12)
     with pytest.raises(ValueError, match="does not divide"):
