@@ -58,6 +58,7 @@ CASES = [
     ("alpha_without_lora", ["--lora-alpha", "16"], None, "lora_alpha: needs --lora-rank or --init-adapter"),
     ("dropout_out_of_range", ["--lora-rank", "4", "--lora-dropout", "1.5"], None, "lora_dropout: must be in [0, 1)"),
     ("lora_with_tr_dpo", ["--lora-rank", "4", "--sync-ref-model"], None, "sync_ref_model: not with LoRA"),
+    ("lora_with_ep", ["--lora-rank", "4", "--dp", "2", "--ep", "2", "--no-distributed-optimizer"], None, "ep: LoRA with ep 2 > 1 is not supported yet"),
     ("init_adapter_missing", ["--init-adapter", "{model}/no_such_adapter"], "{model}/no_such_adapter", "does not exist"),
     ("init_adapter_no_config", ["--init-adapter", "{no_config}"], "{no_config}/adapter_config.json", "not found"),
     ("init_adapter_rank_mismatch", ["--lora-rank", "4", "--init-adapter", "{rank8}"], "{rank8}/adapter_config.json",
