@@ -122,3 +122,16 @@ def save_hf(model: torch.nn.Module, directory: Path, *, num_shards: int = 1, dty
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return directory
+
+
+def assert_export_generates_like(original_dir: Path, exported_dir: Path, *, prompt: list[int], max_new_tokens: int) -> None:
+    """The exported HF directory loads with no missing, unexpected or mismatched keys, and its
+    greedy generation equals the original's."""
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(str(original_dir)).eval()
+    exported, info = AutoModelForCausalLM.from_pretrained(str(exported_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tokens = torch.tensor([prompt])
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(exported.eval().generate(tokens, **settings), original.generate(tokens, **settings))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from convert_helpers import save_hf
+from convert_helpers import assert_export_generates_like, save_hf
 from test_moe import mixtral, qwen3_moe
 
 # Qwen3-MoE with a dense layer among its MoE layers (mlp_only_layers=[1]); Mixtral tied.
@@ -83,8 +83,6 @@ def test_reshard_changes_ep_and_the_export_generates_the_same(hf_dirs, family, t
     """(2,1,2) -> reshard (1,2,1) -> HF: identical to the source; an ep-split checkpoint reads
     (verify's path) as the ep-1 shards; the exported model loads with no missing or unexpected
     keys and its greedy generation equals the original's."""
-    from transformers import AutoModelForCausalLM
-
     hf_dir = hf_dirs[family]
     source = _tensors(hf_dir)
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m212"), *_layout_flags(2, 1, 2)]) == 0
@@ -106,12 +104,7 @@ def test_reshard_changes_ep_and_the_export_generates_the_same(hf_dirs, family, t
         shard = checkpoint.shard(t, 0)
         assert set(shard) == set(expected) and all(torch.equal(shard[n], v) for n, v in expected.items())
     capsys.readouterr()
-    original = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-    exported, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    prompt = torch.tensor([[1, 17, 42, 7, 9, 3]])
-    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(exported.eval().generate(prompt, **settings), original.generate(prompt, **settings))
+    assert_export_generates_like(hf_dir, tmp_path / "hf", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir
-from convert_helpers import save_hf
+from convert_helpers import assert_export_generates_like, save_hf
 from parity import VOCAB, PAD, _small_init, run_ranks
 import test_parity as tp_
 
@@ -66,12 +66,7 @@ def test_round_trip_bit_exact_and_generation(models, tied, tmp_path, capsys):
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m12"), "--out", str(tmp_path / "hf12")]) == 0
     assert all(torch.equal(_tensors(tmp_path / "hf12")[n], t) for n, t in source.items())
     capsys.readouterr()
-    original = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-    exported, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf22"), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    prompt = torch.tensor([[1, 17, 42, 7, 99, 3]])
-    settings = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(exported.eval().generate(prompt, **settings), original.generate(prompt, **settings))
+    assert_export_generates_like(hf_dir, tmp_path / "hf22", prompt=[1, 17, 42, 7, 99, 3], max_new_tokens=10)
 
 
 def test_verify_tp2_pp2(models, tmp_path, capsys):
