@@ -47,7 +47,7 @@ from checkpoint_convert.mapping import (
     mcore_entries,
     mcore_name,
     mcore_to_hf_tensor,
-    split_entry,
+    tp_part_of_whole_expert,
     padded_vocab_size,
     spec_from_hf_config,
 )
@@ -340,9 +340,8 @@ class _ExpertParallelShard(Mapping):
         shard, local = self._where[name]
         if not (self._whole_experts and _LOCAL_EXPERT.search(name)):
             return shard[local]
-        whole, kind = shard[local], self._kinds[name]
-        parts = list(whole.chunk(2, dim=0)) if kind == "fc1" else [whole]
-        return split_entry(self._spec, kind=kind, tensors=parts, tp=self._tp, tp_rank=self._tp_rank)
+        return tp_part_of_whole_expert(self._spec, kind=self._kinds[name], whole=shard[local], tp=self._tp,
+                                       tp_rank=self._tp_rank)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         shard, local = self._where[name]

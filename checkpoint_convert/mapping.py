@@ -439,6 +439,13 @@ def fused_hf_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[st
     return sources
 
 
+def tp_part_of_whole_expert(spec: ModelSpec, *, kind: str, whole: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """Tensor-parallel rank tp_rank's part of a whole expert tensor (expert tp 1) as the ep-1
+    layout splits it over tp: fc1 by its gate and up halves, fc2 ("row") on its input dim."""
+    parts = list(whole.chunk(2, dim=0)) if kind == "fc1" else [whole]
+    return split_entry(spec, kind=kind, tensors=parts, tp=tp, tp_rank=tp_rank)
+
+
 def expert_parallel_view(
     spec: ModelSpec, *, tp: int, pp: int, ep: int, get_shard: Callable[[int, int, int], Mapping[str, torch.Tensor]]
 ) -> Callable[[int, int], Mapping[str, torch.Tensor]]:
@@ -465,10 +472,7 @@ def expert_parallel_view(
             part = get_shard(self.tp_rank % etp, self.pp_rank, expert // per_rank)[local]
             if etp == tp:
                 return part
-            kind = self.kinds[name]
-            if kind == "fc1":
-                return split_entry(spec, kind=kind, tensors=list(part.chunk(2, dim=0)), tp=tp, tp_rank=self.tp_rank)
-            return split_entry(spec, kind=kind, tensors=[part], tp=tp, tp_rank=self.tp_rank)
+            return tp_part_of_whole_expert(spec, kind=self.kinds[name], whole=part, tp=tp, tp_rank=self.tp_rank)
 
         def __iter__(self):
             return iter(self.kinds)
