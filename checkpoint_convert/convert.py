@@ -158,7 +158,7 @@ def _write_mcore(
                     path.parent.mkdir(parents=True, exist_ok=True)
                     writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
             for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-                name = mcore_name(template, layer=local, layer_spec=layer_spec)
+                name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
                 hf_names = [t.format(layer=global_layer) for t in hf]
                 owner = expert_rank_name(name, num_experts=spec.num_experts, ep=ep) if ep > 1 else None
                 # (ep rank, name there) for each file that holds the entry: its expert's rank, or all.
@@ -376,13 +376,13 @@ def mcore_to_hf_dir(
             for name in hf_tensor_shapes(meta.spec):
                 if writer.written(name):
                     continue  # a sibling (k, v, up) written with the first tensor of its entry
-                template, kind, hf_names, pp_rank, local = index[name]
+                template, kind, hf_names, pp_rank, local, moe_layer = index[name]
                 if kind == "vocab":
                     row_bytes = element_bytes * meta.spec.hidden_size
                     for lo, hi in _row_blocks(0, meta.spec.vocab_size, row_bytes=row_bytes):
                         writer.write_rows(name, view.get_rows(name, lo, hi))
                     continue
-                shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+                shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec, moe_layer=moe_layer)
                 ranks = range(1) if kind == "replicated" else range(meta.tp)
                 parts = [source.shard_view(tp_rank, pp_rank)[shard_name] for tp_rank in ranks]
                 _write_hf_entry(writer, spec=meta.spec, kind=kind, hf_names=hf_names, parts=parts)

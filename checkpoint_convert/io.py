@@ -326,8 +326,8 @@ class _ExpertParallelShard(Mapping):
         num_experts = spec.num_experts
         self._spec, self._tp, self._tp_rank = spec, tp, tp_rank
         self._whole_experts = expert_tp_size(tp=tp, ep=len(ranks)) != tp
-        self._kinds = {mcore_name(t, layer=local, layer_spec=layer_spec): kind
-                       for t, kind, _, local, _ in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
+        self._kinds = {mcore_name(t, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(layer)): kind
+                       for t, kind, _, local, layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
         self._where: dict[str, tuple[_LazyShard, str]] = {}
         for ep_rank, shard in enumerate(ranks):
             for name in shard:
@@ -473,13 +473,13 @@ class HFView:
         """Rows [start, stop) of HF tensor `name` (vocabulary tensors: without gathering the rest)."""
         if name not in self._index:
             raise ConversionError(f"tensor '{name}' is not part of a {self.spec.architecture} checkpoint")
-        template, kind, _, pp_rank, local = self._index[name]
+        template, kind, _, pp_rank, local, moe_layer = self._index[name]
         if kind != "vocab":
             return self.get(name)[start:stop].clone()
         if not 0 <= start <= stop <= self.spec.vocab_size:
             raise ValueError(f"tensor '{name}': rows [{start}, {stop}) outside [0, {self.spec.vocab_size}]")
         meta = self._ckpt.meta
-        shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec)
+        shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec, moe_layer=moe_layer)
         rows_per_rank = padded_vocab_size(self.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor) // meta.tp
         blocks = []
         for tp_rank in range(meta.tp):

@@ -32,11 +32,11 @@ _LAST_STAGE_KEYS = {
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
 }
-# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear.
-TE_RENAMES = {
-    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
-    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
-}
+# Transformer Engine fuses the pre-attention norm into linear_qkv, and a dense layer's pre-MLP
+# norm into linear_fc1. A mixture-of-experts layer keeps its pre-MLP norm as a module of its
+# own: the router and every expert read the normed input (megatron-core's TE layer spec).
+TE_RENAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight"}
+TE_DENSE_MLP_RENAMES = {".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,10 +86,13 @@ def _stage_of_layer(num_layers: int, *, pp: int, layer: int) -> tuple[int, int]:
     raise ValueError(f"layer {layer} out of range")
 
 
-def mcore_name(template: str, *, layer: int | None, layer_spec: str) -> str:
+def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: bool = False) -> str:
+    """The parameter name of an entry in a model of `layer_spec` (local layer number `layer`;
+    `moe_layer`: the layer's MLP is a mixture of experts)."""
     name = template.format(layer=layer) if layer is not None else template
     if layer_spec == "te":
-        for old, new in TE_RENAMES.items():
+        renames = TE_RENAMES if moe_layer else {**TE_RENAMES, **TE_DENSE_MLP_RENAMES}
+        for old, new in renames.items():
             if name.endswith(old):
                 name = name[: -len(old)] + new
     elif layer_spec != "local":
@@ -207,7 +210,7 @@ def mcore_shard_shapes(
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     shapes = {}
     for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-        name = mcore_name(template, layer=local, layer_spec=layer_spec)
+        name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
         first = hf_shapes[hf[0].format(layer=global_layer)]
         if kind == "replicated":
             shape = first
@@ -276,7 +279,7 @@ def hf_to_mcore_shard(
     shard: dict[str, torch.Tensor] = {}
     etp = expert_tp_size(tp=tp, ep=ep)
     for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
-        name = mcore_name(template, layer=local, layer_spec=layer_spec)
+        name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
         hf_names = [t.format(layer=global_layer) for t in hf]
         if kind == "vocab":
             out = _pad_vocab(get(hf_names[0]), vocab_padded=vocab).chunk(tp, dim=0)[tp_rank]
@@ -359,8 +362,9 @@ def _gather_entry(
     return {n: torch.cat(b, dim=0).contiguous().clone() for n, b in zip(hf_names, blocks)}
 
 
-def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None]]:
-    """HF name -> (mcore template, kind, HF names of the entry, pp_rank, local layer)."""
+def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None, bool]]:
+    """HF name -> (mcore template, kind, HF names of the entry, pp_rank, local layer, whether
+    the layer is a mixture of experts)."""
     index = {}
     for pp_rank in range(pp):
         for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
@@ -368,7 +372,7 @@ def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, lis
                 continue  # the first-stage embedding is the authoritative copy
             hf_names = [t.format(layer=global_layer) for t in hf]
             for hf_name in hf_names:
-                index[hf_name] = (template, kind, hf_names, pp_rank, local)
+                index[hf_name] = (template, kind, hf_names, pp_rank, local, spec.is_moe_layer(global_layer))
     return index
 
 
@@ -390,8 +394,8 @@ def mcore_to_hf(
     pending: dict[str, torch.Tensor] = {}
     for hf_name in order:
         if hf_name not in pending:
-            template, kind, hf_names, pp_rank, local = index[hf_name]
-            name = mcore_name(template, layer=local, layer_spec=layer_spec)
+            template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
+            name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
             pending.update(
                 _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
             )
@@ -412,8 +416,8 @@ def mcore_to_hf_tensor(
     index = hf_entry_index(spec, pp=pp)
     if hf_name not in index:
         raise ConversionError(f"tensor '{hf_name}' is not part of a {spec.architecture} checkpoint")
-    template, kind, hf_names, pp_rank, local = index[hf_name]
-    name = mcore_name(template, layer=local, layer_spec=layer_spec)
+    template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
+    name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
     return _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
 
 

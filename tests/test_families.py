@@ -140,3 +140,24 @@ def test_expert_parallel_shards_split_the_experts_by_local_index():
         assert all(torch.equal(ranks[r][n], full[n]) for n in dense)
     with pytest.raises(ConversionError, match=r"the expert count \(4\) is not divisible by ep=3"):
         hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=3, ep_rank=0, get=hub.__getitem__)
+
+
+def test_te_layer_spec_fuses_the_pre_mlp_norm_only_in_dense_layers():
+    """megatron-core's Transformer Engine spec fuses the pre-MLP norm into linear_fc1 in a dense
+    layer; a MoE layer keeps `pre_mlp_layernorm` (its router and experts read the normed input).
+    Qwen3-MoE with mlp_only_layers=[1]: layer 1 is dense, layers 0, 2, 3 are MoE."""
+    model = TINY["qwen3_moe"]()
+    spec = spec_from_hf_config(model.config.to_dict())
+    state = _hub_tensors(model)
+    shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")
+              for t in range(2) for p in range(2)}
+    stage0, stage1 = set(shards[(0, 0)]), set(shards[(0, 1)])  # layers 0-1, then 2-3 (local 0-1)
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in stage0  # MoE
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in stage0  # dense
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" not in stage0
+    assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"} <= stage1
+    assert not any(name.endswith("mlp.linear_fc1.layer_norm_weight") for name in stage1)
+    assert not any("input_layernorm" in name for name in stage0 | stage1)
+    assert set(shards[(0, 0)]) == set(mcore_shard_shapes(spec, tp=2, pp=2, pp_rank=0, layer_spec="te"))
+    back = dict(mcore_to_hf(spec, tp=2, pp=2, get_shard=lambda t, p: shards[(t, p)], layer_spec="te"))
+    assert set(back) == set(state) and all(torch.equal(back[name], state[name]) for name in state)

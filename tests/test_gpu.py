@@ -104,10 +104,15 @@ def _spec_logits_rank(rank: int, port: int, model_dir: str, out_dir: str) -> Non
         raise
 
 
-def test_transformer_engine_spec_matches_local_spec(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_transformer_engine_spec_matches_local_spec(tmp_path, family):
+    """Dense Llama, and a Qwen3-MoE with a dense layer between MoE layers (TE fuses the pre-MLP
+    norm into linear_fc1 only in the dense one)."""
     from convert_helpers import save_hf
+    from test_moe import qwen3_moe
 
-    model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
+    model = make_model("llama", seed=1) if family == "llama" else qwen3_moe(seed=1, num_layers=4)
+    model_dir = save_hf(model, tmp_path / family)
     mp.start_processes(_spec_logits_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1,
                        start_method="spawn")
     result = torch.load(tmp_path / "logits.pt", weights_only=True)
