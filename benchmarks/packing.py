@@ -144,6 +144,16 @@ def layout_stats(pairs, *, packing: bool, micro_batch_size: int, max_tokens: int
 
 
 # ----------------------------------------------------------------------------- ranks
+def op_sums(trace) -> dict[str, float]:
+    """Wall seconds of one step's op trace by kind: compute (fwd, bwd, ref_fwd), transfers
+    (send/recv/p2p: mostly time blocked on the other stage), optimizer."""
+    sums: dict[str, float] = {}
+    for kind, _mb, _batch, t0, t1 in trace:
+        key = kind if kind in ("fwd", "bwd", "ref_fwd", "optimizer") else "transfer"
+        sums[key] = sums.get(key, 0.0) + (t1 - t0)
+    return sums
+
+
 def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -161,16 +171,26 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -
         pairs = make_pairs([tuple(x) for x in job["lengths"]], vocab_size=job["vocab_size"], seed=7)
         gbs = config.global_batch_size
         num_batches = job["warmup_steps"] + job["num_steps"] + 1
-        metrics_rows = []
+        worker.trace_ops = True
+        metrics_rows, rank_rows = [], []
         for k in range(num_batches - 1):
+            cpu0 = time.process_time()
             metrics = worker.train_step(StepBatch(step=k + 1, pairs=pairs[k * gbs:(k + 1) * gbs],
                                                   next_pairs=pairs[(k + 1) * gbs:(k + 2) * gbs],
                                                   pair_ids=list(range(k * gbs, (k + 1) * gbs))))
-            if metrics is not None and k >= job["warmup_steps"]:
+            cpu_s = time.process_time() - cpu0
+            if k < job["warmup_steps"]:
+                continue
+            rank_rows.append({"cpu_s": cpu_s, "op_wall_s": op_sums(worker.last_trace),
+                              "memory": dict(worker.memory_report), "rss_bytes": common.current_rss_bytes(),
+                              "peak_rss_bytes": common.peak_rss_bytes()})
+            if metrics is not None:
                 metrics_rows.append({key: metrics[key] for key in ("step_time_s", "tokens/real", "tokens/padded",
-                                                                   "padding_fraction", "microbatches")})
+                                                                   "padding_fraction", "microbatches",
+                                                                   "bubble_fraction")})
         result = {"coordinates": worker.coordinates(), "reports": bool(metrics_rows), "steps": metrics_rows,
-                  "peak_rss_bytes": common.peak_rss_bytes(), "loadavg_1min_after": os.getloadavg()[0]}
+                  "rank_steps": rank_rows, "peak_rss_bytes": common.peak_rss_bytes(),
+                  "loadavg_1min_after": os.getloadavg()[0]}
         worker.shutdown()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
@@ -265,6 +285,8 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
             "flops_masked_attention": sum(f["masked"]["attention"] for f in flops),
             "flops_thd": sum(f["thd"]["total"] for f in flops),
             "widest_row": max(f["widest_row"] for f in flops),
+            "bubble_fraction": common.summary([s["bubble_fraction"] for s in steps_all]),
+            "stages": _stage_breakdown(raw[mode]),
         }
     m = out["modes"]
     if "padded" in m and "packed" in m:
@@ -286,6 +308,27 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
             "per_round": common.summary([a / b for a, b in zip(m["packed"]["round_median_step_time_s"],
                                                                m["packed_none"]["round_median_step_time_s"])]),
         }
+    return out
+
+
+def _stage_breakdown(runs: list[dict]) -> list[dict]:
+    """Per pipeline stage, medians over every measured step of every round: the rank's CPU
+    seconds per step (process time: the busy part of the step, far less sensitive to other
+    processes than wall time), its op trace's wall seconds by kind, and its exact tensor
+    bytes by category (memory_account) and RSS, in MiB."""
+    out = []
+    for stage in range(len(runs[0]["ranks"])):
+        rows = [row for run in runs for row in run["ranks"][stage]["rank_steps"]]
+        kinds = sorted({k for row in rows for k in row["op_wall_s"]})
+        categories = sorted({k for row in rows for k in row["memory"]})
+        out.append({
+            "cpu_s": statistics.median(row["cpu_s"] for row in rows),
+            "op_wall_s": {k: statistics.median(row["op_wall_s"].get(k, 0.0) for row in rows) for k in kinds},
+            "memory_mib": {k.removesuffix("_peak_bytes"): max(row["memory"][k] for row in rows) / 2**20
+                           for k in categories},
+            "rss_mib_after_step": statistics.median(row["rss_bytes"] for row in rows) / 2**20,
+            "peak_rss_mib": statistics.median(run["ranks"][stage]["peak_rss_bytes"] for run in runs) / 2**20,
+        })
     return out
 
 
@@ -342,6 +385,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"padding {common.fmt(e['padding_fraction'])}  microbatches {common.fmt(e['microbatches'], digits=0)}  "
               f"step {common.fmt(e['step_time_s'])} s  spread {common.fmt(e['step_time_spread'])}  "
               f"peak RSS {e['peak_rss_bytes']['median'] / 2**20:.0f} MiB")
+    for mode, e in m["modes"].items():
+        for stage, st in enumerate(e["stages"]):
+            ops = "  ".join(f"{k} {v:.3f}" for k, v in st["op_wall_s"].items())
+            print(f"  {mode:<12} stage {stage}: cpu {st['cpu_s']:.3f} s/step  ops (wall s) {ops}  exact peak "
+                  f"{st['memory_mib'].get('total', 0):.1f} MiB (stash {st['memory_mib'].get('policy_stash', 0):.2f})"
+                  f"  peak RSS {st['peak_rss_mib']:.0f} MiB")
     if "packed_vs_padded" in m:
         r = m["packed_vs_padded"]
         print(f"  packed / padded: real tokens/s x{r['real_tokens_per_s']:.2f}, peak RSS x{r['peak_rss']:.3f}; "
