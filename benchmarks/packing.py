@@ -39,6 +39,10 @@ from benchmarks import common  # noqa: E402
 from benchmarks.ref_cost import SHAPES  # noqa: E402
 
 MODES = ("padded", "packed", "packed_none")
+# Diagnostic, run only when named in --modes: packed, every row padded to the budget's width
+# (one activation size for all microbatches, as padded has), to tell the allocator's
+# retention of variable-size blocks from the tensors themselves (docs/BENCHMARKS.md §11).
+DIAGNOSTIC_MODES = ("packed_fixed_width",)
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,13 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -
         from mcore_dpo.worker import PolicyWorker, StepBatch
 
         config = TrainConfig(**job["config"])
+        if job.get("row_width"):  # packed_fixed_width: every packed row padded to one width
+            import mcore_dpo.worker as worker_module
+            from mcore_dpo.packing import collate_packed
+
+            width = job["row_width"]
+            worker_module.collate_packed = lambda pairs, *, pad_token_id, multiple: collate_packed(
+                pairs, pad_token_id=pad_token_id, multiple=width)
         spec = open_weights(config.model).spec
         worker = PolicyWorker(config=config, spec=spec, pad_token_id=common.PAD_ID, rank=rank,
                               master_addr="127.0.0.1", master_port=port)
@@ -247,7 +258,8 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
         for mode in modes:
             job = {"config": _config(mode, model=model, gbs=gbs, mbs=mbs, max_length=lengths.max_length,
                                      steps=steps), "lengths": drawn, "vocab_size": shape.vocab_size,
-                   "num_steps": steps, "warmup_steps": 1}
+                   "num_steps": steps, "warmup_steps": 1,
+                   "row_width": 2 * mbs * lengths.max_length if mode == "packed_fixed_width" else None}
             raw[mode].append({"ranks": run_job(job, out_dir=work_dir / "ranks")})
     pairs = make_pairs(drawn, vocab_size=shape.vocab_size, seed=7)
     out = {"shape": shape.__dict__, "lengths": lengths.__dict__, "global_batch_size": gbs, "micro_batch_size": mbs,
@@ -328,6 +340,9 @@ def _stage_breakdown(runs: list[dict]) -> list[dict]:
                            for k in categories},
             "rss_mib_after_step": statistics.median(row["rss_bytes"] for row in rows) / 2**20,
             "peak_rss_mib": statistics.median(run["ranks"][stage]["peak_rss_bytes"] for run in runs) / 2**20,
+            "peak_rss_mib_per_round": [run["ranks"][stage]["peak_rss_bytes"] / 2**20 for run in runs],
+            "rss_mib_per_round_and_step": [[round(row["rss_bytes"] / 2**20) for row in run["ranks"][stage]["rank_steps"]]
+                                           for run in runs],
         })
     return out
 
@@ -369,15 +384,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each launches every mode afresh")
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=1, help="pairs per padded microbatch")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or any(m not in MODES + DIAGNOSTIC_MODES for m in modes):
+        parser.error(f"--modes: expected a comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}, "
+                     f"got {args.modes!r}")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_packing_"))
     shape = common.TINY_SHAPE if args.tiny else SHAPES["balanced"]
-    result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0]}
+    result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0],
+              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
     result["measured"] = measured(shape=shape, lengths=TINY_LENGTHS if args.tiny else LENGTHS,
                                   gbs=args.global_batch_size, mbs=args.micro_batch_size, steps=args.steps,
-                                  rounds=1 if args.tiny else args.rounds, work_dir=work)
+                                  rounds=1 if args.tiny else args.rounds, work_dir=work, modes=modes)
     m = result["measured"]
     print("measured (tp 1, pp 2, one thread per rank; the box may be shared): median (min-max)")
     for mode, e in m["modes"].items():
