@@ -13,7 +13,11 @@ own peak RSS), taking turns so that load from other processes falls on all of th
 Reported per mode: real (non-pad) tokens/s, padding fraction and microbatches per step (exact,
 from the engine's own step metrics), step time and its spread over steps, peak RSS per rank,
 and the attention/linear FLOP counts of the rows actually built (exact), with and without
-the block-diagonal mask's wasted products (what THD on a GPU does not compute).
+the block-diagonal mask's wasted products (what THD on a GPU does not compute). Per pipeline
+stage (`stages`): CPU and system seconds and page faults per step, the op trace's seconds by
+kind (fwd, bwd, ref_fwd, transfer, optimizer), exact tensor bytes by category
+(memory_account) and RSS after each step. `--modes` runs a subset, or the diagnostic
+`packed_fixed_width`; `benchmarks/packing_decompose.py` takes the gaps apart in one process.
 
     python benchmarks/packing.py --rounds 3 --steps 3 --plot docs/img/packing.png
     python benchmarks/packing.py --tiny --steps 1      # smoke size
@@ -25,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -185,14 +190,16 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -
         worker.trace_ops = True
         metrics_rows, rank_rows = [], []
         for k in range(num_batches - 1):
-            cpu0 = time.process_time()
+            cpu0, usage0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             metrics = worker.train_step(StepBatch(step=k + 1, pairs=pairs[k * gbs:(k + 1) * gbs],
                                                   next_pairs=pairs[(k + 1) * gbs:(k + 2) * gbs],
                                                   pair_ids=list(range(k * gbs, (k + 1) * gbs))))
-            cpu_s = time.process_time() - cpu0
+            cpu_s, usage = time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF)
             if k < job["warmup_steps"]:
                 continue
-            rank_rows.append({"cpu_s": cpu_s, "op_wall_s": op_sums(worker.last_trace),
+            rank_rows.append({"cpu_s": cpu_s, "system_s": usage.ru_stime - usage0.ru_stime,
+                              "minor_faults": usage.ru_minflt - usage0.ru_minflt,
+                              "op_wall_s": op_sums(worker.last_trace),
                               "memory": dict(worker.memory_report), "rss_bytes": common.current_rss_bytes(),
                               "peak_rss_bytes": common.peak_rss_bytes()})
             if metrics is not None:
@@ -335,14 +342,16 @@ def _stage_breakdown(runs: list[dict]) -> list[dict]:
         categories = sorted({k for row in rows for k in row["memory"]})
         out.append({
             "cpu_s": statistics.median(row["cpu_s"] for row in rows),
+            "system_s": statistics.median(row["system_s"] for row in rows),
+            "minor_faults": statistics.median(row["minor_faults"] for row in rows),
             "op_wall_s": {k: statistics.median(row["op_wall_s"].get(k, 0.0) for row in rows) for k in kinds},
             "memory_mib": {k.removesuffix("_peak_bytes"): max(row["memory"][k] for row in rows) / 2**20
                            for k in categories},
             "rss_mib_after_step": statistics.median(row["rss_bytes"] for row in rows) / 2**20,
             "peak_rss_mib": statistics.median(run["ranks"][stage]["peak_rss_bytes"] for run in runs) / 2**20,
             "peak_rss_mib_per_round": [run["ranks"][stage]["peak_rss_bytes"] / 2**20 for run in runs],
-            "rss_mib_per_round_and_step": [[round(row["rss_bytes"] / 2**20) for row in run["ranks"][stage]["rank_steps"]]
-                                           for run in runs],
+            "rss_mib_per_round_and_step": [[round(row["rss_bytes"] / 2**20)
+                                            for row in run["ranks"][stage]["rank_steps"]] for run in runs],
         })
     return out
 
@@ -384,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each launches every mode afresh")
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=1, help="pairs per padded microbatch")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -395,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_packing_"))
     shape = common.TINY_SHAPE if args.tiny else SHAPES["balanced"]
     result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0],
-              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
+              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}}
     result["measured"] = measured(shape=shape, lengths=TINY_LENGTHS if args.tiny else LENGTHS,
                                   gbs=args.global_batch_size, mbs=args.micro_batch_size, steps=args.steps,
                                   rounds=1 if args.tiny else args.rounds, work_dir=work, modes=modes)
@@ -409,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     for mode, e in m["modes"].items():
         for stage, st in enumerate(e["stages"]):
             ops = "  ".join(f"{k} {v:.3f}" for k, v in st["op_wall_s"].items())
-            print(f"  {mode:<12} stage {stage}: cpu {st['cpu_s']:.3f} s/step  ops (wall s) {ops}  exact peak "
+            print(f"  {mode:<12} stage {stage}: cpu {st['cpu_s']:.3f} s/step (system {st['system_s']:.3f}, "
+                  f"{st['minor_faults']:.0f} page faults)  ops (wall s) {ops}  exact peak "
                   f"{st['memory_mib'].get('total', 0):.1f} MiB (stash {st['memory_mib'].get('policy_stash', 0):.2f})"
                   f"  peak RSS {st['peak_rss_mib']:.0f} MiB")
     if "packed_vs_padded" in m:

@@ -15,10 +15,12 @@ batches (`packing.py`: the same model, lengths, seeds and budget). Three parts:
   in each layout, taking turns batch by batch, `--reps` times, in thread CPU seconds (time
   the thread ran, not wall time: other processes on the box slow it far less), with the
   profiler's self CPU time per op class over the same runs, and the optimizer step.
+- `gemm`: the rate of the MLP's first product at every microbatch size M the two layouts
+  use (is there a shape penalty at the packed rows' widths?).
 - a summary: the share of each op class, and the ratio padded / packed of each.
 
     python benchmarks/packing_decompose.py --reps 6
-    python benchmarks/packing_decompose.py --tiny --reps 1      # smoke size
+    python benchmarks/packing_decompose.py --tiny --reps 1 --steps 1    # smoke size
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def microbatch_memory(worker, mb) -> dict:
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = (storage.nbytes(), tensor.dim() >= 3 and tensor.shape[-1] == tensor.shape[-2] > 1)
+            wxw = tensor.dim() >= 3 and tensor.shape[-1] == tensor.shape[-2] > 1
+            saved[storage.data_ptr()] = (storage.nbytes(), wxw)
         return tensor
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -160,7 +163,8 @@ def exact(worker, configs, batches, *, shape: common.LlamaShape, mbs: int, max_t
             steps.append({"microbatches": len(micro), "positions": sum(m.tokens.numel() for m in micro),
                           "real": common.pair_tokens(batch), "widths": [m.tokens.shape[1] for m in micro],
                           "gemm_m": [m.tokens.numel() for m in micro],
-                          "flops_linear": stats["masked"]["linear"], "flops_attention_cpu": stats["masked"]["attention"],
+                          "flops_linear": stats["masked"]["linear"],
+                          "flops_attention_cpu": stats["masked"]["attention"],
                           "flops_attention_thd": stats["thd"]["attention"], "wxw_elements_per_layer": wxw,
                           "param_elements_accumulated": len(micro) * num_params})
             best = max(micro, key=lambda m: m.tokens.numel())
@@ -281,12 +285,14 @@ def report(result: dict) -> None:
     for name, lay in (("padded", pad), ("packed", pk)):
         w = lay["widest_microbatch"]
         print(f"  widest {name} microbatch {w['rows']} x {w['width']}: stash {w['stash_bytes'] / 2**20:.2f} MiB "
-              f"(W x W {w['stash_wxw_bytes'] / 2**20:.2f}), peak live in fwd+bwd {w['peak_live_bytes'] / 2**20:.2f} MiB, "
+              f"(W x W {w['stash_wxw_bytes'] / 2**20:.2f}), peak live in fwd+bwd "
+              f"{w['peak_live_bytes'] / 2**20:.2f} MiB, "
               f"mask {w['mask_bytes'] / 2**10:.0f} KiB")
     rates = result["gemm"]["weighted_gflops"]
     print(f"  linear GEMM rate at each layout's M (x @ w, [M, {result['shape']['hidden_size']}] x "
           f"[{result['shape']['hidden_size']}, {2 * result['shape']['intermediate_size']}]): padded "
-          f"{rates['padded']:.1f} GFLOP/s, packed {rates['packed']:.1f} GFLOP/s (x{rates['padded'] / rates['packed']:.3f})")
+          f"{rates['padded']:.1f} GFLOP/s, packed {rates['packed']:.1f} GFLOP/s "
+          f"(x{rates['padded'] / rates['packed']:.3f})")
     cpu = tm["step_compute_cpu_s"]
     print(f"timed (thread CPU s of the {len(pad['steps'])} steps' compute, median of reps; load "
           f"{result['loadavg_1min_before']:.1f} -> {tm['loadavg_1min_after']:.1f})")
