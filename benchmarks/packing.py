@@ -47,6 +47,7 @@ MODES = ("padded", "packed", "packed_none")
 # Diagnostic, run only when named in --modes: packed, every row padded to the budget's width
 # (one activation size for all microbatches, as padded has), to tell the allocator's
 # retention of variable-size blocks from the tensors themselves (docs/BENCHMARKS.md §11).
+# Its token metrics and FLOP counts are packed's: the engine's counters do not see the extra padding.
 DIAGNOSTIC_MODES = ("packed_fixed_width",)
 
 
