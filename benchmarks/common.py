@@ -171,6 +171,17 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # non-Linux fallback
 
 
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (VmRSS of /proc/self/status; 0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def machine() -> dict:
     info = {
         "cpu_count": os.cpu_count(),

@@ -13,7 +13,11 @@ own peak RSS), taking turns so that load from other processes falls on all of th
 Reported per mode: real (non-pad) tokens/s, padding fraction and microbatches per step (exact,
 from the engine's own step metrics), step time and its spread over steps, peak RSS per rank,
 and the attention/linear FLOP counts of the rows actually built (exact), with and without
-the block-diagonal mask's wasted products (what THD on a GPU does not compute).
+the block-diagonal mask's wasted products (what THD on a GPU does not compute). Per pipeline
+stage (`stages`): CPU and system seconds and page faults per step, the op trace's seconds by
+kind (fwd, bwd, ref_fwd, transfer, optimizer), exact tensor bytes by category
+(memory_account) and RSS after each step. `--modes` runs a subset, or the diagnostic
+`packed_fixed_width`; `benchmarks/packing_decompose.py` takes the gaps apart in one process.
 
     python benchmarks/packing.py --rounds 3 --steps 3 --plot docs/img/packing.png
     python benchmarks/packing.py --tiny --steps 1      # smoke size
@@ -25,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -39,6 +44,11 @@ from benchmarks import common  # noqa: E402
 from benchmarks.ref_cost import SHAPES  # noqa: E402
 
 MODES = ("padded", "packed", "packed_none")
+# Diagnostic, run only when named in --modes: packed, every row padded to the budget's width
+# (one activation size for all microbatches, as padded has), to tell the allocator's
+# retention of variable-size blocks from the tensors themselves (docs/BENCHMARKS.md §11).
+# Its token metrics and FLOP counts are packed's: the engine's counters do not see the extra padding.
+DIAGNOSTIC_MODES = ("packed_fixed_width",)
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,16 @@ def layout_stats(pairs, *, packing: bool, micro_batch_size: int, max_tokens: int
 
 
 # ----------------------------------------------------------------------------- ranks
+def op_sums(trace) -> dict[str, float]:
+    """Wall seconds of one step's op trace by kind: compute (fwd, bwd, ref_fwd), transfers
+    (send/recv/p2p: mostly time blocked on the other stage), optimizer."""
+    sums: dict[str, float] = {}
+    for kind, _mb, _batch, t0, t1 in trace:
+        key = kind if kind in ("fwd", "bwd", "ref_fwd", "optimizer") else "transfer"
+        sums[key] = sums.get(key, 0.0) + (t1 - t0)
+    return sums
+
+
 def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -155,22 +175,41 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -
         from mcore_dpo.worker import PolicyWorker, StepBatch
 
         config = TrainConfig(**job["config"])
+        if job.get("row_width"):  # packed_fixed_width: every packed row padded to one width
+            import mcore_dpo.worker as worker_module
+            from mcore_dpo.packing import collate_packed
+
+            width = job["row_width"]
+            worker_module.collate_packed = lambda pairs, *, pad_token_id, multiple: collate_packed(
+                pairs, pad_token_id=pad_token_id, multiple=width)
         spec = open_weights(config.model).spec
         worker = PolicyWorker(config=config, spec=spec, pad_token_id=common.PAD_ID, rank=rank,
                               master_addr="127.0.0.1", master_port=port)
         pairs = make_pairs([tuple(x) for x in job["lengths"]], vocab_size=job["vocab_size"], seed=7)
         gbs = config.global_batch_size
         num_batches = job["warmup_steps"] + job["num_steps"] + 1
-        metrics_rows = []
+        worker.trace_ops = True
+        metrics_rows, rank_rows = [], []
         for k in range(num_batches - 1):
+            cpu0, usage0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             metrics = worker.train_step(StepBatch(step=k + 1, pairs=pairs[k * gbs:(k + 1) * gbs],
                                                   next_pairs=pairs[(k + 1) * gbs:(k + 2) * gbs],
                                                   pair_ids=list(range(k * gbs, (k + 1) * gbs))))
-            if metrics is not None and k >= job["warmup_steps"]:
+            cpu_s, usage = time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF)
+            if k < job["warmup_steps"]:
+                continue
+            rank_rows.append({"cpu_s": cpu_s, "system_s": usage.ru_stime - usage0.ru_stime,
+                              "minor_faults": usage.ru_minflt - usage0.ru_minflt,
+                              "op_wall_s": op_sums(worker.last_trace),
+                              "memory": dict(worker.memory_report), "rss_bytes": common.current_rss_bytes(),
+                              "peak_rss_bytes": common.peak_rss_bytes()})
+            if metrics is not None:
                 metrics_rows.append({key: metrics[key] for key in ("step_time_s", "tokens/real", "tokens/padded",
-                                                                   "padding_fraction", "microbatches")})
+                                                                   "padding_fraction", "microbatches",
+                                                                   "bubble_fraction")})
         result = {"coordinates": worker.coordinates(), "reports": bool(metrics_rows), "steps": metrics_rows,
-                  "peak_rss_bytes": common.peak_rss_bytes(), "loadavg_1min_after": os.getloadavg()[0]}
+                  "rank_steps": rank_rows, "peak_rss_bytes": common.peak_rss_bytes(),
+                  "loadavg_1min_after": os.getloadavg()[0]}
         worker.shutdown()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
@@ -227,7 +266,8 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
         for mode in modes:
             job = {"config": _config(mode, model=model, gbs=gbs, mbs=mbs, max_length=lengths.max_length,
                                      steps=steps), "lengths": drawn, "vocab_size": shape.vocab_size,
-                   "num_steps": steps, "warmup_steps": 1}
+                   "num_steps": steps, "warmup_steps": 1,
+                   "row_width": 2 * mbs * lengths.max_length if mode == "packed_fixed_width" else None}
             raw[mode].append({"ranks": run_job(job, out_dir=work_dir / "ranks")})
     pairs = make_pairs(drawn, vocab_size=shape.vocab_size, seed=7)
     out = {"shape": shape.__dict__, "lengths": lengths.__dict__, "global_batch_size": gbs, "micro_batch_size": mbs,
@@ -265,6 +305,8 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
             "flops_masked_attention": sum(f["masked"]["attention"] for f in flops),
             "flops_thd": sum(f["thd"]["total"] for f in flops),
             "widest_row": max(f["widest_row"] for f in flops),
+            "bubble_fraction": common.summary([s["bubble_fraction"] for s in steps_all]),
+            "stages": _stage_breakdown(raw[mode]),
         }
     m = out["modes"]
     if "padded" in m and "packed" in m:
@@ -286,6 +328,32 @@ def measured(*, shape: common.LlamaShape, lengths: Lengths, gbs: int, mbs: int, 
             "per_round": common.summary([a / b for a, b in zip(m["packed"]["round_median_step_time_s"],
                                                                m["packed_none"]["round_median_step_time_s"])]),
         }
+    return out
+
+
+def _stage_breakdown(runs: list[dict]) -> list[dict]:
+    """Per pipeline stage, medians over every measured step of every round: the rank's CPU
+    seconds per step (process time: the busy part of the step, far less sensitive to other
+    processes than wall time), its op trace's wall seconds by kind, and its exact tensor
+    bytes by category (memory_account) and RSS, in MiB."""
+    out = []
+    for stage in range(len(runs[0]["ranks"])):
+        rows = [row for run in runs for row in run["ranks"][stage]["rank_steps"]]
+        kinds = sorted({k for row in rows for k in row["op_wall_s"]})
+        categories = sorted({k for row in rows for k in row["memory"]})
+        out.append({
+            "cpu_s": statistics.median(row["cpu_s"] for row in rows),
+            "system_s": statistics.median(row["system_s"] for row in rows),
+            "minor_faults": statistics.median(row["minor_faults"] for row in rows),
+            "op_wall_s": {k: statistics.median(row["op_wall_s"].get(k, 0.0) for row in rows) for k in kinds},
+            "memory_mib": {k.removesuffix("_peak_bytes"): max(row["memory"][k] for row in rows) / 2**20
+                           for k in categories},
+            "rss_mib_after_step": statistics.median(row["rss_bytes"] for row in rows) / 2**20,
+            "peak_rss_mib": statistics.median(run["ranks"][stage]["peak_rss_bytes"] for run in runs) / 2**20,
+            "peak_rss_mib_per_round": [run["ranks"][stage]["peak_rss_bytes"] / 2**20 for run in runs],
+            "rss_mib_per_round_and_step": [[round(row["rss_bytes"] / 2**20)
+                                            for row in run["ranks"][stage]["rank_steps"]] for run in runs],
+        })
     return out
 
 
@@ -326,15 +394,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each launches every mode afresh")
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=1, help="pairs per padded microbatch")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or any(m not in MODES + DIAGNOSTIC_MODES for m in modes):
+        parser.error(f"--modes: expected a comma-separated subset of {','.join(MODES + DIAGNOSTIC_MODES)}, "
+                     f"got {args.modes!r}")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_packing_"))
     shape = common.TINY_SHAPE if args.tiny else SHAPES["balanced"]
-    result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0]}
+    result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0],
+              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}}
     result["measured"] = measured(shape=shape, lengths=TINY_LENGTHS if args.tiny else LENGTHS,
                                   gbs=args.global_batch_size, mbs=args.micro_batch_size, steps=args.steps,
-                                  rounds=1 if args.tiny else args.rounds, work_dir=work)
+                                  rounds=1 if args.tiny else args.rounds, work_dir=work, modes=modes)
     m = result["measured"]
     print("measured (tp 1, pp 2, one thread per rank; the box may be shared): median (min-max)")
     for mode, e in m["modes"].items():
@@ -342,6 +417,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"padding {common.fmt(e['padding_fraction'])}  microbatches {common.fmt(e['microbatches'], digits=0)}  "
               f"step {common.fmt(e['step_time_s'])} s  spread {common.fmt(e['step_time_spread'])}  "
               f"peak RSS {e['peak_rss_bytes']['median'] / 2**20:.0f} MiB")
+    for mode, e in m["modes"].items():
+        for stage, st in enumerate(e["stages"]):
+            ops = "  ".join(f"{k} {v:.3f}" for k, v in st["op_wall_s"].items())
+            print(f"  {mode:<12} stage {stage}: cpu {st['cpu_s']:.3f} s/step (system {st['system_s']:.3f}, "
+                  f"{st['minor_faults']:.0f} page faults)  ops (wall s) {ops}  exact peak "
+                  f"{st['memory_mib'].get('total', 0):.1f} MiB (stash {st['memory_mib'].get('policy_stash', 0):.2f})"
+                  f"  peak RSS {st['peak_rss_mib']:.0f} MiB")
     if "packed_vs_padded" in m:
         r = m["packed_vs_padded"]
         print(f"  packed / padded: real tokens/s x{r['real_tokens_per_s']:.2f}, peak RSS x{r['peak_rss']:.3f}; "

@@ -136,3 +136,26 @@ def test_trl_side_sees_exactly_the_engine_tokens(tmp_path):
         assert tokenizer(prompt)["input_ids"] == list(pair.prompt_ids)
         assert tokenizer(prompt + chosen)["input_ids"] == list(pair.prompt_ids + pair.chosen_ids)
         assert chosen.endswith(tokenizer.eos_token)  # TRL then adds no second EOS
+
+
+def test_packing_decompose_counts_and_splits_the_step(tmp_path):
+    # Its own process: the script builds a one-rank worker (a process group) for itself.
+    import subprocess
+
+    out = tmp_path / "d.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "packing_decompose.py"),
+                    "--tiny", "--reps", "1", "--steps", "1", "--out", str(out), "--work-dir", str(tmp_path / "w")],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    result = json.loads(out.read_text())
+    padded, packed = (result["exact"]["layouts"][k]["steps"][0] for k in ("padded", "packed"))
+    assert padded["real"] == packed["real"]  # the same pairs, two layouts
+    assert packed["positions"] == sum(packed["widths"]) and all(w % 8 == 0 for w in packed["widths"])
+    assert max(packed["widths"]) <= result["max_tokens_per_microbatch"]
+    assert packed["positions"] - packed["real"] < 8 * packed["microbatches"] < padded["positions"] - padded["real"]
+    # THD's attention counts each sequence's triangle only, whatever the layout.
+    assert padded["flops_attention_thd"] == packed["flops_attention_thd"] < packed["flops_attention_cpu"]
+    widest = result["exact"]["layouts"]["packed"]["widest_microbatch"]
+    assert 0 < widest["stash_wxw_bytes"] < widest["stash_bytes"] <= widest["peak_live_bytes"]
+    for layout in ("padded", "packed"):
+        assert math.isclose(sum(result["timed"]["class_share"][layout].values()), 1.0)
+        assert result["timed"]["step_compute_cpu_s"][layout]["median"] > 0
