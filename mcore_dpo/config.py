@@ -313,11 +313,6 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
-        # A checkpoint gathers each stage's experts over its dp group, which holds every ep rank
-        # only while the ep groups lie within it (tp 1).
-        if self.tp > 1 and (self.export_hf or self.save_interval or self.save_interval_min):
-            raise ConfigError(f"ep: runs with tp {self.tp} > 1 and ep > 1 do not write checkpoints or the hf/ export yet "
-                              "(pass --no-export-hf --save-interval 0 --save-interval-min 0)")
         if self.distributed_optimizer:
             raise ConfigError("ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)")
 
