@@ -313,8 +313,6 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
-        if self.distributed_optimizer:
-            raise ConfigError("ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)")
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch

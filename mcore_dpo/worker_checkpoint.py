@@ -80,9 +80,9 @@ class PolicyCheckpointing:
         for kind in kinds:
             moment = kind.removeprefix("optim/")
             if self.layout.ep > 1:
-                # The replicated optimizer (the dp-sharded one is refused with ep > 1): every rank
-                # holds the whole state of its own parameters, its ep rank's experts among them.
-                self._write_expert_parallel(root / kind, self.optimizer.state_views(moment), dtype=torch.float32)
+                # Every rank's whole state of its own parameters, its ep rank's experts among them
+                # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
+                self._write_expert_parallel(root / kind, self.optimizer.whole_state(moment), dtype=torch.float32)
                 continue
             shard = self.optimizer.checkpoint_tensors(moment, dp_rank=self.mesh.dp_rank)
             if shard is not None and self.config.lora:  # the driver joins them into PEFT files

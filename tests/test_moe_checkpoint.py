@@ -1,7 +1,8 @@
 """Expert-parallel runs through the real command line: training checkpoints, exact resume (and
 resume at another tp and ep), the hf/ export, and evaluation with uneven held-out shares.
 
-One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (2, 1, 2, 2) writes checkpoints at
+One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (2, 1, 2, 2) with the sharded optimizer
+(`--distributed-optimizer`: dense state over dp 2, the experts' over expert dp 2) writes checkpoints at
 steps 2 and 4, evaluates 7 held-out pairs (dp rank 1 has a microbatch and a pass fewer than
 dp rank 0: the expert all-to-all needs dummies there) and exports hf/. The ep groups run along
 tp, so tp rank 0 holds only ep rank 0's experts: the files `tp0_pp0_ep1` and `tp1_pp0_ep0` of
@@ -14,9 +15,9 @@ the converter's ep layout are written by the dp-1 ranks from experts sent to the
   bit, and transformers loads hf/ with no missing or unexpected keys; the step-4 training
   checkpoint (fp32 masters) converts to the same tensors;
 - resumed from the step-2 checkpoint at the same layout, steps 3-4 (metrics, evaluation, final
-  weights) are bit-identical to the uninterrupted run; resumed at (1, 1, 2, 1) (another tp and
-  no expert parallelism: every expert read from its ep file under its global index), they
-  equal it within 1e-5.
+  weights) are bit-identical to the uninterrupted run; resumed at (1, 1, 2, 1) with the
+  replicated optimizer (another tp and no expert parallelism: every expert read from its ep
+  file under its global index), they equal it within 1e-5.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 RTOL = 1e-5
 EVAL_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
-TP2_EP2 = ["--tp", "2", "--ep", "2"]
+TP2_EP2 = ["--tp", "2", "--ep", "2", "--distributed-optimizer"]
 COMMON = ["--max-steps", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--save-interval", "2",
-          "--eval-interval", "2", "--no-distributed-optimizer", "--dp", "2", "--seed", "3"]
+          "--eval-interval", "2", "--dp", "2", "--seed", "3"]
 
 
 def test_even_passes_pads_microbatches_and_passes():
@@ -162,7 +163,8 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
 
     # Resume at tp 1 and ep 1: the same within 1e-5 (reductions run in another order).
     other_out = _resume_from_step2(out, tmp_path / "other")
-    result = _train([*run["args"], "--tp", "1", "--ep", "1", "--no-export-hf"], other_out, cache=root / "cache")
+    result = _train([*run["args"], "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf"], other_out,
+                    cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     other = _metrics(other_out)
     assert [row["step"] for row in other] == [3, 4]
@@ -178,20 +180,14 @@ def _resume_from_step2(out: Path, resumed_out: Path) -> Path:
     return resumed_out
 
 
-def test_the_sharded_optimizer_stays_refused_with_expert_parallelism_in_one_line(tmp_path, capsys):
-    import ray
+def test_the_sharded_optimizer_with_expert_parallelism_passes_the_command_line_checks():
+    """Once refused in one line; now the sharded optimizer runs at ep > 1 (the run above, and
+    its parity with the replicated one in tests/test_sharded_optimizer.py)."""
+    from mcore_dpo.config import resolve
 
-    from mcore_dpo.train import main
-
-    model = save_hf(qwen3_moe(seed=1), tmp_path / "policy")
-    (tmp_path / "train.jsonl").write_text(_rows(3, 8))
-    code = main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--output-dir", str(tmp_path / "out"),
-                 "--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
-                 "--distributed-optimizer"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)" in err, err
-    assert not ray.is_initialized() and not (tmp_path / "out").exists()
+    config, _ = resolve(["--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                         "--distributed-optimizer"])
+    assert config.distributed_optimizer and config.ep == 2
 
 
 def test_precomputed_reference_and_evaluation_at_ep2_match_hf(tmp_path):
