@@ -150,8 +150,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True
-    """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU):
-    gradients are reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
+    """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU;
+    with ep > 1 the experts' over the expert-data-parallel ranks): gradients are
+    reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
     the whole state on every dp rank (gradients all-reduced). Same results either way."""
     sequence_parallel: bool | None = None
     """Split the activations outside the tensor-parallel linears over tp along the sequence.
