@@ -75,7 +75,7 @@ class PolicyCheckpointing:
                                        step=step, platform=self.platform)  # fmt: skip
         # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
         # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
-        # its slices to dp rank 0); dp rank 0 writes.
+        # its slices to dp rank 0); dp rank 0 writes (at ep > 1: the ranks file_jobs names).
         kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
         for kind in kinds:
             moment = kind.removeprefix("optim/")

@@ -105,6 +105,8 @@ class ShardedOptimizer:
         self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
         groups = data_parallel_groups(ddp_model)
         self.group_of = {n: groups[p] for n, p in named_params}  # dp, or expert dp for experts at ep > 1
+        dp_ranks = dist.get_process_group_ranks(dp_group)
+        self._all_over_dp = all(dist.get_process_group_ranks(g) == dp_ranks for g in set(self.group_of.values()))
         self.clip_grad = clip_grad
         self.names = [n for n, _ in named_params]
         self.params = dict(named_params)
@@ -178,6 +180,8 @@ class ShardedOptimizer:
         group is the dp group), or with `everywhere` on every rank, on its device. The pieces
         are disjoint: a sum over the group of the int32 bit patterns (zeros elsewhere) rebuilds
         each tensor bit for bit (a float sum would turn -0.0 into +0.0)."""
+        if not everywhere and not self._all_over_dp:
+            raise RuntimeError("experts sharded over expert dp are not gathered on dp rank 0; use whole_state")
         mine = {pc.name: (pc, value_of(i)) for i, pc in enumerate(self.pieces)}
         out: dict[str, torch.Tensor] | None = {} if everywhere or self.dp_rank == 0 else None
         for name in self.names:
