@@ -150,8 +150,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Clip by the global gradient norm (0 = off)."""
     distributed_optimizer: bool = True
-    """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU):
-    gradients are reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
+    """Shard the fp32 master weights and AdamW moments over the dp ranks (ZeRO-1; CPU and GPU;
+    with ep > 1 the experts' over the expert-data-parallel ranks): gradients are
+    reduce-scattered, parameters all-gathered. --no-distributed-optimizer keeps
     the whole state on every dp rank (gradients all-reduced). Same results either way."""
     sequence_parallel: bool | None = None
     """Split the activations outside the tensor-parallel linears over tp along the sequence.
@@ -313,13 +314,9 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
-        # A checkpoint gathers each stage's experts over its dp group, which holds every ep rank
-        # only while the ep groups lie within it (tp 1).
-        if self.tp > 1 and (self.export_hf or self.save_interval or self.save_interval_min):
-            raise ConfigError(f"ep: runs with tp {self.tp} > 1 and ep > 1 do not write checkpoints or the hf/ export yet "
-                              "(pass --no-export-hf --save-interval 0 --save-interval-min 0)")
-        if self.distributed_optimizer:
-            raise ConfigError("ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)")
+        if self.save_format == "torch_dist":  # its optimizer state is gathered over dp, not ep
+            raise ConfigError(f"save_format: torch_dist checkpoints at ep {self.ep} > 1 are not supported yet; "
+                              "use --save-format safetensors")
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch

@@ -103,11 +103,17 @@ class CpuOptimizer:
         return {key: self._moment(key) for key in ("exp_avg", "exp_avg_sq")}
 
     def _moment(self, key: str) -> dict[str, torch.Tensor]:
+        return {name: value.to("cpu", torch.float32, copy=True) for name, value in self.whole_state(key).items()}
+
+    def whole_state(self, kind: str) -> dict[str, torch.Tensor]:
+        """`checkpoint_tensors`' tensors where they live, not copied (fp32; the moments are zeros
+        before step 1), on every rank, so that a writer can copy them out one at a time."""
+        if kind == "model":
+            return {name: master.detach() for name, master in zip(self.names, self.masters)}
         out = {}
         for name, master in zip(self.names, self.masters):
             state = self.optimizer.state.get(master)
-            value = state[key] if state else torch.zeros_like(master, dtype=torch.float32)
-            out[name] = value.detach().to("cpu", torch.float32, copy=True)
+            out[name] = (state[kind] if state else torch.zeros_like(master, dtype=torch.float32)).detach()
         return out
 
     def state_bytes(self) -> int:
@@ -129,7 +135,7 @@ class CpuOptimizer:
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 weights the optimizer updates (what a checkpoint must keep), on the CPU."""
-        return {name: master.detach().to("cpu", torch.float32, copy=True) for name, master in zip(self.names, self.masters)}
+        return {name: master.to("cpu", torch.float32, copy=True) for name, master in self.whole_state("model").items()}
 
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], *, masters: dict[str, torch.Tensor],
                      step: int) -> None:

@@ -440,6 +440,7 @@ def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
         vocab_divisor=128,
         hf_config=hf_config,
         format_version=FORMAT_VERSION,
+        ep=config.ep,  # at ep > 1 the workers write the converter's ep layout
     )
     return meta, aux
 

@@ -231,7 +231,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
                       weight_decay=config.weight_decay, clip_grad=config.clip_grad)
         if sharded:
             self.optimizer = ShardedOptimizer(
-                ddp_model=self.policy, named_params=named_params, params_once=self._unique_params(),
+                ddp_model=self.policy, named_params=named_params, params_once=self._unique_params(sharded=True),
                 dp_group=self.mesh.dp_group, dp_rank=self.mesh.dp_rank, dp_size=self.layout.dp, **common,
             )  # fmt: skip
         else:
@@ -298,9 +298,11 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         models = [self.policy.module] + ([self.reference] if self.reference is not None else [])
         return [t for m in models for t in (*m.parameters(), *m.buffers())]
 
-    def _unique_params(self) -> list[torch.nn.Parameter]:
+    def _unique_params(self, *, sharded: bool = False) -> list[torch.nn.Parameter]:
         """Each logical parameter once per model replica: tp-replicated ones (norms) count on tp
-        rank 0 only; the last stage's copy of a tied embedding is skipped."""
+        rank 0 only; the last stage's copy of a tied embedding is skipped. With ep > 1 the
+        replicated optimizer counts a parameter on one of its dp (expert dp) copies; the sharded
+        one on every rank (its slices over those groups are disjoint)."""
         tied_copy = self.spec.tie_word_embeddings and self.layout.pp > 1 and self.mesh.is_last_stage
         once = []
         for name, param in self.policy.module.named_parameters():
@@ -312,7 +314,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
             whole_expert = expert and self.layout.etp == 1  # not split over tp, nor repeated on its tp ranks
             if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0 and not whole_expert:
                 continue
-            if not self.mesh.counts_in_grad_norm(expert=expert):  # repeats over dp / expert dp (ep > 1)
+            if not sharded and not self.mesh.counts_in_grad_norm(expert=expert):  # repeats over dp / expert dp (ep > 1)
                 continue
             once.append(param)
         return once

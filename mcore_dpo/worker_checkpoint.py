@@ -18,10 +18,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
+from checkpoint_convert.io import shard_relpath
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
+from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
+from mcore_dpo.expert_files import file_jobs
 from mcore_dpo.model import layer_spec_name, open_weights
 
 
@@ -51,18 +54,19 @@ class PolicyCheckpointing:
 
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
-        format; with ep > 1 every expert of the stage, gathered, under its global index)."""
+        format; with ep > 1 its ep layout, each file written where its experts are: see
+        `_write_expert_parallel`)."""
         if self.layout.ep > 1:
-            local = {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
-            shard = self._whole_over_ep(local)
-        else:
-            shard = self.policy_shard()
+            params = {n: p.detach() for n, p in self.policy.module.named_parameters()}
+            self._write_expert_parallel(Path(directory), params, dtype=self.dtype)
+            return
+        shard = self.policy_shard()
         if shard is not None:
             write_mcore_shard(Path(directory), tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
-        """Weights and AdamW moments (dp rank 0 of each (tp, pp); with ep > 1 it gathers every
-        expert of its stage first), and every rank's RNG states."""
+        """Weights and AdamW moments (dp rank 0 of each (tp, pp); with ep > 1 the ep layout, each
+        file written where its experts are), and every rank's RNG states."""
         hooks.fire("save_checkpoint", step=step, rank=self.rank, output_dir=self.config.output_dir)
         root = Path(directory)
         if self.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
@@ -71,20 +75,28 @@ class PolicyCheckpointing:
                                        step=step, platform=self.platform)  # fmt: skip
         # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
         # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
-        # its slices to dp rank 0); dp rank 0 writes.
+        # its slices to dp rank 0); dp rank 0 writes (at ep > 1: the ranks file_jobs names).
         kinds = () if self.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
         for kind in kinds:
-            shard = self._checkpoint_tensors(kind.removeprefix("optim/"))
+            moment = kind.removeprefix("optim/")
+            if self.layout.ep > 1:
+                # Every rank's whole state of its own parameters, its ep rank's experts among them
+                # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
+                self._write_expert_parallel(root / kind, self.optimizer.whole_state(moment), dtype=torch.float32)
+                continue
+            shard = self.optimizer.checkpoint_tensors(moment, dp_rank=self.mesh.dp_rank)
             if shard is not None and self.config.lora:  # the driver joins them into PEFT files
                 _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
             elif shard is not None:
                 write_mcore_shard(root / kind, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
             del shard
-        if self.config.sync_ref_model and self.reference is not None and (self.mesh.dp_rank == 0 or self.layout.ep > 1):
+        if self.config.sync_ref_model and self.reference is not None:
             # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
-            shard = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.reference.named_parameters()}
-            shard = self._whole_over_ep(shard) if self.layout.ep > 1 else shard
-            if shard is not None:
+            params = {n: p.detach() for n, p in self.reference.named_parameters()}
+            if self.layout.ep > 1:
+                self._write_expert_parallel(root / "reference", params, dtype=torch.float32)
+            elif self.mesh.dp_rank == 0:
+                shard = {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()}
                 write_mcore_shard(root / "reference", tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank, shard=shard)
         rng = {"torch": torch.get_rng_state()}
         if self.platform.is_cuda:
@@ -125,52 +137,48 @@ class PolicyCheckpointing:
             if self.platform.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.platform.device)
 
-    def _checkpoint_tensors(self, kind: str) -> dict[str, torch.Tensor] | None:
-        """The optimizer's "model" (fp32 masters) or moment tensors of this (tp, pp) stage, whole,
-        on dp rank 0 (None elsewhere); with ep > 1 every expert of the stage under its global index."""
-        if self.layout.ep == 1:
-            return self.optimizer.checkpoint_tensors(kind, dp_rank=self.mesh.dp_rank)
-        # The replicated optimizer (the dp-sharded one is refused with ep > 1): every dp rank holds
-        # the whole state of its own parameters, its ep share of the experts among them.
-        return self._whole_over_ep(self.optimizer.checkpoint_tensors(kind, dp_rank=0))
+    def _write_expert_parallel(self, directory: Path, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> None:
+        """Expert parallelism: this stage's files of checkpoint_convert's ep layout
+        (`tp{t}_pp{p}_ep{e}`), as `expert_files.file_jobs` assigns them, each tensor stored in
+        `dtype`. `tensors` are this rank's own, where they live (its dense part and its ep rank's
+        experts under their local index; the same names, shapes and order on every rank of the
+        stage but for the dense parts' tp split). Each is copied to the CPU only when written. A
+        writer that does not hold the file's experts receives them from their sender one tensor
+        at a time, in that order, and streams each into the file: no rank holds more than its
+        own tensors and one other. A collective over the world: every rank goes through the same
+        jobs in the same order, so the sends and receives pair up."""
+        mesh, device = self.mesh, self.platform.device
+        me = (mesh.tp_rank, mesh.dp_rank)
+        world = self._stage_ranks()
+        for job in file_jobs(self.layout):
+            if job.writer == me:
+                path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep=self.layout.ep,
+                                                 ep_rank=job.ep_rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
+                with SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"}) as writer:
+                    for name, tensor in tensors.items():
+                        if job.source is not None and _EXPERT.search(name):
+                            tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
+                            dist.recv(tensor, src=world[job.source])
+                        writer.write(name, tensor.to("cpu", dtype, copy=True))
+            elif job.source == me:
+                for name, tensor in tensors.items():
+                    if _EXPERT.search(name):
+                        dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
 
-    def _whole_over_ep(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Expert parallelism: this rank's tensors (the dense ones and its local experts), from
-        every dp rank; on dp rank 0 the dense ones and every expert of the stage, each under its
-        global index (the layout of ep 1, which checkpoint_convert reads and any ep loads); None
-        elsewhere. The dp group holds every ep rank (megatron-core carves the expert groups from
-        it); dp rank 0 takes each ep rank's experts from the first dp rank of that ep rank."""
-        mesh, dp = self.mesh, self.layout.dp
-        ep_of: list[int] = [0] * dp
-        dist.all_gather_object(ep_of, mesh.ep_rank, group=mesh.dp_group)
-        source = {}  # ep rank -> the first dp rank holding its experts
-        for d, r in enumerate(ep_of):
-            source.setdefault(r, d)
-        if sorted(source) != list(range(self.layout.ep)):
-            raise RuntimeError(f"the dp group holds ep ranks {sorted(source)}, not all {self.layout.ep}: "
-                               "this expert layout cannot be gathered for a checkpoint")
-        per_rank = self.spec.num_experts // self.layout.ep
-        out = {n: t for n, t in local.items() if not _EXPERT.search(n)} if mesh.dp_rank == 0 else None
-        dst = dist.get_global_rank(mesh.dp_group, 0)
-        for name in sorted(n for n in local if _EXPERT.search(n)):  # the same names on every ep rank
-            tensor = local[name].contiguous().to(self.platform.device)
-            parts = [torch.empty_like(tensor) for _ in range(dp)] if mesh.dp_rank == 0 else None
-            dist.gather(tensor, parts, dst=dst, group=mesh.dp_group)
-            if out is not None:
-                for r, d in source.items():
-                    out[_global_expert_name(name, ep_rank=r, per_rank=per_rank)] = parts[d].to("cpu")
-        return out
+    def _stage_ranks(self) -> dict[tuple[int, int], int]:
+        """(tp rank, dp rank) -> global rank of this rank's pipeline stage; a collective over
+        the world the first time."""
+        if getattr(self, "_stage_rank_map", None) is None:
+            mesh = self.mesh
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank, mesh.rank))
+            self._stage_rank_map = {(t, d): r for p, t, d, r in every if p == mesh.pp_rank}
+        return self._stage_rank_map
 
 
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-def _global_expert_name(name: str, *, ep_rank: int, per_rank: int) -> str:
-    """A local expert's parameter name on expert-parallel rank `ep_rank` (which holds experts
-    [ep_rank * per_rank, (ep_rank + 1) * per_rank)) with the expert's global index."""
-    match = _EXPERT.search(name)
-    expert = ep_rank * per_rank + int(match.group(1))
-    return f"{name[: match.start()]}.local_experts.{expert}.{name[match.end():]}"
+_EXPERT = re.compile(r"\.local_experts\.\d+\.")
 
 
 def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:

@@ -35,7 +35,9 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class Piece:
-    """The elements [lo, hi) of the flattened parameter `name` that this dp rank owns."""
+    """The elements [lo, hi) of the flattened parameter `name` that this rank owns within the
+    parameter's data-parallel group (its DDP buffer's: the dp group, or for experts at ep > 1
+    the expert-data-parallel group)."""
 
     name: str
     lo: int
@@ -56,19 +58,34 @@ def owned_range(*, param_start: int, param_end: int, bucket_offset: int, bucket_
     return (lo - param_start, hi - param_start) if lo < hi else (0, 0)
 
 
-def ddp_pieces(ddp_model: torch.nn.Module, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, dp_rank: int,
-               dp_size: int) -> list[Piece]:
-    """This rank's pieces of `named_params`, read from megatron-core DDP's buffer layout."""
+def _buffers(ddp_model: torch.nn.Module) -> list:
+    """DDP's dense buffers (sharded over dp) and expert buffers (over expert dp at ep > 1)."""
+    return list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
+
+
+def _rank_and_size(group: object) -> tuple[int, int]:
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def data_parallel_groups(ddp_model: torch.nn.Module) -> dict[torch.nn.Parameter, object]:
+    """Each parameter's data-parallel group (its DDP buffer's)."""
+    return {param: buffer.data_parallel_group for buffer in _buffers(ddp_model) for param in buffer.param_index_map}
+
+
+def ddp_pieces(ddp_model: torch.nn.Module, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[Piece]:
+    """This rank's pieces of `named_params`, read from megatron-core DDP's buffer layout: each
+    buffer's buckets are cut over that buffer's data-parallel group."""
     where = {}
-    for buffer in list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", [])):
+    for buffer in _buffers(ddp_model):
+        rank, size = _rank_and_size(buffer.data_parallel_group)
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
             bucket = buffer.buckets[bucket_id]
-            where[param] = (start, end, bucket.offset, bucket.grad_data.numel())
+            where[param] = (start, end, bucket.offset, bucket.grad_data.numel(), rank, size)
     pieces = []
     for name, param in named_params:
-        start, end, offset, numel = where[param]
+        start, end, offset, numel, rank, size = where[param]
         lo, hi = owned_range(param_start=start, param_end=end, bucket_offset=offset, bucket_numel=numel,
-                             dp_rank=dp_rank, dp_size=dp_size)
+                             dp_rank=rank, dp_size=size)
         if lo < hi:
             pieces.append(Piece(name=name, lo=lo, hi=hi))
     return pieces
@@ -86,11 +103,15 @@ class ShardedOptimizer:
                  betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
         self.ddp_model = ddp_model
         self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
+        groups = data_parallel_groups(ddp_model)
+        self.group_of = {n: groups[p] for n, p in named_params}  # dp, or expert dp for experts at ep > 1
+        dp_ranks = dist.get_process_group_ranks(dp_group)
+        self._all_over_dp = all(dist.get_process_group_ranks(g) == dp_ranks for g in set(self.group_of.values()))
         self.clip_grad = clip_grad
         self.names = [n for n, _ in named_params]
         self.params = dict(named_params)
         once = {id(p) for p in params_once}
-        self.pieces = ddp_pieces(ddp_model, named_params, dp_rank=dp_rank, dp_size=dp_size)
+        self.pieces = ddp_pieces(ddp_model, named_params)
         self.counts_in_norm = [id(self.params[pc.name]) in once for pc in self.pieces]
         self.masters: list[torch.nn.Parameter] = []
         for pc in self.pieces:
@@ -153,24 +174,44 @@ class ShardedOptimizer:
         return total
 
     # ------------------------------------------------------------------ checkpoints
-    def _gather(self, value_of) -> dict[str, torch.Tensor] | None:
-        """Whole fp32 tensors per parameter name on dp rank 0, one parameter at a time. The pieces
-        are disjoint: a sum over the dp group of the int32 bit patterns (zeros elsewhere) rebuilds
+    def _gather(self, value_of, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+        """Whole fp32 tensors per parameter name, one parameter at a time, each over its own
+        data-parallel group: on dp rank 0, on the CPU (None elsewhere; ep 1 only, where every
+        group is the dp group), or with `everywhere` on every rank, on its device. The pieces
+        are disjoint: a sum over the group of the int32 bit patterns (zeros elsewhere) rebuilds
         each tensor bit for bit (a float sum would turn -0.0 into +0.0)."""
+        if not everywhere and not self._all_over_dp:
+            raise RuntimeError("experts sharded over expert dp are not gathered on dp rank 0; use whole_state")
         mine = {pc.name: (pc, value_of(i)) for i, pc in enumerate(self.pieces)}
-        out: dict[str, torch.Tensor] | None = {} if self.dp_rank == 0 else None
-        dst = dist.get_global_rank(self.dp_group, 0) if self.dp_size > 1 else None
+        out: dict[str, torch.Tensor] | None = {} if everywhere or self.dp_rank == 0 else None
         for name in self.names:
-            param = self.params[name]
+            param, group = self.params[name], self.group_of[name]
+            sharded = dist.get_world_size(group=group) > 1
+            if everywhere and not sharded:  # a group of one: the rank's own tensor, not copied
+                out[name] = mine[name][1].view(param.shape)
+                continue
             full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
             if name in mine:
                 pc, value = mine[name]
                 full[pc.lo : pc.hi] = value
-            if self.dp_size > 1:
-                dist.reduce(full.view(torch.int32), dst=dst, group=self.dp_group)
+            if sharded:
+                if everywhere:
+                    dist.all_reduce(full.view(torch.int32), group=group)
+                else:
+                    dist.reduce(full.view(torch.int32), dst=dist.get_global_rank(group, 0), group=group)
             if out is not None:
-                out[name] = full.view(param.shape).to("cpu", copy=True)
+                out[name] = full.view(param.shape) if everywhere else full.view(param.shape).to("cpu", copy=True)
         return out
+
+    def whole_state(self, kind: str) -> dict[str, torch.Tensor]:
+        """`checkpoint_tensors`' tensors, whole, on every rank's device (ep > 1 checkpoints: any
+        rank holding a file's tensors may write it). A collective over each data-parallel group;
+        until released it holds one kind of the state of this rank's sharded parameters whole, in
+        fp32 (a parameter its group does not shard, such as the experts at expert dp 1, is not
+        copied)."""
+        if kind == "model":
+            return self._gather(lambda i: self.masters[i].detach().float(), everywhere=True)
+        return self._gather(lambda i: self._moment(i, kind), everywhere=True)
 
     def checkpoint_tensors(self, kind: str, *, dp_rank: int) -> dict[str, torch.Tensor] | None:
         """"model" (the fp32 masters) or a moment name, whole per parameter name, on dp rank 0;
@@ -212,11 +253,14 @@ class ShardedOptimizer:
 
     def gather_grads(self) -> None:
         """Make every parameter's main_grad hold the reduced gradient (after finish_grad_sync each
-        rank holds only its slices): all-gather each bucket's gradient slices. For tests."""
-        if self.dp_size == 1:
-            return
-        for buffer in list(self.ddp_model.buffers) + list(getattr(self.ddp_model, "expert_parallel_buffers", [])):
+        rank holds only its slices): all-gather each bucket's gradient slices over its buffer's
+        data-parallel group. For tests."""
+        for buffer in _buffers(self.ddp_model):
+            group = buffer.data_parallel_group
+            rank, size = _rank_and_size(group)
+            if size == 1:
+                continue
             for bucket in buffer.buckets:
-                size = bucket.grad_data.numel() // self.dp_size
-                mine = bucket.grad_data[self.dp_rank * size : (self.dp_rank + 1) * size].clone()
-                dist.all_gather_into_tensor(bucket.grad_data, mine, group=self.dp_group)
+                part = bucket.grad_data.numel() // size
+                mine = bucket.grad_data[rank * part : (rank + 1) * part].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, mine, group=group)

@@ -151,14 +151,15 @@ def test_moe_configs_split_the_experts():
 
 def test_expert_memory_is_in_the_header_arithmetic():
     # Without the experts branch (all 30.5 B parameters treated as dense, over tp x pp = 1) the
-    # Qwen3-30B-A3B figure would be far off: the experts' split over ep 8 is what fits it.
+    # Qwen3-30B-A3B figure would be far off: the experts' split over ep 8 is what fits it. (At
+    # ep 1 the sharded optimizer would still split their optimizer state over dp 8: 308.6 GB.)
     path = CONFIG_DIR / "qwen3_30b_a3b.yaml"
     header = header_values(path)
     arch, config = key_values(header["arch"]), config_without_paths(path)
     stated = float(header["memory_gb_per_gpu"])
     assert memory_gb_per_gpu(arch=arch, config=config, attention="flash") == pytest.approx(stated, abs=0.05)
     single_rank = dataclasses.replace(config, ep=1)
-    assert memory_gb_per_gpu(arch=arch, config=single_rank, attention="flash") > stated + 400
+    assert memory_gb_per_gpu(arch=arch, config=single_rank, attention="flash") > stated + 200
 
 
 def test_70b_config_is_tp8_pp4_or_more():

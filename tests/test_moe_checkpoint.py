@@ -1,20 +1,23 @@
 """Expert-parallel runs through the real command line: training checkpoints, exact resume (and
-resume at another ep), the hf/ export, and evaluation with uneven held-out shares.
+resume at another tp and ep), the hf/ export, and evaluation with uneven held-out shares.
 
-One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (1, 1, 2, 2) writes checkpoints at
+One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (2, 1, 2, 2) with the sharded optimizer
+(`--distributed-optimizer`: dense state over dp 2, the experts' over expert dp 2) writes checkpoints at
 steps 2 and 4, evaluates 7 held-out pairs (dp rank 1 has a microbatch and a pass fewer than
-dp rank 0: the expert all-to-all needs dummies there) and exports hf/. Then:
+dp rank 0: the expert all-to-all needs dummies there) and exports hf/. The ep groups run along
+tp, so tp rank 0 holds only ep rank 0's experts: the files `tp0_pp0_ep1` and `tp1_pp0_ep0` of
+the converter's ep layout are written by the dp-1 ranks from experts sent to them
+(mcore_dpo/expert_files.py). Then:
 
 - its evaluation at step 0 and after the last step equals HF AutoModelForCausalLM + TRL's
   formulas on the same pairs within 1e-5 relative (the dummies count nowhere);
-- `checkpoint_convert mcore-to-hf` of the step-4 checkpoint equals hf/ bit for bit, and
-  transformers loads hf/ with no missing or unexpected keys;
-- resumed from the step-2 checkpoint at ep 2, steps 3-4 (metrics, evaluation, final weights)
-  are bit-identical to the uninterrupted run.
-
-The checkpoint holds every expert under its global index (the ep-1 layout), so a resume at
-another ep reads it through the same key map as a start from HF weights at that ep; the step-4
-evaluation of hf/ (written through the same gather as the checkpoint) checks the indices.
+- `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for hf/ equals hf/ bit for
+  bit, and transformers loads hf/ with no missing or unexpected keys; the step-4 training
+  checkpoint (fp32 masters) converts to the same tensors;
+- resumed from the step-2 checkpoint at the same layout, steps 3-4 (metrics, evaluation, final
+  weights) are bit-identical to the uninterrupted run; resumed at (1, 1, 2, 1) with the
+  replicated optimizer (another tp and no expert parallelism: every expert read from its ep
+  file under its global index), they equal it within 1e-5.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 RTOL = 1e-5
 EVAL_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
+TP2_EP2 = ["--tp", "2", "--ep", "2", "--distributed-optimizer"]
 COMMON = ["--max-steps", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--save-interval", "2",
-          "--eval-interval", "2", "--no-distributed-optimizer", "--dp", "2", "--seed", "3"]
+          "--eval-interval", "2", "--dp", "2", "--seed", "3"]
 
 
 def test_even_passes_pads_microbatches_and_passes():
@@ -68,7 +72,7 @@ def run(tmp_path_factory) -> dict:
     (root / "eval.jsonl").write_text(_rows(40, 7))
     args = ["--model", str(policy), "--ref-model", str(ref), "--data", str(root / "train.jsonl"),
             "--eval-data", str(root / "eval.jsonl")]
-    result = _train([*args, "--ep", "2"], root / "a", cache=root / "cache")
+    result = _train([*args, *TP2_EP2], root / "a", cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref}
 
@@ -125,30 +129,30 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     _assert_close_metrics(by_step[4], _hf_eval(out / "hf", run["ref"], root / "eval.jsonl"), names=EVAL_METRICS,
                           prefix="eval/", what="eval after step 4")
 
-    # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it, every
-    # expert under its global index; transformers loads it with no missing or unexpected keys.
+    # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it (the
+    # converter's ep layout); transformers loads it with no missing or unexpected keys.
     from checkpoint_convert.__main__ import main as convert
     from transformers import AutoModelForCausalLM
 
-    assert convert(["mcore-to-hf", "--mcore-dir", str(out / "checkpoints" / "final"), "--out", str(tmp_path / "final")]) == 0
+    final = out / "checkpoints" / "final"
+    assert sorted(p.name for p in final.glob("tp*")) == ["tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"]
+    assert convert(["mcore-to-hf", "--mcore-dir", str(final), "--out", str(tmp_path / "final")]) == 0
     exported, converted = _tensors(out / "hf"), _tensors(tmp_path / "final")
     assert exported.keys() == converted.keys()
     for name in exported:
         assert torch.equal(exported[name], converted[name]), name
     _, info = AutoModelForCausalLM.from_pretrained(str(out / "hf"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    # The training checkpoint is in the converter's layout too: it converts to the same key set.
+    assert {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(2) for e in range(4)} <= exported.keys()
+    # The training checkpoint is in the same layout (its contents are checked by the resumes).
     model_dir = out / "checkpoints" / "step_00000002" / "model"
+    assert sorted(p.name for p in model_dir.glob("tp*")) == sorted(p.name for p in final.glob("tp*"))
     assert convert(["mcore-to-hf", "--mcore-dir", str(model_dir), "--out", str(tmp_path / "step2")]) == 0
     assert _tensors(tmp_path / "step2").keys() == exported.keys()
-    assert {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(2) for e in range(4)} <= exported.keys()
 
-    # Resume from step 2 at ep 2: bit-identical.
-    resumed_out = tmp_path / "resumed"
-    (resumed_out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
-    (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
-    result = _train([*run["args"], "--ep", "2"], resumed_out, cache=root / "cache")
+    # Resume from step 2 at the same layout: bit-identical.
+    resumed_out = _resume_from_step2(out, tmp_path / "resumed")
+    result = _train([*run["args"], *TP2_EP2], resumed_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert _metrics(resumed_out) == [by_step[3], by_step[4]]
@@ -157,21 +161,33 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     for name in theirs:
         assert torch.equal(theirs[name], resumed[name]), name
 
+    # Resume at tp 1 and ep 1: the same within 1e-5 (reductions run in another order).
+    other_out = _resume_from_step2(out, tmp_path / "other")
+    result = _train([*run["args"], "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf"], other_out,
+                    cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    other = _metrics(other_out)
+    assert [row["step"] for row in other] == [3, 4]
+    for row, expected in zip(other, (by_step[3], by_step[4])):
+        for key, value in expected.items():
+            assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
 
-def test_the_sharded_optimizer_stays_refused_with_expert_parallelism_in_one_line(tmp_path, capsys):
-    import ray
 
-    from mcore_dpo.train import main
+def _resume_from_step2(out: Path, resumed_out: Path) -> Path:
+    (resumed_out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
+    (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
+    return resumed_out
 
-    model = save_hf(qwen3_moe(seed=1), tmp_path / "policy")
-    (tmp_path / "train.jsonl").write_text(_rows(3, 8))
-    code = main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--output-dir", str(tmp_path / "out"),
-                 "--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
-                 "--distributed-optimizer"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "ep: --distributed-optimizer is not supported with ep > 1 yet (pass --no-distributed-optimizer)" in err, err
-    assert not ray.is_initialized() and not (tmp_path / "out").exists()
+
+def test_the_sharded_optimizer_with_expert_parallelism_passes_the_command_line_checks():
+    """Once refused in one line; now the sharded optimizer runs at ep > 1 (the run above, and
+    its parity with the replicated one in tests/test_sharded_optimizer.py)."""
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve(["--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                         "--distributed-optimizer"])
+    assert config.distributed_optimizer and config.ep == 2
 
 
 def test_precomputed_reference_and_evaluation_at_ep2_match_hf(tmp_path):

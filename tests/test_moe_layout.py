@@ -49,3 +49,50 @@ def test_round_trip_at_expert_parallel_layouts_is_bit_exact(family, tp, pp, ep):
     back = dict(mcore_to_hf(spec, tp=tp, pp=pp, get_shard=view))
     assert set(back) == set(hub)
     assert all(torch.equal(back[n], t) for n, t in hub.items())
+
+
+def _files_by_rank(layout: Layout) -> tuple[dict, dict]:
+    from mcore_dpo.expert_files import file_jobs
+
+    jobs = file_jobs(layout)
+    writes, sends = {}, {}
+    for job in jobs:
+        writes.setdefault(job.writer, []).append((job.tp_rank, job.ep_rank))
+        if job.source is not None:
+            sends.setdefault(job.source, []).append((job.tp_rank, job.ep_rank))
+    return writes, sends
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 2, 2), (1, 8, 8), (2, 1, 2), (2, 2, 2), (2, 2, 4), (4, 1, 2), (2, 4, 2)])
+def test_every_ep_file_has_one_writer_holding_its_dense_part_and_a_holder_of_its_experts(tp, dp, ep):
+    """Each (tp rank, ep rank) file of a stage is written once, by a rank of that tp rank; its
+    experts come from the writer itself or from a rank of that ep rank; writes are spread."""
+    from mcore_dpo.expert_files import file_jobs
+
+    layout = Layout(tp=tp, pp=1, dp=dp, ep=ep)
+    jobs = file_jobs(layout)
+    assert sorted((j.tp_rank, j.ep_rank) for j in jobs) == [(t, e) for t in range(tp) for e in range(ep)]
+    for job in jobs:
+        assert job.writer[0] == job.tp_rank
+        holder = job.writer if job.source is None else job.source
+        assert layout.ep_rank_of(tp_rank=holder[0], dp_rank=holder[1]) == job.ep_rank
+        # A transfer only where no rank of the tp rank holds the experts.
+        has_own = any(layout.ep_rank_of(tp_rank=job.tp_rank, dp_rank=d) == job.ep_rank for d in range(dp))
+        assert (job.source is None) == has_own
+    writes, sends = _files_by_rank(layout)
+    per_rank = tp * ep / (tp * dp)
+    assert max(len(f) for f in writes.values()) == max(1, int(-(-per_rank // 1)))
+
+
+def test_expert_file_plans_at_tp1_need_no_transfer_and_at_tp2_ep2_swap_halves():
+    # tp 1 (the big MoE configs): each dp rank writes its own ep rank's file, nothing is sent.
+    writes, sends = _files_by_rank(Layout(tp=1, pp=4, dp=8, ep=8))
+    assert writes == {(0, d): [(0, d)] for d in range(8)} and sends == {}
+    # tp 2 x ep 2, dp 1: each tp rank writes its own file and the one with the other rank's experts.
+    writes, sends = _files_by_rank(Layout(tp=2, pp=1, dp=1, ep=2))
+    assert writes == {(0, 0): [(0, 0), (0, 1)], (1, 0): [(1, 0), (1, 1)]}
+    assert sends == {(1, 0): [(0, 1)], (0, 0): [(1, 0)]}
+    # tp 2 x ep 2, dp 2: one file per rank; the dp-1 ranks write the swapped ones.
+    writes, sends = _files_by_rank(Layout(tp=2, pp=1, dp=2, ep=2))
+    assert writes == {(0, 0): [(0, 0)], (0, 1): [(0, 1)], (1, 0): [(1, 0)], (1, 1): [(1, 1)]}
+    assert sends == {(1, 0): [(0, 1)], (0, 0): [(1, 0)]}

@@ -129,7 +129,7 @@ STEPS_BEFORE_RESUME = 2
 
 
 def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", clip_grad: float = 1.0,
-         resume: Path | None = None, save_at: tuple[int, ...] = (STEPS,)) -> dict:
+         resume: Path | None = None, save_at: tuple[int, ...] = (STEPS,), ep: int = 1) -> dict:
     policy_dir, ref_dir = models
     pairs = make_pairs(STEPS * GLOBAL_BATCH, seed=11)
     return {
@@ -137,7 +137,7 @@ def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", c
         "config": dict(model=str(policy_dir), ref_model=str(ref_dir), dp=dp, micro_batch_size=MICRO_BATCH,
                        global_batch_size=GLOBAL_BATCH, max_steps=STEPS, lr=1e-3, adam_eps=1e-4, weight_decay=0.1,
                        clip_grad=clip_grad, dtype=dtype, ref_mode="sequential", timeout_s=120.0,
-                       distributed_optimizer=sharded),
+                       distributed_optimizer=sharded, ep=ep),
         "batches": [pairs[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(STEPS)],
         "first_step": 1 if resume is None else STEPS_BEFORE_RESUME + 1,
         "resume": str(resume) if resume else None,
@@ -146,7 +146,8 @@ def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", c
 
 
 def _state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """{kind: {name: tensor}} of a checkpoint written at tp 1, pp 1."""
+    """{kind: {name: tensor}} of a checkpoint written at tp 1, pp 1 (at ep > 1 every expert under
+    its global index, read from the ep files)."""
     from checkpoint_convert.io import open_mcore_dir
 
     return {kind: open_mcore_dir(directory / kind).shard(0, 0)
@@ -238,6 +239,59 @@ def test_dp2_checkpoint_restores_bit_exactly_at_dp1(dp1_runs, dp2_runs):
             assert_close(ours[kind][name], value, what=f"resumed {kind} {name}")
         # Not the checkpoint read back: a step was taken.
         assert any(not torch.equal(ours[kind][n], before[kind][n]) for n in before[kind])
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory):
+    """Qwen3-MoE at (tp, pp, dp, ep) = (1, 1, 2, 2), clipping on, in one launch: the sharded
+    optimizer (expert slices over the expert-data-parallel group, dense ones over dp; saved at
+    steps 2 and 3), the replicated one, and the sharded one resumed from the step-2 checkpoint."""
+    from convert_helpers import save_hf
+    from test_moe import qwen3_moe
+
+    root = tmp_path_factory.mktemp("ep2")
+    models = (save_hf(qwen3_moe(seed=1), root / "policy"), save_hf(qwen3_moe(seed=2), root / "ref"))
+    out = root / "runs"
+    jobs = [_job("sharded", models, dp=2, ep=2, sharded=True, clip_grad=0.05, save_at=(STEPS_BEFORE_RESUME, STEPS)),
+            _job("replicated", models, dp=2, ep=2, sharded=False, clip_grad=0.05),
+            _job("resumed", models, dp=2, ep=2, sharded=True, clip_grad=0.05, resume=out / f"sharded_step{STEPS_BEFORE_RESUME}")]
+    _run(world_size=2, jobs=jobs, out_dir=out)
+    return out
+
+
+def test_sharded_optimizer_at_ep2_equals_the_replicated_one_and_resumes_bit_exactly(ep2_runs):
+    """At ep 2: loss, grad norm (clipping active), masters and moments of 3 steps within 1e-5 of
+    the replicated optimizer; each rank holds its slices only; resumed from step 2 at the same
+    layout, the step-3 state equals the uninterrupted run's bit for bit."""
+    from safetensors.torch import load_file
+
+    ours, ref = _state(ep2_runs / f"sharded_step{STEPS}"), _state(ep2_runs / f"replicated_step{STEPS}")
+    assert any(".local_experts.3." in name for name in ref["model"])  # ep rank 1's experts are in the checkpoint
+    for kind in ref:
+        assert ours[kind].keys() == ref[kind].keys(), kind
+        for name, value in ref[kind].items():
+            assert_close(ours[kind][name], value, what=f"ep2 {kind} {name}")
+    for k in range(1, STEPS + 1):
+        a = load_file(str(ep2_runs / f"sharded_metrics{k}.safetensors"))
+        b = load_file(str(ep2_runs / f"replicated_metrics{k}.safetensors"))
+        assert b["grad_norm"] > 0.05, "clipping is not active"
+        for key in ("loss", "grad_norm"):
+            assert_close(a[key], b[key], what=f"ep2 step {k} {key}")
+    sharded = [int(load_file(str(ep2_runs / f"sharded_bytes_rank{r}.safetensors"))["state_bytes"]) for r in (0, 1)]
+    replicated = [int(load_file(str(ep2_runs / f"replicated_bytes_rank{r}.safetensors"))["state_bytes"]) for r in (0, 1)]
+    # fp32 parameters: the state is the two moments. Each rank holds its ep rank's experts (half
+    # of them, not sharded further: expert dp is tp x dp / ep = 1) and half the dense elements
+    # (sharded over dp 2, up to DDP's padding).
+    dense = sum(t.numel() for n, t in ref["model"].items() if ".local_experts." not in n)
+    experts = sum(t.numel() for n, t in ref["model"].items() if ".local_experts." in n)
+    assert replicated == [8 * (dense + experts // 2)] * 2, (replicated, dense, experts)
+    for s in sharded:
+        assert abs(s / (8 * (dense / 2 + experts / 2)) - 1) < 0.02, (sharded, dense, experts)
+    _assert_states_equal(_state(ep2_runs / f"resumed_step{STEPS}"), ours, what="ep2 resumed")
+    for k in (STEPS_BEFORE_RESUME + 1,):
+        a = load_file(str(ep2_runs / f"resumed_metrics{k}.safetensors"))
+        b = load_file(str(ep2_runs / f"sharded_metrics{k}.safetensors"))
+        assert all(torch.equal(a[key], b[key]) for key in ("loss", "grad_norm")), (a, b)
 
 
 def test_the_flag_reaches_the_config_from_the_command_line():
