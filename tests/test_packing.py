@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from mcore_dpo.config import ConfigError
 from mcore_dpo.data import TokenizedPair, collate
 from mcore_dpo.logprobs import segment_sums
 from mcore_dpo.model import causal_mask, packed_causal_mask
@@ -205,11 +206,19 @@ def test_step_token_stats():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--packing", "--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
-    (["--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given without --packing"),
+    # packing unset (on by default): the same budget rule
+    (["--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
+    (["--no-packing", "--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given with --no-packing"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--ld-alpha", "0.5"], "packing: cannot serve --ld-alpha"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
      "global_batch_size: 2 pairs cannot give each of dp 4"),
     (["--packing", "--dp", "2", "--ep", "2", "--global-batch-size", "4"], "packing: cannot serve --ep 2"),
+    # packing unset with a mode it does not serve falls back to padded: a budget then means nothing
+    (["--ld-alpha", "0.5", "--max-tokens-per-microbatch", "256"],
+     "max_tokens_per_microbatch: packing is off for --ld-alpha"),
+    # ... and the padded layout's rule applies again
+    (["--ld-alpha", "0.5", "--global-batch-size", "60"],
+     "global_batch_size: 60 is not a multiple of dp*micro_batch_size = 1*8 (padded microbatches)"),
 ])
 def test_bad_packing_flags_are_one_line_before_anything_starts(argv, fragment, capsys, tmp_path):
     out = tmp_path / "out"
@@ -223,11 +232,46 @@ def test_packing_flags_parse_from_the_command_line():
     from mcore_dpo.config import resolve
 
     config, _ = resolve(["--packing", "--max-tokens-per-microbatch", "256", "--max-length", "128"])
-    assert config.packing and config.max_tokens_per_microbatch == 256
-    config, _ = resolve(["--no-packing"])
-    assert not config.packing and config.max_tokens_per_microbatch is None
-    config, _ = resolve(["--packing", "--max-length", "100"])
-    assert config.packing and config.packing_budget == 200  # unset: the smallest budget that fits any pair
+    assert config.packing and config.max_tokens_per_microbatch == 256 and config.packing_budget == 256
+    # --no-packing is the negation of --packing, and --no-shuffle still sets no_shuffle (not its negation)
+    config, _ = resolve(["--no-packing", "--no-shuffle"])
+    assert config.packing is False and not config.packed and config.no_shuffle and config.max_tokens_per_microbatch is None
+    assert config.decide_packing() == (config, None)
+    config, _ = resolve(["--packing", "--max-length", "100", "--micro-batch-size", "2"])
+    assert config.packing and config.packing_budget == 400  # unset: 2 x micro_batch_size x max_length
+
+
+def test_packing_is_on_by_default_with_the_padded_microbatch_as_its_budget():
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve(["--micro-batch-size", "4", "--max-length", "100"])
+    assert config.packing is None and config.packed  # unset until the run decides it
+    decided, note = config.decide_packing()
+    assert decided.packing is True and note is None
+    # what one padded microbatch holds at most: 4 pairs x 2 rows x 100 tokens
+    assert decided.packing_budget == 2 * 4 * 100
+    # the padded rule (global batch a multiple of dp x micro batch) does not bind packed runs
+    assert resolve(["--global-batch-size", "60"])[0].decide_packing()[0].packing is True
+
+
+@pytest.mark.parametrize("argv, unserved", [
+    (["--ld-alpha", "0.5"], "--ld-alpha"),
+    (["--ep", "2", "--dp", "2", "--global-batch-size", "16", "--no-distributed-optimizer"], "--ep 2"),
+    (["--moe-aux-loss-coef", "0.01"], "the MoE load-balancing loss"),
+])
+def test_modes_packing_does_not_serve_fall_back_to_padded_in_one_line(argv, unserved):
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve(argv)
+    assert not config.packed
+    decided, note = config.decide_packing()
+    assert decided.packing is False
+    assert note.startswith(f"packing: off for {unserved}") and "padded microbatches of 8 pairs" in note
+    assert "\n" not in note
+    # asked for explicitly, the same modes are refused
+    if unserved != "the MoE load-balancing loss":  # known once the model is read: tests/test_moe_aux.py
+        with pytest.raises(ConfigError, match=f"packing: cannot serve {unserved}"):
+            resolve([*argv, "--packing"])
 
 
 def test_eval_microbatches_pack_each_chunk_share_by_tokens():
