@@ -70,9 +70,9 @@ class TrainConfig:
     packing: bool | None = None
     """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
-    each attending only to itself; --micro-batch-size then sets the token budget and evaluation's
-    reference tables. Default (unset): on, except with a mode packing does not serve (--ld-alpha,
-    --ep > 1, the MoE load-balancing loss), which runs padded and says so at startup.
+    each attending only to itself; --micro-batch-size then sets the default token budget. Default
+    (unset): on, except with a mode packing does not serve (--ep > 1, the MoE load-balancing
+    loss), which runs padded and says so at startup.
     --packing insists (those modes are then refused); --no-packing: padded microbatches of
     --micro-batch-size pairs."""
     max_tokens_per_microbatch: int | None = None
@@ -236,8 +236,6 @@ class TrainConfig:
     def packing_unserved(self) -> str | None:
         """The mode of this run that packing does not serve, as a phrase; None when it serves
         every mode asked for."""
-        if self.ld_alpha is not None:
-            return "--ld-alpha (LD-DPO weighs tokens by their place in an unpacked row)"
         if self.ep > 1:
             return (f"--ep {self.ep} (expert-parallel ranks must run the same microbatches; packed dp replicas "
                     "each run their own count)")
