@@ -70,15 +70,14 @@ class TrainConfig:
     packing: bool | None = None
     """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
-    each attending only to itself; --micro-batch-size then sets the default token budget. Default
-    (unset): on, except with a mode packing does not serve (--ep > 1, the MoE load-balancing
-    loss), which runs padded and says so at startup.
-    --packing insists (those modes are then refused); --no-packing: padded microbatches of
-    --micro-batch-size pairs."""
+    each attending only to itself. --packing insists (modes it does not serve are then refused);
+    --no-packing: padded microbatches of --micro-batch-size pairs. (default: on, except with a
+    mode packing does not serve, --ep > 1 or the MoE load-balancing loss, which then runs padded
+    and says so at startup)"""
     max_tokens_per_microbatch: int | None = None
     """Packed: token budget of one microbatch, at least 2 x --max-length (a pair's two sequences
-    always share a microbatch). Default (unset): 2 x --micro-batch-size x --max-length, what one
-    padded microbatch holds at most, so packing never widens a microbatch."""
+    always share a microbatch). (default: 2 x --micro-batch-size x --max-length, what one padded
+    microbatch holds at most, so packing never widens a microbatch)"""
     max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64

@@ -272,6 +272,11 @@ def test_packing_is_on_by_default_with_the_padded_microbatch_as_its_budget():
     assert decided.packing_budget == 2 * 4 * 100
     # the padded rule (global batch a multiple of dp x micro batch) does not bind packed runs
     assert resolve(["--global-batch-size", "60"])[0].decide_packing()[0].packing is True
+    from mcore_dpo.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--packing, --no-packing Packed sequences" in text and "(default: on, except with a mode" in text
+    assert "what one padded microbatch holds at most, so packing never widens a microbatch)" in text
     # LD-DPO is served packed (its weights per segment: `logprobs.ld_weights`)
     assert resolve(["--ld-alpha", "0.5"])[0].decide_packing()[1] is None
 
