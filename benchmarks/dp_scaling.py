@@ -38,7 +38,7 @@ def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global
         for dp in dps:
             config = dict(model=str(model_dir), tp=1, pp=1, dp=dp, micro_batch_size=micro_batch_size,
                           global_batch_size=global_batch_size, max_steps=num_steps + 1, max_length=seq_len,
-                          ref_mode=ref_mode, lr=1e-5)
+                          ref_mode=ref_mode, lr=1e-5, packing=False)
             job = common.RankJob(name=f"dp{dp}", config=config, num_steps=num_steps, warmup_steps=1)
             results = common.run_ranks(world_size=dp, jobs=[job], data=data,
                                        out_dir=work_dir / f"ranks_dp{dp}_{round_index}")

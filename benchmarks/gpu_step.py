@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": dict(model=str(model_dir), tp=args.tp, pp=args.pp, dp=args.dp,
                        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                        max_steps=args.warmup_steps + args.steps, max_length=args.seq_len, ref_mode=args.ref_mode,
-                       dtype=args.dtype, lr=1e-6, timeout_s=900.0),
+                       dtype=args.dtype, lr=1e-6, timeout_s=900.0, packing=False),
         "data": dict(num_pairs=args.global_batch_size * 4, prompt_len=prompt_len,
                      completion_len=args.seq_len - prompt_len, vocab_size=shape.vocab_size, seed=17),
         "steps": args.steps,

@@ -39,7 +39,7 @@ def run(*, shape: common.LlamaShape, repeats: int, seq_len: int, num_microbatche
     for repeat in range(repeats):
         for mode in ("full", "lora"):  # alternate so that slow drift hits both alike
             config = dict(model=str(model_dir), tp=1, pp=2, dp=1, micro_batch_size=1, global_batch_size=gbs,
-                          max_steps=steps + 1, max_length=seq_len, ref_mode="interleaved", lr=1e-5,
+                          max_steps=steps + 1, max_length=seq_len, ref_mode="interleaved", lr=1e-5, packing=False,
                           **(LORA if mode == "lora" else {}))
             job = common.RankJob(name=mode, config=config, num_steps=steps, warmup_steps=1)
             results = common.run_ranks(world_size=2, jobs=[job], data=data, out_dir=work_dir / f"ranks_{mode}_{repeat}")

@@ -118,7 +118,7 @@ def launch(*, model_dir: Path, pp: int, modes: tuple[str, ...], num_microbatches
     data = dict(num_pairs=num_microbatches * (num_steps + 1), prompt_len=prompt_len,
                 completion_len=seq_len - prompt_len, vocab_size=shape["vocab_size"], seed=3)
     configs = [dict(model=str(model_dir), tp=1, pp=pp, dp=1, micro_batch_size=1, global_batch_size=num_microbatches,
-                    max_steps=num_steps, max_length=seq_len, ref_mode=mode, lr=1e-5) for mode in modes]
+                    max_steps=num_steps, max_length=seq_len, ref_mode=mode, lr=1e-5, packing=False) for mode in modes]
     ports: list[int] = []
     while len(ports) < len(configs):
         port = common.free_port()

@@ -81,7 +81,7 @@ def measure(model: Path, *, ep: int, steps: int, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = dict(model=str(model), ref_model=str(model), dp=2, ep=ep, micro_batch_size=2, global_batch_size=8,
                   max_steps=steps + 1, ref_mode="interleaved", distributed_optimizer=False, export_hf=False,
-                  save_interval=0, save_interval_min=0, timeout_s=300.0)
+                  save_interval=0, save_interval_min=0, timeout_s=300.0, packing=False)
     port = common.free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, 2, port, config, steps, str(out_dir))) for r in range(2)]

@@ -47,7 +47,8 @@ def run(*, shape: common.LlamaShape, dtype: str, repeats: int, seq_len: int, wor
             for name, _, sharded in launch:
                 config = dict(model=str(model_dir), tp=1, pp=1, dp=dp, micro_batch_size=micro_batch_size,
                               global_batch_size=micro_batch_size * num_microbatches * dp, max_steps=2,
-                              max_length=seq_len, ref_mode="none", lr=1e-5, dtype=dtype, distributed_optimizer=sharded)
+                              max_length=seq_len, ref_mode="none", lr=1e-5, dtype=dtype, distributed_optimizer=sharded,
+                              packing=False)
                 jobs.append(common.RankJob(name=name, config=config, num_steps=1, warmup_steps=1))
             label = "_".join(name for name, _, _ in launch)
             results = common.run_ranks(world_size=dp, jobs=jobs, data=data, out_dir=work_dir / f"{label}_{repeat}")

@@ -45,7 +45,7 @@ data = dict(num_pairs=gbs * (args["steps"] + 2), prompt_len=args["seq_len"] // 4
             completion_len=args["seq_len"] - args["seq_len"] // 4, vocab_size=shape.vocab_size, seed=7)
 config = dict(model=str(model), tp=1, pp=args["pp"], dp=1, micro_batch_size=args["micro_batch_size"],
               global_batch_size=gbs, max_steps=args["steps"] + 1, max_length=args["seq_len"],
-              ref_mode="interleaved", lr=1e-5)
+              ref_mode="interleaved", lr=1e-5, packing=False)
 job = common.RankJob(name="step", config=config, num_steps=args["steps"], warmup_steps=1)
 results = common.run_ranks(world_size=args["pp"], jobs=[job], data=data, out_dir=work / f"ranks-{args['tag']}")
 print(json.dumps(common.reporting(results, 0)["step_time_s"]))

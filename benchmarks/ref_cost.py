@@ -92,7 +92,7 @@ def measured(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, n
         for mode in modes:
             config = dict(model=str(model_dir), tp=1, pp=2, dp=1, micro_batch_size=micro_batch_size,
                           global_batch_size=gbs, max_steps=steps_per_round + 1, max_length=seq_len, ref_mode=mode,
-                          lr=1e-5)
+                          lr=1e-5, packing=False)
             # the one-off pass covers the pairs the measured steps use
             jobs.append(common.RankJob(name=mode, config=config, num_steps=steps_per_round, warmup_steps=1,
                                        precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0,

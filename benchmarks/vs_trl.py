@@ -101,7 +101,8 @@ def run(*, shape: common.LlamaShape, seq_len: int, micro_batch_size: int, global
     ours_modes = ("interleaved", "precomputed") if precomputed_too else ("interleaved",)
     jobs = [common.RankJob(name=mode, config=dict(
         model=str(model_dir), tp=1, pp=1, dp=1, micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size, max_steps=num_steps + 1, max_length=seq_len, ref_mode=mode, lr=1e-5),
+        global_batch_size=global_batch_size, max_steps=num_steps + 1, max_length=seq_len, ref_mode=mode, lr=1e-5,
+        packing=False),
         num_steps=num_steps, warmup_steps=1, precompute_pairs=data["num_pairs"] if mode == "precomputed" else 0)
         for mode in ours_modes]  # fmt: skip
     out = {"shape": shape.__dict__, "seq_len": seq_len, "micro_batch_size": micro_batch_size,

@@ -20,6 +20,9 @@ from mcore_dpo.schedule import REF_MODES
 
 # The plan's modes, plus the reference on a worker group of its own.
 RUN_REF_MODES = REF_MODES + ("separate",)
+# Why packing does not serve a load-balancing loss (`TrainConfig.packing_unserved`).
+MOE_AUX_UNSERVED = ("the MoE load-balancing loss (a mean over microbatches, which packing composes differently than "
+                    "--micro-batch-size does)")
 
 
 class ConfigError(ValueError):
@@ -64,13 +67,17 @@ class TrainConfig:
     """Pairs per microbatch (each pair is two rows: chosen and rejected)."""
     global_batch_size: int = 64
     """Pairs per optimizer step, over all microbatches and data-parallel ranks."""
-    packing: bool = False
+    packing: bool | None = None
     """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
-    each attending only to itself; --micro-batch-size then applies to evaluation only."""
+    each attending only to itself. --packing insists (modes it does not serve are then refused);
+    --no-packing: padded microbatches of --micro-batch-size pairs. (default: on, except with a
+    mode packing does not serve, --ep > 1 or the MoE load-balancing loss, which then runs padded
+    and says so at startup)"""
     max_tokens_per_microbatch: int | None = None
-    """With --packing: token budget of one microbatch, at least 2 x --max-length (a pair's two
-    sequences always share a microbatch); unset: 2 x --max-length."""
+    """Packed: token budget of one microbatch, at least 2 x --max-length (a pair's two sequences
+    always share a microbatch). (default: 2 x --micro-batch-size x --max-length, what one padded
+    microbatch holds at most, so packing never widens a microbatch)"""
     max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64
@@ -222,8 +229,39 @@ class TrainConfig:
 
     @property
     def packing_budget(self) -> int:
-        """Tokens per packed microbatch: --max-tokens-per-microbatch, else 2 x --max-length."""
-        return self.max_tokens_per_microbatch or 2 * self.max_length
+        """Tokens per packed microbatch: --max-tokens-per-microbatch, else what one padded
+        microbatch holds at most (2 x micro_batch_size x max_length)."""
+        return self.max_tokens_per_microbatch or 2 * self.micro_batch_size * self.max_length
+
+    def packing_unserved(self) -> str | None:
+        """The mode of this run that packing does not serve, as a phrase; None when it serves
+        every mode asked for."""
+        if self.ep > 1:
+            return (f"--ep {self.ep} (expert-parallel ranks must run the same microbatches; packed dp replicas "
+                    "each run their own count)")
+        if self.moe_aux_loss_coef:
+            return MOE_AUX_UNSERVED
+        return None
+
+    @property
+    def packed(self) -> bool:
+        """Whether this run packs: --packing / --no-packing as given; unset, unless a mode packing
+        does not serve is on (`packing_unserved`)."""
+        return self.packing if self.packing is not None else self.packing_unserved() is None
+
+    def decide_packing(self) -> tuple[TrainConfig, str | None]:
+        """This config with `packing` decided (true or false), and, when an unset --packing falls
+        back to padded microbatches, the one line that says why. Call it once the MoE
+        load-balancing coefficient is resolved (`resolve_moe_aux_loss_coef`)."""
+        if self.packing is not None:
+            return self, None
+        self.validate()  # the budget and the padded layout's rules, with the coefficient now known
+        unserved = self.packing_unserved()
+        if unserved is None:
+            return dataclasses.replace(self, packing=True), None
+        return dataclasses.replace(self, packing=False), (f"packing: off for {unserved}; running padded microbatches "
+                                                          f"of {self.micro_batch_size} pairs (--no-packing asks for them "
+                                                          "explicitly)")
 
     @property
     def num_microbatches(self) -> int:
@@ -235,10 +273,10 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         self._validate_packing()
-        if not self.packing and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
+        if not self.packed and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
             raise ConfigError(
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
-                f"= {self.dp}*{self.micro_batch_size}"
+                f"= {self.dp}*{self.micro_batch_size}" + ("" if self.packing is False else " (padded microbatches)")
             )
         self._validate_expert_parallel()
         if self.sequence_parallel and self.tp == 1:
@@ -300,8 +338,8 @@ class TrainConfig:
             raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")
         if coef and not num_experts:
             raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
-        if coef and self.packing:
-            raise ConfigError("moe_aux_loss_coef: the load-balancing loss with --packing is not supported yet")
+        if coef and self.packing:  # unset: decide_packing falls back to padded microbatches
+            raise ConfigError(f"packing: cannot serve {MOE_AUX_UNSERVED}; use --no-packing or --moe-aux-loss-coef 0")
         return coef
 
     def _validate_expert_parallel(self) -> None:
@@ -320,9 +358,18 @@ class TrainConfig:
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch
-        if not self.packing:
+        if self.packing is False:
             if budget is not None:
-                raise ConfigError("max_tokens_per_microbatch: given without --packing (it is the packed microbatches' budget)")
+                raise ConfigError("max_tokens_per_microbatch: given with --no-packing (it is the packed microbatches' "
+                                  "budget)")
+            return
+        unserved = self.packing_unserved()
+        if unserved is not None:
+            if self.packing:
+                raise ConfigError(f"packing: cannot serve {unserved}; use --no-packing")
+            if budget is not None:
+                raise ConfigError(f"max_tokens_per_microbatch: packing is off for {unserved}; drop the budget "
+                                  "(or pass --no-packing)")
             return
         if budget is not None and budget < 2 * self.max_length:
             raise ConfigError(f"max_tokens_per_microbatch: {budget} is below 2 x max_length = {2 * self.max_length}, "
@@ -330,12 +377,6 @@ class TrainConfig:
         if self.global_batch_size < self.dp:
             raise ConfigError(f"global_batch_size: {self.global_batch_size} pairs cannot give each of dp {self.dp} "
                               "ranks one")
-        if self.ld_alpha is not None:
-            raise ConfigError("packing: cannot serve --ld-alpha (LD-DPO weighs tokens by their place in an unpacked "
-                              "row); use --no-packing")
-        if self.ep > 1:
-            raise ConfigError(f"packing: cannot serve --ep {self.ep} (expert-parallel ranks must run the same "
-                              "microbatches; packed dp replicas each run their own count); use --no-packing")
 
     def _validate_trl_options(self) -> None:
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:

@@ -6,9 +6,10 @@ Padded vocabulary columns are masked out of the softmax: they are not part of th
 
 Two per-token options of TRL 1.16's `DPOTrainer._compute_loss` live here, because they need
 the tokens rather than the sums (`LogpsOptions`):
-- ld_alpha (LD-DPO): rows come as [chosen rows; rejected rows] of b pairs; with
-  s = min(L+, L-) of the pair, a row's log-prob is the sum over its first s completion tokens
-  plus ld_alpha times the sum over the rest. Policy and reference alike.
+- ld_alpha (LD-DPO): rows come as [chosen rows; rejected rows] of b pairs (or a packed row's
+  segments in that order); with s = min(L+, L-) of the pair, a sequence's log-prob is the sum
+  over its first s completion tokens plus ld_alpha times the sum over the rest. Policy and
+  reference alike.
 - wpo (use_weighting): the mean over completion tokens of log p(token) - log Σ_v p_v²,
   the log of the WPO weight, without gradient.
 """
@@ -92,17 +93,35 @@ def log_sum_sq_probs(logits: torch.Tensor, *, vocab_size: int, tp_rank: int, tp_
     return torch.log(sums[1]) - 2 * torch.log(sums[0])
 
 
-def ld_weights(loss_mask: torch.Tensor, *, ld_alpha: float) -> torch.Tensor:
-    """Per-token LD-DPO weights [rows, s] for rows [chosen; rejected]: 1 on a completion's first
-    min(L+, L-) tokens, ld_alpha on the rest, 0 off the completion."""
-    rows = loss_mask.shape[0]
-    if rows % 2:
-        raise ValueError(f"loss_mask: LD-DPO needs rows [chosen; rejected], got an odd count {rows}")
+def ld_weights(loss_mask: torch.Tensor, *, ld_alpha: float, segment_ids: torch.Tensor | None = None,
+               num_sequences: int | None = None) -> torch.Tensor:
+    """Per-token LD-DPO weights, shaped like `loss_mask`: 1 on a completion's first min(L+, L-)
+    tokens, ld_alpha on the rest, 0 off the completion. Rows are [chosen; rejected], or, for a
+    packed row (`segment_ids`, as `segment_sums` takes them), the sequences are its segments:
+    sequence j < b is pair j's chosen and b + j its rejected (b = num_sequences / 2)."""
     mask = loss_mask.to(torch.float32)
-    position = mask.cumsum(-1)  # 1, 2, ... over the completion tokens
-    lengths = mask.sum(-1)
-    shared = torch.minimum(lengths[: rows // 2], lengths[rows // 2 :]).repeat(2).unsqueeze(-1)
-    return mask * torch.where(position <= shared, 1.0, ld_alpha)
+    if segment_ids is None:
+        rows = loss_mask.shape[0]
+        if rows % 2:
+            raise ValueError(f"loss_mask: LD-DPO needs rows [chosen; rejected], got an odd count {rows}")
+        position = mask.cumsum(-1)  # 1, 2, ... over the completion tokens
+        lengths = mask.sum(-1)
+        shared = torch.minimum(lengths[: rows // 2], lengths[rows // 2 :]).repeat(2).unsqueeze(-1)
+        return mask * torch.where(position <= shared, 1.0, ld_alpha)
+    if num_sequences % 2:
+        raise ValueError(f"num_sequences: LD-DPO needs chosen and rejected sequences, got an odd count {num_sequences}")
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)  # the padding: one slot of its own
+    flat = mask.reshape(-1)
+    running = flat.cumsum(0)
+    # A segment's completion tokens before it: the running count at its first token, less that token.
+    before = torch.full((num_sequences + 1,), float("inf"), device=flat.device)
+    before = before.scatter_reduce(0, ids, running - flat, reduce="amin")
+    position = running - before[ids]
+    lengths = segment_sums(mask, segment_ids=segment_ids, num_sequences=num_sequences)
+    half = num_sequences // 2
+    shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2)
+    shared = torch.cat([shared, shared.new_zeros(1)])[ids]
+    return (flat * torch.where(position <= shared, 1.0, ld_alpha)).reshape(mask.shape)
 
 
 def segment_sums(values: torch.Tensor, *, segment_ids: torch.Tensor | None, num_sequences: int | None) -> torch.Tensor:
@@ -132,8 +151,6 @@ def sequence_logps(
     """Sum the completion tokens' log-probs per sequence; prompt and padding are masked by
     loss_mask. A sequence is a row, or with `segment_ids` a segment of a packed row (one entry
     per sequence in the unpacked row order, `segment_sums`)."""
-    if segment_ids is not None and options.ld_alpha is not None:
-        raise ValueError("sequence_logps: LD-DPO weights need one sequence per row (packing is off for ld_alpha)")
     logp, mean_logit = token_logprobs(logits, labels, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
     mask = loss_mask.to(logp.dtype)
 
@@ -144,7 +161,8 @@ def sequence_logps(
     num_tokens = per_sequence(mask)
     out = SequenceLogps(logp_sum=plain, num_tokens=num_tokens, logit_sum=per_sequence(mean_logit * mask))
     if options.ld_alpha is not None:
-        out.logp_sum = (logp * ld_weights(loss_mask, ld_alpha=options.ld_alpha)).sum(-1)
+        out.logp_sum = per_sequence(logp * ld_weights(loss_mask, ld_alpha=options.ld_alpha, segment_ids=segment_ids,
+                                                      num_sequences=num_sequences))
         out.plain_logp_sum = plain
     if options.wpo:
         sq = log_sum_sq_probs(logits, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)

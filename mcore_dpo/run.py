@@ -46,6 +46,7 @@ class Prepared:
     eval_pairs: list[TokenizedPair]
     eval_stats: DataStats | None = None
     identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
+    packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
 
 
 def prepare(config: TrainConfig) -> Prepared:
@@ -73,6 +74,7 @@ def prepare(config: TrainConfig) -> Prepared:
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
         num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
+    config, packing_note = config.decide_packing()  # on by default, unless a mode it does not serve is on
     if config.lora:
         config = _resolve_lora(config, spec)
     if config.ref_model and config.ref_mode != "none":
@@ -115,7 +117,7 @@ def prepare(config: TrainConfig) -> Prepared:
                 f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
             )
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
-                    eval_pairs=eval_pairs, eval_stats=eval_stats)
+                    eval_pairs=eval_pairs, eval_stats=eval_stats, packing_note=packing_note)
 
 
 def _adapter_shape_change(saved: dict, current: dict) -> str | None:
@@ -192,6 +194,8 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
     if not announced:
         log(starting_line(config, ray_address=ray_address))
     prep = prepare(config)
+    if prep.packing_note:
+        log(prep.packing_note)
     command = _command_of(prep.config)
     if prep.config.output_dir is None:  # a fresh directory per run, but the same command continues its own
         earlier = None

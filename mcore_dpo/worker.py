@@ -68,6 +68,9 @@ class _Rank:
         local_rank: int = 0,
     ):
         self.config = config
+        # Packed microbatches: the run decides an unset --packing before any worker starts
+        # (`TrainConfig.decide_packing`); a config built by hand that leaves it unset runs padded.
+        self.packing = config.packing is True
         self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
@@ -324,7 +327,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         """This dp rank's share of a global batch cut into microbatches, and each microbatch's
         pairs as positions in the global batch. Padded: a contiguous share, micro_batch_size
         pairs per microbatch. Packed: the token-balanced split of `packing.plan_packed_step`."""
-        if self.config.packing:
+        if self.packing:
             groups = plan_packed_step(pairs, dp=self.layout.dp,
                                       max_tokens=self.config.packing_budget)[self.mesh.dp_rank]
             mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id, multiple=self.seq_multiple)
@@ -451,7 +454,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         )
         if metrics is None:
             return None
-        token_stats = step_token_stats(pairs, packing=config.packing, dp=self.layout.dp,
+        token_stats = step_token_stats(pairs, packing=self.packing, dp=self.layout.dp,
                                        max_tokens=config.packing_budget,
                                        micro_batch_size=config.micro_batch_size, multiple=self.seq_multiple)
         tokens = token_stats["tokens/real"]
@@ -586,12 +589,12 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
-        costs = [pair_tokens(p) for p in pairs] if config.packing else None
+        costs = [pair_tokens(p) for p in pairs] if self.packing else None
 
         def passes_of(dp_rank: int) -> list:
             passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
                                  dp_rank=dp_rank, micro_batch_size=config.micro_batch_size)
-            if config.packing:  # each chunk's share in packed rows, split by tokens as a training step
+            if self.packing:  # each chunk's share in packed rows, split by tokens as a training step
                 passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
             return passes
 
@@ -601,7 +604,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
             passes = [(chunk, groups, len(groups)) for chunk, groups in passes_of(self.mesh.dp_rank)]
         parts: list[PairLogps] = []
         for chunk, groups, num_real in passes:
-            if config.packing:
+            if self.packing:
                 mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id,
                                       multiple=self.seq_multiple) for ids in groups]
             else:

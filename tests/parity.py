@@ -26,6 +26,10 @@ from mcore_dpo.data import TokenizedPair  # noqa: E402
 from mcore_dpo.ports import free_port  # noqa: E402
 
 RTOL = 1e-5
+# Packed microbatches (--packing) for make_pairs' data: the smallest budget --max-length 20
+# allows (its sequences have at most 18 tokens), so a global batch of 8 pairs takes 6 or 7
+# packed rows where micro_batch_size 2 gives 4 padded microbatches.
+PACKED = {"packing": True, "max_length": 20, "max_tokens_per_microbatch": 40}
 VOCAB = 100  # not a multiple of 128*tp: padded vocabulary columns must stay out of the softmax
 PAD = 0
 
@@ -352,6 +356,17 @@ def run_ranks(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
         assert len(ref_worlds) == 1, "all separate jobs of one run share the reference group's size"
         _spawn(_ref_rank_main, world_size=ref_worlds.pop(), jobs=jobs, out_dir=out_dir)
     _spawn(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
+
+
+def check_ran_packed(out_dir: Path, *, padded: int, packed: int) -> None:
+    """Job `packed` of a launch really ran packed rows: every training step the same real tokens
+    as job `padded` (the same batches), fewer token positions, more microbatches."""
+    on, off = (json.loads((out_dir / f"job{j}_metrics.json").read_text()) for j in (packed, padded))
+    steps = [(a, b) for a, b in zip(on, off) if a is not None and "tokens/real" in a]  # not the evaluation
+    assert steps, f"job {packed}: no training step metrics"
+    for a, b in steps:
+        assert a["tokens/real"] == b["tokens/real"] and a["tokens/padded"] < b["tokens/padded"], (a, b)
+        assert a["microbatches"] > b["microbatches"], (a, b)
 
 
 def load_rank_tensors(out_dir: Path, job: int, kind: str, *, layout: tuple[int, int, int]

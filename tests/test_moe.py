@@ -14,8 +14,8 @@ import test_parity as tp_
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import fused_hf_sources
 from convert_helpers import save_hf
-from parity import PAD, VOCAB, _small_init, run_ranks
-from test_qwen3 import parity_job
+from parity import PAD, VOCAB, _small_init, check_ran_packed, run_ranks
+from test_qwen3 import packed_parity_job, parity_job
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
@@ -63,9 +63,13 @@ def _check(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0) -> Non
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_parity_single_rank(models, family, tmp_path):
-    job = parity_job((1, 1, 1), *models[family], name=family)
-    run_ranks(world_size=1, jobs=[job], out_dir=tmp_path)
-    _check(tmp_path, job, (1, 1, 1, 1))
+    """Padded, and packed in the same launch (ep 1: each sequence's tokens routed on their own)."""
+    jobs = [parity_job((1, 1, 1), *models[family], name=family),
+            packed_parity_job((1, 1, 1), *models[family], name=family)]
+    run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check(tmp_path, job, (1, 1, 1, 1), j=j)
+    check_ran_packed(tmp_path, padded=0, packed=1)
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -224,7 +224,7 @@ def test_flag_parses_and_defaults_from_the_model_config():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--moe-aux-loss-coef", "0.01", "--packing"], "moe_aux_loss_coef: the load-balancing loss with --packing"),
+    (["--moe-aux-loss-coef", "0.01", "--packing"], "packing: cannot serve the MoE load-balancing loss"),
     (["--moe-aux-loss-coef", "-1"], "moe_aux_loss_coef: must be >= 0, got -1.0"),
     (["--tp", "2", "--no-sequence-parallel"], "describes a mixture-of-experts model, which needs sequence "
                                               "parallelism at tp 2 > 1 (drop --no-sequence-parallel)"),
@@ -248,7 +248,9 @@ def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, mess
 def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path):
     """Through `python -m mcore_dpo.train` (Ray, one rank): with no flag the coefficient is the
     model config's router_aux_loss_coef (output_router_logits is true), written to the resolved
-    config.yaml; metrics.jsonl holds aux_loss and the load shares of every MoE layer."""
+    config.yaml; metrics.jsonl holds aux_loss and the load shares of every MoE layer. Packing,
+    left unset, falls back to padded microbatches for the aux loss: one line at startup,
+    `packing: false` in config.yaml, 2 microbatches of 2 pairs per step."""
     import os
     import subprocess
     import sys
@@ -268,10 +270,16 @@ def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path
         cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache")),
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert yaml.safe_load((out / "config.yaml").read_text())["moe_aux_loss_coef"] == 0.03
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["moe_aux_loss_coef"] == 0.03 and resolved["packing"] is False
+    notes = [line for line in result.stdout.splitlines() if line.startswith("packing: ")]
+    assert notes == ["packing: off for the MoE load-balancing loss (a mean over microbatches, which packing composes "
+                     "differently than --micro-batch-size does); running padded microbatches of 2 pairs (--no-packing "
+                     "asks for them explicitly)"], result.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
+        assert row["microbatches"] == 2
         assert 0 < row["aux_loss"] <= 4  # E * sum_e f_e P_e <= E * max_e f_e, f_e <= 1; 2 (= k) when balanced
         assert 0 <= row["moe/load_min"] <= 0.25 <= row["moe/load_max"] <= 1
         assert {f"moe/load_min/layer{i}" for i in (0, 1)} <= set(row)

@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
+from mcore_dpo.config import ConfigError
 from mcore_dpo.data import TokenizedPair, collate
-from mcore_dpo.logprobs import segment_sums
+from mcore_dpo.logprobs import ld_weights, segment_sums
 from mcore_dpo.model import causal_mask, packed_causal_mask
 from mcore_dpo.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches,
                                step_token_stats)
@@ -127,6 +128,27 @@ def test_segment_sums_equal_row_sums_of_the_unpacked_rows():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_ld_weights_of_a_packed_row_equal_the_unpacked_rows():
+    """LD-DPO on a packed row: each segment's weights are its unpacked row's, token for token
+    (the pair's shared length taken from its two segments); the padding weighs nothing."""
+    pairs = [_pair(3, 2, 4, line=1), _pair(2, 3, 1, line=2), _pair(4, 5, 3, line=3), _pair(2, 1, 1, line=4)]
+    packed = collate_packed(pairs, pad_token_id=0, multiple=8)
+    assert packed.tokens.shape[1] > sum(pair_tokens(p) for p in pairs)  # the row ends in padding
+    padded = collate(pairs, pad_token_id=0, seq_len=9)
+    for alpha in (0.0, 0.3, 1.0):
+        got_w = ld_weights(packed.loss_mask, ld_alpha=alpha, segment_ids=packed.segment_ids,
+                           num_sequences=packed.num_sequences)
+        want_w = ld_weights(padded.loss_mask, ld_alpha=alpha)
+        # the same multiset of weights per sequence, tokens in the same order
+        for row in range(2 * len(pairs)):
+            seg = packed.segment_ids[0] == row
+            n = int(seg.sum())
+            assert got_w[0, seg].tolist() == want_w[row, :n].tolist(), (alpha, row)
+        assert got_w[0, packed.segment_ids[0] == packed.num_sequences].sum() == 0  # padding
+    with pytest.raises(ValueError, match="num_sequences"):
+        ld_weights(packed.loss_mask, ld_alpha=0.5, segment_ids=packed.segment_ids, num_sequences=3)
+
+
 def test_packed_mask_is_block_diagonal_causal():
     mb = collate_packed([_pair(2, 1, 2, line=1)], pad_token_id=0, multiple=8)  # segments 3, 4, pad 1
     mask = packed_causal_mask(mb.segment_ids)[0, 0]
@@ -205,11 +227,18 @@ def test_step_token_stats():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--packing", "--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
-    (["--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given without --packing"),
-    (["--packing", "--max-tokens-per-microbatch", "128", "--ld-alpha", "0.5"], "packing: cannot serve --ld-alpha"),
+    # packing unset (on by default): the same budget rule
+    (["--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
+    (["--no-packing", "--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given with --no-packing"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
      "global_batch_size: 2 pairs cannot give each of dp 4"),
     (["--packing", "--dp", "2", "--ep", "2", "--global-batch-size", "4"], "packing: cannot serve --ep 2"),
+    # packing unset with a mode it does not serve falls back to padded: a budget then means nothing
+    (["--ep", "2", "--dp", "2", "--no-distributed-optimizer", "--max-tokens-per-microbatch", "256"],
+     "max_tokens_per_microbatch: packing is off for --ep 2"),
+    # ... and the padded layout's rule applies again
+    (["--ep", "2", "--dp", "2", "--no-distributed-optimizer", "--global-batch-size", "20"],
+     "global_batch_size: 20 is not a multiple of dp*micro_batch_size = 2*8 (padded microbatches)"),
 ])
 def test_bad_packing_flags_are_one_line_before_anything_starts(argv, fragment, capsys, tmp_path):
     out = tmp_path / "out"
@@ -223,11 +252,52 @@ def test_packing_flags_parse_from_the_command_line():
     from mcore_dpo.config import resolve
 
     config, _ = resolve(["--packing", "--max-tokens-per-microbatch", "256", "--max-length", "128"])
-    assert config.packing and config.max_tokens_per_microbatch == 256
-    config, _ = resolve(["--no-packing"])
-    assert not config.packing and config.max_tokens_per_microbatch is None
-    config, _ = resolve(["--packing", "--max-length", "100"])
-    assert config.packing and config.packing_budget == 200  # unset: the smallest budget that fits any pair
+    assert config.packing and config.max_tokens_per_microbatch == 256 and config.packing_budget == 256
+    # --no-packing is the negation of --packing, and --no-shuffle still sets no_shuffle (not its negation)
+    config, _ = resolve(["--no-packing", "--no-shuffle"])
+    assert config.packing is False and not config.packed and config.no_shuffle and config.max_tokens_per_microbatch is None
+    assert config.decide_packing() == (config, None)
+    config, _ = resolve(["--packing", "--max-length", "100", "--micro-batch-size", "2"])
+    assert config.packing and config.packing_budget == 400  # unset: 2 x micro_batch_size x max_length
+
+
+def test_packing_is_on_by_default_with_the_padded_microbatch_as_its_budget():
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve(["--micro-batch-size", "4", "--max-length", "100"])
+    assert config.packing is None and config.packed  # unset until the run decides it
+    decided, note = config.decide_packing()
+    assert decided.packing is True and note is None
+    # what one padded microbatch holds at most: 4 pairs x 2 rows x 100 tokens
+    assert decided.packing_budget == 2 * 4 * 100
+    # the padded rule (global batch a multiple of dp x micro batch) does not bind packed runs
+    assert resolve(["--global-batch-size", "60"])[0].decide_packing()[0].packing is True
+    from mcore_dpo.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--packing, --no-packing Packed sequences" in text and "(default: on, except with a mode" in text
+    assert "what one padded microbatch holds at most, so packing never widens a microbatch)" in text
+    # LD-DPO is served packed (its weights per segment: `logprobs.ld_weights`)
+    assert resolve(["--ld-alpha", "0.5"])[0].decide_packing()[1] is None
+
+
+@pytest.mark.parametrize("argv, unserved", [
+    (["--ep", "2", "--dp", "2", "--global-batch-size", "16", "--no-distributed-optimizer"], "--ep 2"),
+    (["--moe-aux-loss-coef", "0.01"], "the MoE load-balancing loss"),
+])
+def test_modes_packing_does_not_serve_fall_back_to_padded_in_one_line(argv, unserved):
+    from mcore_dpo.config import resolve
+
+    config, _ = resolve(argv)
+    assert not config.packed
+    decided, note = config.decide_packing()
+    assert decided.packing is False
+    assert note.startswith(f"packing: off for {unserved}") and "padded microbatches of 8 pairs" in note
+    assert "\n" not in note
+    # asked for explicitly, the same modes are refused
+    if unserved != "the MoE load-balancing loss":  # known once the model is read: tests/test_moe_aux.py
+        with pytest.raises(ConfigError, match=f"packing: cannot serve {unserved}"):
+            resolve([*argv, "--packing"])
 
 
 def test_eval_microbatches_pack_each_chunk_share_by_tokens():

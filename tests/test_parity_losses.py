@@ -8,6 +8,9 @@ compared: every metric of every step, the gradient of every policy parameter at 
 and the weights at the end. TR-DPO runs three steps with a sync every two, with the reference
 interleaved and sequential: both must match the reference run (which syncs after step 2),
 so a step-3 reference computed during step 2, before the sync, would show at step 3.
+Packed (`--packing`) variants of the aot, aot_unpaired, LD-DPO, sft and WPO jobs run in the
+same launches against the same reference, their pairs in token-balanced packed rows (several
+per step at dp 1 and at dp 2, where aot's sort gathers the pairs of both replicas' plans).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo.data import collate, padded_seq_len
-from parity import PAD, RTOL, assert_close, load_rank_tensors, make_pairs, run_ranks, write_models
+from parity import PACKED, PAD, RTOL, assert_close, check_ran_packed, load_rank_tensors, make_pairs, run_ranks, write_models
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -45,9 +48,13 @@ JOBS = {
     "trdpo_interleaved": ("interleaved", {"loss_type": "sigmoid", **TRDPO}, 3),
     "trdpo_sequential": ("sequential", {"loss_type": "sigmoid", **TRDPO}, 3),
 }
+# "<name>/packed": job <name> with packed microbatches (parity.PACKED): the first two steps take
+# 6 and 7 rows at dp 1, 3 + 3 and 3 + 4 at dp 2.
 # (layout, jobs): every job at (1,1,1) and (2,2,1); aot's sort across dp ranks at (1,1,2).
 LAYOUTS = [pytest.param(layout, names, id="tp{}-pp{}-dp{}".format(*layout)) for layout, names in
-           (((1, 1, 1), tuple(JOBS)), ((2, 2, 1), tuple(JOBS)), ((1, 1, 2), ("aot_ld_sft", "aot_unpaired")))]
+           (((1, 1, 1), tuple(JOBS) + ("aot_ld_sft/packed", "aot_unpaired/packed", "js_wpo/packed")),
+            ((2, 2, 1), tuple(JOBS) + ("aot_ld_sft/packed",)),
+            ((1, 1, 2), ("aot_ld_sft", "aot_unpaired", "aot_ld_sft/packed", "aot_unpaired/packed")))]
 
 
 def _rtol(step: int) -> float:
@@ -176,14 +183,15 @@ def _jobs(layout, names, models) -> list[dict]:
     policy_dir, ref_dir = models
     jobs = []
     for name in names:
-        mode, cfg, steps = JOBS[name]
+        base, packed = name.removesuffix("/packed"), name.endswith("/packed")
+        mode, cfg, steps = JOBS[base]
         pairs, batches = _batches(steps)
         jobs.append({
             "key": name,
             "config": dict(model=str(policy_dir), ref_model=str(ref_dir), tp=tp, pp=pp, dp=dp,
                            micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, max_steps=steps,
                            ref_mode=mode, lr=LR, adam_eps=ADAM_EPS, timeout_s=60.0, clip_grad=CLIP, weight_decay=WD,
-                           beta=BETA, **cfg),
+                           beta=BETA, **cfg, **(PACKED if packed else {})),
             "batches": batches,
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(steps)],
             "all_pairs": pairs,
@@ -200,11 +208,14 @@ def test_parity_losses(layout, names, models, tmp_path):
     ours = {}
     for j, job in enumerate(jobs):
         name = job["key"]
-        what = f"{name} at tp{tp} pp{pp}"
-        ref = _reference(str(models[0]), str(models[1]), name)
+        what = f"{name} at tp{tp} pp{pp} dp{layout[2]}"
+        base = name.removesuffix("/packed")
+        ref = _reference(str(models[0]), str(models[1]), base)
         metrics = [m for m in json.loads((tmp_path / f"job{j}_metrics.json").read_text()) if m is not None]
         ours[name] = metrics
         assert len(metrics) == len(ref["metrics"]), what
+        if base != name:
+            check_ran_packed(tmp_path, padded=names.index(base), packed=j)
         for step, (m_ours, m_ref) in enumerate(zip(metrics, ref["metrics"]), start=1):
             logp_scale = BETA * max(abs(m_ref["logps/chosen"]), abs(m_ref["logps/rejected"]))
             for key in METRICS + (("nll_loss",) if "nll_loss" in m_ref else ()):

@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir
 from convert_helpers import assert_export_generates_like, save_hf
-from parity import VOCAB, PAD, _small_init, run_ranks
+from parity import PACKED, VOCAB, PAD, _small_init, check_ran_packed, run_ranks
 import test_parity as tp_
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -83,10 +83,13 @@ def test_verify_tp2_pp2(models, tmp_path, capsys):
 
 @pytest.mark.parametrize("layout,tied", [((2, 2, 1), True), ((1, 1, 1), False)], ids=["tp2-pp2-tied", "tp1-pp1-untied"])
 def test_parity(models, layout, tied, tmp_path):
-    """Two steps, uneven lengths, policy != reference: every metric, every gradient, the weights."""
-    job = parity_job(layout, *models[tied], name="qwen3")
-    run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=[job], out_dir=tmp_path)
-    tp_._check_job(tmp_path, 0, job, layout)
+    """Two steps, uneven lengths, policy != reference: every metric, every gradient, the weights;
+    padded, and packed in the same launch (`packed_parity_job`)."""
+    jobs = [parity_job(layout, *models[tied], name="qwen3"), packed_parity_job(layout, *models[tied], name="qwen3")]
+    run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        tp_._check_job(tmp_path, j, job, layout)
+    check_ran_packed(tmp_path, padded=0, packed=1)
 
 
 def parity_job(layout: tuple[int, ...], policy_dir: Path, ref_dir: Path, *, name: str, steps: int = 2, **config) -> dict:
@@ -104,3 +107,10 @@ def parity_job(layout: tuple[int, ...], policy_dir: Path, ref_dir: Path, *, name
         "batch_ids": [list(range(k * batch, (k + 1) * batch)) for k in range(steps)],
         "all_pairs": train, "eval_pairs": held_out,
     }
+
+
+
+def packed_parity_job(layout: tuple[int, ...], policy_dir: Path, ref_dir: Path, *, name: str, **config) -> dict:
+    """parity_job with packed microbatches (parity.PACKED): the same data, reference and checks
+    (the HF reference runs whole global batches, so the microbatch split does not enter it)."""
+    return parity_job(layout, policy_dir, ref_dir, name=name, **PACKED, **config)

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0"]
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
+LAYOUT_COUNTS = ("tokens/padded", "padding_fraction", "microbatches")  # of the packed split over dp ranks
 
 
 def _run(args: list[str], out: Path, *, fault: str | None = None, cache: Path) -> subprocess.CompletedProcess:
@@ -102,7 +103,9 @@ def test_resume_after_resharding(baselines, cache, tmp_path):
 def test_resume_after_kill_at_another_dp(baselines, cache, tmp_path):
     """Killed at step 3 under dp 2 (the sharded optimizer's state gathered into the step-2
     checkpoint), resumed at dp 1: steps 1-2 are the uninterrupted run's, and the end state
-    equals it within 1e-5 (at another dp the gradient is reduced in another order)."""
+    equals it within 1e-5 (at another dp the gradient is reduced in another order). Packed
+    microbatches are split by tokens over the dp ranks, so from step 3 the layout's own counts
+    (token positions, padding, microbatches) are dp 1's; the real tokens are the same."""
     base, layout = baselines["dp2"]
     out = tmp_path / "run"
     killed = _run([*layout, "--save-interval", "2"], out, fault="step:3", cache=cache)
@@ -117,6 +120,8 @@ def test_resume_after_kill_at_another_dp(baselines, cache, tmp_path):
             assert a == b
         assert a.keys() == b.keys()
         for key in b:
+            if a["step"] >= 3 and key in LAYOUT_COUNTS:
+                continue
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
     assert sum(1 for m in ours if m["step"] >= 3 and "loss" in m) == 2
     wa, wb = _weights(base), _weights(out)

@@ -166,7 +166,8 @@ def test_double_negations_and_abbreviations_are_errors(argv):
 
 def test_default_run_learns_and_writes_everything(tmp_path):
     """`python -m mcore_dpo.train` on the embedded default: held-out reward accuracy rises from
-    chance (policy == reference at the start: every margin is 0) to >= 0.9."""
+    chance (policy == reference at the start: every margin is 0) to >= 0.9. Packed by default:
+    config.yaml says so, and no fallback line is printed."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--output-dir", str(out)],
@@ -186,7 +187,10 @@ def test_default_run_learns_and_writes_everything(tmp_path):
     assert evals[-1]["step"] == 120 and evals[-1]["eval/rewards/accuracies"] >= 0.9, evals[-1]
     assert any((out / "tensorboard").iterdir())
     assert (out / "plots" / "loss.png").is_file() and (out / "plots" / "rewards_accuracies.png").is_file()
-    assert (out / "config.yaml").is_file()
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["packing"] is True
+    assert not any(line.startswith("packing: ") for line in proc.stdout.splitlines()), proc.stdout
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out / "hf"))
@@ -195,9 +199,10 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
 def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
-    and loads in transformers. The same run checks two more things end to end: --no-shuffle
-    reaches the written config.yaml as no_shuffle: true, and a held-out set of 5 pairs (fewer
-    than the global batch of 16) is evaluated at the start and the end."""
+    and loads in transformers. The same run checks more things end to end: --no-shuffle
+    reaches the written config.yaml as no_shuffle: true, --no-packing as packing: false and
+    padded microbatches (16 pairs in 2 of 8), and a held-out set of 5 pairs (fewer than the
+    global batch of 16) is evaluated at the start and the end."""
     from mcore_dpo.defaults import DEFAULT_EVAL_DATA
 
     out = tmp_path / "run"
@@ -205,16 +210,17 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     small_eval.write_text("".join(Path(DEFAULT_EVAL_DATA).read_text().splitlines(keepends=True)[:5]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
-                           "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle",
+                           "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle", "--no-packing",
                            "--eval-data", str(small_eval), "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
 
     written = yaml.safe_load((out / "config.yaml").read_text())
-    assert written["no_shuffle"] is True and written["dtype"] == "bfloat16"
+    assert written["no_shuffle"] is True and written["dtype"] == "bfloat16" and written["packing"] is False
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
+    assert [r["microbatches"] for r in records if "loss" in r] == [2.0, 2.0]
     from safetensors.torch import load_file
 
     tensors = {}
