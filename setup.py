@@ -5,22 +5,23 @@ setup(
     name="mcore_dpo",
     version="0.1.0",
     description="Preference optimization (DPO family) on megatron-core with TP/PP/DP, launched by Ray",
-    python_requires=">=3.11,<3.13",
+    python_requires=">=3.10,<3.13",
     packages=find_packages(include=["mcore_dpo", "mcore_dpo.*", "checkpoint_convert", "checkpoint_convert.*"]),
     package_data={"mcore_dpo": ["assets/*", "assets/**/*"]},
     include_package_data=True,
     # Each range is tested at both ends (docs/COMPATIBILITY.md, scripts/compat_check.sh); the README's
-    # commands pin torch 2.13.0, the CPU build the main suite runs on. megatron-core 0.17+ needs Python 3.12+.
+    # commands pin torch 2.13.0, the CPU build the main suite runs on. megatron-core 0.17+ needs Python 3.12+;
+    # on Python 3.10 the newest releases are torch 2.14, megatron-core 0.16.1, transformers 5.20, matplotlib 3.10.
     install_requires=[
         "torch>=2.13.0,<2.16",
         "megatron-core>=0.16.1,<0.20",
         "ray>=2.60,<2.61",
-        "transformers>=5.24,<5.25",
+        "transformers>=5.20,<5.25",
         "safetensors>=0.8,<0.9",
         "datasets>=5.2,<5.3",
         "pyyaml>=6.0,<7",
         "tensorboard>=2.21,<2.22",
-        "matplotlib>=3.11,<3.12",
+        "matplotlib>=3.10,<3.12",
         "packaging>=24.2",
     ],
     extras_require={

@@ -5,7 +5,8 @@ read and written one chunk at a time without torch.distributed.
     .metadata          pickled torch.distributed.checkpoint Metadata: per key the global size,
                        dtype and chunks (offsets, sizes); per chunk the file, byte offset, length
     __{r}_{i}.distcp   chunks, each a torch.save archive of one tensor, or pickled bytes
-    common.pt          torch.save of everything that is not sharded (written by the caller)
+    common.pt          torch.save of everything that is not sharded (written by the caller;
+                       megatron-core 0.19 and later store it as an object instead, see torch_dist.py)
 
 A tensor is stored as chunks of its global shape; a reader may ask for any region and gets
 it assembled from the chunks that overlap it. Every pickle goes through `safe_pickle`.
@@ -148,7 +149,7 @@ class DcpReader:
         _check(isinstance(entries, dict) and isinstance(storage, dict), source, "state_dict_metadata/storage_data are not dicts")
         sizes = {}
         self.tensors: dict[str, TensorInfo] = {}
-        self.objects: list[str] = []
+        self.objects: dict[str, object] = {}  # key -> storage entry of a non-tensor object
         self._chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, int, int]]] = {}
         by_key: dict[str, dict[tuple[int, ...], object]] = {}
         for index, info in storage.items():
@@ -157,11 +158,11 @@ class DcpReader:
         for key, entry in entries.items():
             _check(isinstance(key, str), source, f"key {key!r} is not a string")
             if isinstance(entry, md.BytesStorageMetadata):
-                # Never unpickled here, but a cut-off object still means a cut-off file.
+                # Only read on request (read_object), but a cut-off object still means a cut-off file.
                 info = by_key.get(key, {}).get(())
                 _check(info is not None, source, f"object '{key}' has no storage entry")
                 self._check_extent(info, label=f"object '{key}'", sizes=sizes, source=source)
-                self.objects.append(key)
+                self.objects[key] = info
                 continue
             _check(isinstance(entry, md.TensorStorageMetadata), source, f"tensor '{key}': malformed entry")
             shape = _int_tuple(entry.size)
@@ -220,6 +221,16 @@ class DcpReader:
         )  # fmt: skip
         self._cached = ((key, offsets), tensor)
         return tensor
+
+    def read_object(self, key: str) -> object:
+        """A non-tensor entry (megatron-core's ShardedObject: torch.save bytes), through safe_pickle."""
+        info = self.objects[key]
+        path = self.dir / info.relative_path
+        with open(path, "rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.length)
+        _check(len(data) == info.length, str(path), f"truncated: object '{key}'")
+        return torch_load(data, source=f"{path} (object '{key}')")
 
     def read(self, key: str, *, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
         """The region [offsets, offsets + sizes) of tensor `key` (default: the whole tensor)."""

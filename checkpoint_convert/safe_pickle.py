@@ -2,7 +2,8 @@
 
 A torch_dist directory holds three kinds of pickle: `.metadata` (torch.distributed.checkpoint
 `Metadata`, a plain pickle), `common.pt` (a `torch.save` archive with Megatron's `args`
-Namespace, `checkpoint_version`, `iteration`) and, inside the `.distcp` files, one
+Namespace, `checkpoint_version`, `iteration`; from megatron-core 0.19 the same dict is the
+`common_state` object inside the `.distcp` files instead) and, inside the `.distcp` files, one
 `torch.save` archive per tensor chunk (plus `_extra_state` / `rng_state` objects, which this
 package never reads). The stock readers unpickle them without restriction, so a crafted
 checkpoint could run code on load.

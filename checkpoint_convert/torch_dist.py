@@ -6,6 +6,8 @@ write it.
     release/ (or iter_0000100/)
         metadata.json, .metadata, __{rank}_0.distcp   dist_checkpointing files (see dcp.py)
         common.pt       {"args": Namespace(...), "checkpoint_version": 3.0, "iteration": 0}
+                        (megatron-core 0.19 and later write no common.pt: the same dict is the
+                        object `common_state/shard_0_1` inside the .distcp files, see below)
         hf_files/       config.json + tokenizer/generation files of the source model
                         (written by this package; others' checkpoints lack it)
 
@@ -15,6 +17,13 @@ with a leading layer dim (`decoder.layers.self_attention.linear_qkv.weight` [L, 
 writers use per-layer keys `decoder.layers.N....`, also read), norms under the Transformer
 Engine names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), fc1 as
 [gate; up] over the whole intermediate size, qkv fused group by group over all groups.
+
+The common (non-tensor) state: megatron-core up to 0.18 writes it to `common.pt` (torch.save
+of the dict). From 0.19, `dist_checkpointing.save` adds it to the sharded state instead, as a
+ShardedObject with key "common_state", global shape (1,) and offset (0,), saved by the main
+replica (rank 0): in `.metadata` an object entry `common_state/shard_0_1`, whose bytes in a
+.distcp file are torch.save([dict]) like every ShardedObject's. Its loader reads common.pt when
+present, else that object; `read_common_state` does the same, both through safe_pickle.
 
 Reading presents the checkpoint as one tp1 pp1 shard (`shard_view(0, 0)`, local-spec names),
 so the converter's HF view, mcore-to-hf and reshard need nothing format-specific. Writing
@@ -52,6 +61,7 @@ from checkpoint_convert.safe_pickle import torch_load_file
 FORMAT = "torch_dist"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.pt"
+COMMON_OBJECT = "common_state/shard_0_1"  # megatron-core 0.19+: the common state's object key
 CHECKPOINT_VERSION = 3.0
 RELEASE_DIR = "release"
 # Vocabulary tensors are stored in chunks of at most this many bytes (one read block each).
@@ -95,6 +105,25 @@ def iteration_dir(directory: str | os.PathLike) -> Path:
 def is_torch_dist_dir(directory: str | os.PathLike) -> bool:
     directory = Path(directory)
     return is_dcp_dir(directory) or (directory / TRACKER_FILE).is_file()
+
+
+def read_common_state(directory: Path, reader: DcpReader) -> tuple[dict, str]:
+    """(the common state dict, where it was read): common.pt when present, else megatron-core
+    0.19's `common_state` object. Both through the restricted unpickler."""
+    path = directory / COMMON_FILE
+    if path.is_file():
+        common, source = torch_load_file(path), str(path)
+    elif COMMON_OBJECT in reader.objects:
+        stored = reader.read_object(COMMON_OBJECT)
+        source = f"{directory}: object '{COMMON_OBJECT}'"
+        if not (isinstance(stored, list) and len(stored) == 1):
+            raise ConversionError(f"{source}: expected a one-element list, got {type(stored).__name__}")
+        common = stored[0]
+    else:
+        raise ConversionError(f"{directory}: no common state ({COMMON_FILE} is missing and .metadata has no '{COMMON_OBJECT}' object)")
+    if not isinstance(common, dict):
+        raise ConversionError(f"{source}: expected a dict, got {type(common).__name__}")
+    return common, source
 
 
 def _layer_key(name: str) -> tuple[int, str] | None:
@@ -158,7 +187,7 @@ class TorchDistCheckpoint:
     """A validated torch_dist checkpoint, seen as one tp1 pp1 shard (see the module docstring).
 
     The model comes from hf_files/config.json when this package wrote the checkpoint, else
-    from `hf_config_dir`/config.json when given, else from common.pt's args.
+    from `hf_config_dir`/config.json when given, else from the common state's args.
     """
 
     format = FORMAT
@@ -172,10 +201,7 @@ class TorchDistCheckpoint:
             raise ConversionError(f"{self.root}: not a directory")
         self.dir = iteration_dir(self.root)
         self.reader = DcpReader(self.dir)
-        common_path = self.dir / COMMON_FILE
-        common = torch_load_file(common_path)
-        if not isinstance(common, dict):
-            raise ConversionError(f"{common_path}: expected a dict, got {type(common).__name__}")
+        common, common_source = read_common_state(self.dir, self.reader)
         self.args = common.get("args")
         self.iteration = common.get("iteration")
         self.written_tp, self.written_pp = layout_from_args(self.args) if self.args is not None else (1, 1)
@@ -190,10 +216,10 @@ class TorchDistCheckpoint:
             path = Path(hf_config_dir) / "config.json"
             hf_config, source = read_json(path), str(path)
         elif self.args is not None:
-            source = f"{common_path}"
+            source = common_source
             hf_config = hf_config_from_args(self.args, source=source, padded_vocab_size=rows)
         else:
-            raise ConversionError(f"{common_path}: has no 'args' to describe the model; pass --hf-config DIR")
+            raise ConversionError(f"{common_source}: has no 'args' to describe the model; pass --hf-config DIR")
         spec = spec_from_hf_config(hf_config, source=source)
         if spec.num_experts:
             raise ConversionError(f"{source}: {spec.architecture} has experts; torch_dist checkpoints with experts are not read")

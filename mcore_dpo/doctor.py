@@ -6,7 +6,7 @@ apex, ray, transformers and the other requirements, and the GPUs with their memo
     ok     within the tested range
     WARN   outside the tested range but expected to run, or a missing optional GPU speed-up
     ERROR  would break a run: a required package missing or not importable, Python older than
-           3.11, torch or megatron-core older than the oldest supported release (the calls the
+           3.10, torch or megatron-core older than the oldest supported release (the calls the
            project makes need at least those), or a GPU with a torch that has no NCCL
     info   facts (versions of CUDA and NCCL, the GPUs); `-` marks a GPU-only item on a CPU machine
 
@@ -30,18 +30,18 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-PYTHON_RANGE = ">=3.11,<3.13"
+PYTHON_RANGE = ">=3.10,<3.13"
 # distribution -> (supported range, module to import). The same ranges as setup.py's install_requires.
 REQUIRED: dict[str, tuple[str, str]] = {
     "torch": (">=2.13.0,<2.16", "torch"),
     "megatron-core": (">=0.16.1,<0.20", "megatron.core"),
     "ray": (">=2.60,<2.61", "ray"),
-    "transformers": (">=5.24,<5.25", "transformers"),
+    "transformers": (">=5.20,<5.25", "transformers"),
     "safetensors": (">=0.8,<0.9", "safetensors"),
     "datasets": (">=5.2,<5.3", "datasets"),
     "pyyaml": (">=6.0,<7", "yaml"),
     "tensorboard": (">=2.21,<2.22", "tensorboard"),
-    "matplotlib": (">=3.11,<3.12", "matplotlib"),
+    "matplotlib": (">=3.10,<3.12", "matplotlib"),
     "packaging": (">=24.2", "packaging"),
 }
 # Imported to check they load (a container's torch or megatron-core can be built against another

@@ -137,10 +137,11 @@ def saving_dist_checkpoint(platform: Platform, *, directory: str | os.PathLike |
     needs no adaptation, as long as the fully parallel load wrapper (it calls `.cuda()`) is not used.
 
     megatron-core 0.19 stopped writing the common (non-tensor) state to `common.pt` and keeps it
-    as an object inside the .distcp files; every megatron-core release and Megatron-LM read
-    `common.pt` when it is there, and this project's restricted reader reads only `common.pt`.
-    With `directory` given, rank 0 writes it after the save when the release did not: the same
-    dict, the file the older releases write."""
+    as an object inside the .distcp files. Every megatron-core release and Megatron-LM read
+    `common.pt` when it is there; releases before 0.19 read only that file (this project's
+    restricted reader, checkpoint_convert.torch_dist, reads either). With `directory` given,
+    rank 0 writes it after the save when the release did not: the same dict, the file the older
+    releases write, so a checkpoint written under 0.19 also loads with them."""
     original = torch.cuda.synchronize
     if not platform.is_cuda:
         torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Compatibility check in a second environment, built outside the repository, the way a GPU
 # container is set up (README, "GPU cluster"):
-#   1. a venv from Python 3.12 with the newest torch, megatron-core, transformers and ray on the
-#      registry (the "container stack"; COMPAT_PINS picks other versions);
+#   1. a venv from Python 3.12 (or COMPAT_PYTHON=3.10, the oldest supported Python) with the
+#      newest torch, megatron-core, transformers and ray on the registry for that Python (the
+#      "container stack"; COMPAT_PINS picks other versions);
 #   2. this project with `pip install --no-deps -e .` and scripts/container-requirements.txt,
 #      plus the test extra; the stack must come out unchanged, and `pip check` clean;
 #   3. `python -m mcore_dpo.doctor`, which must exit 0;
@@ -11,11 +12,13 @@
 #        one conversion round trip (HF -> tp2 pp2 -> tp1 pp4 -> HF, identical)
 #        MoE parity with experts split over ep 2 (tp1 pp2 dp2; megatron-core's MoE layer and expert groups)
 #        --save-format torch_dist training checkpoints (dist_checkpointing.save, resume, megatron-core's load)
+#        a checkpoint megatron-core's dist_checkpointing.save writes as Megatron-LM does, converted to HF
 #        the tp4 x pp2 run as 8 Ray actors (equal to one rank)
 #        exact resume after a killed rank (tp2 pp2, and dp2)
 #   and prints a summary (versions, each test's result, times). Not part of .ci/run.
 #
 #   bash scripts/compat_check.sh          # first run: ~4 GB of CUDA wheels into pip's cache
+#   COMPAT_PYTHON=3.10 bash scripts/compat_check.sh   # Python 3.10: torch 2.14, megatron-core 0.16, transformers 5.20
 #   COMPAT_VENV=/path/venv PYTHON=/path/python3.12 bash scripts/compat_check.sh
 #   PYTHON=python3.11 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
 #   COMPAT_REUSE=1 bash scripts/compat_check.sh   # keep an existing venv's stack (after a code change)
@@ -25,16 +28,21 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-}
+WANT=${COMPAT_PYTHON:-3.12}  # the interpreter looked for when PYTHON is not given
+case "$WANT" in
+  3.10|3.11|3.12) ;;
+  *) echo "compat_check: COMPAT_PYTHON=$WANT: expected 3.10, 3.11 or 3.12" >&2; exit 2 ;;
+esac
 if [ -z "$PYTHON" ]; then
-  for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PYTHON=$candidate; break; fi
+  for candidate in "python$WANT" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$WANT".*/bin/python; do
+    if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, ${WANT#3.})" 2>/dev/null; then PYTHON=$candidate; break; fi
   done
 fi
-if [ -z "$PYTHON" ] || ! "$PYTHON" -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
-  echo "compat_check: no Python 3.11-3.12 interpreter (default: python3.12; set PYTHON=/path/to/python)" >&2
+if [ -z "$PYTHON" ] || ! "$PYTHON" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
+  echo "compat_check: no Python 3.10-3.12 interpreter (default: python$WANT; set PYTHON=/path/to/python)" >&2
   exit 2
 fi
-VENV=${COMPAT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore_dpo/compat-venv312}
+VENV=${COMPAT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore_dpo/compat-venv$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')}
 case "$(cd "$(dirname "$VENV")" 2>/dev/null && pwd || dirname "$VENV")/" in
   "$REPO"/*) echo "compat_check: COMPAT_VENV=$VENV is inside the repository; put it outside" >&2; exit 2 ;;
 esac
@@ -87,6 +95,7 @@ TESTS=(
   "tests/test_convert_cli.py::test_reshard_tp2pp2_to_tp1pp4_to_hf_is_identical"
   "tests/test_moe.py::test_parity_expert_parallel_pp2_dp2_ep2"
   "tests/test_torch_dist_train.py::test_torch_dist_training_checkpoints"
+  "tests/test_torch_dist_megatron.py::test_megatron_lm_checkpoint_converts_to_hf_bit_exactly"
   "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
   "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
   "tests/test_resume.py::test_exact_resume_after_kill"

@@ -92,7 +92,7 @@ def test_missing_or_broken_packages():
     assert status["megatron-core"][0] == "ERROR" and "does not import: ImportError: libcudart.so.13" in status["megatron-core"][1]
 
 
-@pytest.mark.parametrize("version,status", [("3.10.13", "ERROR"), ("3.11.7", "ok"), ("3.12.1", "ok"), ("3.13.0", "WARN")])
+@pytest.mark.parametrize("version,status", [("3.9.18", "ERROR"), ("3.10.13", "ok"), ("3.11.7", "ok"), ("3.12.1", "ok"), ("3.13.0", "WARN")])
 def test_python_version(version, status):
     assert doctor.check_python(version).status == status
 

@@ -302,6 +302,64 @@ def test_code_in_common_pt_is_refused_and_never_runs(tmp_path, llama_dir, capsys
     assert not marker.exists()
 
 
+def _resave_in_megatron_core_019_layout(source: Path, out: Path, common: object) -> Path:
+    """The tensors of torch_dist checkpoint `source`, saved again by torch.distributed.checkpoint
+    itself the way megatron-core 0.19 saves (its serialization.save and torch strategy, 0.19.2):
+    no common.pt; the common state is the ShardedObject "common_state" of global shape (1,) at
+    offset (0,), i.e. the object `common_state/shard_0_1` holding torch.save([common]); and
+    metadata.json names only the sharded backend. No hf_files/: a checkpoint of Megatron-LM's."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = DcpReader(source / "release")
+    state = {key: reader.read(key) for key in reader.tensors}
+    # A non-tensor value is stored as its torch.save bytes (not flattened: kept whole).
+    state["common_state/shard_0_1"] = [common]
+    iteration = out / "iter_0000100"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iteration)), planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    (iteration / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (out / "latest_checkpointed_iteration.txt").write_text("100")
+    return iteration
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_reads_the_common_state_object_of_megatron_core_019(tmp_path, llama_dir, capsys):
+    td = tmp_path / "td"
+    convert.hf_to_mcore(llama_dir, td, tp=2, pp=2, fmt="torch_dist", **QUIET)
+    common = {**_common(td), "iteration": 100}
+    new = tmp_path / "megatron019"
+    iteration = _resave_in_megatron_core_019_layout(td, new, common)
+    assert not (iteration / "common.pt").exists() and "common_state/shard_0_1" in DcpReader(iteration).objects
+
+    # From the args in the object alone (CLI), as for any Megatron-LM checkpoint without hf_files/:
+    # the padded vocabulary rows are zero, the rest is the source model bit for bit.
+    back = tmp_path / "back"
+    code, _, err = _cli(capsys, "mcore-to-hf", "--mcore-dir", str(new), "--out", str(back))
+    assert code == 0, err
+    source, exported = open_hf_dir(llama_dir), open_hf_dir(back)
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    for name in source.names:
+        got, want = exported.get(name), source.get(name)
+        if got.shape != want.shape:
+            assert torch.equal(got[:vocab], want) and torch.count_nonzero(got[vocab:]) == 0, name
+        else:
+            assert torch.equal(got, want), name
+    assert open_mcore_dir(new).iteration == 100
+
+    # Code in the object is refused by the restricted unpickler and never runs.
+    marker = tmp_path / "PWNED"
+    common["args"].evil = _RunsCode(marker)
+    evil = tmp_path / "evil"
+    _resave_in_megatron_core_019_layout(td, evil, common)
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(evil), "--out", str(tmp_path / "o"))
+    assert "common_state/shard_0_1" in err and "'posix.system'" in err and "refusing" in err
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+    # Neither common.pt nor the object: one line that names both.
+    (td / "release" / "common.pt").unlink()
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "o"))
+    assert "common.pt is missing" in err and "'common_state/shard_0_1'" in err
+
+
 def test_restricted_unpickler_refuses_code_in_tensor_chunks_and_keeps_data(tmp_path):
     import io
 

@@ -3,8 +3,9 @@
 Consumer side: megatron-core's dist_checkpointing.load reads this package's torch_dist output
 into GPTModels built the way Megatron-LM builds them, at a different tp/pp than written, and
 their logits equal the HF model's. Producer side: a GPTModel the test fills itself is saved by
-dist_checkpointing.save in Megatron-LM's layout at tp2 pp2; the converter turns it into an HF
-directory bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's.
+dist_checkpointing.save in Megatron-LM's layout at tp2 pp2 (with megatron-core 0.19+ the common
+state inside the .distcp files, no common.pt); the converter turns it into an HF directory
+bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -25,7 +28,9 @@ from convert_helpers import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_t
 from torch_dist_helpers import consumer_rank, megatron_lm_args, producer_rank, spawn  # noqa: E402
 
 from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir  # noqa: E402
+from checkpoint_convert.dcp import DcpReader  # noqa: E402
 from checkpoint_convert.io import open_hf_dir  # noqa: E402
+from checkpoint_convert.torch_dist import COMMON_OBJECT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -78,6 +83,13 @@ def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
            "hf_weights": str(hf_dir / "model.safetensors"), "tokens": str(tmp_path / "tokens.safetensors"),
            "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
     spawn(producer_rank, world_size=tp * pp, job=job)
+    # The layout of the installed release, both read: up to 0.18 the common state is common.pt;
+    # from 0.19 only the object common_state/shard_0_1 in the .distcp files (megatron-core 0.19+
+    # is run by scripts/compat_check.sh).
+    written = save / "iter_0000100"
+    before_019 = Version(version("megatron-core")) < Version("0.19")
+    assert (written / "common.pt").is_file() == before_019
+    assert (COMMON_OBJECT in DcpReader(written).objects) == (not before_019)
     megatron = load_file(job["logits"])["logits"]
     padded = args.padded_vocab_size
     assert megatron.shape[-1] == padded
