@@ -105,7 +105,8 @@ def test_exact_resume(baseline, cache, tmp_path):
 def test_resume_at_another_layout_without_merging(baseline, cache, tmp_path):
     """The tp-2 checkpoint (sharded optimizer) resumed at dp 2 with the replicated optimizer:
     steps 3-4 and the adapter equal the uninterrupted run's within 1e-5; --no-merge-lora
-    exports only the adapter."""
+    exports only the adapter. The packed split's layout counts (token positions, padding,
+    microbatches) are dp 2's own; the real tokens are the same."""
     out = tmp_path / "run"
     _copy_checkpoint(baseline, out)
     result = _run(["--dp", "2", "--no-merge-lora", "--no-distributed-optimizer"], out, cache=cache)
@@ -115,6 +116,8 @@ def test_resume_at_another_layout_without_merging(baseline, cache, tmp_path):
     assert [m["step"] for m in ours] == [m["step"] for m in ref]
     for a, b in zip(ours, ref):
         for key in b:
+            if key in ("tokens/padded", "padding_fraction", "microbatches"):  # split by tokens over dp ranks
+                continue
             assert abs(a[key] - b[key]) <= RTOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
     wa, wb = _adapter(out), _adapter(baseline)
     for name in wb:

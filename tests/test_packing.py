@@ -139,7 +139,7 @@ def test_ld_weights_of_a_packed_row_equal_the_unpacked_rows():
         got_w = ld_weights(packed.loss_mask, ld_alpha=alpha, segment_ids=packed.segment_ids,
                            num_sequences=packed.num_sequences)
         want_w = ld_weights(padded.loss_mask, ld_alpha=alpha)
-        # the same multiset of weights per sequence, tokens in the same order
+        # each sequence's weights, token for token
         for row in range(2 * len(pairs)):
             seg = packed.segment_ids[0] == row
             n = int(seg.sum())
