@@ -251,7 +251,9 @@ def _config(mode: str, *, model: Path, gbs: int, mbs: int, max_length: int, step
     config = dict(model=str(model), tp=1, pp=2, dp=1, micro_batch_size=mbs, global_batch_size=gbs,
                   max_steps=steps + 1, max_length=max_length, lr=1e-5,
                   ref_mode="none" if mode == "packed_none" else "interleaved")
-    if mode != "padded":
+    if mode == "padded":
+        config.update(packing=False)
+    else:
         config.update(packing=True, max_tokens_per_microbatch=2 * mbs * max_length)
     return config
 
