@@ -80,7 +80,7 @@ def _setup(shape: common.LlamaShape, lengths: bench.Lengths, *, gbs: int, mbs: i
     drawn = bench.draw_lengths(gbs * (steps + 2), lengths=lengths, seed=11)
     pairs = bench.make_pairs(drawn, vocab_size=shape.vocab_size, seed=7)
     padded = TrainConfig(model=str(model), tp=1, pp=1, dp=1, micro_batch_size=mbs, global_batch_size=gbs,
-                         max_steps=steps + 1, max_length=lengths.max_length, lr=1e-5)
+                         max_steps=steps + 1, max_length=lengths.max_length, lr=1e-5, packing=False)
     packed = replace(padded, packing=True, max_tokens_per_microbatch=2 * mbs * lengths.max_length)
     worker = PolicyWorker(config=padded, spec=open_weights(str(model)).spec, pad_token_id=common.PAD_ID, rank=0,
                           master_addr="127.0.0.1", master_port=free_port())
