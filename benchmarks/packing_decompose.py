@@ -89,7 +89,7 @@ def _setup(shape: common.LlamaShape, lengths: bench.Lengths, *, gbs: int, mbs: i
 
 
 def _microbatches(worker, config, batch):
-    worker.config, worker.packing = config, config.packing  # the worker reads packing once, at start
+    worker.config = config
     return worker._local_microbatches(batch)[0]
 
 

@@ -55,6 +55,12 @@ class _Rank:
     """What every rank of every role has: device, process group, parallel state, RNG, and
     models built and loaded for its (tp, pp) coordinates."""
 
+    @property
+    def packing(self) -> bool:
+        """Packed microbatches: the run decides an unset --packing before any worker starts
+        (`TrainConfig.decide_packing`); a config built by hand that leaves it unset runs padded."""
+        return self.config.packing is True
+
     def __init__(
         self,
         *,
@@ -68,9 +74,6 @@ class _Rank:
         local_rank: int = 0,
     ):
         self.config = config
-        # Packed microbatches: the run decides an unset --packing before any worker starts
-        # (`TrainConfig.decide_packing`); a config built by hand that leaves it unset runs padded.
-        self.packing = config.packing is True
         self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
