@@ -210,11 +210,7 @@ class DcpReader:
             return self._cached[1]
         self._cached = None  # drop the previous chunk before reading the next
         path = self.dir / file
-        with open(path, "rb") as handle:
-            handle.seek(start)
-            data = handle.read(length)
-        _check(len(data) == length, str(path), f"truncated: tensor '{key}' chunk at {list(offsets)}")
-        tensor = torch_load(data, source=f"{path} (tensor '{key}')")
+        tensor = self._load_stored(path, start, length, label=f"tensor '{key}' chunk at {list(offsets)}")
         _check(
             isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == extent and tensor.dtype == self.tensors[key].dtype,
             str(path), f"tensor '{key}' chunk at {list(offsets)} is not a {self.tensors[key].dtype} tensor of shape {list(extent)}",
@@ -225,12 +221,16 @@ class DcpReader:
     def read_object(self, key: str) -> object:
         """A non-tensor entry (megatron-core's ShardedObject: torch.save bytes), through safe_pickle."""
         info = self.objects[key]
-        path = self.dir / info.relative_path
+        return self._load_stored(self.dir / info.relative_path, info.offset, info.length, label=f"object '{key}'")
+
+    @staticmethod
+    def _load_stored(path: Path, start: int, length: int, *, label: str) -> object:
+        """The torch.save bytes [start, start + length) of a .distcp file, through safe_pickle."""
         with open(path, "rb") as handle:
-            handle.seek(info.offset)
-            data = handle.read(info.length)
-        _check(len(data) == info.length, str(path), f"truncated: object '{key}'")
-        return torch_load(data, source=f"{path} (object '{key}')")
+            handle.seek(start)
+            data = handle.read(length)
+        _check(len(data) == length, str(path), f"truncated: {label}")
+        return torch_load(data, source=f"{path} ({label})")
 
     def read(self, key: str, *, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
         """The region [offsets, offsets + sizes) of tensor `key` (default: the whole tensor)."""
