@@ -100,6 +100,34 @@ def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: 
     return name
 
 
+# Grouped GEMM experts (megatron-core's TEGroupedMLP, `moe_grouped_gemm`): one Transformer Engine
+# GroupedLinear per projection holds every local expert's weight as `weight{i}`, of the same
+# shape and layout as the sequential experts' `local_experts.{i}.linear_fc*.weight` (fc1
+# [gate_i; up_i] rows of this expert-tp rank, fc2 split on its input dim). Shards, checkpoints and
+# optimizer state always use the sequential names; these two functions translate at the live
+# model's boundary (`mcore_dpo.model`).
+_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def grouped_expert_name(name: str) -> str:
+    """A parameter name as the grouped-GEMM experts spell it: `...mlp.experts.local_experts.{i}.
+    linear_fc1.weight` -> `...mlp.experts.linear_fc1.weight{i}` (every other name unchanged)."""
+    match = _SEQUENTIAL_EXPERT.search(name)
+    if match is None:
+        return name
+    return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{match.group(1)}"
+
+
+def sequential_expert_name(name: str) -> str:
+    """The inverse of `grouped_expert_name`: the name shards and checkpoints use (every name that
+    is not a grouped expert weight, sequential experts' included, unchanged)."""
+    match = _GROUPED_EXPERT.search(name)
+    if match is None:
+        return name
+    return f"{name[: match.start()]}.mlp.experts.local_experts.{match.group(2)}.{match.group(1)}.weight"
+
+
 def _has_output_layer(spec: ModelSpec, *, pp: int) -> bool:
     # Tied embeddings with pp > 1: megatron keeps a copy of the embedding on the last stage.
     return not spec.tie_word_embeddings or pp > 1

@@ -165,6 +165,11 @@ class TrainConfig:
     """Split the activations outside the tensor-parallel linears over tp along the sequence.
     Default (unset): on for tp > 1 on GPUs, off on the CPU, and always on for MoE models at tp > 1
     (megatron-core's MoE layer needs it); --sequence-parallel needs tp > 1."""
+    moe_grouped_gemm: bool | None = None
+    """MoE models: run each layer's local experts as one grouped GEMM per projection (megatron-core's
+    TEGroupedMLP) instead of one GEMM per expert. Default (unset): on wherever Transformer Engine
+    (>= 1.9) is present, else sequential experts (the CPU, LoRA runs). Checkpoints are the same
+    either way. --no-moe-grouped-gemm keeps sequential experts on GPUs too."""
 
     # --- run ---
     eval_interval: int = 40
@@ -338,6 +343,8 @@ class TrainConfig:
             raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")
         if coef and not num_experts:
             raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
+        if self.moe_grouped_gemm and not num_experts:
+            raise ConfigError(f"moe_grouped_gemm: {source} describes a dense model (no experts)")
         if coef and self.packing:  # unset: decide_packing falls back to padded microbatches
             raise ConfigError(f"packing: cannot serve {MOE_AUX_UNSERVED}; use --no-packing or --moe-aux-loss-coef 0")
         return coef
@@ -419,6 +426,9 @@ class TrainConfig:
             raise ConfigError("sync_ref_model: not with LoRA (the reference is the starting adapter, it does not move)")
         if self.sequence_parallel:
             raise ConfigError("sequence_parallel: not supported with LoRA (the adapters need whole-sequence inputs)")
+        if self.moe_grouped_gemm:
+            raise ConfigError("moe_grouped_gemm: not with LoRA (the adapters hook each expert's own linear; LoRA runs "
+                              "sequential experts, drop --moe-grouped-gemm)")
         if self.ep > 1:
             # The adapters' expert parts live on their ep ranks; the checkpoint and OUTPUT/adapter
             # writers do not gather them over ep yet.
@@ -512,7 +522,8 @@ HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
     "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
-                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "timeout_s", "placement_timeout_s"),
+                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm", "timeout_s",
+                    "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
              "ref_model_mixup_alpha", "ref_model_sync_steps"),

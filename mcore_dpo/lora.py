@@ -128,7 +128,13 @@ def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout:
             path = TARGET_MAP[target][0]
             if target in lora.targets and (target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1])):
                 linears.append((target, layer.get_submodule(path)))
-        experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", ())
+        experts_module = getattr(layer.mlp, "experts", None)
+        if experts_module is not None and not hasattr(experts_module, "local_experts"):
+            # Grouped GEMM experts have no per-expert linear to hook (workers build LoRA runs with
+            # the local layer spec, whose experts are sequential, so this is never reached there).
+            raise ValueError(f"LoRA: layer {layer.layer_number}'s experts are {type(experts_module).__name__} "
+                             "(grouped GEMM), which has no per-expert linears to adapt; build it with sequential experts")
+        experts = getattr(experts_module, "local_experts", ())
         for expert in experts:
             linears += [(t, getattr(expert, EXPERT_TARGET_MAP[t][0])) for t in EXPERT_TARGETS if t in lora.targets]
         for target, linear in linears:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from checkpoint_convert.families import family_of
-from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, stage_layers
+from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.mesh import Mesh
 
 
@@ -24,8 +25,11 @@ def layer_spec_name(*, use_te: bool) -> str:
 
 
 def transformer_config(
-    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
+    grouped_experts: bool = False,
 ):
+    """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
+    are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only)."""
     from megatron.core.transformer import TransformerConfig
 
     layout = mesh.layout
@@ -78,20 +82,36 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         # What differs by family (qkv bias, qk norms, experts): the family module says.
-        **family_of(spec).transformer_fields(spec),
+        **_family_fields(spec, grouped_experts=grouped_experts),
     )
 
 
+def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
+    fields = family_of(spec).transformer_fields(spec)
+    if grouped_experts:
+        if not spec.num_experts:
+            raise ValueError(f"grouped_experts: {spec.architecture} has no experts")
+        fields["moe_grouped_gemm"] = True
+    return fields
+
+
 def build_stage_model(
-    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
+    grouped_experts: bool = False,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
-    between pipeline stages) are [s/tp, b, h]."""
+    between pipeline stages) are [s/tp, b, h]. `grouped_experts` (Transformer Engine spec, MoE
+    models): megatron-core's TEGroupedMLP experts instead of its SequentialMLP; their parameters
+    are named differently (`shard_names` translates)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
-    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
+    if grouped_experts and not use_te:
+        # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
+        raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
+    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
+                                grouped_experts=grouped_experts)
     if config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
@@ -208,8 +228,24 @@ def llama3_inv_freq(*, head_dim: int, rope_theta: float, rope_scaling: dict) -> 
     return torch.where(is_medium, smoothed, scaled)
 
 
+def shard_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors keyed by a live model's parameter names -> keyed by the names shards, checkpoints
+    and optimizer files use, whatever experts ran: grouped GEMM experts' `...experts.linear_fc1.
+    weight{i}` become `...experts.local_experts.{i}.linear_fc1.weight`; every other name is kept."""
+    return {sequential_expert_name(name): tensor for name, tensor in tensors.items()}
+
+
+def live_names(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `shard_names` for `model`: tensors keyed by shard names -> keyed by the
+    model's own parameter names (a name the model does not have is kept as it is)."""
+    live = {sequential_expert_name(name): name for name, _ in model.named_parameters()}
+    return {live.get(name, name): tensor for name, tensor in tensors.items()}
+
+
 def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
-    """Copy a stage shard (megatron-core parameter names) into the model; key sets must match."""
+    """Copy a stage shard (megatron-core parameter names, experts as `local_experts.{i}` whatever
+    the model's experts are) into the model; key sets must match."""
+    shard = live_names(model, shard)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shard))
     extra = sorted(set(shard) - set(params))

@@ -280,6 +280,40 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def te_grouped_linear_available() -> bool:
+    """True when megatron-core has its Transformer Engine grouped linear, which its grouped GEMM
+    experts (TEGroupedMLP) are made of: Transformer Engine imports and is 1.9 or newer."""
+    if not transformer_engine_available():
+        return False
+    try:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelGroupedLinear
+    except Exception:
+        return False
+    return TEColumnParallelGroupedLinear is not None
+
+
+def use_grouped_experts(*, requested: bool | None, num_experts: int, use_te: bool,
+                        grouped_linear: bool) -> tuple[bool, str | None]:
+    """Whether a MoE model's experts run as grouped GEMMs (megatron-core's TEGroupedMLP), and a
+    one-line note when they were expected to but cannot. `requested`: --moe-grouped-gemm (True),
+    --no-moe-grouped-gemm (False) or unset (None: on wherever the Transformer Engine spec runs);
+    `use_te`: the rank builds the Transformer Engine spec; `grouped_linear`:
+    `te_grouped_linear_available()`. Without Transformer Engine (the CPU, LoRA runs) the experts
+    are sequential, as megatron-core's local grouped experts (legacy GroupedMLP) are bf16-only
+    and keep their weights in another layout."""
+    if not num_experts or requested is False:
+        return False, None
+    if use_te and grouped_linear:
+        return True, None
+    if use_te:
+        return False, ("moe_grouped_gemm: this Transformer Engine has no grouped linear (megatron-core's grouped "
+                       "experts need Transformer Engine >= 1.9); running sequential experts")
+    if requested:
+        return False, ("moe_grouped_gemm: Transformer Engine is not importable on the ranks (grouped GEMM needs "
+                       "it and a GPU); running sequential experts")
+    return False, None
+
+
 # megatron-core's (and torch's) warnings that say nothing a user of this project can act on.
 # Each is (name, category, message pattern, why it is harmless). Every other warning still shows.
 KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (

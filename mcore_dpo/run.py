@@ -279,6 +279,8 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
         group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep,
                              resume_dir=str(resume_dir) if resume_dir else None)
+        for note in sorted({note for _, note in group.call("experts") if note}):
+            log(note)  # grouped GEMM experts expected but not possible on the ranks
         workers = {}
         for g in (ref_group, group):
             if g is not None:

@@ -30,7 +30,7 @@ from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.moe_step import MoeStep
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
-                             open_weights)
+                             open_weights, shard_names)
 from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.packing import collate_packed, eval_microbatches, pair_tokens, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
@@ -95,6 +95,11 @@ class _Rank:
         self.dtype = DTYPES[config.dtype]
         # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
         self.use_te = plat.transformer_engine_available() and not config.lora
+        # MoE experts: grouped GEMMs on the Transformer Engine spec, else sequential. Their live
+        # parameter names differ; shards and checkpoints keep the sequential ones (model.shard_names).
+        self.grouped_experts, self.experts_note = plat.use_grouped_experts(
+            requested=config.moe_grouped_gemm, num_experts=spec.num_experts, use_te=self.use_te,
+            grouped_linear=self.use_te and plat.te_grouped_linear_available())
         # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
         requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
@@ -105,7 +110,7 @@ class _Rank:
         with plat.building_models(self.platform):
             model = build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
-                sequence_parallel=self.sequence_parallel,
+                sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
             ).to(self.platform.device)
         shard = hf_to_mcore_shard(
             self.spec,
@@ -178,6 +183,13 @@ class _Rank:
     def layer_spec(self) -> str:
         """The layer spec this rank built its models with; it names the tensors of its shards."""
         return layer_spec_name(use_te=self.use_te)
+
+    def experts(self) -> tuple[str | None, str | None]:
+        """How this rank's MoE experts run ("grouped", "sequential"; None for a dense model) and
+        the note to show when grouped GEMM was expected but is not possible here."""
+        if not self.spec.num_experts:
+            return None, None
+        return ("grouped" if self.grouped_experts else "sequential"), self.experts_note
 
     def coordinates(self) -> tuple[int, int, int]:
         return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
@@ -659,8 +671,8 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
-        return {n: p.main_grad.detach().to("cpu", copy=True) for n, p in self.policy.module.named_parameters()
-                if p.requires_grad}
+        return shard_names({n: p.main_grad.detach().to("cpu", copy=True)
+                            for n, p in self.policy.module.named_parameters() if p.requires_grad})
 
 
 def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo.checkpoint import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
 from mcore_dpo.expert_files import file_jobs
-from mcore_dpo.model import layer_spec_name, open_weights
+from mcore_dpo.model import layer_spec_name, live_names, open_weights, shard_names
 
 
 class PolicyCheckpointing:
@@ -38,7 +38,7 @@ class PolicyCheckpointing:
             return None
         if self.config.lora:  # the base with the adapters merged in
             return lora.merged_weights(self.policy.module, dtype=self.dtype)
-        return {n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()}
+        return shard_names({n: p.detach().to("cpu", self.dtype, copy=True) for n, p in self.policy.module.named_parameters()})
 
     def adapter_shard(self) -> dict[str, torch.Tensor] | None:
         """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
@@ -57,7 +57,7 @@ class PolicyCheckpointing:
         format; with ep > 1 its ep layout, each file written where its experts are: see
         `_write_expert_parallel`)."""
         if self.layout.ep > 1:
-            params = {n: p.detach() for n, p in self.policy.module.named_parameters()}
+            params = shard_names({n: p.detach() for n, p in self.policy.module.named_parameters()})
             self._write_expert_parallel(Path(directory), params, dtype=self.dtype)
             return
         shard = self.policy_shard()
@@ -82,9 +82,11 @@ class PolicyCheckpointing:
             if self.layout.ep > 1:
                 # Every rank's whole state of its own parameters, its ep rank's experts among them
                 # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
-                self._write_expert_parallel(root / kind, self.optimizer.whole_state(moment), dtype=torch.float32)
+                self._write_expert_parallel(root / kind, shard_names(self.optimizer.whole_state(moment)),
+                                            dtype=torch.float32)
                 continue
             shard = self.optimizer.checkpoint_tensors(moment, dp_rank=self.mesh.dp_rank)
+            shard = shard_names(shard) if shard is not None else None
             if shard is not None and self.config.lora:  # the driver joins them into PEFT files
                 _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.mesh.tp_rank, pp_rank=self.mesh.pp_rank)
             elif shard is not None:
@@ -92,7 +94,7 @@ class PolicyCheckpointing:
             del shard
         if self.config.sync_ref_model and self.reference is not None:
             # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
-            params = {n: p.detach() for n, p in self.reference.named_parameters()}
+            params = shard_names({n: p.detach() for n, p in self.reference.named_parameters()})
             if self.layout.ep > 1:
                 self._write_expert_parallel(root / "reference", params, dtype=torch.float32)
             elif self.mesh.dp_rank == 0:
@@ -128,8 +130,10 @@ class PolicyCheckpointing:
             )
         if self.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
             lora.load_shard(self.policy.module, shards["model"])
-        moments = {m: shards[f"optim/{m}"] for m in MOMENTS}
-        self.optimizer.load_moments(moments, masters=shards["model"], step=int(state["step"]))
+        # The optimizer keys its state by the live parameter names (grouped experts' differ).
+        live = {kind: live_names(self.policy.module, shard) for kind, shard in shards.items()}
+        moments = {m: live[f"optim/{m}"] for m in MOMENTS}
+        self.optimizer.load_moments(moments, masters=live["model"], step=int(state["step"]))
         rng_file = Path(directory) / "rng" / f"rank{self.rank}.safetensors"
         if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
             rng = load_file(str(rng_file))
