@@ -16,6 +16,8 @@
 #                        every metric, gradient and weight against the HF reference (fp32, TF32 off)
 #   parity-adamw         the same with the replicated AdamW (--no-distributed-optimizer)
 #   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
+#   te-grouped-gemm      Qwen3-MoE: grouped GEMM experts (TEGroupedMLP) vs sequential experts on the TE
+#                        spec, the shard loads, bf16 logits and gradients (SKIP without TE)
 #   bf16-resume          CLI run in bf16 with the distributed optimizer: checkpoint every 2 steps,
 #                        kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
 #   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
@@ -118,6 +120,7 @@ pytest_check() {
 pytest_check parity-sharded-opt 150 "$GPU_TESTS::test_parity_on_gpu[sharded-optimizer]"
 pytest_check parity-adamw 150 "$GPU_TESTS::test_parity_on_gpu[adamw]"
 pytest_check te-vs-local 90 "$GPU_TESTS::test_transformer_engine_spec_matches_local_spec"
+pytest_check te-grouped-gemm 90 "$GPU_TESTS::test_grouped_gemm_experts_match_sequential_experts"
 pytest_check bf16-resume 240 "$GPU_TESTS::test_bf16_checkpoint_and_exact_resume_through_cli"
 
 convert_verify() {

@@ -12,9 +12,10 @@ from transformers import (
 )  # fmt: skip
 
 from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config
+from checkpoint_convert.io import ep_shard_shapes
 from checkpoint_convert.mapping import (
     ConversionError, fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes,
-    mcore_to_hf, spec_from_hf_config,
+    mcore_to_hf, spec_from_hf_config, stage_layers,
 )  # fmt: skip
 
 _COMMON = dict(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -161,3 +162,89 @@ def test_te_layer_spec_fuses_the_pre_mlp_norm_only_in_dense_layers():
     assert set(shards[(0, 0)]) == set(mcore_shard_shapes(spec, tp=2, pp=2, pp_rank=0, layer_spec="te"))
     back = dict(mcore_to_hf(spec, tp=2, pp=2, get_shard=lambda t, p: shards[(t, p)], layer_spec="te"))
     assert set(back) == set(state) and all(torch.equal(back[name], state[name]) for name in state)
+
+
+# --------------------------------------------------------------------------- grouped GEMM experts
+def _grouped_live_name(layer: int, linear: str, expert: int) -> str:
+    """megatron-core 0.16's TEGroupedMLP parameter name (`test_grouped_expert_names_are_megatron_cores`)."""
+    return f"decoder.layers.{layer}.mlp.experts.{linear}.weight{expert}"
+
+
+def test_grouped_expert_names_translate_both_ways():
+    """Every name of a Qwen3-MoE (dense layer 1 between MoE layers 0, 2, 3) at tp2 x pp2, at ep 1
+    and at ep 2 (local expert indices): experts become `linear_fc*.weight{local}`, every other name
+    (router, TE-fused norms, the dense MLP, attention) stays, and the inverse gives them back."""
+    from checkpoint_convert.mapping import grouped_expert_name, sequential_expert_name
+
+    spec = spec_from_hf_config(TINY["qwen3_moe"]().config.to_dict())
+    for ep in (1, 2):
+        for pp_rank in (0, 1):
+            for ep_rank in range(ep):
+                shapes = ep_shard_shapes(spec, tp=2, pp=2, pp_rank=pp_rank, ep=ep, layer_spec="te", divisor=128)[ep_rank]
+                experts = {name for name in shapes if ".local_experts." in name}
+                moe_layers = [local for local, layer in enumerate(stage_layers(4, pp=2, pp_rank=pp_rank))
+                              if spec.is_moe_layer(layer)]
+                want = {_grouped_live_name(local, linear, e): f"decoder.layers.{local}.mlp.experts.local_experts.{e}.{linear}.weight"
+                        for local in moe_layers for linear in ("linear_fc1", "linear_fc2") for e in range(4 // ep)}
+                assert set(want.values()) == experts
+                live = {grouped_expert_name(name): name for name in shapes}
+                assert len(live) == len(shapes)  # no two names collide
+                assert {n: live[n] for n in want} == want
+                assert {n: o for n, o in live.items() if n not in want} == {o: o for o in set(shapes) - experts}
+                assert all(sequential_expert_name(n) == o for n, o in live.items())
+    assert grouped_expert_name("decoder.layers.7.mlp.experts.local_experts.12.linear_fc2.weight") == \
+        "decoder.layers.7.mlp.experts.linear_fc2.weight12"
+    for untouched in ("decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+                      "decoder.layers.0.mlp.router.weight",
+                      "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.adapter.lora_A_0",
+                      "output_layer.weight"):
+        assert grouped_expert_name(untouched) == untouched == sequential_expert_name(untouched)
+
+
+def test_grouped_expert_names_are_megatron_cores():
+    """The grouped names are megatron-core's own (Transformer Engine, which builds the module,
+    needs CUDA; its GroupedLinear registers `weight{i}`, [out, in], one per local expert): the
+    installed TEGroupedMLP builds `linear_fc1`/`linear_fc2` with one GEMM per local expert and
+    keys its state dict `{linear}.weight{i}`, each fc1 (gate;up) split over expert tp as
+    SequentialMLP's, whose sharded state dict it declares interchangeable."""
+    import inspect
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    init = inspect.getsource(TEGroupedMLP.__init__)
+    assert "self.linear_fc1 = build_module(\n            submodules.linear_fc1,\n            self.num_local_experts," in init
+    assert "self.linear_fc2 = build_module(\n            submodules.linear_fc2,\n            self.num_local_experts," in init
+    assert "ffn_hidden_size *= 2" in init  # fc1 holds gate and up
+    sharded = inspect.getsource(TEGroupedMLP.sharded_state_dict)
+    assert "for k in (f'{name}.weight{i}', f'{name}.bias{i}'):" in sharded
+    assert "apply_swiglu_sharded_factory" in sharded and "interchangable with SequentialMLP's" in sharded
+    forward = inspect.getsource(TEGroupedMLP.forward)
+    assert "x_glu, x_linear = torch.chunk(x, 2, dim=-1)" in forward  # gate rows first, then up, as SequentialMLP
+
+
+def test_te_layer_spec_with_grouped_experts_round_trips_a_tp2_pp2_shard():
+    """The whole rename at the live model's boundary, Transformer Engine norm fusion and grouped
+    experts together: Qwen3-MoE tp2 x pp2 shards in the grouped model's names (every expert
+    `linear_fc*.weight{i}`, same shapes) and back to the shard names give the hub tensors back
+    bit for bit."""
+    from mcore_dpo.model import shard_names
+
+    from checkpoint_convert.mapping import grouped_expert_name
+
+    model = TINY["qwen3_moe"]()
+    spec = spec_from_hf_config(model.config.to_dict())
+    state = _hub_tensors(model)
+    shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")
+              for t in range(2) for p in range(2)}
+    live = {key: {grouped_expert_name(n): v for n, v in shard.items()} for key, shard in shards.items()}
+    for (t, p), tensors in live.items():
+        assert not any(".local_experts." in n for n in tensors)
+        assert "decoder.layers.0.pre_mlp_layernorm.weight" in tensors  # the TE rename is still there
+        assert not any("input_layernorm" in n for n in tensors)
+        for e in range(4):
+            assert tensors[_grouped_live_name(0, "linear_fc1", e)].shape == (24, 32)  # [2 x 24 / tp, h]
+            assert tensors[_grouped_live_name(0, "linear_fc2", e)].shape == (32, 12)  # [h, 24 / tp]
+    back = {key: shard_names(tensors) for key, tensors in live.items()}
+    assert all(list(back[key]) == list(shards[key]) for key in shards)  # names and order
+    hf = dict(mcore_to_hf(spec, tp=2, pp=2, get_shard=lambda t, p: back[(t, p)], layer_spec="te"))
+    assert set(hf) == set(state) and all(torch.equal(hf[name], state[name]) for name in state)

@@ -10,6 +10,9 @@ code paths the CPU suite runs elsewhere, and runs the Transformer Engine check (
   (NVIDIA_TF32_OVERRIDE=0 is inherited by the spawned ranks, which also switch it off
   themselves). fp32 on a GPU still reorders sums inside cuBLAS: tolerance 1e-4 relative.
 - The Transformer Engine layer spec against the local spec on the same weights, bf16.
+- Qwen3-MoE on the Transformer Engine spec with grouped GEMM experts (TEGroupedMLP) against the
+  same spec with sequential experts: the shard loads with no missing or unexpected parameter,
+  and logits and gradients agree within the bf16 tolerance of the check above.
 - A bf16 run through the CLI with the distributed optimizer: checkpoint, kill, rerun, and the
   resumed steps equal an uninterrupted run exactly.
 """
@@ -135,6 +138,87 @@ def test_transformer_engine_spec_matches_local_spec(tmp_path, family):
     assert te_err <= tolerance, f"TE spec vs local spec: max |dlogit| {te_err:.3e} > {tolerance:.3e}"
     agree = (result["te"].argmax(-1) == result["local"].argmax(-1)).float().mean().item()
     assert agree >= 0.99, f"TE vs local argmax agreement {agree:.2%}"
+
+
+def _te_grouped_linear() -> bool:
+    if not ON_GPU:
+        return False
+    from mcore_dpo.platform import te_grouped_linear_available
+
+    return te_grouped_linear_available()
+
+
+def _experts_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """World size 1: a Qwen3-MoE on the Transformer Engine spec, bf16, with sequential and with
+    grouped GEMM experts; logits and every gradient (under the shard names) of one backward."""
+    try:
+        from checkpoint_convert.mapping import hf_to_mcore_shard
+        from mcore_dpo import mesh as mesh_lib
+        from mcore_dpo import platform as plat
+        from mcore_dpo.model import build_stage_model, causal_mask, load_shard, open_weights, shard_names, stage_forward
+
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        weights = open_weights(model_dir)
+        shard = hf_to_mcore_shard(weights.spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=weights.get, layer_spec="te")
+        tokens = torch.randint(3, weights.spec.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+        tokens = tokens.to(platform.device)
+        out = {"tokens": tokens.cpu()}
+        for name, grouped in (("sequential", False), ("grouped", True)):
+            with plat.building_models(platform):
+                model = build_stage_model(weights.spec, mesh=mesh, dtype=torch.bfloat16, on_gpu=True, use_te=True,
+                                          grouped_experts=grouped).to(platform.device)
+            out[f"{name}/names"] = sorted(n for n, _ in model.named_parameters())
+            load_shard(model, shard)  # raises on any missing or unexpected parameter
+            logits = stage_forward(model.train(), tokens=tokens, input_tensor=None,
+                                   mask=causal_mask(tokens.shape[1], device=platform.device))
+            logits = logits[..., : weights.spec.vocab_size].float()
+            logits.logsumexp(-1).mean().backward()
+            out[f"{name}/logits"] = logits.detach().cpu()
+            out[f"{name}/grads"] = shard_names({n: (p.grad if p.grad is not None else torch.zeros_like(p)).float().cpu()
+                                                for n, p in model.named_parameters()})  # an expert given no token: 0
+        torch.save(out, Path(out_dir, "experts.pt"))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, "error.txt").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.skipif(not _te_grouped_linear(), reason="grouped GEMM experts need Transformer Engine >= 1.9 and CUDA")
+def test_grouped_gemm_experts_match_sequential_experts(tmp_path):
+    """Qwen3-MoE with a dense layer between its MoE layers: the grouped experts hold every
+    expert as `linear_fc1.weight{i}` (no `local_experts`), load the sequential experts' shard,
+    and give the same logits and gradients within the bf16 tolerance of the TE-vs-local check."""
+    from convert_helpers import save_hf
+    from test_moe import qwen3_moe
+
+    model_dir = save_hf(qwen3_moe(seed=1, num_layers=4), tmp_path / "qwen3_moe")
+    mp.start_processes(_experts_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")
+    result = torch.load(tmp_path / "experts.pt", weights_only=True)
+    grouped_names, sequential_names = result["grouped/names"], result["sequential/names"]
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight0" in grouped_names
+    assert not any("local_experts" in n for n in grouped_names)
+    assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in sequential_names
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf(input_ids=result["tokens"]).logits
+    scale = reference.abs().max().item()
+    sequential, grouped = result["sequential/logits"], result["grouped/logits"]
+    tolerance = max(2 * (sequential - reference).abs().max().item(), BF16_LOGIT_RTOL * scale)
+    err = (grouped - sequential).abs().max().item()
+    assert err <= tolerance, f"grouped vs sequential experts: max |dlogit| {err:.3e} > {tolerance:.3e}"
+    want, got = result["sequential/grads"], result["grouped/grads"]
+    assert set(got) == set(want)
+    for name, value in want.items():
+        bound = BF16_LOGIT_RTOL * max(value.abs().max().item(), 1e-12)
+        diff = (got[name] - value).abs().max().item()
+        assert diff <= bound, f"grad {name}: grouped vs sequential {diff:.3e} > {bound:.3e}"
 
 
 def _train(out: Path, *, fault: str | None, cache: Path) -> subprocess.CompletedProcess:

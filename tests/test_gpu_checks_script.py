@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("parity-sharded-opt", "parity-adamw", "te-vs-local", "bf16-resume", "convert-verify", "gpu-step")
+CHECKS = ("parity-sharded-opt", "parity-adamw", "te-vs-local", "te-grouped-gemm", "bf16-resume", "convert-verify",
+          "gpu-step")
 
 
 def _table(text: str) -> dict[str, tuple[str, str]]:
@@ -30,7 +31,8 @@ def _table(text: str) -> dict[str, tuple[str, str]]:
 
 
 LISTED = {"parity-sharded-opt": "test_parity_on_gpu[sharded-optimizer]", "parity-adamw": "test_parity_on_gpu[adamw]",
-          "bf16-resume": "test_bf16_checkpoint_and_exact_resume_through_cli"}
+          "bf16-resume": "test_bf16_checkpoint_and_exact_resume_through_cli",
+          "te-grouped-gemm": "test_grouped_gemm_experts_match_sequential_experts"}
 
 
 @pytest.mark.slow

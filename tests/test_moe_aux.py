@@ -228,7 +228,9 @@ def test_flag_parses_and_defaults_from_the_model_config():
     (["--moe-aux-loss-coef", "-1"], "moe_aux_loss_coef: must be >= 0, got -1.0"),
     (["--tp", "2", "--no-sequence-parallel"], "describes a mixture-of-experts model, which needs sequence "
                                               "parallelism at tp 2 > 1 (drop --no-sequence-parallel)"),
-], ids=["packing", "negative", "tp2-without-sequence-parallel"])
+    (["--lora-rank", "4", "--moe-grouped-gemm"], "moe_grouped_gemm: not with LoRA (the adapters hook each expert's "
+                                                 "own linear; LoRA runs sequential experts, drop --moe-grouped-gemm)"),
+], ids=["packing", "negative", "tp2-without-sequence-parallel", "lora-with-grouped-gemm"])
 def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, message):
     import ray
 
@@ -250,7 +252,8 @@ def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path
     model config's router_aux_loss_coef (output_router_logits is true), written to the resolved
     config.yaml; metrics.jsonl holds aux_loss and the load shares of every MoE layer. Packing,
     left unset, falls back to padded microbatches for the aux loss: one line at startup,
-    `packing: false` in config.yaml, 2 microbatches of 2 pairs per step."""
+    `packing: false` in config.yaml, 2 microbatches of 2 pairs per step. --moe-grouped-gemm on ranks
+    without Transformer Engine: one line, and the run goes on with sequential experts."""
     import os
     import subprocess
     import sys
@@ -266,12 +269,17 @@ def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path
     result = subprocess.run(
         [sys.executable, "-m", "mcore_dpo.train", "--model", str(model), "--data", str(data), "--output-dir", str(out),
          "--max-steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
-         "--no-export-hf", "--save-interval", "0", "--save-interval-min", "0", "--no-distributed-optimizer"],
+         "--no-export-hf", "--save-interval", "0", "--save-interval-min", "0", "--no-distributed-optimizer",
+         "--moe-grouped-gemm"],
         cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache")),
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["moe_aux_loss_coef"] == 0.03 and resolved["packing"] is False
+    assert resolved["moe_grouped_gemm"] is True
+    grouped = [line for line in result.stdout.splitlines() if line.startswith("moe_grouped_gemm: ")]
+    assert grouped == ["moe_grouped_gemm: Transformer Engine is not importable on the ranks (grouped GEMM needs it "
+                       "and a GPU); running sequential experts"], result.stdout
     notes = [line for line in result.stdout.splitlines() if line.startswith("packing: ")]
     assert notes == ["packing: off for the MoE load-balancing loss (a mean over microbatches, which packing composes "
                      "differently than --micro-batch-size does); running padded microbatches of 2 pairs (--no-packing "
