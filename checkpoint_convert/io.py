@@ -10,6 +10,8 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
     hf_files/                    config.json, generation_config.json (when the source had one)
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
+                                 with sequential experts (`local_experts.{i}`; a grouped
+                                 GEMM model's names are translated: mapping.sequential_expert_name)
     tp{t}_pp{p}_ep{e}/model.safetensors   the same with experts split over ep > 1 ranks: rank e
                                  holds experts [e*E/ep, (e+1)*E/ep) as its local experts
                                  0..E/ep-1 and a copy of every other tensor of its tp rank
