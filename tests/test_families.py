@@ -208,12 +208,14 @@ def test_grouped_expert_names_are_megatron_cores():
     keys its state dict `{linear}.weight{i}`, each fc1 (gate;up) split over expert tp as
     SequentialMLP's, whose sharded state dict it declares interchangeable."""
     import inspect
+    import re
 
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    init = inspect.getsource(TEGroupedMLP.__init__)
-    assert "self.linear_fc1 = build_module(\n            submodules.linear_fc1,\n            self.num_local_experts," in init
-    assert "self.linear_fc2 = build_module(\n            submodules.linear_fc2,\n            self.num_local_experts," in init
+    init = " ".join(inspect.getsource(TEGroupedMLP.__init__).split())
+    for linear in ("linear_fc1", "linear_fc2"):  # 0.16: build_module(submodules.X, ...); 0.19: submodules.X(...)
+        built = rf"self\.{linear} = (build_module\( ?submodules\.{linear},|submodules\.{linear}\() ?self\.num_local_experts,"
+        assert re.search(built, init), linear
     assert "ffn_hidden_size *= 2" in init  # fc1 holds gate and up
     sharded = inspect.getsource(TEGroupedMLP.sharded_state_dict)
     assert "for k in (f'{name}.weight{i}', f'{name}.bias{i}'):" in sharded
@@ -227,9 +229,8 @@ def test_te_layer_spec_with_grouped_experts_round_trips_a_tp2_pp2_shard():
     experts together: Qwen3-MoE tp2 x pp2 shards in the grouped model's names (every expert
     `linear_fc*.weight{i}`, same shapes) and back to the shard names give the hub tensors back
     bit for bit."""
-    from mcore_dpo.model import shard_names
-
     from checkpoint_convert.mapping import grouped_expert_name
+    from mcore_dpo.model import shard_names
 
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
