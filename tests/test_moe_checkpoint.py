@@ -177,15 +177,16 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     for name in theirs:
         assert torch.equal(theirs[name], resumed[name]), name
     # The reference read back from step 2 and written again at step 3: the same bytes.
-    written, rewritten = _files(step2 / "reference"), _files(resumed_out / "checkpoints" / "step_00000003" / "reference")
+    written = _files(step2 / "reference")
+    rewritten = _files(resumed_out / "checkpoints" / "step_00000003" / "reference")
     assert written.keys() == rewritten.keys() and all(torch.equal(written[k], rewritten[k]) for k in written)
 
     # Resume at tp 1 and ep 1: the same within 1e-5 (reductions run in another order). The run
     # at ep 2 fell back to padded microbatches; --no-packing keeps them at ep 1, so the layout
     # counts (tokens/padded, microbatches) compare too.
     other_out = _resume_from_step2(out, tmp_path / "other")
-    result = _train([*run["args"], *TRDPO, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf", "--no-packing",
-                     "--save-interval", "1"],
+    result = _train([*run["args"], *TRDPO, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf",
+                     "--no-packing", "--save-interval", "1"],
                     other_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     other = _metrics(other_out)
