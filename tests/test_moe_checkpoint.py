@@ -146,7 +146,6 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it (the
     # converter's ep layout); transformers loads it with no missing or unexpected keys.
     from checkpoint_convert.__main__ import main as convert
-
     from transformers import AutoModelForCausalLM
 
     final = out / "checkpoints" / "final"
