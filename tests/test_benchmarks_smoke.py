@@ -17,7 +17,8 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from benchmarks import common, conversion, dp_scaling, gpu_step, memory, optimizer_memory, ref_cost, vs_trl  # noqa: E402
+from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_step, memory,  # noqa: E402
+                        optimizer_memory, ref_cost, vs_trl)
 
 
 def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -94,6 +95,28 @@ def test_optimizer_memory_halves_the_state_per_rank_at_dp2(tmp_path):
         assert abs(row["state_over_dp1"] - 0.5) < 0.05
     for row in configs["dp2_replicated"].values():
         assert row["state_over_dp1"] == 1.0
+
+
+def test_checkpoint_memory_measures_a_save_that_sends_experts(tmp_path):
+    """tp 2 x ep 2 (world 2): the ep group is the tp group, so two of the four files of each kind
+    are written from experts the other rank sends; every rank's figures are recorded."""
+    result = checkpoint_memory.main(["--tiny", "--repeats", "1", "--steps", "1", "--layouts", "2x1x2",
+                                     "--out", str(tmp_path / "c.json"), "--work-dir", str(tmp_path)])
+    written = tmp_path / "2x1x2_0" / "checkpoint"
+    for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
+        assert sorted(p.name for p in (written / kind).glob("tp*")) == [
+            "tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"], kind
+    ranks = result["layouts"]["2x1x2"]
+    assert sorted(row["coordinates"] for row in ranks.values()) == [[0, 0, 0], [1, 0, 0]]  # (tp, pp, dp)
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as handle:
+        experts = sum(4 * math.prod(handle.get_slice(n).get_shape()) for n in handle.keys() if ".experts." in n)
+    assert sum(row["own_expert_bytes"] for row in ranks.values()) == experts  # each rank half the experts, whole
+    for row in ranks.values():
+        assert 0 < row["largest_tensor_bytes"] < row["own_kind_bytes"] < result["model_kind_bytes"]
+        extra, peak, before = (row[k]["median"]
+                               for k in ("save_extra_bytes", "save_peak_rss_bytes", "rss_before_save_bytes"))
+        assert extra == peak - before and before > 0
+        assert row["extra_over_own_kind"] == extra / row["own_kind_bytes"]
 
 
 def test_dp_scaling_runs_both_sizes(tmp_path):

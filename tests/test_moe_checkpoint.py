@@ -17,7 +17,14 @@ the converter's ep layout are written by the dp-1 ranks from experts sent to the
 - resumed from the step-2 checkpoint at the same layout, steps 3-4 (metrics, evaluation, final
   weights) are bit-identical to the uninterrupted run; resumed at (1, 1, 2, 1) with the
   replicated optimizer (another tp and no expert parallelism: every expert read from its ep
-  file under its global index), they equal it within 1e-5.
+  file under its global index), they equal it within 1e-5;
+- TR-DPO's moving reference (`--sync-ref-model`, mixed at steps 2 and 4): the step-2
+  checkpoint's `reference/` (in the ep layout) equals α·policy + (1-α)·reference of the
+  checkpoint's own policy and the source reference within 1e-5; the resumed runs write it again
+  at step 3 (no sync there), bit for bit at the same layout and, at ep 1, under the same HF
+  names; the evaluation after the step-4 sync equals HF's with the reference TRL's formula
+  gives (from the step-2 reference and the final policy) within 1e-5, at ep 2 and, through the
+  metrics above, after the resume at ep 1.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ RTOL = 1e-5
 EVAL_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "logits/chosen", "logits/rejected")
 TP2_EP2 = ["--tp", "2", "--ep", "2", "--distributed-optimizer"]
+TRDPO = ["--sync-ref-model", "--ref-model-sync-steps", "2", "--ref-model-mixup-alpha", "0.25"]
 COMMON = ["--max-steps", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--save-interval", "2",
           "--eval-interval", "2", "--dp", "2", "--seed", "3"]
 
@@ -72,7 +80,7 @@ def run(tmp_path_factory) -> dict:
     (root / "eval.jsonl").write_text(_rows(40, 7))
     args = ["--model", str(policy), "--ref-model", str(ref), "--data", str(root / "train.jsonl"),
             "--eval-data", str(root / "eval.jsonl")]
-    result = _train([*args, *TP2_EP2], root / "a", cache=root / "cache")
+    result = _train([*args, *TRDPO, *TP2_EP2], root / "a", cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     # Packing is on by default but does not serve ep > 1: one line says so, and the run pads.
     assert [line for line in result.stdout.splitlines() if line.startswith("packing: off for --ep 2 ")], result.stdout[-2000:]
@@ -129,7 +137,10 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     # Evaluation at ep 2 over uneven shares equals HF at the start and after the last step.
     _assert_close_metrics(by_step[0], _hf_eval(run["policy"], run["ref"], root / "eval.jsonl"), names=EVAL_METRICS,
                           prefix="eval/", what="eval at step 0")
-    _assert_close_metrics(by_step[4], _hf_eval(out / "hf", run["ref"], root / "eval.jsonl"), names=EVAL_METRICS,
+    # TR-DPO: the evaluation after step 4 runs against the reference mixed at step 4.
+    step2 = out / "checkpoints" / "step_00000002"
+    ref4 = _mixed_reference(step2 / "reference", out / "hf", tmp_path)
+    _assert_close_metrics(by_step[4], _hf_eval(out / "hf", ref4, root / "eval.jsonl"), names=EVAL_METRICS,
                           prefix="eval/", what="eval after step 4")
 
     # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it (the
@@ -152,10 +163,11 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     assert sorted(p.name for p in model_dir.glob("tp*")) == sorted(p.name for p in final.glob("tp*"))
     assert convert(["mcore-to-hf", "--mcore-dir", str(model_dir), "--out", str(tmp_path / "step2")]) == 0
     assert _tensors(tmp_path / "step2").keys() == exported.keys()
+    _check_reference_mixed_at_step2(step2, run["ref"], names=exported.keys())
 
     # Resume from step 2 at the same layout: bit-identical.
     resumed_out = _resume_from_step2(out, tmp_path / "resumed")
-    result = _train([*run["args"], *TP2_EP2], resumed_out, cache=root / "cache")
+    result = _train([*run["args"], *TRDPO, *TP2_EP2, "--save-interval", "1"], resumed_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert _metrics(resumed_out) == [by_step[3], by_step[4]]
@@ -163,12 +175,17 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     assert theirs.keys() == resumed.keys()
     for name in theirs:
         assert torch.equal(theirs[name], resumed[name]), name
+    # The reference read back from step 2 and written again at step 3: the same bytes.
+    written = _files(step2 / "reference")
+    rewritten = _files(resumed_out / "checkpoints" / "step_00000003" / "reference")
+    assert written.keys() == rewritten.keys() and all(torch.equal(written[k], rewritten[k]) for k in written)
 
     # Resume at tp 1 and ep 1: the same within 1e-5 (reductions run in another order). The run
     # at ep 2 fell back to padded microbatches; --no-packing keeps them at ep 1, so the layout
     # counts (tokens/padded, microbatches) compare too.
     other_out = _resume_from_step2(out, tmp_path / "other")
-    result = _train([*run["args"], "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf", "--no-packing"],
+    result = _train([*run["args"], *TRDPO, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf",
+                     "--no-packing", "--save-interval", "1"],
                     other_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     other = _metrics(other_out)
@@ -176,6 +193,59 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     for row, expected in zip(other, (by_step[3], by_step[4])):
         for key, value in expected.items():
             assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
+    # Read at ep 1 from the ep files and written again at step 3 in the ep-1 layout: the same
+    # tensors under the same HF names (the evaluation after the step-4 sync is among the metrics).
+    from checkpoint_convert.io import open_mcore_dir
+
+    at_ep1 = open_mcore_dir(other_out / "checkpoints" / "step_00000003" / "reference")
+    assert at_ep1.meta.ep == 1
+    ours, theirs = open_mcore_dir(step2 / "reference").hf_view(), at_ep1.hf_view()
+    for name in exported:
+        assert torch.equal(theirs.get(name), ours.get(name)), f"reference resumed at ep 1: {name}"
+
+
+def _files(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every file under `directory`, keyed by file and name."""
+    return {f"{file.relative_to(directory)}:{name}": tensor for file in sorted(directory.rglob("*.safetensors"))
+            for name, tensor in load_file(str(file)).items()}
+
+
+def _mixed_reference(reference: Path, policy_hf: Path, tmp_path: Path) -> Path:
+    """An HF directory of TRL's sync (SyncRefModelCallback): α·policy + (1-α)·reference,
+    parameter by parameter, from a checkpoint's `reference/` and an HF policy."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_convert.__main__ import main as convert
+
+    assert convert(["mcore-to-hf", "--mcore-dir", str(reference), "--out", str(tmp_path / "ref_before")]) == 0
+    alpha = float(TRDPO[TRDPO.index("--ref-model-mixup-alpha") + 1])
+    target, source = (AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+                      for d in (tmp_path / "ref_before", policy_hf))
+    with torch.no_grad():
+        for t, s in zip(target.parameters(), source.parameters(), strict=True):
+            t.mul_(1.0 - alpha).add_(s, alpha=alpha)
+    target.save_pretrained(str(tmp_path / "ref_mixed"))
+    return tmp_path / "ref_mixed"
+
+
+def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names) -> None:
+    """The reference of a checkpoint written right after the step-2 sync, in the ep layout, is
+    TRL's mix of the source reference with the checkpoint's own policy (fp32 masters), tensor by
+    tensor through HF names."""
+    from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+    from parity import assert_close
+
+    assert sorted(p.name for p in (checkpoint / "reference").glob("tp*")) == [
+        "tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"]
+    alpha = float(TRDPO[TRDPO.index("--ref-model-mixup-alpha") + 1])
+    reference, policy = (open_mcore_dir(checkpoint / kind).hf_view() for kind in ("reference", "model"))
+    source = open_hf_dir(source_ref)
+    moved = 0
+    for name in names:
+        mixed, start = reference.get(name), source.get(name)
+        assert_close(mixed, start * (1 - alpha) + policy.get(name) * alpha, what=f"reference mixed at step 2: {name}")
+        moved += not torch.equal(mixed, start)
+    assert moved == len(names)  # every tensor moved, the experts of both ep ranks among them
 
 
 def _resume_from_step2(out: Path, resumed_out: Path) -> Path:

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from mcore_dpo.zero import owned_range
-from parity import PAD, assert_close, free_port, make_pairs, write_models
+from parity import PAD, _spawn, assert_close, make_pairs, write_models
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -100,7 +99,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
                 if k in job["save_at"]:
                     _save(worker, config, os.path.join(out_dir, f"{name}_step{k}"), step=k, rank=rank)
             bytes_ = torch.tensor([worker.optimizer.state_bytes()], dtype=torch.int64)
-            save_file({"state_bytes": bytes_}, os.path.join(out_dir, f"{name}_bytes_rank{rank}.safetensors"))
+            save_file({"state_bytes": bytes_, "tp_rank": torch.tensor([worker.mesh.tp_rank])},
+                      os.path.join(out_dir, f"{name}_bytes_rank{rank}.safetensors"))
         worker.shutdown()
     except BaseException:
         Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
@@ -108,33 +108,21 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 
 
 def _run(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
+    """The ranks fork from parity.py's preloaded server (torch and megatron-core imported once)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, jobs, str(out_dir))) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    errors = sorted(out_dir.glob("error_rank*.txt"))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise AssertionError(errors[0].read_text())
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _spawn(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
 
 
 STEPS_BEFORE_RESUME = 2
 
 
 def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", clip_grad: float = 1.0,
-         resume: Path | None = None, save_at: tuple[int, ...] = (STEPS,), ep: int = 1) -> dict:
+         resume: Path | None = None, save_at: tuple[int, ...] = (STEPS,), ep: int = 1, tp: int = 1) -> dict:
     policy_dir, ref_dir = models
     pairs = make_pairs(STEPS * GLOBAL_BATCH, seed=11)
     return {
         "name": name,
-        "config": dict(model=str(policy_dir), ref_model=str(ref_dir), dp=dp, micro_batch_size=MICRO_BATCH,
+        "config": dict(model=str(policy_dir), ref_model=str(ref_dir), tp=tp, dp=dp, micro_batch_size=MICRO_BATCH,
                        global_batch_size=GLOBAL_BATCH, max_steps=STEPS, lr=1e-3, adam_eps=1e-4, weight_decay=0.1,
                        clip_grad=clip_grad, dtype=dtype, ref_mode="sequential", timeout_s=120.0,
                        distributed_optimizer=sharded, ep=ep),
@@ -145,12 +133,12 @@ def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", c
     }
 
 
-def _state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """{kind: {name: tensor}} of a checkpoint written at tp 1, pp 1 (at ep > 1 every expert under
-    its global index, read from the ep files)."""
+def _state(directory: Path, *, tp_rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """{kind: {name: tensor}} of tp rank `tp_rank`'s shard of a checkpoint written at pp 1 (at
+    ep > 1 every expert under its global index, read from the ep files)."""
     from checkpoint_convert.io import open_mcore_dir
 
-    return {kind: open_mcore_dir(directory / kind).shard(0, 0)
+    return {kind: open_mcore_dir(directory / kind).shard(tp_rank, 0)
             for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq")}
 
 
@@ -292,6 +280,64 @@ def test_sharded_optimizer_at_ep2_equals_the_replicated_one_and_resumes_bit_exac
         a = load_file(str(ep2_runs / f"resumed_metrics{k}.safetensors"))
         b = load_file(str(ep2_runs / f"sharded_metrics{k}.safetensors"))
         assert all(torch.equal(a[key], b[key]) for key in ("loss", "grad_norm")), (a, b)
+
+
+@pytest.fixture(scope="module")
+def tp2_ep2_runs(tmp_path_factory):
+    """Qwen3-MoE at (tp, pp, dp, ep) = (2, 1, 2, 2), world 4, clipping on, in one launch: the
+    sharded optimizer and the replicated one. megatron-core carves the ep groups from the tp x dp
+    ranks, so here they run along tp (tp rank t holds ep rank t's experts, whole) and the expert-
+    data-parallel group of an ep rank is its two dp ranks: dense slices are cut over dp 2, expert
+    slices over expert dp 2."""
+    from convert_helpers import save_hf
+    from test_moe import qwen3_moe
+
+    root = tmp_path_factory.mktemp("tp2_ep2")
+    models = (save_hf(qwen3_moe(seed=1), root / "policy"), save_hf(qwen3_moe(seed=2), root / "ref"))
+    out = root / "runs"
+    jobs = [_job(name, models, tp=2, dp=2, ep=2, sharded=sharded, clip_grad=0.05)
+            for name, sharded in (("sharded", True), ("replicated", False))]
+    _run(world_size=4, jobs=jobs, out_dir=out)
+    return out
+
+
+def test_sharded_optimizer_at_tp2_ep2_equals_the_replicated_one(tp2_ep2_runs):
+    """At tp 2 x ep 2: loss, grad norm (clipping active), masters and moments of every parameter
+    (each tp rank's shard; experts through their tp part) after 3 steps within 1e-5 of the
+    replicated optimizer; each rank holds half of its dense part and half of its ep rank's
+    experts."""
+    from safetensors.torch import load_file
+
+    runs = tp2_ep2_runs
+    dense, experts = {}, 0
+    for t in (0, 1):
+        ours = _state(runs / f"sharded_step{STEPS}", tp_rank=t)
+        ref = _state(runs / f"replicated_step{STEPS}", tp_rank=t)
+        assert any(".local_experts.3." in name for name in ref["model"])  # ep rank 1's experts are in the checkpoint
+        for kind in ref:
+            assert ours[kind].keys() == ref[kind].keys(), kind
+            for name, value in ref[kind].items():
+                assert_close(ours[kind][name], value, what=f"tp2 ep2 {kind} {name} (tp rank {t})")
+        dense[t] = sum(v.numel() for n, v in ref["model"].items() if ".local_experts." not in n)
+        experts = sum(v.numel() for n, v in ref["model"].items() if ".local_experts." in n)  # = all experts / tp
+    for k in range(1, STEPS + 1):
+        a = load_file(str(runs / f"sharded_metrics{k}.safetensors"))
+        b = load_file(str(runs / f"replicated_metrics{k}.safetensors"))
+        assert b["grad_norm"] > 0.05, "clipping is not active"
+        for key in ("loss", "grad_norm"):
+            assert_close(a[key], b[key], what=f"tp2 ep2 step {k} {key}")
+    # fp32 parameters: the state is the two moments. A rank at tp rank t holds tp rank t's dense
+    # part and its ep rank's experts, whole: E/ep = half of the experts, as many elements as one
+    # tp part of them all (`experts`). The sharded optimizer keeps half of each (dp 2 and expert
+    # dp 2), up to DDP's padding.
+    for r in range(4):
+        sharded = load_file(str(runs / f"sharded_bytes_rank{r}.safetensors"))
+        replicated = load_file(str(runs / f"replicated_bytes_rank{r}.safetensors"))
+        t = int(replicated["tp_rank"])
+        assert int(sharded["tp_rank"]) == t
+        assert int(replicated["state_bytes"]) == 8 * (dense[t] + experts), (r, replicated, dense, experts)
+        half = 8 * (dense[t] + experts) / 2
+        assert abs(int(sharded["state_bytes"]) / half - 1) < 0.02, (r, sharded, dense, experts)
 
 
 def test_the_flag_reaches_the_config_from_the_command_line():
