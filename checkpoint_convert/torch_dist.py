@@ -18,6 +18,16 @@ writers use per-layer keys `decoder.layers.N....`, also read), norms under the T
 Engine names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), fc1 as
 [gate; up] over the whole intermediate size, qkv fused group by group over all groups.
 
+Experts (megatron-core 0.16's SequentialMLP and TEGroupedMLP save the same keys): each layer's
+local experts go under `mlp.experts.experts.linear_fc1.weight` / `linear_fc2.weight` with a
+global expert axis right after the layer axis ([L, E, 2 f, h] stacked, [E, 2 f, h] per layer),
+fc1 [gate; up] per expert; the router is `mlp.router.weight` [E, h]. A list `--moe-layer-freq`
+(dense layers among the MoE ones) makes megatron-core save every layer under per-layer keys. A
+MoE layer's pre-MLP norm is `mlp.linear_fc1.layer_norm_weight` in the local spec (which renames
+it in every layer) but `pre_mlp_layernorm.weight` in the Transformer Engine spec (which fuses it
+only into a dense fc1); both are read. With the `singleton_local_shards` metadata the expert
+index is part of the key (`mlp.experts.experts.{e}.linear_fc2.weight`), also read.
+
 The common (non-tensor) state: megatron-core up to 0.18 writes it to `common.pt` (torch.save
 of the dict). From 0.19, `dist_checkpointing.save` adds it to the sharded state instead, as a
 ShardedObject with key "common_state", global shape (1,) and offset (0,), saved by the main
@@ -71,6 +81,14 @@ _SHARDED_LAYER_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+# A MoE layer's pre-MLP norm: the local spec saves it under the fused name above, the Transformer
+# Engine spec (which keeps the norm of a MoE layer unfused) under its own name; both are read,
+# and both written.
+_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+# Local expert e of a layer -> megatron-core's sharded name, whose leading axis (after the layer
+# axis) is the global expert index.
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_EXPERTS_KEY = "mlp.experts.experts."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # Keys a model reader ignores: optimizer state and rng/rerun objects ride along in training checkpoints.
@@ -135,6 +153,25 @@ def _sharded_suffix(suffix: str) -> str:
     return _SHARDED_LAYER_NAMES.get(suffix, suffix)
 
 
+def _sharded_candidates(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(sharded name within a layer, indices into its leading axes after the layer axis) under
+    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first."""
+    expert = _LOCAL_EXPERT.fullmatch(suffix)
+    if expert is not None:
+        index, rest = int(expert.group(1)), expert.group(2)
+        return [(_EXPERTS_KEY + rest, (index,))]
+    names = [_sharded_suffix(suffix), suffix]
+    if moe_layer and suffix == _MOE_PRE_MLP_NORM:
+        names = [_sharded_suffix(suffix), _MOE_PRE_MLP_NORM]
+    return [(name, ()) for name in dict.fromkeys(names)]
+
+
+def _written_suffixes(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The sharded names the writer stores a local-spec layer tensor under (see _sharded_candidates)."""
+    candidates = _sharded_candidates(suffix, moe_layer=moe_layer)
+    return candidates if moe_layer and suffix == _MOE_PRE_MLP_NORM else candidates[:1]
+
+
 # ---------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------
@@ -146,28 +183,41 @@ class _GlobalShard(Mapping):
     def __init__(self, checkpoint: TorchDistCheckpoint, names: dict[str, tuple[int, ...]]) -> None:
         self._ckpt, self._names = checkpoint, names
 
-    def _locate(self, name: str) -> tuple[str, tuple[int, ...] | None]:
-        """(stored key, layer index into its leading dim or None)."""
+    def locations(self, name: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """Every stored place of `name`: (key, indices into the key's leading axes, the sizes
+        of those axes): the layer axis of the stacked layout, the global expert axis."""
         reader, prefix = self._ckpt.reader, self._ckpt.key_prefix
         layer = _layer_key(name)
         if layer is None:
-            return prefix + name, None
+            return [(prefix + name, (), ())]
         index, suffix = layer
-        for candidate in (_sharded_suffix(suffix), suffix):
+        spec = self._ckpt.spec
+        found = []
+        for candidate, lead in _sharded_candidates(suffix, moe_layer=spec.is_moe_layer(index)):
+            sizes = (spec.num_experts,) * len(lead)
             if f"{prefix}decoder.layers.{candidate}" in reader.tensors:
-                return f"{prefix}decoder.layers.{candidate}", index
-            if f"{prefix}decoder.layers.{index}.{candidate}" in reader.tensors:
-                return f"{prefix}decoder.layers.{index}.{candidate}", None
-        raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{_sharded_suffix(suffix)})")
+                found.append((f"{prefix}decoder.layers.{candidate}", (index,) + lead, (spec.num_layers,) + sizes))
+            elif f"{prefix}decoder.layers.{index}.{candidate}" in reader.tensors:
+                found.append((f"{prefix}decoder.layers.{index}.{candidate}", lead, sizes))
+        return found
+
+    def _locate(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(stored key, indices into its leading axes) of the first place `name` is stored."""
+        found = self.locations(name)
+        if not found:
+            layer = _layer_key(name)
+            looked = _sharded_candidates(layer[1], moe_layer=False)[0][0] if layer else name
+            raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{looked})")
+        return found[0][:2]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        key, layer = self._locate(name)
+        key, lead = self._locate(name)
         shape = self._names[name]
-        if layer is None:
+        if not lead:
             return self._ckpt.reader.read(key)
-        return self._ckpt.reader.read(key, offsets=(layer,) + (0,) * len(shape), sizes=(1,) + shape).reshape(shape)
+        return self._ckpt.reader.read(key, offsets=lead + (0,) * len(shape), sizes=(1,) * len(lead) + shape).reshape(shape)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         key, _ = self._locate(name)
@@ -221,8 +271,6 @@ class TorchDistCheckpoint:
         else:
             raise ConversionError(f"{common_source}: has no 'args' to describe the model; pass --hf-config DIR")
         spec = spec_from_hf_config(hf_config, source=source)
-        if spec.num_experts:
-            raise ConversionError(f"{source}: {spec.architecture} has experts; torch_dist checkpoints with experts are not read")
         dtype = self.reader.tensors[embed].dtype
         dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
         if dtype_name is None:
@@ -265,16 +313,17 @@ class TorchDistCheckpoint:
     def _validate(self, spec: ModelSpec) -> None:
         used = set()
         for name, shape in self._shard._names.items():
-            key, layer = self._shard._locate(name)
-            stored = self.reader.tensors[key]
-            expected = shape if layer is None else (spec.num_layers,) + shape
-            if stored.shape != expected:
-                raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
-            # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
-            fp32_norm = stored.dtype == torch.float32 and "norm" in name
-            if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
-                raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
-            used.add(key)
+            self._shard._locate(name)  # one line when missing
+            for key, _lead, lead_sizes in self._shard.locations(name):
+                stored = self.reader.tensors[key]
+                expected = lead_sizes + shape
+                if stored.shape != expected:
+                    raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
+                # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
+                fp32_norm = stored.dtype == torch.float32 and "norm" in name
+                if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
+                    raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
+                used.add(key)
         for key in self.reader.tensors:
             if self._part_prefix and not key.startswith(self._part_prefix):
                 continue  # another part of a training checkpoint (the model's, another optimizer state)

@@ -118,6 +118,52 @@ def test_args_carry_what_megatron_lm_reads(tmp_path, factory, tp, pp):
         assert args.rope_scaling_factor == rope["factor"]
 
 
+def _moe_args(**overrides):
+    """Megatron-LM's args of a small MoE model (what its parser stores for --num-experts etc.)."""
+    from argparse import Namespace
+
+    fields = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, group_query_attention=True,
+                  num_query_groups=2, kv_channels=16, max_position_embeddings=128, normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                  num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=1, moe_router_pre_softmax=False,
+                  moe_router_score_function="softmax", moe_router_enable_expert_bias=False, qk_layernorm=False)
+    return Namespace(**{**fields, **overrides})
+
+
+def test_megatron_lm_moe_args_map_to_qwen3_moe_and_mixtral_configs():
+    from checkpoint_convert.mapping import spec_from_hf_config
+    from checkpoint_convert.megatron_args import hf_config_from_args
+
+    mixtral = hf_config_from_args(_moe_args(), source="common.pt", padded_vocab_size=128)
+    assert mixtral["architectures"] == ["MixtralForCausalLM"]
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"], mixtral["intermediate_size"]) == (8, 2, 24)
+    qwen = hf_config_from_args(_moe_args(qk_layernorm=True, moe_layer_freq=[1, 0, 1, 1], moe_router_pre_softmax=True),
+                               source="common.pt", padded_vocab_size=128)  # fmt: skip
+    assert qwen["architectures"] == ["Qwen3MoeForCausalLM"] and qwen["mlp_only_layers"] == [1]
+    assert (qwen["intermediate_size"], qwen["moe_intermediate_size"], qwen["norm_topk_prob"]) == (48, 24, False)
+    spec = spec_from_hf_config(qwen, source="x")
+    assert spec.moe_layers == (0, 2, 3) and spec.head_dim == 16 and not spec.moe_norm_topk
+    # An int --moe-layer-freq N: every Nth layer from layer 0.
+    every_other = hf_config_from_args(_moe_args(qk_layernorm=True, moe_layer_freq=2), source="c", padded_vocab_size=128)
+    assert every_other["mlp_only_layers"] == [1, 3]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"moe_router_score_function": "sigmoid"}, "field 'args.moe_router_score_function' is 'sigmoid'; only 'softmax'"),
+    ({"moe_router_enable_expert_bias": True}, "field 'args.moe_router_enable_expert_bias' is True"),
+    ({"moe_shared_expert_intermediate_size": 64}, "field 'args.moe_shared_expert_intermediate_size' is 64"),
+    ({"moe_layer_freq": [1, 0, 1, 1]}, "Mixtral (no q/k layernorm) has experts on every layer"),
+    ({"moe_router_pre_softmax": True}, "field 'args.moe_router_pre_softmax' is True; Mixtral"),
+    ({"moe_layer_freq": [1, 0]}, "field 'args.moe_layer_freq' is [1, 0]; expected an int >= 1 or 4 0/1 values"),
+], ids=["sigmoid-router", "expert-bias", "shared-experts", "mixtral-dense-layer", "mixtral-pre-softmax", "freq-length"])
+def test_megatron_lm_moe_args_it_cannot_map_are_one_line(overrides, message):
+    from checkpoint_convert.megatron_args import hf_config_from_args
+
+    with pytest.raises(ConversionError) as error:
+        hf_config_from_args(_moe_args(**overrides), source="ckpt/common.pt", padded_vocab_size=128)
+    assert str(error.value).startswith("ckpt/common.pt: ") and message in str(error.value) and "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------------------------------
 # Round trips
 # ---------------------------------------------------------------------------------------
