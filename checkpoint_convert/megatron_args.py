@@ -26,8 +26,9 @@ def _rotary_base(theta: float) -> int | float:
     return int(theta) if float(theta).is_integer() else theta  # Megatron-LM parses --rotary-base as int
 
 
-def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str) -> argparse.Namespace:
-    """The args a torch_dist checkpoint of this model, written at tp x pp, carries."""
+def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str,
+                    ep: int = 1) -> argparse.Namespace:
+    """The args a torch_dist checkpoint of this model, written at tp x pp (x ep), carries."""
     torch_dtype = DTYPES[dtype]
     scaling = spec.rope_scaling
     return argparse.Namespace(
@@ -63,7 +64,7 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        num_experts=None,
+        num_experts=spec.num_experts or None,
         mtp_num_layers=None,
         # vocabulary
         vocab_size=spec.vocab_size,
@@ -78,13 +79,31 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         context_parallel_size=1,
         data_parallel_size=1,
         world_size=tp * pp,
         ckpt_format="torch_dist",
         use_dist_ckpt=True,
+        **(_moe_args(spec, tp=tp, ep=ep) if spec.num_experts else {}),
     )
+
+
+def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
+    """Megatron-LM's --moe-* args of a MoE model: the routing of the HF model (mapping's
+    moe_transformer_fields), sequential experts. moe_layer_freq is 1 when every layer is MoE
+    (megatron-core then stacks the layers), else the 0/1 list (per-layer keys)."""
+    from checkpoint_convert.mapping import expert_tp_size
+
+    pattern = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
+    return dict(
+        moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not spec.moe_norm_topk,
+        moe_router_score_function="softmax", moe_router_dtype="fp32", moe_router_enable_expert_bias=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
+        expert_tensor_parallel_size=expert_tp_size(tp=tp, ep=ep),
+    )  # fmt: skip
 
 
 def _get(args: object, name: str, kind: type | tuple[type, ...], *, source: str, default: object = ...) -> object:

@@ -59,6 +59,8 @@ from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
     ModelSpec,
+    expert_tp_size,
+    is_expert_entry,
     mcore_entries,
     padded_vocab_size,
     spec_from_hf_config,
@@ -361,21 +363,58 @@ def open_torch_dist(directory: str | os.PathLike, *, hf_config_dir: str | os.Pat
 # ---------------------------------------------------------------------------------------
 
 
+def stacked_layers(spec: ModelSpec) -> bool:
+    """megatron-core stacks the layers on a leading axis when they are all alike (all dense, or all
+    MoE); dense layers among MoE ones (a list moe_layer_freq) get per-layer keys."""
+    return len(spec.moe_layers) in (0, spec.num_layers)
+
+
+def _layer_targets(spec: ModelSpec, *, layer: int, suffix: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(sharded key, leading indices, leading sizes) the writer stores layer `layer`'s local-spec
+    tensor `suffix` under."""
+    stacked = stacked_layers(spec)
+    out = []
+    for candidate, lead in _written_suffixes(suffix, moe_layer=spec.is_moe_layer(layer)):
+        sizes = (spec.num_experts,) * len(lead)
+        if stacked:
+            out.append((f"decoder.layers.{candidate}", (layer,) + lead, (spec.num_layers,) + sizes))
+        else:
+            out.append((f"decoder.layers.{layer}.{candidate}", lead, sizes))
+    return out
+
+
 def _global_shapes(spec: ModelSpec, *, padded: int) -> dict[str, tuple[int, ...]]:
     """Sharded key -> global shape, in the order tensors are written."""
-    layers = spec.num_layers
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in TorchDistCheckpoint._expected_names(spec, rows=padded).items():
         layer = _layer_key(name)
         if layer is None:
             shapes[name] = shape
-        elif layer[0] == 0:
-            shapes[f"decoder.layers.{_sharded_suffix(layer[1])}"] = (layers,) + shape
+            continue
+        for key, _lead, sizes in _layer_targets(spec, layer=layer[0], suffix=layer[1]):
+            shapes[key] = sizes + shape
     return shapes
 
 
-def _chunks(spec: ModelSpec, *, kind: str, part: torch.Tensor, tp: int, tp_rank: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """(offsets within one layer's global tensor, block) of one tp rank's part of an entry."""
+def _extra_state_keys(spec: ModelSpec, *, layer: int) -> Iterator[str]:
+    """The ShardedObject keys of layer `layer`'s linears' (empty) extra state, as megatron-core
+    names them: key/shard_{offsets}_{shape} over the layer axis (stacked) and the expert axis."""
+    stacked = stacked_layers(spec)
+    moe = spec.is_moe_layer(layer)
+    linears = _LINEARS[:2] + (() if moe else _LINEARS[2:])
+    experts = [f"{_EXPERTS_KEY}linear_fc1", f"{_EXPERTS_KEY}linear_fc2"] if moe else []
+    places = [(linear, ()) for linear in linears] + [(name, (e,)) for name in experts for e in range(spec.num_experts)]
+    for name, expert in places:
+        offsets = ((layer,) if stacked else ()) + expert
+        shape = ((spec.num_layers,) if stacked else ()) + (spec.num_experts,) * len(expert)
+        offsets, shape = offsets or (0,), shape or (1,)
+        key = f"decoder.layers.{name}" if stacked else f"decoder.layers.{layer}.{name}"
+        yield f"{key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+
+
+def _chunks(*, kind: str, part: torch.Tensor, tp_rank: int, fc1_rows: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets within one layer's (one expert's) global tensor, block) of one tp rank's part of
+    an entry; fc1_rows: the gate rows of the whole fc1 (its up rows follow them)."""
     if kind == "replicated":
         if tp_rank == 0:
             yield (0,) * part.dim(), part
@@ -387,7 +426,7 @@ def _chunks(spec: ModelSpec, *, kind: str, part: torch.Tensor, tp: int, tp_rank:
         gate, up = part.chunk(2, dim=0)
         rows = gate.shape[0]
         yield (tp_rank * rows, 0), gate
-        yield (spec.intermediate_size + tp_rank * rows, 0), up
+        yield (fc1_rows + tp_rank * rows, 0), up
     else:
         raise AssertionError(kind)
 
@@ -423,15 +462,13 @@ def write_checkpoint(
     divisor: int,
     aux_files: Iterable[Path],
     log: Callable[[str], None],
+    ep: int = 1,
 ) -> None:
-    """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it.
+    """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it
+    (experts split over the expert tp of (tp, ep), mapping.expert_tp_size).
 
-    layer_spec does not apply: megatron-core saves both specs under the same sharded keys."""
-    if spec.num_experts:
-        raise ConversionError(
-            f"--format torch_dist: {spec.architecture} has experts, whose megatron-core sharded keys this package "
-            "does not write; use --format safetensors"
-        )
+    layer_spec does not apply: megatron-core saves both specs under the same sharded keys (a MoE
+    layer's pre-MLP norm is written under both of its names, see the module docstring)."""
     torch_dtype = DTYPES[dtype]
     padded = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     out = tmp / RELEASE_DIR
@@ -458,16 +495,18 @@ def write_checkpoint(
                     continue
                 tensors = [get(n) for n in hf_names]
                 if local is None:
-                    key, lead = template, ()
+                    targets = [(template, (), ())]
                 else:
-                    key, lead = f"decoder.layers.{_sharded_suffix(template.split('{layer}.', 1)[1])}", (global_layer,)
-                for tp_rank in range(tp if kind != "replicated" else 1):
-                    part = split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=tp_rank).to(torch_dtype)
-                    for offsets, block in _chunks(spec, kind=kind, part=part, tp=tp, tp_rank=tp_rank):
-                        writer.write_chunk(key, block.unsqueeze(0) if lead else block, offsets=lead + offsets, file=file_of(tp_rank))
+                    targets = _layer_targets(spec, layer=global_layer, suffix=template.split("{layer}.", 1)[1])
+                split_tp = expert_tp_size(tp=tp, ep=ep) if is_expert_entry(template) else tp
+                for tp_rank in range(split_tp if kind != "replicated" else 1):
+                    part = split_entry(spec, kind=kind, tensors=tensors, tp=split_tp, tp_rank=tp_rank).to(torch_dtype)
+                    for offsets, block in _chunks(kind=kind, part=part, tp_rank=tp_rank, fc1_rows=tensors[0].shape[0]):
+                        for key, lead, _sizes in targets:
+                            chunk = block.reshape((1,) * len(lead) + block.shape)
+                            writer.write_chunk(key, chunk, offsets=lead + offsets, file=file_of(tp_rank))
             for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank):
-                for linear in _LINEARS:  # megatron-core's linears save an (empty) extra state
-                    key = f"decoder.layers.{linear}._extra_state/shard_{layer}_{spec.num_layers}"
+                for key in _extra_state_keys(spec, layer=layer):  # megatron-core's linears save an (empty) extra state
                     # megatron-core stores a ShardedObject as the list of its replicas' data.
                     writer.write_object(key, [None], file=file_of(0))
             log(f"wrote {RELEASE_DIR}/ stage {pp_rank} ({tp} tensor-parallel rank file(s))")
@@ -475,7 +514,7 @@ def write_checkpoint(
         writer.abort()
         raise
     writer.finish()
-    args = checkpoint_args(spec, tp=tp, pp=pp, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
+    args = checkpoint_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, out / COMMON_FILE)
     hf_files = out / HF_FILES_DIR
     hf_files.mkdir()

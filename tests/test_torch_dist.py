@@ -181,6 +181,39 @@ def test_hf_torch_dist_hf_round_trip_is_bit_exact(tmp_path, family, layout):
     )["architectures"]
 
 
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 4)], ids=lambda t: "tp{}pp{}ep{}".format(*t))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_hf_torch_dist_hf_round_trip_is_bit_exact(tmp_path, family, layout):
+    """Qwen3-MoE with a dense layer among its MoE layers (megatron-core's per-layer keys) and
+    Mixtral (tied; every layer MoE: stacked keys [L, E, ...]); the experts' tensors equal the
+    HF ones on the global expert axis, and reshard to the safetensors ep layout is identical to
+    converting the HF directory there."""
+    from test_moe import mixtral, qwen3_moe
+
+    model = qwen3_moe(seed=3, num_layers=4) if family == "qwen3_moe" else mixtral(seed=3)
+    hf_dir = save_hf(model, tmp_path / "hf")
+    tp, pp, ep = layout
+    convert.hf_to_mcore(hf_dir, tmp_path / "td", tp=tp, pp=pp, ep=ep, fmt="torch_dist", **QUIET)
+    convert.mcore_to_hf_dir(tmp_path / "td", tmp_path / "back", **QUIET)
+    _same_hf(hf_dir, tmp_path / "back")
+    reader, hf = DcpReader(tmp_path / "td" / "release"), open_hf_dir(tmp_path / "back")
+    if family == "mixtral":
+        fc2 = reader.read("decoder.layers.mlp.experts.experts.linear_fc2.weight")
+        assert fc2.shape[:2] == (2, 4) and torch.equal(fc2[1, 3], hf.get("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
+    else:
+        fc1 = reader.read("decoder.layers.2.mlp.experts.experts.linear_fc1.weight")
+        gate, up = hf.get("model.layers.2.mlp.experts.1.gate_proj.weight"), hf.get("model.layers.2.mlp.experts.1.up_proj.weight")
+        assert torch.equal(fc1[1], torch.cat([gate, up]))
+        assert "decoder.layers.1.mlp.linear_fc1.weight" in reader.tensors
+    args = _common(tmp_path / "td")["args"]
+    assert (args.num_experts, args.expert_model_parallel_size) == (4, ep)
+    assert args.moe_layer_freq == (1 if family == "mixtral" else [1, 0, 1, 1])
+    if layout == (2, 1, 2):
+        convert.hf_to_mcore(hf_dir, tmp_path / "st", tp=tp, pp=pp, ep=ep, **QUIET)
+        convert.reshard(tmp_path / "td", tmp_path / "td_to_st", tp=tp, pp=pp, ep=ep, fmt="safetensors", **QUIET)
+        _equal(_shards(tmp_path / "td_to_st"), _shards(tmp_path / "st"))
+
+
 def _dcp_tensors(directory: Path) -> dict[str, torch.Tensor]:
     reader = DcpReader(directory / "release")
     return {key: reader.read(key) for key in reader.tensors}

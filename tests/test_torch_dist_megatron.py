@@ -157,6 +157,14 @@ def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
     assert stored["decoder.layers.2.mlp.router.weight"].shape == (4, 32)
     assert "decoder.layers.2.mlp.linear_fc1.layer_norm_weight" in stored and "decoder.layers.1.mlp.linear_fc1.weight" in stored
     assert not any(key.startswith("decoder.layers.mlp") for key in stored) and experts.format(1, 1) not in stored
+    # The package's writer stores the same keys and shapes, plus the Transformer Engine spec's
+    # name of each MoE layer's pre-MLP norm.
+    hf_to_mcore(hub, tmp_path / "ours", tp=tp, pp=pp, ep=ep, fmt="torch_dist", log=lambda _m: None)
+    ours = DcpReader(tmp_path / "ours" / "release")
+    te_norms = {f"decoder.layers.{layer}.pre_mlp_layernorm.weight" for layer in (0, 2, 3)}
+    assert set(ours.tensors) == set(stored) | te_norms
+    assert all(ours.tensors[key].shape == info.shape for key, info in stored.items())
+    assert set(ours.objects) == {key for key in DcpReader(save / "iter_0000100").objects if not key.startswith("rng_state")}
 
     from_args = tmp_path / "hf_from_args"
     result = subprocess.run(
@@ -176,3 +184,30 @@ def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
         else:
             assert torch.equal(got, tensor), name
     assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL
+
+
+def test_megatron_core_loads_our_moe_torch_dist_at_another_ep(tmp_path):
+    """The package's torch_dist of a Qwen3-MoE (every layer MoE, so megatron-core's stacked
+    layout; top-k of the softmax, not renormalised), written at (tp, pp, ep) = (2, 2, 1), experts
+    split over tp: megatron-core's dist_checkpointing.load reads it into a GPTModel at
+    (tp, pp, dp, ep) = (1, 2, 2, 2), and its logits equal the HF model's."""
+    from parity import _small_init
+    from test_moe import _COMMON
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**_COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)
+    model = _small_init(Qwen3MoeForCausalLM(config), 6).float().eval()
+    hf_dir = save_hf(model, tmp_path / "hf")
+    out = tmp_path / "torch_dist"
+    hf_to_mcore(hf_dir, out, tp=2, pp=2, ep=1, fmt="torch_dist", log=lambda _m: None)
+    assert DcpReader(out / "release").tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 48, 32)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    job = {"checkpoint": str(out / "release"), "tp": 1, "pp": 2, "ep": 2,
+           "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(consumer_rank, world_size=4, job=job)
+    megatron = load_file(job["logits"])["logits"]
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    assert (megatron[..., :VOCAB_SIZE] - reference).abs().max().item() <= TOL
+    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
