@@ -207,6 +207,9 @@ class _GlobalShard(Mapping):
         """(stored key, indices into its leading axes) of the first place `name` is stored."""
         found = self.locations(name)
         if not found:
+            if any(key.endswith(".weight_w") for key in self._ckpt.reader.tensors):
+                raise ConversionError(f"{self._ckpt.dir}: saved with megatron-core's singleton_local_shards layout "
+                                      "(fc1 split into weight_w / weight_v), which is not read")
             layer = _layer_key(name)
             looked = _sharded_candidates(layer[1], moe_layer=False)[0][0] if layer else name
             raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{looked})")

@@ -264,10 +264,8 @@ def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
     (["--ep", "2", "--dp", "1", "--tp", "2", "--export-hf", "--save-interval", "2", "--distributed-optimizer",
       "--lora-rank", "4"],
      "ep: LoRA with ep 2 > 1 is not supported yet"),
-    (["--ep", "2", "--dp", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--save-format", "torch_dist"],
-     "save_format: torch_dist checkpoints at ep 2 > 1 are not supported yet; use --save-format safetensors"),
 ], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-dense-target-on-moe",
-        "lora-with-checkpoints-and-sharded-optimizer-at-tp2-ep2", "torch-dist-at-ep2"])
+        "lora-with-checkpoints-and-sharded-optimizer-at-tp2-ep2"])
 def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
     import json
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -358,6 +359,34 @@ class _RunsCode:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_singleton_local_shards_layout_is_one_line(tmp_path, llama_dir, capsys):
+    """megatron-core's singleton_local_shards layout splits each fc1 into weight_w / weight_v
+    (per-layer keys): not read, and said so in one line."""
+    from checkpoint_convert.dcp import DcpWriter
+
+    td = tmp_path / "td"
+    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    source = DcpReader(td / "release")
+    variant = tmp_path / "variant" / "release"
+    variant.mkdir(parents=True)
+    shutil.copy2(td / "release" / "common.pt", variant / "common.pt")
+    writer = DcpWriter(variant)
+    for key, info in source.tensors.items():
+        tensor = source.read(key)
+        for layer in range(info.shape[0]) if key.startswith("decoder.layers.") else [None]:
+            name = key if layer is None else key.replace("decoder.layers.", f"decoder.layers.{layer}.")
+            value = tensor if layer is None else tensor[layer]
+            parts = zip(("_w", "_v"), value.chunk(2)) if key.endswith("linear_fc1.weight") else [("", value)]
+            for suffix, part in parts:
+                writer.declare(name + suffix, shape=part.shape, dtype=part.dtype)
+                writer.write_chunk(name + suffix, part, offsets=(0,) * part.dim(), file="__0_0.distcp")
+    writer.finish()
+    (tmp_path / "variant" / "latest_checkpointed_iteration.txt").write_text("release")
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(tmp_path / "variant"), "--out", str(tmp_path / "back"),
+               "--hf-config", str(llama_dir))  # fmt: skip
+    assert "singleton_local_shards" in err and not (tmp_path / "back").exists()
 
 
 def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir, capsys):
