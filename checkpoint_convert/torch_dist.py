@@ -25,8 +25,11 @@ fc1 [gate; up] per expert; the router is `mlp.router.weight` [E, h]. A list `--m
 (dense layers among the MoE ones) makes megatron-core save every layer under per-layer keys. A
 MoE layer's pre-MLP norm is `mlp.linear_fc1.layer_norm_weight` in the local spec (which renames
 it in every layer) but `pre_mlp_layernorm.weight` in the Transformer Engine spec (which fuses it
-only into a dense fc1); both are read. With the `singleton_local_shards` metadata the expert
-index is part of the key (`mlp.experts.experts.{e}.linear_fc2.weight`), also read.
+only into a dense fc1); both are read, and both written (megatron-core's loader ignores the
+one a model does not ask for). Writing stacks the layers when every layer is MoE (as an int
+`--moe-layer-freq` makes megatron-core do) and uses per-layer keys otherwise, experts split over
+the expert tp of (tp, ep). Checkpoints saved with the `singleton_local_shards` metadata (expert
+index in the key, fc1 split into `weight_w` / `weight_v`) are not read (one line says so).
 
 The common (non-tensor) state: megatron-core up to 0.18 writes it to `common.pt` (torch.save
 of the dict). From 0.19, `dist_checkpointing.save` adds it to the sharded state instead, as a
@@ -155,22 +158,20 @@ def _sharded_suffix(suffix: str) -> str:
     return _SHARDED_LAYER_NAMES.get(suffix, suffix)
 
 
-def _sharded_candidates(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
+def _sharded_candidates(suffix: str) -> list[tuple[str, tuple[int, ...]]]:
     """(sharded name within a layer, indices into its leading axes after the layer axis) under
-    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first."""
+    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first
+    (a norm under the fused name, then its own: the pre-MLP norm of a MoE layer in the TE spec)."""
     expert = _LOCAL_EXPERT.fullmatch(suffix)
     if expert is not None:
-        index, rest = int(expert.group(1)), expert.group(2)
-        return [(_EXPERTS_KEY + rest, (index,))]
-    names = [_sharded_suffix(suffix), suffix]
-    if moe_layer and suffix == _MOE_PRE_MLP_NORM:
-        names = [_sharded_suffix(suffix), _MOE_PRE_MLP_NORM]
-    return [(name, ()) for name in dict.fromkeys(names)]
+        return [(_EXPERTS_KEY + expert.group(2), (int(expert.group(1)),))]
+    return [(name, ()) for name in dict.fromkeys((_sharded_suffix(suffix), suffix))]
 
 
 def _written_suffixes(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """The sharded names the writer stores a local-spec layer tensor under (see _sharded_candidates)."""
-    candidates = _sharded_candidates(suffix, moe_layer=moe_layer)
+    """The sharded names the writer stores a local-spec layer tensor under: the first candidate,
+    and for a MoE layer's pre-MLP norm both (one per layer spec)."""
+    candidates = _sharded_candidates(suffix)
     return candidates if moe_layer and suffix == _MOE_PRE_MLP_NORM else candidates[:1]
 
 
@@ -195,7 +196,7 @@ class _GlobalShard(Mapping):
         index, suffix = layer
         spec = self._ckpt.spec
         found = []
-        for candidate, lead in _sharded_candidates(suffix, moe_layer=spec.is_moe_layer(index)):
+        for candidate, lead in _sharded_candidates(suffix):
             sizes = (spec.num_experts,) * len(lead)
             if f"{prefix}decoder.layers.{candidate}" in reader.tensors:
                 found.append((f"{prefix}decoder.layers.{candidate}", (index,) + lead, (spec.num_layers,) + sizes))
@@ -211,7 +212,7 @@ class _GlobalShard(Mapping):
                 raise ConversionError(f"{self._ckpt.dir}: saved with megatron-core's singleton_local_shards layout "
                                       "(fc1 split into weight_w / weight_v), which is not read")
             layer = _layer_key(name)
-            looked = _sharded_candidates(layer[1], moe_layer=False)[0][0] if layer else name
+            looked = _sharded_candidates(layer[1])[0][0] if layer else name
             raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{looked})")
         return found[0][:2]
 
