@@ -193,13 +193,13 @@ def _write_mcore(
 
 def _writer(fmt: str, *, ep: int = 1) -> Callable[..., None]:
     """The checkpoint writer of a format; all take the same keyword arguments as _write_mcore
-    (but ep, which only this package's format has: torch_dist refuses experts)."""
+    plus ep, the expert-parallel size of the layout written)."""
     if fmt == "safetensors":
         return functools.partial(_write_mcore, ep=ep)
     if fmt == "torch_dist":
         from checkpoint_convert.torch_dist import write_checkpoint
 
-        return write_checkpoint
+        return functools.partial(write_checkpoint, ep=ep)
     raise ConversionError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
 
 

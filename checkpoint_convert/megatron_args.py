@@ -6,7 +6,10 @@ those fields, plus the ones this package needs to read a checkpoint back without
 (`norm_epsilon`, `use_rope_scaling`, `rope_scaling_factor`, `qk_layernorm`, the unpadded
 `vocab_size`). `hf_config_from_args` goes the other way, for checkpoints that Megatron-LM,
 Megatron-Bridge or ms-swift wrote: it refuses models this package cannot map (LayerNorm, no
-SwiGLU, linear biases, MoE, learned positions) with one line naming the field.
+SwiGLU, linear biases, learned positions; MoE routing other than softmax top-k without expert
+bias, groups or shared experts) with one line naming the field. MoE args (`num_experts`,
+`moe_router_topk`, `moe_ffn_hidden_size`, `moe_layer_freq`, `moe_router_pre_softmax`) become a
+Qwen3-MoE config when the model has q/k layernorms, else a Mixtral one.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ def _rotary_base(theta: float) -> int | float:
     return int(theta) if float(theta).is_integer() else theta  # Megatron-LM parses --rotary-base as int
 
 
-def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str) -> argparse.Namespace:
-    """The args a torch_dist checkpoint of this model, written at tp x pp, carries."""
+def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str,
+                    ep: int = 1) -> argparse.Namespace:
+    """The args a torch_dist checkpoint of this model, written at tp x pp (x ep), carries."""
     torch_dtype = DTYPES[dtype]
     scaling = spec.rope_scaling
     return argparse.Namespace(
@@ -60,7 +64,7 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        num_experts=None,
+        num_experts=spec.num_experts or None,
         mtp_num_layers=None,
         # vocabulary
         vocab_size=spec.vocab_size,
@@ -75,13 +79,31 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         context_parallel_size=1,
         data_parallel_size=1,
         world_size=tp * pp,
         ckpt_format="torch_dist",
         use_dist_ckpt=True,
+        **(_moe_args(spec, tp=tp, ep=ep) if spec.num_experts else {}),
     )
+
+
+def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
+    """Megatron-LM's --moe-* args of a MoE model: the routing of the HF model (mapping's
+    moe_transformer_fields), sequential experts. moe_layer_freq is 1 when every layer is MoE
+    (megatron-core then stacks the layers), else the 0/1 list (per-layer keys)."""
+    from checkpoint_convert.mapping import expert_tp_size
+
+    pattern = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
+    return dict(
+        moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not spec.moe_norm_topk,
+        moe_router_score_function="softmax", moe_router_dtype="fp32", moe_router_enable_expert_bias=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
+        expert_tensor_parallel_size=expert_tp_size(tp=tp, ep=ep),
+    )  # fmt: skip
 
 
 def _get(args: object, name: str, kind: type | tuple[type, ...], *, source: str, default: object = ...) -> object:
@@ -107,7 +129,8 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     """An HF config.json (as a dict) for the model Megatron's args describe.
 
     The family is Qwen3 when the checkpoint has q/k layernorms, Qwen2 when it has qkv biases,
-    Llama otherwise (Mistral without a sliding window is the same model). The unpadded vocabulary is args.vocab_size when the
+    Llama otherwise (Mistral without a sliding window is the same model); with experts
+    (`num_experts`) Qwen3-MoE when it has q/k layernorms, Mixtral otherwise. The unpadded vocabulary is args.vocab_size when the
     writer recorded it, else the padded one: Megatron-LM trains on the padded vocabulary.
     """
     if not isinstance(args, (argparse.Namespace,)) and not hasattr(args, "__dict__"):
@@ -115,7 +138,6 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     _refuse(args, "normalization", "RMSNorm", source=source, default="LayerNorm")
     _refuse(args, "swiglu", True, source=source, default=False)
     _refuse(args, "add_bias_linear", False, source=source, default=True)
-    _refuse(args, "num_experts", 0, source=source, default=0)
     _refuse(args, "position_embedding_type", "rope", source=source, default="learned_absolute")
     _refuse(args, "rotary_percent", 1.0, source=source, default=1.0)
     _refuse(args, "rotary_interleaved", False, source=source, default=False)
@@ -129,8 +151,14 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     qk_layernorm = _get(args, "qk_layernorm", bool, source=source, default=False)
     if qkv_bias and qk_layernorm:
         raise ConversionError(f"{source}: fields 'args.add_qkv_bias' and 'args.qk_layernorm' are both true; no supported family has both")
-    architecture, model_type = ("Qwen3ForCausalLM", "qwen3") if qk_layernorm else (
-        ("Qwen2ForCausalLM", "qwen2") if qkv_bias else ("LlamaForCausalLM", "llama"))
+    num_experts = _get(args, "num_experts", int, source=source, default=0)
+    if num_experts:
+        architecture, model_type = ("Qwen3MoeForCausalLM", "qwen3_moe") if qk_layernorm else ("MixtralForCausalLM", "mixtral")
+    else:
+        architecture, model_type = ("Qwen3ForCausalLM", "qwen3") if qk_layernorm else (
+            ("Qwen2ForCausalLM", "qwen2") if qkv_bias else ("LlamaForCausalLM", "llama"))
+    if num_experts and qkv_bias:
+        raise ConversionError(f"{source}: field 'args.add_qkv_bias' is true in a model with experts; no supported MoE family has qkv biases")
     vocab = _get(args, "vocab_size", int, source=source, default=padded_vocab_size)
     config = {
         "architectures": [architecture],
@@ -151,7 +179,48 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     if _get(args, "use_rope_scaling", bool, source=source, default=False):
         factor = float(_get(args, "rope_scaling_factor", (float, int), source=source, default=8.0))
         config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, **MEGATRON_ROPE_SCALING}
+    if num_experts:
+        config.update(_moe_config(args, num_experts=num_experts, qwen3=qk_layernorm, source=source))
     return config
+
+
+def moe_layer_pattern(freq: object, *, num_layers: int, source: str) -> list[int]:
+    """Megatron-LM's --moe-layer-freq (after its parser: an int N, every Nth layer from layer 0
+    is MoE, or a list of 0/1 per layer) as one 0/1 per layer."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return [1 if layer % freq == 0 else 0 for layer in range(num_layers)]
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
+        return [int(v) for v in freq]
+    raise ConversionError(f"{source}: field 'args.moe_layer_freq' is {freq!r}; expected an int >= 1 or {num_layers} 0/1 values")
+
+
+def _moe_config(args: object, *, num_experts: int, qwen3: bool, source: str) -> dict:
+    """The MoE fields of a Qwen3-MoE (q/k norms) or Mixtral config for Megatron-LM's --moe-* args:
+    dropless softmax top-k routing without bias, groups or scaling, no shared experts."""
+    for name, supported, default in (
+        ("moe_router_score_function", "softmax", "softmax"), ("moe_router_enable_expert_bias", False, False),
+        ("moe_shared_expert_intermediate_size", None, None), ("moe_router_num_groups", None, None),
+        ("moe_router_group_topk", None, None), ("moe_expert_capacity_factor", None, None),
+        ("moe_use_legacy_grouped_gemm", False, False), ("moe_router_topk_scaling_factor", None, None),
+    ):  # fmt: skip
+        if getattr(args, name, default) not in (default, supported):
+            raise ConversionError(f"{source}: field 'args.{name}' is {getattr(args, name)!r}; only {supported!r} is supported")
+    layers = _get(args, "num_layers", int, source=source)
+    pattern = moe_layer_pattern(getattr(args, "moe_layer_freq", None) or 1, num_layers=layers, source=source)
+    topk = _get(args, "moe_router_topk", int, source=source, default=2)
+    ffn = _get(args, "moe_ffn_hidden_size", int, source=source, default=None) or _get(args, "ffn_hidden_size", int, source=source)
+    pre_softmax = _get(args, "moe_router_pre_softmax", bool, source=source, default=False)
+    if qwen3:
+        return {"num_experts": num_experts, "num_experts_per_tok": topk, "moe_intermediate_size": ffn,
+                "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1,
+                "mlp_only_layers": [layer for layer, moe in enumerate(pattern) if not moe]}  # fmt: skip
+    if 0 in pattern:
+        raise ConversionError(f"{source}: field 'args.moe_layer_freq' makes layers {[i for i, m in enumerate(pattern) if not m]} "
+                              "dense; Mixtral (no q/k layernorm) has experts on every layer")
+    if pre_softmax:
+        raise ConversionError(f"{source}: field 'args.moe_router_pre_softmax' is True; Mixtral (no q/k layernorm) "
+                              "renormalises its top-k probabilities (False)")
+    return {"num_local_experts": num_experts, "num_experts_per_tok": topk, "intermediate_size": ffn, "sliding_window": None}
 
 
 def layout_from_args(args: object) -> tuple[int, int]:

@@ -18,6 +18,19 @@ writers use per-layer keys `decoder.layers.N....`, also read), norms under the T
 Engine names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), fc1 as
 [gate; up] over the whole intermediate size, qkv fused group by group over all groups.
 
+Experts (megatron-core 0.16's SequentialMLP and TEGroupedMLP save the same keys): each layer's
+local experts go under `mlp.experts.experts.linear_fc1.weight` / `linear_fc2.weight` with a
+global expert axis right after the layer axis ([L, E, 2 f, h] stacked, [E, 2 f, h] per layer),
+fc1 [gate; up] per expert; the router is `mlp.router.weight` [E, h]. A list `--moe-layer-freq`
+(dense layers among the MoE ones) makes megatron-core save every layer under per-layer keys. A
+MoE layer's pre-MLP norm is `mlp.linear_fc1.layer_norm_weight` in the local spec (which renames
+it in every layer) but `pre_mlp_layernorm.weight` in the Transformer Engine spec (which fuses it
+only into a dense fc1); both are read, and both written (megatron-core's loader ignores the
+one a model does not ask for). Writing stacks the layers when every layer is MoE (as an int
+`--moe-layer-freq` makes megatron-core do) and uses per-layer keys otherwise, experts split over
+the expert tp of (tp, ep). Checkpoints saved with the `singleton_local_shards` metadata (expert
+index in the key, fc1 split into `weight_w` / `weight_v`) are not read (one line says so).
+
 The common (non-tensor) state: megatron-core up to 0.18 writes it to `common.pt` (torch.save
 of the dict). From 0.19, `dist_checkpointing.save` adds it to the sharded state instead, as a
 ShardedObject with key "common_state", global shape (1,) and offset (0,), saved by the main
@@ -49,6 +62,8 @@ from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
     ModelSpec,
+    expert_tp_size,
+    is_expert_entry,
     mcore_entries,
     padded_vocab_size,
     spec_from_hf_config,
@@ -71,6 +86,14 @@ _SHARDED_LAYER_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+# A MoE layer's pre-MLP norm: the local spec saves it under the fused name above, the Transformer
+# Engine spec (which keeps the norm of a MoE layer unfused) under its own name; both are read,
+# and both written.
+_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+# Local expert e of a layer -> megatron-core's sharded name, whose leading axis (after the layer
+# axis) is the global expert index.
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_EXPERTS_KEY = "mlp.experts.experts."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # Keys a model reader ignores: optimizer state and rng/rerun objects ride along in training checkpoints.
@@ -135,6 +158,23 @@ def _sharded_suffix(suffix: str) -> str:
     return _SHARDED_LAYER_NAMES.get(suffix, suffix)
 
 
+def _sharded_candidates(suffix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(sharded name within a layer, indices into its leading axes after the layer axis) under
+    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first
+    (a norm under the fused name, then its own: the pre-MLP norm of a MoE layer in the TE spec)."""
+    expert = _LOCAL_EXPERT.fullmatch(suffix)
+    if expert is not None:
+        return [(_EXPERTS_KEY + expert.group(2), (int(expert.group(1)),))]
+    return [(name, ()) for name in dict.fromkeys((_sharded_suffix(suffix), suffix))]
+
+
+def _written_suffixes(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The sharded names the writer stores a local-spec layer tensor under: the first candidate,
+    and for a MoE layer's pre-MLP norm both (one per layer spec)."""
+    candidates = _sharded_candidates(suffix)
+    return candidates if moe_layer and suffix == _MOE_PRE_MLP_NORM else candidates[:1]
+
+
 # ---------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------
@@ -146,28 +186,44 @@ class _GlobalShard(Mapping):
     def __init__(self, checkpoint: TorchDistCheckpoint, names: dict[str, tuple[int, ...]]) -> None:
         self._ckpt, self._names = checkpoint, names
 
-    def _locate(self, name: str) -> tuple[str, tuple[int, ...] | None]:
-        """(stored key, layer index into its leading dim or None)."""
+    def locations(self, name: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """Every stored place of `name`: (key, indices into the key's leading axes, the sizes
+        of those axes): the layer axis of the stacked layout, the global expert axis."""
         reader, prefix = self._ckpt.reader, self._ckpt.key_prefix
         layer = _layer_key(name)
         if layer is None:
-            return prefix + name, None
+            return [(prefix + name, (), ())]
         index, suffix = layer
-        for candidate in (_sharded_suffix(suffix), suffix):
+        spec = self._ckpt.spec
+        found = []
+        for candidate, lead in _sharded_candidates(suffix):
+            sizes = (spec.num_experts,) * len(lead)
             if f"{prefix}decoder.layers.{candidate}" in reader.tensors:
-                return f"{prefix}decoder.layers.{candidate}", index
-            if f"{prefix}decoder.layers.{index}.{candidate}" in reader.tensors:
-                return f"{prefix}decoder.layers.{index}.{candidate}", None
-        raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{_sharded_suffix(suffix)})")
+                found.append((f"{prefix}decoder.layers.{candidate}", (index,) + lead, (spec.num_layers,) + sizes))
+            elif f"{prefix}decoder.layers.{index}.{candidate}" in reader.tensors:
+                found.append((f"{prefix}decoder.layers.{index}.{candidate}", lead, sizes))
+        return found
+
+    def _locate(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(stored key, indices into its leading axes) of the first place `name` is stored."""
+        found = self.locations(name)
+        if not found:
+            if any(key.endswith(".weight_w") for key in self._ckpt.reader.tensors):
+                raise ConversionError(f"{self._ckpt.dir}: saved with megatron-core's singleton_local_shards layout "
+                                      "(fc1 split into weight_w / weight_v), which is not read")
+            layer = _layer_key(name)
+            looked = _sharded_candidates(layer[1])[0][0] if layer else name
+            raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{looked})")
+        return found[0][:2]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        key, layer = self._locate(name)
+        key, lead = self._locate(name)
         shape = self._names[name]
-        if layer is None:
+        if not lead:
             return self._ckpt.reader.read(key)
-        return self._ckpt.reader.read(key, offsets=(layer,) + (0,) * len(shape), sizes=(1,) + shape).reshape(shape)
+        return self._ckpt.reader.read(key, offsets=lead + (0,) * len(shape), sizes=(1,) * len(lead) + shape).reshape(shape)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         key, _ = self._locate(name)
@@ -221,8 +277,6 @@ class TorchDistCheckpoint:
         else:
             raise ConversionError(f"{common_source}: has no 'args' to describe the model; pass --hf-config DIR")
         spec = spec_from_hf_config(hf_config, source=source)
-        if spec.num_experts:
-            raise ConversionError(f"{source}: {spec.architecture} has experts; torch_dist checkpoints with experts are not read")
         dtype = self.reader.tensors[embed].dtype
         dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
         if dtype_name is None:
@@ -265,16 +319,17 @@ class TorchDistCheckpoint:
     def _validate(self, spec: ModelSpec) -> None:
         used = set()
         for name, shape in self._shard._names.items():
-            key, layer = self._shard._locate(name)
-            stored = self.reader.tensors[key]
-            expected = shape if layer is None else (spec.num_layers,) + shape
-            if stored.shape != expected:
-                raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
-            # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
-            fp32_norm = stored.dtype == torch.float32 and "norm" in name
-            if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
-                raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
-            used.add(key)
+            self._shard._locate(name)  # one line when missing
+            for key, _lead, lead_sizes in self._shard.locations(name):
+                stored = self.reader.tensors[key]
+                expected = lead_sizes + shape
+                if stored.shape != expected:
+                    raise ConversionError(f"{self.dir}: tensor '{key}' has shape {list(stored.shape)}, expected {list(expected)}")
+                # megatron-core keeps torch norms in fp32 in a bf16/fp16 model (training checkpoints).
+                fp32_norm = stored.dtype == torch.float32 and "norm" in name
+                if stored.dtype != DTYPES[spec.torch_dtype] and not fp32_norm:
+                    raise ConversionError(f"{self.dir}: tensor '{key}' is {stored.dtype}, the embedding is {DTYPES[spec.torch_dtype]}")
+                used.add(key)
         for key in self.reader.tensors:
             if self._part_prefix and not key.startswith(self._part_prefix):
                 continue  # another part of a training checkpoint (the model's, another optimizer state)
@@ -312,21 +367,58 @@ def open_torch_dist(directory: str | os.PathLike, *, hf_config_dir: str | os.Pat
 # ---------------------------------------------------------------------------------------
 
 
+def stacked_layers(spec: ModelSpec) -> bool:
+    """megatron-core stacks the layers on a leading axis when they are all alike (all dense, or all
+    MoE); dense layers among MoE ones (a list moe_layer_freq) get per-layer keys."""
+    return len(spec.moe_layers) in (0, spec.num_layers)
+
+
+def _layer_targets(spec: ModelSpec, *, layer: int, suffix: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(sharded key, leading indices, leading sizes) the writer stores layer `layer`'s local-spec
+    tensor `suffix` under."""
+    stacked = stacked_layers(spec)
+    out = []
+    for candidate, lead in _written_suffixes(suffix, moe_layer=spec.is_moe_layer(layer)):
+        sizes = (spec.num_experts,) * len(lead)
+        if stacked:
+            out.append((f"decoder.layers.{candidate}", (layer,) + lead, (spec.num_layers,) + sizes))
+        else:
+            out.append((f"decoder.layers.{layer}.{candidate}", lead, sizes))
+    return out
+
+
 def _global_shapes(spec: ModelSpec, *, padded: int) -> dict[str, tuple[int, ...]]:
     """Sharded key -> global shape, in the order tensors are written."""
-    layers = spec.num_layers
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in TorchDistCheckpoint._expected_names(spec, rows=padded).items():
         layer = _layer_key(name)
         if layer is None:
             shapes[name] = shape
-        elif layer[0] == 0:
-            shapes[f"decoder.layers.{_sharded_suffix(layer[1])}"] = (layers,) + shape
+            continue
+        for key, _lead, sizes in _layer_targets(spec, layer=layer[0], suffix=layer[1]):
+            shapes[key] = sizes + shape
     return shapes
 
 
-def _chunks(spec: ModelSpec, *, kind: str, part: torch.Tensor, tp: int, tp_rank: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """(offsets within one layer's global tensor, block) of one tp rank's part of an entry."""
+def _extra_state_keys(spec: ModelSpec, *, layer: int) -> Iterator[str]:
+    """The ShardedObject keys of layer `layer`'s linears' (empty) extra state, as megatron-core
+    names them: key/shard_{offsets}_{shape} over the layer axis (stacked) and the expert axis."""
+    stacked = stacked_layers(spec)
+    moe = spec.is_moe_layer(layer)
+    linears = _LINEARS[:2] + (() if moe else _LINEARS[2:])
+    experts = [f"{_EXPERTS_KEY}linear_fc1", f"{_EXPERTS_KEY}linear_fc2"] if moe else []
+    places = [(linear, ()) for linear in linears] + [(name, (e,)) for name in experts for e in range(spec.num_experts)]
+    for name, expert in places:
+        offsets = ((layer,) if stacked else ()) + expert
+        shape = ((spec.num_layers,) if stacked else ()) + (spec.num_experts,) * len(expert)
+        offsets, shape = offsets or (0,), shape or (1,)
+        key = f"decoder.layers.{name}" if stacked else f"decoder.layers.{layer}.{name}"
+        yield f"{key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+
+
+def _chunks(*, kind: str, part: torch.Tensor, tp_rank: int, fc1_rows: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets within one layer's (one expert's) global tensor, block) of one tp rank's part of
+    an entry; fc1_rows: the gate rows of the whole fc1 (its up rows follow them)."""
     if kind == "replicated":
         if tp_rank == 0:
             yield (0,) * part.dim(), part
@@ -338,7 +430,7 @@ def _chunks(spec: ModelSpec, *, kind: str, part: torch.Tensor, tp: int, tp_rank:
         gate, up = part.chunk(2, dim=0)
         rows = gate.shape[0]
         yield (tp_rank * rows, 0), gate
-        yield (spec.intermediate_size + tp_rank * rows, 0), up
+        yield (fc1_rows + tp_rank * rows, 0), up
     else:
         raise AssertionError(kind)
 
@@ -374,15 +466,13 @@ def write_checkpoint(
     divisor: int,
     aux_files: Iterable[Path],
     log: Callable[[str], None],
+    ep: int = 1,
 ) -> None:
-    """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it.
+    """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it
+    (experts split over the expert tp of (tp, ep), mapping.expert_tp_size).
 
-    layer_spec does not apply: megatron-core saves both specs under the same sharded keys."""
-    if spec.num_experts:
-        raise ConversionError(
-            f"--format torch_dist: {spec.architecture} has experts, whose megatron-core sharded keys this package "
-            "does not write; use --format safetensors"
-        )
+    layer_spec does not apply: megatron-core saves both specs under the same sharded keys (a MoE
+    layer's pre-MLP norm is written under both of its names, see the module docstring)."""
     torch_dtype = DTYPES[dtype]
     padded = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
     out = tmp / RELEASE_DIR
@@ -409,16 +499,18 @@ def write_checkpoint(
                     continue
                 tensors = [get(n) for n in hf_names]
                 if local is None:
-                    key, lead = template, ()
+                    targets = [(template, (), ())]
                 else:
-                    key, lead = f"decoder.layers.{_sharded_suffix(template.split('{layer}.', 1)[1])}", (global_layer,)
-                for tp_rank in range(tp if kind != "replicated" else 1):
-                    part = split_entry(spec, kind=kind, tensors=tensors, tp=tp, tp_rank=tp_rank).to(torch_dtype)
-                    for offsets, block in _chunks(spec, kind=kind, part=part, tp=tp, tp_rank=tp_rank):
-                        writer.write_chunk(key, block.unsqueeze(0) if lead else block, offsets=lead + offsets, file=file_of(tp_rank))
+                    targets = _layer_targets(spec, layer=global_layer, suffix=template.split("{layer}.", 1)[1])
+                split_tp = expert_tp_size(tp=tp, ep=ep) if is_expert_entry(template) else tp
+                for tp_rank in range(split_tp if kind != "replicated" else 1):
+                    part = split_entry(spec, kind=kind, tensors=tensors, tp=split_tp, tp_rank=tp_rank).to(torch_dtype)
+                    for offsets, block in _chunks(kind=kind, part=part, tp_rank=tp_rank, fc1_rows=tensors[0].shape[0]):
+                        for key, lead, _sizes in targets:
+                            chunk = block.reshape((1,) * len(lead) + block.shape)
+                            writer.write_chunk(key, chunk, offsets=lead + offsets, file=file_of(tp_rank))
             for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank):
-                for linear in _LINEARS:  # megatron-core's linears save an (empty) extra state
-                    key = f"decoder.layers.{linear}._extra_state/shard_{layer}_{spec.num_layers}"
+                for key in _extra_state_keys(spec, layer=layer):  # megatron-core's linears save an (empty) extra state
                     # megatron-core stores a ShardedObject as the list of its replicas' data.
                     writer.write_object(key, [None], file=file_of(0))
             log(f"wrote {RELEASE_DIR}/ stage {pp_rank} ({tp} tensor-parallel rank file(s))")
@@ -426,7 +518,7 @@ def write_checkpoint(
         writer.abort()
         raise
     writer.finish()
-    args = checkpoint_args(spec, tp=tp, pp=pp, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
+    args = checkpoint_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, out / COMMON_FILE)
     hf_files = out / HF_FILES_DIR
     hf_files.mkdir()

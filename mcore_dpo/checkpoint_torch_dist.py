@@ -19,6 +19,12 @@ the one its DistributedOptimizer writes as `fully_sharded_model_space`:
 This project's optimizers (optim.py, zero.py) are not megatron-core's (those do not run on a
 CPU), so their state is put into that layout here: whole tensors per parameter, gathered over
 dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's sharded tensors.
+With experts the same holds, the experts under megatron-core's global expert axis: at ep > 1
+each ep rank holds other experts, replicated over the expert-data-parallel group, so every rank
+takes the whole state of its own parameters (`whole_state`) and megatron-core writes each tensor
+from its main replica (expert-data-parallel rank 0 for the experts). The trainer's model passes
+`moe_layer_freq` as a list, so megatron-core saves per-layer keys (`decoder.layers.N....`), and
+the args say so.
 
 Reading back (resume) never uses `dist_checkpointing.load`, which unpickles without
 restriction: checkpoint_convert's torch_dist reader (restricted unpickler) presents each part
@@ -49,14 +55,16 @@ def is_torch_dist_checkpoint(directory: str | Path) -> bool:
 
 
 def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, global_batch_size: int,
-                    lr: float, seq_length: int) -> argparse.Namespace:
+                    lr: float, seq_length: int, ep: int = 1) -> argparse.Namespace:
     """common.pt's `args`: the model fields Megatron-LM's --use-checkpoint-args reads (see
     checkpoint_convert.megatron_args), the writer's layout and the training position."""
     from checkpoint_convert.mapping import padded_vocab_size
     from checkpoint_convert.megatron_args import checkpoint_args as model_args
 
-    args = model_args(spec, tp=tp, pp=pp, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
+    args = model_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
                       vocab_divisor=128, dtype=dtype)  # fmt: skip
+    if spec.num_experts:  # the trainer's model passes moe_layer_freq as a list: per-layer keys
+        args.moe_layer_freq = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
     args.data_parallel_size = dp
     args.world_size = tp * pp * dp
     args.iteration = step
@@ -84,7 +92,7 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
     from mcore_dpo.optim import lr_at
 
     named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, dtype=config.dtype, step=step,
+    args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, dtype=config.dtype, step=step,
                            global_batch_size=config.global_batch_size, lr=config.lr, seq_length=config.max_length)
     scheduler = scheduler_state(lr=config.lr, schedule=config.lr_schedule, warmup_steps=config.lr_warmup_steps,
                                 total_steps=config.max_steps, consumed=step * config.global_batch_size,
@@ -100,7 +108,10 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
     for kind, prefix in OPTIMIZER_PREFIX.items():
         # Whole fp32 tensors on dp rank 0 (every dp rank takes part in the gather); the other dp
         # ranks are replicas that write nothing, their data only has to have the right shape.
-        whole = optimizer.checkpoint_tensors(kind, dp_rank=dp_rank)
+        # With ep > 1 the experts' main replica is expert-data-parallel rank 0, which need not be
+        # dp rank 0: every rank then takes the whole state of its own parameters (its ep rank's
+        # experts among them), and megatron-core writes each tensor from its main replica.
+        whole = optimizer.whole_state(kind) if layout.ep > 1 else optimizer.checkpoint_tensors(kind, dp_rank=dp_rank)
         for i, (name, param) in enumerate(named_params):
             data = whole[name] if whole is not None else torch.empty(param.shape, dtype=torch.float32)
             param_state[i][prefix.split(".")[-2]] = make_sharded_optimizer_tensor(

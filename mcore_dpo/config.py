@@ -359,9 +359,6 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
-        if self.save_format == "torch_dist":  # its optimizer state is gathered over dp, not ep
-            raise ConfigError(f"save_format: torch_dist checkpoints at ep {self.ep} > 1 are not supported yet; "
-                              "use --save-format safetensors")
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch

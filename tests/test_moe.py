@@ -130,12 +130,23 @@ def test_verify_qwen3_moe_tp2_pp2(tmp_path, capsys):
     assert float(line.split("max |dlogit| ")[1].split(",")[0]) <= 1e-4 and "argmax agreement 100.00%" in line
 
 
-def test_torch_dist_refuses_experts_in_one_line(models, tmp_path, capsys):
+def test_torch_dist_with_experts_through_the_cli(models, tmp_path, capsys):
+    """hf-to-mcore --format torch_dist --ep 2, reshard into the safetensors ep layout and back,
+    mcore-to-hf: the experts come back bit for bit."""
     from checkpoint_convert.__main__ import main
 
-    code = main(["hf-to-mcore", "--hf-dir", str(models["mixtral"][0]), "--out", str(tmp_path / "m"), "--format", "torch_dist"])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and "\n" not in err and "has experts" in err and not (tmp_path / "m").exists()
+    source = models["mixtral"][0]
+    assert main(["hf-to-mcore", "--hf-dir", str(source), "--out", str(tmp_path / "td"), "--format", "torch_dist",
+                 "--tp", "2", "--ep", "2"]) == 0  # fmt: skip
+    assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "st"), "--format", "safetensors",
+                 "--tp", "1", "--pp", "2", "--ep", "2"]) == 0  # fmt: skip
+    assert main(["reshard", "--mcore-dir", str(tmp_path / "st"), "--out", str(tmp_path / "td2"), "--format", "torch_dist",
+                 "--tp", "1", "--pp", "1", "--ep", "4"]) == 0  # fmt: skip
+    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td2"), "--out", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    original, back = open_hf_dir(source), open_hf_dir(tmp_path / "hf")
+    assert back.names == original.names
+    assert all(torch.equal(original.get(name), back.get(name)) for name in original.names)
 
 
 def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path, capsys):
@@ -253,10 +264,8 @@ def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
     (["--ep", "2", "--dp", "1", "--tp", "2", "--export-hf", "--save-interval", "2", "--distributed-optimizer",
       "--lora-rank", "4"],
      "ep: LoRA with ep 2 > 1 is not supported yet"),
-    (["--ep", "2", "--dp", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--save-format", "torch_dist"],
-     "save_format: torch_dist checkpoints at ep 2 > 1 are not supported yet; use --save-format safetensors"),
 ], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-dense-target-on-moe",
-        "lora-with-checkpoints-and-sharded-optimizer-at-tp2-ep2", "torch-dist-at-ep2"])
+        "lora-with-checkpoints-and-sharded-optimizer-at-tp2-ep2"])
 def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
     import json
 

@@ -25,6 +25,10 @@ the converter's ep layout are written by the dp-1 ranks from experts sent to the
   names; the evaluation after the step-4 sync equals HF's with the reference TRL's formula
   gives (from the step-2 reference and the final policy) within 1e-5, at ep 2 and, through the
   metrics above, after the resume at ep 1.
+
+The same run with `--save-format torch_dist` (Megatron-LM's format, without TR-DPO, which it does
+not store) trains identically up to step 2, its step-2 checkpoint holds the same masters and
+moments bit for bit, and it resumes the same way.
 """
 
 from __future__ import annotations
@@ -188,10 +192,14 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
                      "--no-packing", "--save-interval", "1"],
                     other_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
-    other = _metrics(other_out)
-    assert [row["step"] for row in other] == [3, 4]
-    for row, expected in zip(other, (by_step[3], by_step[4])):
-        for key, value in expected.items():
+    _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
+
+
+def _assert_close_rows(rows: list[dict], expected: list[dict]) -> None:
+    """Every metric of each step within RTOL of the expected row's."""
+    assert [row["step"] for row in rows] == [row["step"] for row in expected]
+    for row, want in zip(rows, expected):
+        for key, value in want.items():
             assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
     # Read at ep 1 from the ep files and written again at step 3 in the ep-1 layout: the same
     # tensors under the same HF names (the evaluation after the step-4 sync is among the metrics).
@@ -248,11 +256,80 @@ def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names
     assert moved == len(names)  # every tensor moved, the experts of both ep ranks among them
 
 
-def _resume_from_step2(out: Path, resumed_out: Path) -> Path:
+def _resume_from_step2(out: Path, resumed_out: Path, *, name: str = "step_00000002") -> Path:
     (resumed_out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step_00000002", resumed_out / "checkpoints" / "step_00000002")
-    (resumed_out / "checkpoints" / "latest").write_text("step_00000002\n")
+    shutil.copytree(out / "checkpoints" / name, resumed_out / "checkpoints" / name)
+    (resumed_out / "checkpoints" / "latest").write_text(f"{name}\n")
     return resumed_out
+
+
+def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run, tmp_path):
+    """The same run with --save-format torch_dist (megatron-core's sharded keys: the experts on
+    their global expert axis, written from expert-data-parallel rank 0 of each ep rank), without
+    TR-DPO (torch_dist does not store a moving reference): it trains identically up to step 2,
+    where the fixture's reference moves; its step-2 checkpoint's fp32 masters and AdamW moments equal the safetensors
+    checkpoint's bit for bit (`checkpoint_convert mcore-to-hf` of the save directory too);
+    resumed from it at the same layout it is bit-identical, at (1, 1, 2, 1) within 1e-5."""
+    from checkpoint_convert.__main__ import main as convert
+    from checkpoint_convert.dcp import DcpReader
+    from mcore_dpo.checkpoint_torch_dist import open_part
+    from mcore_dpo.model import open_weights
+
+    out, root = tmp_path / "td", run["root"]
+    torch_dist = ["--save-format", "torch_dist"]
+    result = _train([*run["args"], *TP2_EP2, *torch_dist], out, cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The fixture's run moves its reference (TR-DPO) at step 2, which torch_dist does not store:
+    # the two runs are the same run up to step 2's update, and their training metrics agree there.
+    ours, fixture = _metrics(out), {row["step"]: row for row in _metrics(run["out"])}
+    by_step = {row["step"]: row for row in ours}
+    assert by_step.keys() == fixture.keys()
+    for step in (0, 1, 2):
+        train = {k: v for k, v in by_step[step].items() if not k.startswith("eval/")}
+        assert train == {k: v for k, v in fixture[step].items() if not k.startswith("eval/")}, step
+    assert by_step[0] == fixture[0]  # the step-0 evaluation precedes any move
+
+    iter_dir = out / "checkpoints" / "iter_0000002"
+    stored = DcpReader(iter_dir).tensors
+    assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == (4, 48, 32)
+    assert stored["optimizer.state.exp_avg.decoder.layers.1.mlp.experts.experts.linear_fc2.weight"].shape == (4, 32, 24)
+    safetensors = run["out"] / "checkpoints" / "step_00000002"
+    for kind, directory in (("model", "model"), ("exp_avg", "optim/exp_avg"), ("exp_avg_sq", "optim/exp_avg_sq")):
+        ours, theirs = open_part(iter_dir, kind), open_weights(str(safetensors / directory))
+        assert ours.names == theirs.names
+        for name in theirs.names:
+            assert torch.equal(ours.get(name), theirs.get(name)), (kind, name)
+    assert convert(["mcore-to-hf", "--mcore-dir", str(out / "checkpoints"), "--out", str(tmp_path / "hf_td")]) == 0
+    assert convert(["mcore-to-hf", "--mcore-dir", str(safetensors / "model"), "--out", str(tmp_path / "hf_st")]) == 0
+    converted, reference = _tensors(tmp_path / "hf_td"), _tensors(tmp_path / "hf_st")
+    assert converted.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(converted[name], reference[name]), name
+
+    # Resume from the torch_dist checkpoint at the same layout: bit-identical.
+    resumed_out = _resume_from_step2(out, tmp_path / "resumed", name="iter_0000002")
+    result = _train([*run["args"], *TP2_EP2, *torch_dist], resumed_out, cache=root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
+    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
+    assert theirs.keys() == resumed.keys()
+    for name in theirs:
+        assert torch.equal(theirs[name], resumed[name]), name
+
+    # At tp 1, ep 1 with the replicated optimizer: within 1e-5; it writes a torch_dist
+    # checkpoint at ep 1 (step 3), which the converter reads into an HF model transformers loads.
+    other_out = _resume_from_step2(out, tmp_path / "other", name="iter_0000002")
+    result = _train([*run["args"], *torch_dist, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf",
+                     "--no-packing", "--save-interval", "1"], other_out, cache=root / "cache")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
+    step3 = other_out / "checkpoints" / "iter_0000003"
+    assert convert(["mcore-to-hf", "--mcore-dir", str(step3), "--out", str(tmp_path / "hf_ep1")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_ep1"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def test_the_sharded_optimizer_with_expert_parallelism_passes_the_command_line_checks():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,52 @@ def test_args_carry_what_megatron_lm_reads(tmp_path, factory, tp, pp):
         assert args.rope_scaling_factor == rope["factor"]
 
 
+def _moe_args(**overrides):
+    """Megatron-LM's args of a small MoE model (what its parser stores for --num-experts etc.)."""
+    from argparse import Namespace
+
+    fields = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, group_query_attention=True,
+                  num_query_groups=2, kv_channels=16, max_position_embeddings=128, normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                  num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=1, moe_router_pre_softmax=False,
+                  moe_router_score_function="softmax", moe_router_enable_expert_bias=False, qk_layernorm=False)
+    return Namespace(**{**fields, **overrides})
+
+
+def test_megatron_lm_moe_args_map_to_qwen3_moe_and_mixtral_configs():
+    from checkpoint_convert.mapping import spec_from_hf_config
+    from checkpoint_convert.megatron_args import hf_config_from_args
+
+    mixtral = hf_config_from_args(_moe_args(), source="common.pt", padded_vocab_size=128)
+    assert mixtral["architectures"] == ["MixtralForCausalLM"]
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"], mixtral["intermediate_size"]) == (8, 2, 24)
+    qwen = hf_config_from_args(_moe_args(qk_layernorm=True, moe_layer_freq=[1, 0, 1, 1], moe_router_pre_softmax=True),
+                               source="common.pt", padded_vocab_size=128)  # fmt: skip
+    assert qwen["architectures"] == ["Qwen3MoeForCausalLM"] and qwen["mlp_only_layers"] == [1]
+    assert (qwen["intermediate_size"], qwen["moe_intermediate_size"], qwen["norm_topk_prob"]) == (48, 24, False)
+    spec = spec_from_hf_config(qwen, source="x")
+    assert spec.moe_layers == (0, 2, 3) and spec.head_dim == 16 and not spec.moe_norm_topk
+    # An int --moe-layer-freq N: every Nth layer from layer 0.
+    every_other = hf_config_from_args(_moe_args(qk_layernorm=True, moe_layer_freq=2), source="c", padded_vocab_size=128)
+    assert every_other["mlp_only_layers"] == [1, 3]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"moe_router_score_function": "sigmoid"}, "field 'args.moe_router_score_function' is 'sigmoid'; only 'softmax'"),
+    ({"moe_router_enable_expert_bias": True}, "field 'args.moe_router_enable_expert_bias' is True"),
+    ({"moe_shared_expert_intermediate_size": 64}, "field 'args.moe_shared_expert_intermediate_size' is 64"),
+    ({"moe_layer_freq": [1, 0, 1, 1]}, "Mixtral (no q/k layernorm) has experts on every layer"),
+    ({"moe_router_pre_softmax": True}, "field 'args.moe_router_pre_softmax' is True; Mixtral"),
+    ({"moe_layer_freq": [1, 0]}, "field 'args.moe_layer_freq' is [1, 0]; expected an int >= 1 or 4 0/1 values"),
+], ids=["sigmoid-router", "expert-bias", "shared-experts", "mixtral-dense-layer", "mixtral-pre-softmax", "freq-length"])
+def test_megatron_lm_moe_args_it_cannot_map_are_one_line(overrides, message):
+    from checkpoint_convert.megatron_args import hf_config_from_args
+
+    with pytest.raises(ConversionError) as error:
+        hf_config_from_args(_moe_args(**overrides), source="ckpt/common.pt", padded_vocab_size=128)
+    assert str(error.value).startswith("ckpt/common.pt: ") and message in str(error.value) and "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------------------------------
 # Round trips
 # ---------------------------------------------------------------------------------------
@@ -133,6 +180,39 @@ def test_hf_torch_dist_hf_round_trip_is_bit_exact(tmp_path, family, layout):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == json.loads(
         (hf_dir / "config.json").read_text()
     )["architectures"]
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 4)], ids=lambda t: "tp{}pp{}ep{}".format(*t))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_hf_torch_dist_hf_round_trip_is_bit_exact(tmp_path, family, layout):
+    """Qwen3-MoE with a dense layer among its MoE layers (megatron-core's per-layer keys) and
+    Mixtral (tied; every layer MoE: stacked keys [L, E, ...]); the experts' tensors equal the
+    HF ones on the global expert axis, and reshard to the safetensors ep layout is identical to
+    converting the HF directory there."""
+    from test_moe import mixtral, qwen3_moe
+
+    model = qwen3_moe(seed=3, num_layers=4) if family == "qwen3_moe" else mixtral(seed=3)
+    hf_dir = save_hf(model, tmp_path / "hf")
+    tp, pp, ep = layout
+    convert.hf_to_mcore(hf_dir, tmp_path / "td", tp=tp, pp=pp, ep=ep, fmt="torch_dist", **QUIET)
+    convert.mcore_to_hf_dir(tmp_path / "td", tmp_path / "back", **QUIET)
+    _same_hf(hf_dir, tmp_path / "back")
+    reader, hf = DcpReader(tmp_path / "td" / "release"), open_hf_dir(tmp_path / "back")
+    if family == "mixtral":
+        fc2 = reader.read("decoder.layers.mlp.experts.experts.linear_fc2.weight")
+        assert fc2.shape[:2] == (2, 4) and torch.equal(fc2[1, 3], hf.get("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
+    else:
+        fc1 = reader.read("decoder.layers.2.mlp.experts.experts.linear_fc1.weight")
+        gate, up = hf.get("model.layers.2.mlp.experts.1.gate_proj.weight"), hf.get("model.layers.2.mlp.experts.1.up_proj.weight")
+        assert torch.equal(fc1[1], torch.cat([gate, up]))
+        assert "decoder.layers.1.mlp.linear_fc1.weight" in reader.tensors
+    args = _common(tmp_path / "td")["args"]
+    assert (args.num_experts, args.expert_model_parallel_size) == (4, ep)
+    assert args.moe_layer_freq == (1 if family == "mixtral" else [1, 0, 1, 1])
+    if layout == (2, 1, 2):
+        convert.hf_to_mcore(hf_dir, tmp_path / "st", tp=tp, pp=pp, ep=ep, **QUIET)
+        convert.reshard(tmp_path / "td", tmp_path / "td_to_st", tp=tp, pp=pp, ep=ep, fmt="safetensors", **QUIET)
+        _equal(_shards(tmp_path / "td_to_st"), _shards(tmp_path / "st"))
 
 
 def _dcp_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -279,6 +359,34 @@ class _RunsCode:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_singleton_local_shards_layout_is_one_line(tmp_path, llama_dir, capsys):
+    """megatron-core's singleton_local_shards layout splits each fc1 into weight_w / weight_v
+    (per-layer keys): not read, and said so in one line."""
+    from checkpoint_convert.dcp import DcpWriter
+
+    td = tmp_path / "td"
+    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    source = DcpReader(td / "release")
+    variant = tmp_path / "variant" / "release"
+    variant.mkdir(parents=True)
+    shutil.copy2(td / "release" / "common.pt", variant / "common.pt")
+    writer = DcpWriter(variant)
+    for key, info in source.tensors.items():
+        tensor = source.read(key)
+        for layer in range(info.shape[0]) if key.startswith("decoder.layers.") else [None]:
+            name = key if layer is None else key.replace("decoder.layers.", f"decoder.layers.{layer}.")
+            value = tensor if layer is None else tensor[layer]
+            parts = zip(("_w", "_v"), value.chunk(2)) if key.endswith("linear_fc1.weight") else [("", value)]
+            for suffix, part in parts:
+                writer.declare(name + suffix, shape=part.shape, dtype=part.dtype)
+                writer.write_chunk(name + suffix, part, offsets=(0,) * part.dim(), file="__0_0.distcp")
+    writer.finish()
+    (tmp_path / "variant" / "latest_checkpointed_iteration.txt").write_text("release")
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(tmp_path / "variant"), "--out", str(tmp_path / "back"),
+               "--hf-config", str(llama_dir))  # fmt: skip
+    assert "singleton_local_shards" in err and not (tmp_path / "back").exists()
 
 
 def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir, capsys):

@@ -5,7 +5,8 @@ into GPTModels built the way Megatron-LM builds them, at a different tp/pp than 
 their logits equal the HF model's. Producer side: a GPTModel the test fills itself is saved by
 dist_checkpointing.save in Megatron-LM's layout at tp2 pp2 (with megatron-core 0.19+ the common
 state inside the .distcp files, no common.pt); the converter turns it into an HF directory
-bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's.
+bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's; the same for a Qwen3-MoE
+saved at ep 2 (experts under megatron-core's global expert axis).
 """
 
 from __future__ import annotations
@@ -121,3 +122,92 @@ def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
         else:
             assert torch.equal(got, tensor), name
     assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL
+
+
+def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
+    """A Qwen3-MoE GPTModel (sequential experts, a dense layer between MoE layers) saved by
+    megatron-core at (tp, pp, dp, ep) = (1, 2, 2, 2): experts under megatron-core's sharded keys
+    with the global expert axis, per-layer keys (a list --moe-layer-freq makes the layers
+    non-homogeneous). The CLI converts it from Megatron's args alone, bit-exactly."""
+    from convert_helpers import save_tokenizer
+    from test_moe import qwen3_moe
+    from torch_dist_helpers import megatron_lm_moe_args
+
+    model = qwen3_moe(seed=5, num_layers=4)  # layers 0, 2, 3 MoE, layer 1 dense
+    hub = tmp_path / "hub"
+    model.save_pretrained(str(hub))  # the hub form: one tensor per expert and projection
+    save_tokenizer(hub)
+    config = json.loads((hub / "config.json").read_text())
+    tp, pp, ep, dp = 1, 2, 2, 2
+    args = megatron_lm_moe_args(config, tp=tp, pp=pp, ep=ep)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    save = tmp_path / "megatron_save"
+    job = {"tp": tp, "pp": pp, "ep": ep, "args": vars(args), "vocab_size": config["vocab_size"], "save": str(save),
+           "hf_weights": str(hub / "model.safetensors"), "tokens": str(tmp_path / "tokens.safetensors"),
+           "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(producer_rank, world_size=tp * pp * dp, job=job)
+    megatron = load_file(job["logits"])["logits"]
+    padded = args.padded_vocab_size
+
+    # megatron-core's layout, as saved: experts stacked on a global expert axis, fc1 [gate; up]
+    # per expert, the MoE layer's pre-MLP norm under the local spec's fused name.
+    stored = DcpReader(save / "iter_0000100").tensors
+    experts = "decoder.layers.{}.mlp.experts.experts.linear_fc{}.weight"
+    assert stored[experts.format(0, 1)].shape == (4, 2 * 24, 32) and stored[experts.format(3, 2)].shape == (4, 32, 24)
+    assert stored["decoder.layers.2.mlp.router.weight"].shape == (4, 32)
+    assert "decoder.layers.2.mlp.linear_fc1.layer_norm_weight" in stored and "decoder.layers.1.mlp.linear_fc1.weight" in stored
+    assert not any(key.startswith("decoder.layers.mlp") for key in stored) and experts.format(1, 1) not in stored
+    # The package's writer stores the same keys and shapes, plus the Transformer Engine spec's
+    # name of each MoE layer's pre-MLP norm.
+    hf_to_mcore(hub, tmp_path / "ours", tp=tp, pp=pp, ep=ep, fmt="torch_dist", log=lambda _m: None)
+    ours = DcpReader(tmp_path / "ours" / "release")
+    te_norms = {f"decoder.layers.{layer}.pre_mlp_layernorm.weight" for layer in (0, 2, 3)}
+    assert set(ours.tensors) == set(stored) | te_norms
+    assert all(ours.tensors[key].shape == info.shape for key, info in stored.items())
+    assert set(ours.objects) == {key for key in DcpReader(save / "iter_0000100").objects if not key.startswith("rng_state")}
+
+    from_args = tmp_path / "hf_from_args"
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(from_args)],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    exported = json.loads((from_args / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["mlp_only_layers"] == [1]
+    assert exported["num_experts"] == 4 and exported["moe_intermediate_size"] == 24 and exported["head_dim"] == 16
+    original, converted = load_file(str(hub / "model.safetensors")), open_hf_dir(from_args)
+    assert sorted(converted.names) == sorted(original)
+    for name, tensor in original.items():
+        got = converted.get(name)
+        if got.shape[0] == padded:  # embedding and head: real rows, then zero padding
+            assert torch.equal(got[:VOCAB_SIZE], tensor) and torch.count_nonzero(got[VOCAB_SIZE:]) == 0, name
+        else:
+            assert torch.equal(got, tensor), name
+    assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL
+
+
+def test_megatron_core_loads_our_moe_torch_dist_at_another_ep(tmp_path):
+    """The package's torch_dist of a Qwen3-MoE (every layer MoE, so megatron-core's stacked
+    layout; top-k of the softmax, not renormalised), written at (tp, pp, ep) = (2, 2, 1), experts
+    split over tp: megatron-core's dist_checkpointing.load reads it into a GPTModel at
+    (tp, pp, dp, ep) = (1, 2, 2, 2), and its logits equal the HF model's."""
+    from parity import _small_init
+    from test_moe import _COMMON
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**_COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)
+    model = _small_init(Qwen3MoeForCausalLM(config), 6).float().eval()
+    hf_dir = save_hf(model, tmp_path / "hf")
+    out = tmp_path / "torch_dist"
+    hf_to_mcore(hf_dir, out, tp=2, pp=2, ep=1, fmt="torch_dist", log=lambda _m: None)
+    assert DcpReader(out / "release").tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 48, 32)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    job = {"checkpoint": str(out / "release"), "tp": 1, "pp": 2, "ep": 2,
+           "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(consumer_rank, world_size=4, job=job)
+    megatron = load_file(job["logits"])["logits"]
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    assert (megatron[..., :VOCAB_SIZE] - reference).abs().max().item() <= TOL
+    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 
-def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int):
+def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -29,7 +29,10 @@ def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int):
     platform = platform_lib.detect(local_rank=rank)
     platform_lib.activate(platform)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     platform_lib.init_model_rng(platform, 0)
     return platform
 
@@ -48,11 +51,30 @@ def padded_vocab(vocab_size: int, *, divisor: int, tp: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
+def _moe_fields(args: Namespace) -> dict:
+    """Megatron-LM's MoE args as TransformerConfig fields (its core_transformer_config_from_args):
+    sequential experts, dropless all-to-all, no aux loss."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    from megatron.core import parallel_state
+
+    return dict(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_score_function=args.moe_router_score_function, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )  # fmt: skip
+
+
 def build_gpt(args: Namespace, *, vocab_size: int, platform):
-    """GPTModel for this rank, from Megatron-LM style args (as its gpt model provider does)."""
+    """GPTModel for this rank, from Megatron-LM style args (as its gpt model provider does:
+    the local layer spec, and for MoE models the decoder block spec of this stage)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     from mcore_dpo import platform as platform_lib
@@ -70,11 +92,17 @@ def build_gpt(args: Namespace, *, vocab_size: int, platform):
         pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, attention_softmax_in_fp32=True,
+        qk_layernorm=getattr(args, "qk_layernorm", False), **_moe_fields(args),
     )  # fmt: skip
+    if config.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=config.qk_layernorm)
     with platform_lib.building_models(platform):
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+            transformer_layer_spec=spec,
             vocab_size=padded_vocab(vocab_size, divisor=args.make_vocab_size_divisible_by, tp=tp),
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),
@@ -107,13 +135,13 @@ def _forward(model, tokens: torch.Tensor, *, hidden_size: int, out_path: str) ->
         group = parallel_state.get_tensor_model_parallel_group()
         parts = [torch.empty_like(output) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, output.contiguous(), group=group)
-        if parallel_state.get_tensor_model_parallel_rank() == 0:
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
             save_file({"logits": torch.cat(parts, dim=-1).contiguous()}, out_path)
 
 
 def consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
     """Load a torch_dist checkpoint with dist_checkpointing.load at this group's tp x pp, run it."""
-    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"], ep=job.get("ep", 1), etp=job.get("etp"))
     try:
         from megatron.core import dist_checkpointing
 
@@ -133,7 +161,7 @@ def training_consumer_rank(rank: int, world_size: int, port: int, job: dict) -> 
     (megatron-core's model-space keys `optimizer.state.<kind>.<model key>`, sharded like the
     model tensor) with dist_checkpointing.load at this group's tp x pp, save what was loaded
     (per rank) and the logits. `job["divisor"]` keeps the padded vocabulary of the writer."""
-    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"], ep=job.get("ep", 1), etp=job.get("etp"))
     try:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -194,6 +222,22 @@ def _fill_from_hf(model, hf: dict[str, torch.Tensor], args: Namespace) -> None:
                 values[name] = hf[p + "input_layernorm.weight"]
             elif suffix == "pre_mlp_layernorm.weight":
                 values[name] = hf[p + "post_attention_layernorm.weight"]
+            elif suffix.startswith("self_attention.") and suffix.split(".")[1] in ("q_layernorm", "k_layernorm"):
+                values[name] = hf[p + f"self_attn.{suffix.split('.')[1][0]}_norm.weight"]
+            elif suffix == "mlp.router.weight":
+                values[name] = hf[p + "mlp.gate.weight"]
+            elif suffix.startswith("mlp.experts.local_experts."):
+                # Expert-parallel rank r holds experts [r E/ep, (r+1) E/ep), split over expert tp.
+                local_expert, linear = suffix.split(".")[3], suffix.split(".")[4]
+                ep_rank = parallel_state.get_expert_model_parallel_rank()
+                e = ep_rank * (args.num_experts // parallel_state.get_expert_model_parallel_world_size()) + int(local_expert)
+                etp = parallel_state.get_expert_tensor_parallel_world_size()
+                et = parallel_state.get_expert_tensor_parallel_rank()
+                q = p + f"mlp.experts.{e}."
+                if linear == "linear_fc1":
+                    values[name] = torch.cat([hf[q + "gate_proj.weight"].chunk(etp, dim=0)[et], hf[q + "up_proj.weight"].chunk(etp, dim=0)[et]])
+                else:
+                    values[name] = hf[q + "down_proj.weight"].chunk(etp, dim=1)[et]
             elif suffix.startswith("self_attention.linear_qkv."):
                 kind = suffix.rsplit(".", 1)[1]
                 q = hf[p + f"self_attn.q_proj.{kind}"].reshape(groups, r * d, -1)
@@ -242,7 +286,7 @@ def megatron_lm_args(config: dict, *, tp: int, pp: int, divisor: int = 128) -> N
 def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
     """Fill a GPTModel from HF weights, save it with dist_checkpointing.save in Megatron-LM's
     layout (<save>/iter_0000100 + latest_checkpointed_iteration.txt), then run it."""
-    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"])
+    platform = _setup(rank, world_size, port, tp=job["tp"], pp=job["pp"], ep=job.get("ep", 1), etp=job.get("etp"))
     try:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing, parallel_state
@@ -255,13 +299,16 @@ def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
         model = build_gpt(args, vocab_size=job["vocab_size"], platform=platform)
         _fill_from_hf(model, hf, args)
         pp_rank, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         state = {
             "model": model.sharded_state_dict(),
             "args": args,
             "checkpoint_version": 3.0,
             "iteration": 100,
             # Training checkpoints carry more than the model; readers of the weights skip it.
-            "rng_state": ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}], (job["pp"], job["tp"]), (pp_rank, tp_rank), replica_id=0),
+            # (Per data-parallel rank, as Megatron-LM keeps it.)
+            "rng_state": ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}], (job["pp"], job["tp"], dp),
+                                       (pp_rank, tp_rank, dp_rank), replica_id=0),
         }
         iteration_dir = Path(job["save"]) / "iter_0000100"
         if rank == 0:
@@ -286,3 +333,27 @@ def spawn(fn, *, world_size: int, job: dict) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(fn, args=(world_size, port, job), nprocs=world_size, join=True)
+
+
+def megatron_lm_moe_args(config: dict, *, tp: int, pp: int, ep: int, divisor: int = 128) -> Namespace:
+    """Megatron-LM's args for a Qwen3-MoE config (its --num-experts, --moe-* and --qk-layernorm
+    flags; --moe-layer-freq as the list its parser makes of "([1]*N)" style values)."""
+    args = megatron_lm_args(config, tp=tp, pp=pp, divisor=divisor)
+    sparse = [0 if i in config.get("mlp_only_layers", []) else 1 for i in range(config["num_hidden_layers"])]
+    args.kv_channels = config["head_dim"]
+    args.qk_layernorm = True
+    args.num_experts = config.get("num_experts", config.get("num_local_experts"))
+    args.moe_router_topk = config["num_experts_per_tok"]
+    args.moe_ffn_hidden_size = config["moe_intermediate_size"]
+    args.moe_layer_freq = sparse if 0 in sparse else 1
+    args.moe_router_pre_softmax = not config["norm_topk_prob"]
+    args.moe_router_score_function = "softmax"
+    args.moe_router_load_balancing_type = "none"
+    args.moe_aux_loss_coeff = 0.0
+    args.moe_token_dispatcher_type = "alltoall"
+    args.moe_grouped_gemm = False
+    args.moe_router_enable_expert_bias = False
+    args.moe_shared_expert_intermediate_size = None
+    args.moe_router_topk_scaling_factor = None
+    args.expert_model_parallel_size = ep
+    return args
