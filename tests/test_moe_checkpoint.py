@@ -193,14 +193,6 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
                     other_out, cache=root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
-
-
-def _assert_close_rows(rows: list[dict], expected: list[dict]) -> None:
-    """Every metric of each step within RTOL of the expected row's."""
-    assert [row["step"] for row in rows] == [row["step"] for row in expected]
-    for row, want in zip(rows, expected):
-        for key, value in want.items():
-            assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
     # Read at ep 1 from the ep files and written again at step 3 in the ep-1 layout: the same
     # tensors under the same HF names (the evaluation after the step-4 sync is among the metrics).
     from checkpoint_convert.io import open_mcore_dir
@@ -210,6 +202,14 @@ def _assert_close_rows(rows: list[dict], expected: list[dict]) -> None:
     ours, theirs = open_mcore_dir(step2 / "reference").hf_view(), at_ep1.hf_view()
     for name in exported:
         assert torch.equal(theirs.get(name), ours.get(name)), f"reference resumed at ep 1: {name}"
+
+
+def _assert_close_rows(rows: list[dict], expected: list[dict]) -> None:
+    """Every metric of each step within RTOL of the expected row's."""
+    assert [row["step"] for row in rows] == [row["step"] for row in expected]
+    for row, want in zip(rows, expected):
+        for key, value in want.items():
+            assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
 
 
 def _files(directory: Path) -> dict[str, torch.Tensor]:
