@@ -3,10 +3,11 @@ and an exact resume.
 
 One uninterrupted run of 2 steps saves a checkpoint at step 1; its 8 ranks run as 8 Ray actors
 (processes of their own), and its losses equal those of the same command at tp 1 x pp 1 within
-1e-5. A copy of its step-1 checkpoint is then resumed with the same command. Step 2 and the exported weights must be bit-identical: the
-token-balanced split, the packed rows and the interleaved reference (step 1 carries one of
-step 2's reference forwards out of a step whose microbatch count differs; the resumed run
-recomputes it) are all functions of the data order, which the checkpoint's step fixes.
+1e-5. A copy of its step-1 checkpoint is then resumed with the same command. Step 2 and the
+exported weights must be bit-identical: the token-balanced split, the packed rows and the
+interleaved reference (step 1 carries one of step 2's reference forwards out of a step whose
+microbatch count differs; the resumed run recomputes it) are all functions of the data order,
+which the checkpoint's step fixes.
 Kept to the fewest steps and pairs that still change the microbatch count between the two
 steps, and without evaluation (`--data` given, so no held-out set is added).
 """
