@@ -84,8 +84,36 @@ def _adapt_megatron_for_cpu() -> None:
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
     torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment,misc]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    _import_megatron_without_compile()
     _adapt_moe_dispatcher_for_cpu()
     _ADAPTED = True
+
+
+def _import_megatron_without_compile() -> None:
+    """megatron-core wraps its fused elementwise functions in `torch.compile` as its modules load
+    (`megatron.core.jit.jit_fuser`), and the first `torch.compile` call imports TorchInductor:
+    seconds of CPU in every rank process, for functions the CPU path never calls (the model
+    config turns every fusion off). On the CPU, megatron-core is imported with `torch.compile`
+    handing each function back as it is, and its own switch then keeps the modules it loads
+    later uncompiled too (`disable_jit_fuser`). A process that imported megatron-core before
+    keeps it as it was."""
+    import sys
+
+    if "megatron.core.jit" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _uncompiled  # type: ignore[assignment]
+    try:
+        from megatron.core import jit
+    finally:
+        torch.compile = compile_  # type: ignore[assignment]
+    jit.disable_jit_fuser()
+
+
+def _uncompiled(model=None, **_options):
+    """`torch.compile` that compiles nothing: the function itself, or (called with options
+    only) a decorator that returns it."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def _adapt_moe_dispatcher_for_cpu() -> None:

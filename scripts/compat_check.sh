@@ -97,7 +97,7 @@ TESTS=(
   "tests/test_torch_dist_train.py::test_torch_dist_training_checkpoints"
   "tests/test_torch_dist_megatron.py::test_megatron_lm_checkpoint_converts_to_hf_bit_exactly"
   "scripts/compat_suite.py::test_parity_compat[tp1-pp2-dp2]"
-  "tests/test_ray_launch.py::test_tp4_pp2_equals_tp1_pp1"
+  "tests/test_packing_run.py::test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly"
   "tests/test_resume.py::test_exact_resume_after_kill"
   "tests/test_resume.py::test_kill_during_checkpoint_write"
   "scripts/compat_suite.py::test_parity_compat[tp2-pp2-dp1]"

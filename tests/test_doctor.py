@@ -174,16 +174,28 @@ def test_container_list_is_setup_py_without_the_container_stack():
 
 def test_cpu_platform_serves_megatron_cores_cuda_stream_calls():
     """megatron-core 0.19's DDP gradient sync waits on torch.cuda.current_stream(); on the CPU
-    the platform's stand-in answers it (in a fresh process: the adaptation is process-wide)."""
+    the platform's stand-in answers it (in a fresh process: the adaptation is process-wide).
+    The same process: activating the CPU platform imports megatron-core without TorchInductor
+    (its fused functions stay plain functions, its jit fuser is off), and torch.compile is
+    torch's own again afterwards."""
     code = (
-        "import torch\n"
+        "import sys, torch\n"
         "from mcore_dpo import platform\n"
+        "compile_ = torch.compile\n"
+        "f = lambda x: x\n"
+        "assert platform._uncompiled(f) is f and platform._uncompiled(mode='default')(f) is f\n"
         "p = platform.detect()\n"
         "assert not p.is_cuda\n"
         "platform.activate(p)\n"
         "s = torch.cuda.current_stream()\n"
         "s.wait_event(None); s.wait_stream(s); s.synchronize()\n"
         "assert torch.cuda.current_device() == torch.device('cpu')\n"
+        "assert 'megatron.core.jit' in sys.modules and torch.compile is compile_\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.transformer.utils import gelu_impl\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "assert jit.jit_fuser is jit.noop_decorator and type(gelu_impl).__name__ == 'function'\n"
+        "assert not [m for m in sys.modules if m.startswith('torch._inductor')], 'TorchInductor was imported'\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
