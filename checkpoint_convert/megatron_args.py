@@ -93,12 +93,12 @@ def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
     """Megatron-LM's --moe-* args of a MoE model: the routing of the HF model (mapping's
     moe_transformer_fields), sequential experts. moe_layer_freq is 1 when every layer is MoE
     (megatron-core then stacks the layers), else the 0/1 list (per-layer keys)."""
+    from checkpoint_convert.families.base import moe_layer_freq
     from checkpoint_convert.mapping import expert_tp_size
 
-    pattern = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
     return dict(
         moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_intermediate_size,
-        moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not spec.moe_norm_topk,
+        moe_layer_freq=moe_layer_freq(spec), moe_router_pre_softmax=not spec.moe_norm_topk,
         moe_router_score_function="softmax", moe_router_dtype="fp32", moe_router_enable_expert_bias=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,

@@ -22,9 +22,9 @@ dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's 
 With experts the same holds, the experts under megatron-core's global expert axis: at ep > 1
 each ep rank holds other experts, replicated over the expert-data-parallel group, so every rank
 takes the whole state of its own parameters (`whole_state`) and megatron-core writes each tensor
-from its main replica (expert-data-parallel rank 0 for the experts). The trainer's model passes
-`moe_layer_freq` as a list, so megatron-core saves per-layer keys (`decoder.layers.N....`), and
-the args say so.
+from its main replica (expert-data-parallel rank 0 for the experts). The model's `moe_layer_freq`
+(families.base.moe_layer_freq) and the args agree: 1 when every layer is MoE, so megatron-core
+stacks the layers as Megatron-LM's default expects, else the 0/1 list and per-layer keys.
 
 Reading back (resume) never uses `dist_checkpointing.load`, which unpickles without
 restriction: checkpoint_convert's torch_dist reader (restricted unpickler) presents each part
@@ -63,8 +63,6 @@ def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, g
 
     args = model_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
                       vocab_divisor=128, dtype=dtype)  # fmt: skip
-    if spec.num_experts:  # the trainer's model passes moe_layer_freq as a list: per-layer keys
-        args.moe_layer_freq = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
     args.data_parallel_size = dp
     args.world_size = tp * pp * dp
     args.iteration = step

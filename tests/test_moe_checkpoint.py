@@ -291,8 +291,10 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
 
     iter_dir = out / "checkpoints" / "iter_0000002"
     stored = DcpReader(iter_dir).tensors
-    assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == (4, 48, 32)
-    assert stored["optimizer.state.exp_avg.decoder.layers.1.mlp.experts.experts.linear_fc2.weight"].shape == (4, 32, 24)
+    # Every layer is MoE: megatron-core stacks the layers (Megatron-LM's default moe_layer_freq 1).
+    assert stored["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 48, 32)
+    assert stored["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape == (2, 4, 32, 24)
+    assert not any(key.startswith("decoder.layers.1.") for key in stored)
     safetensors = run["out"] / "checkpoints" / "step_00000002"
     for kind, directory in (("model", "model"), ("exp_avg", "optim/exp_avg"), ("exp_avg_sq", "optim/exp_avg_sq")):
         ours, theirs = open_part(iter_dir, kind), open_weights(str(safetensors / directory))

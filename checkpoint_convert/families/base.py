@@ -212,5 +212,14 @@ def moe_transformer_fields(spec: ModelSpec) -> dict:
         "moe_permute_fusion": False,
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
-        "moe_layer_freq": [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)],
+        "moe_layer_freq": moe_layer_freq(spec),
     }
+
+
+def moe_layer_freq(spec: ModelSpec) -> int | list[int]:
+    """megatron-core's `moe_layer_freq` of a MoE model: 1 when every layer is MoE, else the 0/1
+    list. It also picks the torch_dist key layout: with 1 megatron-core stacks the layers
+    (`decoder.layers.mlp....` [L, ...], what Megatron-LM's default expects), with a list it saves
+    per-layer keys (`decoder.layers.N.mlp....`)."""
+    pattern = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
+    return 1 if all(pattern) else pattern
