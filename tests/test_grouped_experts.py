@@ -99,8 +99,10 @@ def test_the_flag_on_a_dense_model_is_one_line():
     from mcore_dpo.config import ConfigError, TrainConfig
 
     with pytest.raises(ConfigError, match=r"^moe_grouped_gemm: m/config.json describes a dense model \(no experts\)$"):
-        TrainConfig(moe_grouped_gemm=True).resolve_moe_aux_loss_coef(num_experts=0, default=0.0, source="m/config.json")
-    assert TrainConfig(moe_grouped_gemm=False).resolve_moe_aux_loss_coef(num_experts=0, default=0.0, source="m") == 0.0
+        TrainConfig(moe_grouped_gemm=True).check_moe_grouped_gemm(num_experts=0, source="m/config.json")
+    for config, num_experts in ((TrainConfig(moe_grouped_gemm=False), 0), (TrainConfig(), 0),
+                                (TrainConfig(moe_grouped_gemm=True), 4)):
+        config.check_moe_grouped_gemm(num_experts=num_experts, source="m/config.json")  # no error
 
 
 def test_lora_refuses_grouped_experts_in_one_line():
