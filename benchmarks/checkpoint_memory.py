@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, port: int, config: dict, steps: int, data: dict
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
+        from mcore_dpo.model import open_weights, shard_names
         from mcore_dpo.worker import PolicyWorker, StepBatch
 
         cfg = TrainConfig(**config)
@@ -82,7 +82,8 @@ def _rank(rank: int, world: int, port: int, config: dict, steps: int, data: dict
         _reset_peak()
         worker.save_checkpoint(str(Path(out_dir, "checkpoint")), step=steps)
         save_peak = common.peak_rss_bytes()
-        own = {n: p.numel() * 4 for n, p in worker.policy.module.named_parameters()}  # fp32 bytes of one kind
+        # fp32 bytes of one kind, by file name (sequential experts' `local_experts.{i}`, whatever ran)
+        own = {n: p.numel() * 4 for n, p in shard_names(dict(worker.policy.module.named_parameters())).items()}
         result = {
             "coordinates": worker.coordinates(),
             "rss_after_step_bytes": rss_after_step,

@@ -343,11 +343,14 @@ class TrainConfig:
             raise ConfigError(f"moe_aux_loss_coef: must be >= 0, got {coef}")
         if coef and not num_experts:
             raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
-        if self.moe_grouped_gemm and not num_experts:
-            raise ConfigError(f"moe_grouped_gemm: {source} describes a dense model (no experts)")
         if coef and self.packing:  # unset: decide_packing falls back to padded microbatches
             raise ConfigError(f"packing: cannot serve {MOE_AUX_UNSERVED}; use --no-packing or --moe-aux-loss-coef 0")
         return coef
+
+    def check_moe_grouped_gemm(self, *, num_experts: int, source: str) -> None:
+        """--moe-grouped-gemm needs experts: refused (ConfigError) for a dense model (`source`: its config)."""
+        if self.moe_grouped_gemm and not num_experts:
+            raise ConfigError(f"moe_grouped_gemm: {source} describes a dense model (no experts)")
 
     def _validate_expert_parallel(self) -> None:
         if self.ep <= 0:

@@ -245,8 +245,7 @@ def live_names(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
 def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
     """Copy a stage shard (megatron-core parameter names, experts as `local_experts.{i}` whatever
     the model's experts are) into the model; key sets must match."""
-    shard = live_names(model, shard)
-    params = dict(model.named_parameters())
+    params = shard_names(dict(model.named_parameters()))  # reported by the shard's (file) names
     missing = sorted(set(params) - set(shard))
     extra = sorted(set(shard) - set(params))
     if missing or extra:

@@ -72,6 +72,7 @@ def prepare(config: TrainConfig) -> Prepared:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
+    config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
         num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
     config, packing_note = config.decide_packing()  # on by default, unless a mode it does not serve is on
@@ -258,6 +259,18 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
     return out
 
 
+def _record_experts(prep: Prepared, kinds: set[str | None], *, out: Path) -> None:
+    """config.yaml says which experts ran (the ranks decide: Transformer Engine is theirs), as it
+    says whether packing ran: moe_grouped_gemm true or false for a MoE model whatever was asked
+    (the note the ranks sent says why a request was not met); a dense model's stays unset."""
+    if kinds == {None}:
+        return
+    ran = kinds == {"grouped"}
+    if prep.config.moe_grouped_gemm is not ran:
+        prep.config = replace(prep.config, moe_grouped_gemm=ran)
+        write_resolved(prep.config, str(out))
+
+
 def _attempt(prep: Prepared, *, out: Path, log) -> None:
     """Build the worker group, resume from the latest checkpoint if any, train to the end."""
     from mcore_dpo.worker import PolicyWorker, ReferenceWorker, StepBatch
@@ -279,8 +292,10 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
         group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep,
                              resume_dir=str(resume_dir) if resume_dir else None)
-        for note in sorted({note for _, note in group.call("experts") if note}):
+        experts = group.call("experts")
+        for note in sorted({note for _, note in experts if note}):
             log(note)  # grouped GEMM experts expected but not possible on the ranks
+        _record_experts(prep, {kind for kind, _ in experts}, out=out)
         workers = {}
         for g in (ref_group, group):
             if g is not None:

@@ -15,5 +15,15 @@ def with_fault(env: dict, fault: str | None) -> dict:
     env.pop("MCORE_DPO_FAULT", None)
     if fault:
         env["MCORE_DPO_FAULT"] = fault
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULT_HOOKS_DIR), env.get("PYTHONPATH")) if p)
+        env = _with_hooks_dir(env)
     return env
+
+
+def with_grouped_standin(env: dict) -> dict:
+    """Environment for a CPU run whose MoE experts are fault_hooks/grouped_standin.py's stand-in
+    for megatron-core's grouped GEMM experts."""
+    return _with_hooks_dir(dict(env, MCORE_DPO_GROUPED_STANDIN="1"))
+
+
+def _with_hooks_dir(env: dict) -> dict:
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(FAULT_HOOKS_DIR), env.get("PYTHONPATH")) if p))

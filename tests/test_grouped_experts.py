@@ -32,7 +32,8 @@ def _module_with(params: dict[str, torch.Tensor]) -> torch.nn.Module:
 def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
     """A model whose parameters carry the grouped names (Qwen3-MoE, TE spec, tp 2, stage 0 of pp 2,
     ep rank 1 of ep) loads the shard as the converter writes it, and its tensors under shard names
-    are that shard, bit for bit; a name it lacks is one error naming both sides."""
+    are that shard, bit for bit; a shard that lacks an expert's tensor, or has one too many, is one
+    error naming the tensor as the shard does (the sequential experts' name)."""
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     hub = _hub_tensors(model)
@@ -46,8 +47,13 @@ def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
     assert set(live_names(grouped, shard)) == {n for n, _ in grouped.named_parameters()}
     missing = dict(shard)
     missing.pop("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
-    with pytest.raises(ValueError, match=r"missing \['decoder.layers.0.mlp.experts.linear_fc2.weight0'\]"):
+    with pytest.raises(ValueError, match=r"missing \['decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight'\], "
+                                         r"unexpected \[\]$"):
         load_shard(grouped, missing)
+    extra = dict(shard, **{"decoder.layers.0.mlp.experts.local_experts.9.linear_fc2.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['decoder.layers.0.mlp.experts.local_experts.9."
+                                         r"linear_fc2.weight'\]$"):
+        load_shard(grouped, extra)
 
 
 def test_a_sequential_model_is_unchanged_by_the_boundary():
@@ -93,8 +99,10 @@ def test_the_flag_on_a_dense_model_is_one_line():
     from mcore_dpo.config import ConfigError, TrainConfig
 
     with pytest.raises(ConfigError, match=r"^moe_grouped_gemm: m/config.json describes a dense model \(no experts\)$"):
-        TrainConfig(moe_grouped_gemm=True).resolve_moe_aux_loss_coef(num_experts=0, default=0.0, source="m/config.json")
-    assert TrainConfig(moe_grouped_gemm=False).resolve_moe_aux_loss_coef(num_experts=0, default=0.0, source="m") == 0.0
+        TrainConfig(moe_grouped_gemm=True).check_moe_grouped_gemm(num_experts=0, source="m/config.json")
+    for config, num_experts in ((TrainConfig(moe_grouped_gemm=False), 0), (TrainConfig(), 0),
+                                (TrainConfig(moe_grouped_gemm=True), 4)):
+        config.check_moe_grouped_gemm(num_experts=num_experts, source="m/config.json")  # no error
 
 
 def test_lora_refuses_grouped_experts_in_one_line():

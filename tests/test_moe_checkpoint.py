@@ -26,6 +26,9 @@ the converter's ep layout are written by the dp-1 ranks from experts sent to the
   gives (from the step-2 reference and the final policy) within 1e-5, at ep 2 and, through the
   metrics above, after the resume at ep 1.
 
+The same run with grouped GEMM experts (a CPU stand-in carrying megatron-core's TEGroupedMLP
+parameter names) writes the same files, names and bytes, and resumes bit for bit.
+
 The same run with `--save-format torch_dist` (Megatron-LM's format, without TR-DPO, which it does
 not store) trains identically up to step 2, its step-2 checkpoint holds the same masters and
 moments bit for bit, and it resumes the same way.
@@ -46,6 +49,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 from convert_helpers import save_hf  # noqa: E402
+from faults import with_grouped_standin  # noqa: E402
 from test_moe import qwen3_moe  # noqa: E402
 
 from mcore_dpo.even_passes import even_passes  # noqa: E402
@@ -92,8 +96,10 @@ def run(tmp_path_factory) -> dict:
     return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref}
 
 
-def _train(args: list[str], out: Path, *, cache: Path) -> subprocess.CompletedProcess:
+def _train(args: list[str], out: Path, *, cache: Path, grouped_standin: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
+    if grouped_standin:
+        env = with_grouped_standin(env)
     return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -210,6 +216,35 @@ def _assert_close_rows(rows: list[dict], expected: list[dict]) -> None:
     for row, want in zip(rows, expected):
         for key, value in want.items():
             assert abs(row[key] - value) <= RTOL * max(1.0, abs(value)), (row["step"], key, row[key], value)
+
+
+def test_grouped_experts_write_and_resume_as_sequential_experts_bit_for_bit(run, tmp_path):
+    """The run above with grouped experts (tests/fault_hooks/grouped_standin.py: megatron-core's
+    TEGroupedMLP parameter names, `linear_fc1.weight{i}`, around the sequential experts'
+    arithmetic) through the worker's translation paths at ep 2 with the sharded optimizer
+    (DDP and the optimizer over `weight{i}`, the ep layout's writes, the hf/ export, the load
+    of a checkpoint): the same metrics and the same files, names and bytes, as sequential
+    experts; resumed from its step-2 checkpoint, steps 3-4 again bit for bit."""
+    out = tmp_path / "grouped"
+    result = _train([*run["args"], *TRDPO, *TP2_EP2], out, cache=run["root"] / "cache", grouped_standin=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "moe_grouped_gemm: true" in (out / "config.yaml").read_text().splitlines()
+    sequential_rows = _metrics(run["out"])
+    assert _metrics(out) == sequential_rows
+    for part in ("checkpoints/step_00000002", "checkpoints/final", "hf"):
+        want, got = _files(run["out"] / part), _files(out / part)
+        assert want and got.keys() == want.keys(), part
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{part}/{key}"
+    assert any("/exp_avg" in key or key.startswith("exp_avg") for key in _files(out / "checkpoints/step_00000002")), \
+        "no optimizer moments in the checkpoint"
+    resumed_out = _resume_from_step2(out, tmp_path / "grouped_resumed")
+    result = _train([*run["args"], *TRDPO, *TP2_EP2], resumed_out, cache=run["root"] / "cache", grouped_standin=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert _metrics(resumed_out) == sequential_rows[3:]
+    want, got = _files(run["out"] / "hf"), _files(resumed_out / "hf")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _files(directory: Path) -> dict[str, torch.Tensor]:

@@ -88,6 +88,11 @@ def test_unsupported_architecture(capsys, hf_model, good_data, tmp_path):
     assert "GPT2LMHeadModel" in err and "config.json" in err, err
 
 
+def test_grouped_gemm_experts_on_a_dense_model(capsys, hf_model, good_data, tmp_path):
+    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--moe-grouped-gemm", "--output-dir", str(tmp_path / "o")])
+    assert err.endswith(f"moe_grouped_gemm: {hf_model / 'config.json'} describes a dense model (no experts)"), err
+
+
 def test_data_row_without_chosen(capsys, hf_model, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "w3", "chosen": " w4", "rejected": " w5"}) + "\n"

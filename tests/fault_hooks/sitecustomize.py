@@ -7,6 +7,9 @@ Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_
     "hang:2"    makes rank 0 stop responding at the start of step 2 (its peers time out)
 
 Each fault fires once per run directory (a marker file remembers it).
+
+MCORE_DPO_GROUPED_STANDIN=1 installs grouped_standin.py: MoE runs on the CPU get a
+stand-in for megatron-core's grouped GEMM experts (TEGroupedMLP's parameter names).
 """
 
 import os
@@ -40,5 +43,14 @@ def _install(spec: str) -> None:
 if os.environ.get("MCORE_DPO_FAULT"):
     try:
         _install(os.environ["MCORE_DPO_FAULT"])
+    except ImportError:  # a helper process of Ray's without the project on its path
+        pass
+
+if os.environ.get("MCORE_DPO_GROUPED_STANDIN") == "1":
+    # Before the worker imports build_stage_model by name (grouped_standin.py says what it does).
+    try:
+        from grouped_standin import install as _install_grouped_standin
+
+        _install_grouped_standin()
     except ImportError:  # a helper process of Ray's without the project on its path
         pass
