@@ -177,14 +177,8 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
 
     # Resume from step 2 at the same layout: bit-identical.
     resumed_out = _resume_from_step2(out, tmp_path / "resumed")
-    result = _train([*run["args"], *TRDPO, *TP2_EP2, "--save-interval", "1"], resumed_out, cache=root / "cache")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from" in result.stdout
-    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
-    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
-    assert theirs.keys() == resumed.keys()
-    for name in theirs:
-        assert torch.equal(theirs[name], resumed[name]), name
+    _assert_resumes_bit_identically([*run["args"], *TRDPO, *TP2_EP2, "--save-interval", "1"], out, resumed_out,
+                                    cache=root / "cache")
     # The reference read back from step 2 and written again at step 3: the same bytes.
     written = _files(step2 / "reference")
     rewritten = _files(resumed_out / "checkpoints" / "step_00000003" / "reference")
@@ -291,6 +285,20 @@ def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names
     assert moved == len(names)  # every tensor moved, the experts of both ep ranks among them
 
 
+def _assert_resumes_bit_identically(args: list[str], out: Path, resumed_out: Path, *, cache: Path) -> None:
+    """Trained with `args` from the step-2 checkpoint copied into `resumed_out`: steps 3-4 and the
+    exported weights are bit-identical to the uninterrupted run in `out`."""
+    result = _train(args, resumed_out, cache=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    by_step = {row["step"]: row for row in _metrics(out)}
+    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
+    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
+    assert theirs.keys() == resumed.keys()
+    for name in theirs:
+        assert torch.equal(theirs[name], resumed[name]), name
+
+
 def _resume_from_step2(out: Path, resumed_out: Path, *, name: str = "step_00000002") -> Path:
     (resumed_out / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / name, resumed_out / "checkpoints" / name)
@@ -345,14 +353,7 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
 
     # Resume from the torch_dist checkpoint at the same layout: bit-identical.
     resumed_out = _resume_from_step2(out, tmp_path / "resumed", name="iter_0000002")
-    result = _train([*run["args"], *TP2_EP2, *torch_dist], resumed_out, cache=root / "cache")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from" in result.stdout
-    assert _metrics(resumed_out) == [by_step[3], by_step[4]]
-    theirs, resumed = _tensors(out / "hf"), _tensors(resumed_out / "hf")
-    assert theirs.keys() == resumed.keys()
-    for name in theirs:
-        assert torch.equal(theirs[name], resumed[name]), name
+    _assert_resumes_bit_identically([*run["args"], *TP2_EP2, *torch_dist], out, resumed_out, cache=root / "cache")
 
     # At tp 1, ep 1 with the replicated optimizer: within 1e-5; it writes a torch_dist
     # checkpoint at ep 1 (step 3), which the converter reads into an HF model transformers loads.

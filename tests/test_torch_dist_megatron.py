@@ -72,6 +72,17 @@ def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory,
     assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
 
 
+def _assert_same_weights(converted, original: dict[str, torch.Tensor], *, padded: int) -> None:
+    """Every tensor of `original` bit for bit in `converted` (an HF view); the embedding and head
+    have their real rows, then zero rows up to the padded vocabulary."""
+    for name, tensor in original.items():
+        got = converted.get(name)
+        if got.shape[0] == padded:
+            assert torch.equal(got[:VOCAB_SIZE], tensor) and torch.count_nonzero(got[VOCAB_SIZE:]) == 0, name
+        else:
+            assert torch.equal(got, tensor), name
+
+
 def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
     model = llama_gqa_untied()
     hf_dir = save_hf(model, tmp_path / "hf")
@@ -115,12 +126,7 @@ def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
     exported = json.loads((from_args / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLM"] and exported["vocab_size"] == padded
     converted = open_hf_dir(from_args)
-    for name, tensor in original.items():
-        got = converted.get(name)
-        if got.shape[0] == padded:  # embedding and head: real rows, then zero padding
-            assert torch.equal(got[:VOCAB_SIZE], tensor) and torch.count_nonzero(got[VOCAB_SIZE:]) == 0, name
-        else:
-            assert torch.equal(got, tensor), name
+    _assert_same_weights(converted, original, padded=padded)
     assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL
 
 
@@ -177,12 +183,7 @@ def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
     assert exported["num_experts"] == 4 and exported["moe_intermediate_size"] == 24 and exported["head_dim"] == 16
     original, converted = load_file(str(hub / "model.safetensors")), open_hf_dir(from_args)
     assert sorted(converted.names) == sorted(original)
-    for name, tensor in original.items():
-        got = converted.get(name)
-        if got.shape[0] == padded:  # embedding and head: real rows, then zero padding
-            assert torch.equal(got[:VOCAB_SIZE], tensor) and torch.count_nonzero(got[VOCAB_SIZE:]) == 0, name
-        else:
-            assert torch.equal(got, tensor), name
+    _assert_same_weights(converted, original, padded=padded)
     assert (_hf_logits(from_args, tokens) - megatron).abs().max().item() <= TOL
 
 
