@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mcore_dpo.loss import PairLogps
+
 
 @dataclass
 class SequenceLogps:
@@ -168,3 +170,35 @@ def sequence_logps(
         sq = log_sum_sq_probs(logits, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
         out.wpo_log_weight = per_sequence((logp.detach() - sq) * mask) / num_tokens.clamp(min=1.0)
     return out
+
+
+def table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
+    """Reference summed log-probs of some pairs from a [pairs, 2] table, as a microbatch's
+    rows (chosen first, then rejected)."""
+    picked = table[rows]
+    return torch.cat([picked[:, 0], picked[:, 1]]).to(device)
+
+
+def pair_logps(
+    policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: int, positions: list[int]
+) -> PairLogps:
+    """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors; the
+    reference's summed log-probs are zero when there is no reference. `positions`: the pairs'
+    places in the global batch."""
+    ref = ref_logp_sum.detach() if ref_logp_sum is not None else torch.zeros_like(policy.logp_sum).detach()
+    wpo = policy.wpo_log_weight
+    return PairLogps(
+        chosen_logps=policy.logp_sum[:b],
+        rejected_logps=policy.logp_sum[b:],
+        ref_chosen_logps=ref[:b],
+        ref_rejected_logps=ref[b:],
+        chosen_num_tokens=policy.num_tokens[:b],
+        rejected_num_tokens=policy.num_tokens[b:],
+        chosen_logit_sum=policy.logit_sum[:b],
+        rejected_logit_sum=policy.logit_sum[b:],
+        # With LD-DPO the log-probs are weighted; sft keeps the plain NLL.
+        chosen_nll_sum=None if policy.plain_logp_sum is None else -policy.plain_logp_sum[:b],
+        chosen_wpo_log_weight=None if wpo is None else wpo[:b],
+        rejected_wpo_log_weight=None if wpo is None else wpo[b:],
+        pair_index=torch.tensor(positions, dtype=torch.long, device=policy.logp_sum.device),
+    )

@@ -21,9 +21,9 @@ from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.data import Microbatch, TokenizedPair, collate, eval_passes, padded_seq_len, seq_len_multiple
+from mcore_dpo.data import Microbatch, TokenizedPair, collate, padded_seq_len, seq_len_multiple
 from mcore_dpo.even_passes import even_passes
-from mcore_dpo.logprobs import LogpsOptions, SequenceLogps
+from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, pair_logps, table_rows
 from mcore_dpo.loss import (METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics, metric_sum_vector,
                             pair_losses)
 from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
@@ -32,10 +32,11 @@ from mcore_dpo.moe_step import MoeStep
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
                              open_weights, shard_names)
 from mcore_dpo.optim import CpuOptimizer, lr_at
-from mcore_dpo.packing import collate_packed, eval_microbatches, pair_tokens, plan_packed_step, step_token_stats
+from mcore_dpo.packing import collate_packed, plan_packed_step, step_token_stats
 from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
 from mcore_dpo.schedule import build_plan
 from mcore_dpo.worker_checkpoint import PolicyCheckpointing
+from mcore_dpo.worker_eval import PolicyEvaluation
 from mcore_dpo.zero import ShardedOptimizer
 
 
@@ -214,7 +215,7 @@ class ReferenceWorker(_Rank):
         return table.cpu() if self.mesh.returns_result else None
 
 
-class PolicyWorker(PolicyCheckpointing, _Rank):
+class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
@@ -418,7 +419,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
             positions = groups[mb]
-            pl = _pair_logps(logps, self._current_ref(batch, positions, ctx.ref_logps.pop((0, mb), None)),
+            pl = pair_logps(logps, self._current_ref(batch, positions, ctx.ref_logps.pop((0, mb), None)),
                              b=len(positions), positions=positions)
             kwargs = dict(spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global,
                           sort=sort)
@@ -526,9 +527,9 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         """Reference summed log-probs of this batch's pairs at `positions` (rows chosen, then
         rejected), from wherever this run keeps them; None when there is no reference."""
         if batch.ref_logps is not None:
-            return _table_rows(batch.ref_logps, positions, device=self.platform.device)
+            return table_rows(batch.ref_logps, positions, device=self.platform.device)
         if self._ref_by_pair is not None:
-            return _table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
+            return table_rows(self._ref_by_pair, [batch.pair_ids[i] for i in positions], device=self.platform.device)
         if stored is None and self.reference is not None:  # a plan bug, never a zero reference
             raise RuntimeError(f"reference log-probs of pairs {positions[:3]}... were not computed")
         return stored.logp_sum if stored is not None else None
@@ -557,7 +558,7 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         for mb, logps in policy_rows.items():
             positions = groups[mb]
             stored = refs.get((0, mb)) if with_reference else self._ref_next.get(mb)
-            parts[mb] = _pair_logps(logps, self._current_ref(batch, positions, stored), b=len(positions),
+            parts[mb] = pair_logps(logps, self._current_ref(batch, positions, stored), b=len(positions),
                                     positions=positions)
         return self._global_sort(parts, num_pairs=len(batch.pairs), spec=spec), refs
 
@@ -584,78 +585,6 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         for name, param in self.reference.named_parameters():
             param.mul_(1.0 - alpha).add_(policy[name].detach(), alpha=alpha)
 
-    # ------------------------------------------------------------------ forward-only passes
-    @torch.no_grad()
-    def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
-        """Policy and reference forward over EVERY held-out pair (in global-batch chunks, the last
-        one possibly partial; see `eval_passes`); metrics are means over all of them. The
-        reference log-probs come from `ref_logps` ([pairs, 2], separate mode), the table
-        precomputed for these pairs, or the colocated reference model."""
-        if self.config.lora:  # held-out metrics without adapter dropout
-            with lora.mode(self.policy.module, "eval"):
-                return self._evaluate(pairs, ref_logps)
-        return self._evaluate(pairs, ref_logps)
-
-    def _evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None) -> dict[str, float] | None:
-        if ref_logps is None:
-            ref_logps = self._ref_eval
-        config = self.config
-        spec = config.loss_spec()
-        sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
-        # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
-        num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
-        costs = [pair_tokens(p) for p in pairs] if self.packing else None
-
-        def passes_of(dp_rank: int) -> list:
-            passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=self.layout.dp,
-                                 dp_rank=dp_rank, micro_batch_size=config.micro_batch_size)
-            if self.packing:  # each chunk's share in packed rows, split by tokens as a training step
-                passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
-            return passes
-
-        if self.layout.ep > 1:  # the same forwards on every rank; the dummies' results are dropped
-            passes = even_passes([passes_of(r) for r in range(self.layout.dp)], dp_rank=self.mesh.dp_rank)
-        else:
-            passes = [(chunk, groups, len(groups)) for chunk, groups in passes_of(self.mesh.dp_rank)]
-        parts: list[PairLogps] = []
-        for chunk, groups, num_real in passes:
-            if self.packing:
-                mbs = [collate_packed([pairs[i] for i in ids], pad_token_id=self.pad_token_id,
-                                      multiple=self.seq_multiple) for ids in groups]
-            else:
-                seq_len = padded_seq_len([pairs[i] for i in chunk], multiple=self.seq_multiple)
-                mbs = [collate([pairs[i] for i in ids], pad_token_id=self.pad_token_id, seq_len=seq_len)
-                       for ids in groups]
-            ctx = self._context({0: mbs}, forward_only=True)
-
-            def loss_fn(mb: int, logps: SequenceLogps, groups=groups, ctx=ctx, num_real=num_real) -> torch.Tensor:
-                ids = groups[mb]
-                if ref_logps is not None:
-                    ref = _table_rows(ref_logps, ids, device=self.platform.device)
-                else:
-                    ref = ctx.ref_logps.pop((0, mb)).logp_sum if self.reference is not None else None
-                if mb < num_real:
-                    parts.append(_pair_logps(logps, ref, b=len(ids), positions=ids))
-                return torch.zeros(())
-
-            ctx.loss_fn = loss_fn
-            ops = forward_only_ops(
-                mesh=self.mesh, num_microbatches=len(mbs), policy=True,
-                reference=self.reference is not None and ref_logps is None,
-            )  # fmt: skip
-            run_ops(ops, ctx)
-        if self.mesh.is_last_stage:
-            # aot sorts over the whole held-out set: the metrics wait for every microbatch.
-            sort = (self._global_sort({i: pl for i, pl in enumerate(parts)}, num_pairs=num_pairs, spec=spec)
-                    if spec.needs_batch_sort else None)
-            for pl in parts:
-                sums.add_(metric_sum_vector(pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens,
-                                            sort=sort))
-        metrics = self._reduce_metrics(sums, spec=spec)
-        if metrics is None:
-            return None
-        return {f"eval/{k}": v for k, v in metrics.items()}
-
     def precompute_reference(self, pairs: Sequence[TokenizedPair], eval_pairs: Sequence[TokenizedPair] = ()) -> None:
         """`--ref-mode precomputed`: one forward-only reference pass over the data set (and the
         held-out pairs); the last stage keeps the log-probs, then the reference is released."""
@@ -674,34 +603,3 @@ class PolicyWorker(PolicyCheckpointing, _Rank):
         return shard_names({n: p.main_grad.detach().to("cpu", copy=True)
                             for n, p in self.policy.module.named_parameters() if p.requires_grad})
 
-
-def _table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
-    """Reference summed log-probs of some pairs from a [pairs, 2] table, as a microbatch's
-    rows (chosen first, then rejected)."""
-    picked = table[rows]
-    return torch.cat([picked[:, 0], picked[:, 1]]).to(device)
-
-
-def _pair_logps(
-    policy: SequenceLogps, ref_logp_sum: torch.Tensor | None, *, b: int, positions: list[int]
-) -> PairLogps:
-    """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors; the
-    reference's summed log-probs are zero when there is no reference. `positions`: the pairs'
-    places in the global batch."""
-    ref = ref_logp_sum.detach() if ref_logp_sum is not None else torch.zeros_like(policy.logp_sum).detach()
-    wpo = policy.wpo_log_weight
-    return PairLogps(
-        chosen_logps=policy.logp_sum[:b],
-        rejected_logps=policy.logp_sum[b:],
-        ref_chosen_logps=ref[:b],
-        ref_rejected_logps=ref[b:],
-        chosen_num_tokens=policy.num_tokens[:b],
-        rejected_num_tokens=policy.num_tokens[b:],
-        chosen_logit_sum=policy.logit_sum[:b],
-        rejected_logit_sum=policy.logit_sum[b:],
-        # With LD-DPO the log-probs are weighted; sft keeps the plain NLL.
-        chosen_nll_sum=None if policy.plain_logp_sum is None else -policy.plain_logp_sum[:b],
-        chosen_wpo_log_weight=None if wpo is None else wpo[:b],
-        rejected_wpo_log_weight=None if wpo is None else wpo[b:],
-        pair_index=torch.tensor(positions, dtype=torch.long, device=policy.logp_sum.device),
-    )
