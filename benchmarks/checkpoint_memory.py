@@ -107,10 +107,7 @@ def _rank(rank: int, world: int, port: int, config: dict, steps: int, data: dict
 
 def measure(model: Path, *, layout: str, steps: int, seq_len: int, mmap_threshold: int, out_dir: Path) -> list[dict]:
     """One fresh pair of ranks at `layout` (tp x dp x ep): per rank, its figures."""
-    import torch.multiprocessing as mp
-
     tp, dp, ep = (int(x) for x in layout.split("x"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     gbs = 4
     config = dict(model=str(model), ref_model=str(model), tp=tp, dp=dp, ep=ep, micro_batch_size=1,
                   global_batch_size=gbs, max_steps=steps, max_length=seq_len, ref_mode="interleaved",
@@ -122,21 +119,10 @@ def measure(model: Path, *, layout: str, steps: int, seq_len: int, mmap_threshol
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     try:
         port = common.free_port()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, config, steps, data, str(out_dir))) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=1200)
+        return common.spawn_ranks(_rank, lambda r: (r, 2, port, config, steps, data, str(out_dir)), world_size=2,
+                                  out_dir=out_dir, timeout_s=1200)
     finally:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    errors = sorted(out_dir.glob("error_rank*.txt"))
-    if errors or any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        raise RuntimeError(errors[0].read_text() if errors else f"a rank failed: {[p.exitcode for p in procs]}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def run(*, shape: dict, layouts: list[str], repeats: int, steps: int, seq_len: int, mmap_threshold: int,

@@ -292,6 +292,21 @@ def run_ranks(*, world_size: int, jobs: list[RankJob], data: dict, out_dir: Path
     """Spawn `world_size` gloo rank processes that run `jobs` in order; returns, per rank, one
     result dict per job. Peak RSS is per process, so jobs that compare memory must each get
     their own call."""
+    ports: list[int] = []
+    while len(ports) < len(jobs):
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    job_dicts = [asdict(j) for j in jobs]
+    return spawn_ranks(_rank_main, lambda r: (r, world_size, ports, job_dicts, data, str(out_dir)),
+                       world_size=world_size, out_dir=out_dir, timeout_s=timeout_s)
+
+
+def spawn_ranks(target, args_of, *, world_size: int, out_dir: Path, timeout_s: float = 1800) -> list:
+    """Run `target(*args_of(rank))` in `world_size` spawned processes. Each writes
+    `out_dir/rank{r}.json` (its result) or `out_dir/error_rank{r}.txt` (its traceback); returns
+    the results by rank, or raises with the first error's last line. A failed rank leaves its
+    peers blocked in a collective, so they are polled and killed rather than joined."""
     import torch.multiprocessing as mp
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch loads
@@ -299,18 +314,10 @@ def run_ranks(*, world_size: int, jobs: list[RankJob], data: dict, out_dir: Path
     for stale in list(out_dir.glob("rank*.json")) + list(out_dir.glob("error_rank*.txt")):
         stale.unlink()
     ctx = mp.get_context("spawn")
-    ports: list[int] = []
-    while len(ports) < len(jobs):
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    job_dicts = [asdict(j) for j in jobs]
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, ports, job_dicts, data, str(out_dir)))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
-    # Poll rather than join: a rank that fails leaves its peers blocked in a collective.
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if any(out_dir.glob("error_rank*.txt")):
             time.sleep(1.0)  # let the failing rank finish writing
