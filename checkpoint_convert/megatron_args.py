@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from checkpoint_convert.mapping import DTYPES, ConversionError, ModelSpec
+from checkpoint_convert.families.base import moe_layer_freq
+from checkpoint_convert.mapping import DTYPES, ConversionError, ModelSpec, expert_tp_size
 
 # megatron-core's llama3.1 RoPE scaling hard-codes these three of its four parameters.
 MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -93,8 +94,6 @@ def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
     """Megatron-LM's --moe-* args of a MoE model: the routing of the HF model (mapping's
     moe_transformer_fields), sequential experts. moe_layer_freq is 1 when every layer is MoE
     (megatron-core then stacks the layers), else the 0/1 list (per-layer keys)."""
-    from checkpoint_convert.families.base import moe_layer_freq
-    from checkpoint_convert.mapping import expert_tp_size
 
     return dict(
         moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_intermediate_size,

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
+from checkpoint_convert.families.base import moe_layer_freq
 from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, read_json
 from checkpoint_convert.mapping import (
     DTYPES,
@@ -368,9 +369,10 @@ def open_torch_dist(directory: str | os.PathLike, *, hf_config_dir: str | os.Pat
 
 
 def stacked_layers(spec: ModelSpec) -> bool:
-    """megatron-core stacks the layers on a leading axis when they are all alike (all dense, or all
-    MoE); dense layers among MoE ones (a list moe_layer_freq) get per-layer keys."""
-    return len(spec.moe_layers) in (0, spec.num_layers)
+    """megatron-core stacks the layers on a leading axis for a dense model and for a MoE model whose
+    `moe_layer_freq` is 1 (every layer MoE); dense layers among MoE ones (a list) get per-layer keys.
+    The trainer's model and the args use the same `moe_layer_freq`."""
+    return not spec.num_experts or moe_layer_freq(spec) == 1
 
 
 def _layer_targets(spec: ModelSpec, *, layer: int, suffix: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
