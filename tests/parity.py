@@ -324,7 +324,7 @@ def _with_environment(environ: dict, target, *args) -> None:
     target(*args)
 
 
-def _spawn(target, *, world_size: int, jobs: list[dict], out_dir: Path) -> None:
+def spawn_ranks(target, *, world_size: int, jobs: list[dict], out_dir: Path) -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     port = free_port()
@@ -354,8 +354,8 @@ def run_ranks(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
     if separate:
         ref_worlds = {c.get("ref_tp", 1) * c.get("ref_pp", 1) * c.get("ref_dp", 1) for c in separate}
         assert len(ref_worlds) == 1, "all separate jobs of one run share the reference group's size"
-        _spawn(_ref_rank_main, world_size=ref_worlds.pop(), jobs=jobs, out_dir=out_dir)
-    _spawn(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
+        spawn_ranks(_ref_rank_main, world_size=ref_worlds.pop(), jobs=jobs, out_dir=out_dir)
+    spawn_ranks(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
 
 
 def check_ran_packed(out_dir: Path, *, padded: int, packed: int) -> None:

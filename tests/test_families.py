@@ -33,7 +33,7 @@ TINY = {
 }
 
 
-def _hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What save_pretrained writes (transformers 5 turns fused experts back into the hub's form)."""
     import tempfile
 
@@ -70,7 +70,7 @@ def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
     config = model.config.to_dict()
     spec = spec_from_hf_config(config)
     assert spec.family == family
-    hub = _hub_tensors(model)
+    hub = hub_tensors(model)
     if spec.tie_word_embeddings:
         hub.pop("lm_head.weight", None)
     assert {n: tuple(t.shape) for n, t in hub.items()} == hf_tensor_shapes(spec)
@@ -115,7 +115,7 @@ def test_fused_in_memory_experts_read_as_the_hub_tensors(family):
     model = TINY[family]()
     spec = spec_from_hf_config(model.config.to_dict())
     memory = {n: t.detach() for n, t in model.state_dict().items()}
-    hub = _hub_tensors(model)
+    hub = hub_tensors(model)
     sources = fused_hf_sources(spec, stored=set(memory))
     assert set(sources) == set(hub) - set(memory)
     for name, (stored, expert, part, parts) in sources.items():
@@ -129,7 +129,7 @@ def test_expert_parallel_shards_split_the_experts_by_local_index():
     torch.manual_seed(0)
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
-    hub = _hub_tensors(model)
+    hub = hub_tensors(model)
     full = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub.__getitem__)
     ranks = [hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, ep=2, ep_rank=r, get=hub.__getitem__) for r in (0, 1)]
     name = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
@@ -149,7 +149,7 @@ def test_te_layer_spec_fuses_the_pre_mlp_norm_only_in_dense_layers():
     Qwen3-MoE with mlp_only_layers=[1]: layer 1 is dense, layers 0, 2, 3 are MoE."""
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
-    state = _hub_tensors(model)
+    state = hub_tensors(model)
     shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")
               for t in range(2) for p in range(2)}
     stage0, stage1 = set(shards[(0, 0)]), set(shards[(0, 1)])  # layers 0-1, then 2-3 (local 0-1)
@@ -234,7 +234,7 @@ def test_te_layer_spec_with_grouped_experts_round_trips_a_tp2_pp2_shard():
 
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
-    state = _hub_tensors(model)
+    state = hub_tensors(model)
     shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")
               for t in range(2) for p in range(2)}
     live = {key: {grouped_expert_name(n): v for n, v in shard.items()} for key, shard in shards.items()}

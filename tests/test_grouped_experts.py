@@ -11,7 +11,7 @@ import torch
 from checkpoint_convert.mapping import grouped_expert_name, hf_to_mcore_shard, spec_from_hf_config
 from mcore_dpo.model import live_names, load_shard, shard_names
 from mcore_dpo.platform import use_grouped_experts
-from test_families import TINY, _hub_tensors
+from test_families import TINY, hub_tensors
 
 
 def _module_with(params: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -36,7 +36,7 @@ def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
     error naming the tensor as the shard does (the sequential experts' name)."""
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
-    hub = _hub_tensors(model)
+    hub = hub_tensors(model)
     shard = hf_to_mcore_shard(spec, tp=2, tp_rank=1, pp=2, pp_rank=0, get=hub.__getitem__, layer_spec="te", ep=ep,
                               ep_rank=ep - 1)
     grouped = _module_with({grouped_expert_name(n): v for n, v in shard.items()})
@@ -59,7 +59,7 @@ def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
 def test_a_sequential_model_is_unchanged_by_the_boundary():
     model = TINY["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
-    shard = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=_hub_tensors(model).__getitem__)
+    shard = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub_tensors(model).__getitem__)
     sequential = _module_with(shard)
     assert live_names(sequential, shard).keys() == shard.keys() == shard_names(shard).keys()
 

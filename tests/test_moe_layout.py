@@ -10,7 +10,7 @@ import torch
 from checkpoint_convert.mapping import (expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf,
                                         spec_from_hf_config)
 from mcore_dpo.mesh import Layout
-from test_families import _hub_tensors
+from test_families import hub_tensors
 from test_moe import mixtral, qwen3_moe
 
 
@@ -31,7 +31,7 @@ def test_round_trip_at_expert_parallel_layouts_is_bit_exact(family, tp, pp, ep):
     -> HF again through the ep-1 view: every tensor equal bit for bit."""
     model = qwen3_moe(seed=7, num_layers=4) if family == "qwen3_moe" else mixtral(seed=7)
     spec = spec_from_hf_config(model.config.to_dict())
-    hub = _hub_tensors(model)
+    hub = hub_tensors(model)
     shards = {(t, p, r): hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=r, get=hub.__getitem__)
               for t in range(tp) for p in range(pp) for r in range(ep)}
     fc1 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"

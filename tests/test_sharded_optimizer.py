@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from mcore_dpo.zero import owned_range
-from parity import PAD, _spawn, assert_close, make_pairs, write_models
+from parity import PAD, spawn_ranks, assert_close, make_pairs, write_models
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -110,7 +110,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 def _run(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
     """The ranks fork from parity.py's preloaded server (torch and megatron-core imported once)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _spawn(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
+    spawn_ranks(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
 
 
 STEPS_BEFORE_RESUME = 2
@@ -147,6 +147,27 @@ def _assert_states_equal(a: dict, b: dict, *, what: str) -> None:
         assert a[kind].keys() == b[kind].keys(), (what, kind)
         for name in a[kind]:
             assert torch.equal(a[kind][name], b[kind][name]), f"{what}: {kind} {name} differs"
+
+
+def _assert_states_close(ours: dict, ref: dict, *, what: str) -> None:
+    """The same names in every kind (masters, moments) and every tensor within 1e-5."""
+    for kind in ref:
+        assert ours[kind].keys() == ref[kind].keys(), (what, kind)
+        for name, value in ref[kind].items():
+            assert_close(ours[kind][name], value, what=f"{what} {kind} {name}")
+
+
+def _assert_clipped_steps_close(runs: Path, *, what: str) -> None:
+    """Loss and grad norm of the sharded and the replicated job within 1e-5 at every step, with
+    clipping (at 0.05) active at each."""
+    from safetensors.torch import load_file
+
+    for k in range(1, STEPS + 1):
+        a = load_file(str(runs / f"sharded_metrics{k}.safetensors"))
+        b = load_file(str(runs / f"replicated_metrics{k}.safetensors"))
+        assert b["grad_norm"] > 0.05, "clipping is not active"
+        for key in ("loss", "grad_norm"):
+            assert_close(a[key], b[key], what=f"{what} step {k} {key}")
 
 
 @pytest.fixture(scope="module")
@@ -255,16 +276,8 @@ def test_sharded_optimizer_at_ep2_equals_the_replicated_one_and_resumes_bit_exac
 
     ours, ref = _state(ep2_runs / f"sharded_step{STEPS}"), _state(ep2_runs / f"replicated_step{STEPS}")
     assert any(".local_experts.3." in name for name in ref["model"])  # ep rank 1's experts are in the checkpoint
-    for kind in ref:
-        assert ours[kind].keys() == ref[kind].keys(), kind
-        for name, value in ref[kind].items():
-            assert_close(ours[kind][name], value, what=f"ep2 {kind} {name}")
-    for k in range(1, STEPS + 1):
-        a = load_file(str(ep2_runs / f"sharded_metrics{k}.safetensors"))
-        b = load_file(str(ep2_runs / f"replicated_metrics{k}.safetensors"))
-        assert b["grad_norm"] > 0.05, "clipping is not active"
-        for key in ("loss", "grad_norm"):
-            assert_close(a[key], b[key], what=f"ep2 step {k} {key}")
+    _assert_states_close(ours, ref, what="ep2")
+    _assert_clipped_steps_close(ep2_runs, what="ep2")
     sharded = [int(load_file(str(ep2_runs / f"sharded_bytes_rank{r}.safetensors"))["state_bytes"]) for r in (0, 1)]
     replicated = [int(load_file(str(ep2_runs / f"replicated_bytes_rank{r}.safetensors"))["state_bytes"]) for r in (0, 1)]
     # fp32 parameters: the state is the two moments. Each rank holds its ep rank's experts (half
@@ -314,18 +327,10 @@ def test_sharded_optimizer_at_tp2_ep2_equals_the_replicated_one(tp2_ep2_runs):
         ours = _state(runs / f"sharded_step{STEPS}", tp_rank=t)
         ref = _state(runs / f"replicated_step{STEPS}", tp_rank=t)
         assert any(".local_experts.3." in name for name in ref["model"])  # ep rank 1's experts are in the checkpoint
-        for kind in ref:
-            assert ours[kind].keys() == ref[kind].keys(), kind
-            for name, value in ref[kind].items():
-                assert_close(ours[kind][name], value, what=f"tp2 ep2 {kind} {name} (tp rank {t})")
+        _assert_states_close(ours, ref, what=f"tp2 ep2 (tp rank {t})")
         dense[t] = sum(v.numel() for n, v in ref["model"].items() if ".local_experts." not in n)
         experts = sum(v.numel() for n, v in ref["model"].items() if ".local_experts." in n)  # = all experts / tp
-    for k in range(1, STEPS + 1):
-        a = load_file(str(runs / f"sharded_metrics{k}.safetensors"))
-        b = load_file(str(runs / f"replicated_metrics{k}.safetensors"))
-        assert b["grad_norm"] > 0.05, "clipping is not active"
-        for key in ("loss", "grad_norm"):
-            assert_close(a[key], b[key], what=f"tp2 ep2 step {k} {key}")
+    _assert_clipped_steps_close(runs, what="tp2 ep2")
     # fp32 parameters: the state is the two moments. A rank at tp rank t holds tp rank t's dense
     # part and its ep rank's experts, whole: E/ep = half of the experts, as many elements as one
     # tp part of them all (`experts`). The sharded optimizer keeps half of each (dp 2 and expert

@@ -72,6 +72,15 @@ def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory,
     assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
 
 
+def _mcore_to_hf_cli(save: Path, out: Path) -> None:
+    """`python -m checkpoint_convert mcore-to-hf` of a Megatron-LM save directory, as users run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
 def _assert_same_weights(converted, original: dict[str, torch.Tensor], *, padded: int) -> None:
     """Every tensor of `original` bit for bit in `converted` (an HF view); the embedding and head
     have their real rows, then zero rows up to the padded vocabulary."""
@@ -118,11 +127,7 @@ def test_megatron_lm_checkpoint_converts_to_hf_bit_exactly(tmp_path):
     # From Megatron's args alone (CLI): Megatron-LM records no unpadded vocabulary, so the HF
     # model keeps the padded one, exactly as Megatron trained it.
     from_args = tmp_path / "hf_from_args"
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(from_args)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    _mcore_to_hf_cli(save, from_args)
     exported = json.loads((from_args / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLM"] and exported["vocab_size"] == padded
     converted = open_hf_dir(from_args)
@@ -173,11 +178,7 @@ def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
     assert set(ours.objects) == {key for key in DcpReader(save / "iter_0000100").objects if not key.startswith("rng_state")}
 
     from_args = tmp_path / "hf_from_args"
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(from_args)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    _mcore_to_hf_cli(save, from_args)
     exported = json.loads((from_args / "config.json").read_text())
     assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["mlp_only_layers"] == [1]
     assert exported["num_experts"] == 4 and exported["moe_intermediate_size"] == 24 and exported["head_dim"] == 16
