@@ -14,19 +14,15 @@ in an error before Ray starts, and the case would fail on the message instead of
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import llama_gqa_untied, mistral_mha, save_hf  # noqa: E402
-
-from mcore_dpo.train import main  # noqa: E402
+from mcore_dpo.train import main
+from tests.helpers.models import llama_gqa_untied, mistral_mha, save_hf
 
 CORPUS = Path(__file__).resolve().parent / "bad_inputs"
 REMOTE_CODE_MARKER = "remote_code_ran"  # written (beside the models) by the custom tokenizer's code if it ever runs

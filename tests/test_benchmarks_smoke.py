@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_step, memory,  # noqa: E402
+from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_step, memory,
                         optimizer_memory, ref_cost, vs_trl)
 
 

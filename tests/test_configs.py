@@ -5,90 +5,18 @@ size) matches a recomputation from the architecture numbers they state."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from checkpoint_convert.mapping import padded_vocab_size
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig, load_yaml
-from mcore_dpo.memory_estimate import LayerShape, expert_param_count, per_gpu_bytes
+from tests.helpers.config_arithmetic import (CONFIG_DIR, GPU, expert_params, header_values, is_moe, key_values,
+                                             memory_gb_per_gpu, param_count)
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 REALISTIC = [p for p in ALL_CONFIGS if p.name != "tiny.yaml"]
 PATH_FIELDS = ("model", "ref_model", "data", "eval_data")
-
-# Memory per GPU: mcore_dpo.memory_estimate.per_gpu_bytes, the same model the headers are
-# computed with (per-parameter bytes, and activations from the plan memory model with
-# per-layer coefficients checked against measured tensors in tests/test_memory_estimate.py),
-# with the attention implementation the header names.
-GPU = plat.Platform(device=torch.device("cuda", 0), backend="nccl")  # the default the headers assume
-
-
-def header_values(path: Path) -> dict[str, str]:
-    """`# key: value` lines of the header comment (before the first YAML key)."""
-    values: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            if line.strip():
-                break
-            continue
-        match = re.match(r"#\s*([a-z_]+):\s*(.+)$", line)
-        if match:
-            values[match.group(1)] = match.group(2).strip()
-    return values
-
-
-def key_values(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split())
-
-
-def is_moe(arch: dict[str, str]) -> bool:
-    return "experts" in arch
-
-
-def dense_param_count(arch: dict[str, str]) -> int:
-    """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm. For a MoE arch
-    (every layer a MoE layer), everything but the routed experts: the MLP is the router [E, h]."""
-    hidden, layers, vocab = (int(arch[k]) for k in ("hidden", "layers", "vocab"))
-    heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    if arch["qkv_bias"] == "true":
-        attention += (heads + 2 * kv_heads) * head_dim
-    mlp = int(arch["experts"]) * hidden if is_moe(arch) else 3 * hidden * int(arch["ffn"])
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if arch["tied_embeddings"] == "true" else 2)
-    return embeddings + layers * per_layer + hidden
-
-
-def layer_shape(arch: dict[str, str], *, tp: int) -> LayerShape:
-    moe = dict(experts=int(arch["experts"]), topk=int(arch["topk"]), moe_ffn=int(arch["moe_ffn"])) if is_moe(arch) else {}
-    return LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
-                      head_dim=int(arch["head_dim"]), ffn=int(arch.get("ffn", 0)),
-                      vocab=padded_vocab_size(int(arch["vocab"]), tp=tp), **moe)
-
-
-def expert_params(arch: dict[str, str]) -> int:
-    """The routed experts' parameters (SwiGLU: 3 h x f_moe matrices each, every layer)."""
-    return expert_param_count(layer_shape(arch, tp=1), moe_layers=int(arch["layers"])) if is_moe(arch) else 0
-
-
-def param_count(arch: dict[str, str]) -> int:
-    return dense_param_count(arch) + expert_params(arch)
-
-
-def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig, attention: str) -> float:
-    shape = layer_shape(arch, tp=config.tp)
-    sequence_parallel = plat.use_sequence_parallel(GPU, requested=config.sequence_parallel, tp=config.tp)
-    num_microbatches = config.global_batch_size // (config.dp * config.micro_batch_size)
-    return per_gpu_bytes(shape, params=dense_param_count(arch), layers=int(arch["layers"]), tp=config.tp, pp=config.pp,
-                         dp=config.dp, distributed_optimizer=config.distributed_optimizer,
-                         micro_batch_size=config.micro_batch_size, num_microbatches=num_microbatches,
-                         seq_len=config.max_length, ref_mode=config.ref_mode, sequence_parallel=sequence_parallel,
-                         attention=attention, expert_params=expert_params(arch), ep=config.ep) / 1e9
 
 
 def config_without_paths(path: Path) -> TrainConfig:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
-from convert_helpers import llama_gqa_untied, qwen2_bias_tied, save_hf
+from tests.helpers.models import llama_gqa_untied, qwen2_bias_tied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from checkpoint_convert.mapping import (
     spec_from_hf_config,
     stage_layers,
 )
-from convert_helpers import FAMILY_VARIANTS, VOCAB_SIZE, hf_state
+from tests.helpers.models import FAMILY_VARIANTS, VOCAB_SIZE, hf_state
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoint_convert.__main__ import main
-from convert_helpers import llama3_rope_scaled, qwen2_bias_tied, save_hf
+from tests.helpers.models import llama3_rope_scaled, qwen2_bias_tied, save_hf
 
 
 @pytest.mark.parametrize(

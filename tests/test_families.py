@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-)  # fmt: skip
 
 from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config
 from checkpoint_convert.io import ep_shard_shapes
@@ -17,35 +13,11 @@ from checkpoint_convert.mapping import (
     ConversionError, fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes,
     mcore_to_hf, spec_from_hf_config, stage_layers,
 )  # fmt: skip
-
-_COMMON = dict(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=64)
-TINY = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, intermediate_size=64)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, intermediate_size=64, head_dim=8)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON, intermediate_size=64, tie_word_embeddings=True)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_COMMON, intermediate_size=64, head_dim=16)),
-    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        **_COMMON, intermediate_size=64, moe_intermediate_size=24, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)),
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_COMMON, intermediate_size=24, num_local_experts=4,
-                                                        num_experts_per_tok=2)),
-}
-
-
-def hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What save_pretrained writes (transformers 5 turns fused experts back into the hub's form)."""
-    import tempfile
-
-    from safetensors.torch import load_file
-
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        return load_file(f"{directory}/model.safetensors")
+from tests.helpers.models import TINY_FAMILIES, hub_tensors
 
 
 def test_every_family_module_is_registered_by_architecture_and_model_type():
-    assert set(FAMILY_MODULES) == set(TINY)
+    assert set(FAMILY_MODULES) == set(TINY_FAMILIES)
     for model_type, module in FAMILY_MODULES.items():
         assert family_of_config({"architectures": [module.ARCHITECTURE]}, source="c") is module
         assert family_of_config({"model_type": model_type}, source="c") is module
@@ -61,12 +33,12 @@ def test_unknown_architecture_is_one_line_listing_the_supported():
         spec_from_hf_config({"model_type": "gpt2"}, source="m/config.json")
 
 
-@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
     """hf_tensor_shapes = the tensors save_pretrained writes (names and shapes); HF -> tp2 pp2
     shards -> HF gives every tensor back bit for bit."""
     torch.manual_seed(0)
-    model = TINY[family]()
+    model = TINY_FAMILIES[family]()
     config = model.config.to_dict()
     spec = spec_from_hf_config(config)
     assert spec.family == family
@@ -84,23 +56,24 @@ def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
 
 
 def test_moe_spec_fields_follow_the_hf_rules():
-    qwen = spec_from_hf_config(TINY["qwen3_moe"]().config.to_dict())
+    qwen = spec_from_hf_config(TINY_FAMILIES["qwen3_moe"]().config.to_dict())
     assert (qwen.num_experts, qwen.moe_topk, qwen.moe_intermediate_size, qwen.moe_norm_topk) == (4, 2, 24, True)
     assert qwen.moe_layers == (0, 2, 3)  # mlp_only_layers=[1]
-    stepped = spec_from_hf_config({**TINY["qwen3_moe"]().config.to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": [],
-                                   "norm_topk_prob": False})
+    stepped = spec_from_hf_config({**TINY_FAMILIES["qwen3_moe"]().config.to_dict(), "decoder_sparse_step": 2,
+                                   "mlp_only_layers": [], "norm_topk_prob": False})
     assert stepped.moe_layers == (1, 3) and not stepped.moe_norm_topk  # HF: (layer + 1) % step == 0
-    mixtral = spec_from_hf_config(TINY["mixtral"]().config.to_dict())
+    mixtral = spec_from_hf_config(TINY_FAMILIES["mixtral"]().config.to_dict())
     assert mixtral.moe_layers == (0, 1, 2, 3) and mixtral.moe_norm_topk and mixtral.moe_intermediate_size == 24
     assert mixtral.router_aux_loss_coef == 0.0  # output_router_logits is false
-    on = spec_from_hf_config({**TINY["mixtral"]().config.to_dict(), "output_router_logits": True, "router_aux_loss_coef": 0.02})
+    on = spec_from_hf_config({**TINY_FAMILIES["mixtral"]().config.to_dict(), "output_router_logits": True,
+                              "router_aux_loss_coef": 0.02})
     assert on.router_aux_loss_coef == 0.02
 
 
 @pytest.mark.parametrize("family,field", [("qwen3_moe", "num_experts"), ("qwen3_moe", "num_experts_per_tok"),
                                           ("qwen3_moe", "moe_intermediate_size"), ("mixtral", "num_local_experts")])
 def test_moe_config_missing_an_expert_field_is_one_line(family, field):
-    config = TINY[family]().config.to_dict()
+    config = TINY_FAMILIES[family]().config.to_dict()
     for key in (field, "num_local_experts") if field == "num_experts" else (field,):
         config.pop(key, None)
     with pytest.raises(ConversionError, match=f"^m/config.json: field '{field}' is missing$"):
@@ -112,7 +85,7 @@ def test_fused_in_memory_experts_read_as_the_hub_tensors(family):
     """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down); a checkpoint in
     that form names the same hub tensors."""
     torch.manual_seed(0)
-    model = TINY[family]()
+    model = TINY_FAMILIES[family]()
     spec = spec_from_hf_config(model.config.to_dict())
     memory = {n: t.detach() for n, t in model.state_dict().items()}
     hub = hub_tensors(model)
@@ -127,7 +100,7 @@ def test_expert_parallel_shards_split_the_experts_by_local_index():
     """ep 2 over 4 experts: rank r holds experts 2r, 2r+1 as local experts 0, 1; dense and
     attention tensors are the same on both ranks; ep must divide the expert count."""
     torch.manual_seed(0)
-    model = TINY["qwen3_moe"]()
+    model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     hub = hub_tensors(model)
     full = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub.__getitem__)
@@ -147,7 +120,7 @@ def test_te_layer_spec_fuses_the_pre_mlp_norm_only_in_dense_layers():
     """megatron-core's Transformer Engine spec fuses the pre-MLP norm into linear_fc1 in a dense
     layer; a MoE layer keeps `pre_mlp_layernorm` (its router and experts read the normed input).
     Qwen3-MoE with mlp_only_layers=[1]: layer 1 is dense, layers 0, 2, 3 are MoE."""
-    model = TINY["qwen3_moe"]()
+    model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     state = hub_tensors(model)
     shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")
@@ -176,7 +149,7 @@ def test_grouped_expert_names_translate_both_ways():
     (router, TE-fused norms, the dense MLP, attention) stays, and the inverse gives them back."""
     from checkpoint_convert.mapping import grouped_expert_name, sequential_expert_name
 
-    spec = spec_from_hf_config(TINY["qwen3_moe"]().config.to_dict())
+    spec = spec_from_hf_config(TINY_FAMILIES["qwen3_moe"]().config.to_dict())
     for ep in (1, 2):
         for pp_rank in (0, 1):
             for ep_rank in range(ep):
@@ -232,7 +205,7 @@ def test_te_layer_spec_with_grouped_experts_round_trips_a_tp2_pp2_shard():
     from checkpoint_convert.mapping import grouped_expert_name
     from mcore_dpo.model import shard_names
 
-    model = TINY["qwen3_moe"]()
+    model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     state = hub_tensors(model)
     shards = {(t, p): hf_to_mcore_shard(spec, tp=2, tp_rank=t, pp=2, pp_rank=p, get=state.__getitem__, layer_spec="te")

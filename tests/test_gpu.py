@@ -23,18 +23,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from faults import with_fault  # noqa: E402
-from parity import free_port, make_model, write_models  # noqa: E402
-from test_parity import FAMILIES, _check_job, _jobs_for  # noqa: E402
+from mcore_dpo.ports import free_port
+from tests.helpers.cli import run_train
+from tests.helpers.faults import with_fault
+from tests.helpers.models import make_model, qwen3_moe, save_hf
+from tests.helpers.parity import check_job, jobs_for
+from tests.helpers.ranks import run_ranks, spawn_processes
 
 pytestmark = pytest.mark.gpu
 GPU_RTOL = 1e-4
@@ -42,33 +42,24 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("MCORE_DPO_FORCE_CPU") != 
 # The dry run on the CPU keeps two jobs (both families, two reference modes) of each parity run.
 QUICK = os.environ.get("MCORE_DPO_GPU_CHECKS_ON_CPU") == "1"
 QUICK_KEYS = {("llama", "interleaved", "sigmoid"), ("qwen2", "sequential", "ipo")}
-REPO = Path(__file__).resolve().parents[1]
 # bf16 logits of two implementations (fused vs unfused softmax, different summation order):
 # a few bf16 ulps at the logits' scale.
 BF16_LOGIT_RTOL = 3e-2
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_models")
-    return {family: write_models(family, root) for family in FAMILIES}
-
-
 @pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["sharded-optimizer", "adamw"])
-def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer):
-    from parity import run_ranks
-
+def test_parity_on_gpu(parity_models, tmp_path, monkeypatch, distributed_optimizer):
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned ranks
     layout = (1, 1, 1)
-    jobs = _jobs_for(layout, models, all_losses=False)
+    jobs = jobs_for(layout, parity_models, all_losses=False)
     if QUICK:
         jobs = [job for job in jobs if job["key"] in QUICK_KEYS]
     for job in jobs:
         job["config"]["distributed_optimizer"] = distributed_optimizer
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
-        _check_job(tmp_path, j, job, layout, rtol=GPU_RTOL)
+        check_job(tmp_path, j, job, layout, rtol=GPU_RTOL)
 
 
 def _world_size_one(port: int):
@@ -120,13 +111,9 @@ def _spec_logits_rank(rank: int, port: int, model_dir: str, out_dir: str) -> Non
 def test_transformer_engine_spec_matches_local_spec(tmp_path, family):
     """Dense Llama, and a Qwen3-MoE with a dense layer between MoE layers (TE fuses the pre-MLP
     norm into linear_fc1 only in the dense one)."""
-    from convert_helpers import save_hf
-    from test_moe import qwen3_moe
-
     model = make_model("llama", seed=1) if family == "llama" else qwen3_moe(seed=1, num_layers=4)
     model_dir = save_hf(model, tmp_path / family)
-    mp.start_processes(_spec_logits_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1,
-                       start_method="spawn")
+    spawn_processes(_spec_logits_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
     result = torch.load(tmp_path / "logits.pt", weights_only=True)
     # Both against the fp32 HF model first: the bf16 local spec is the yardstick for "bf16 close".
     from transformers import AutoModelForCausalLM
@@ -202,12 +189,9 @@ def test_grouped_gemm_experts_match_sequential_experts(tmp_path, monkeypatch):
     every expert as `linear_fc1.weight{i}` (no `local_experts`), load the sequential experts'
     shard, and give the sequential experts' logits and gradients within GPU_RTOL; the sequential
     experts give HF's fp32 logits within GPU_RTOL."""
-    from convert_helpers import save_hf
-    from test_moe import qwen3_moe
-
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned rank
     model_dir = save_hf(qwen3_moe(seed=1, num_layers=4), tmp_path / "qwen3_moe")
-    mp.start_processes(_experts_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")
+    spawn_processes(_experts_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
     result = torch.load(tmp_path / "experts.pt", weights_only=True)
     grouped_names, sequential_names = result["grouped/names"], result["sequential/names"]
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight0" in grouped_names
@@ -238,10 +222,9 @@ def _train(out: Path, *, fault: str | None, cache: Path) -> subprocess.Completed
                           MCORE_DPO_CACHE=str(cache)), fault)
     # One GPU holds one rank; the CPU dry run shards the optimizer over dp 2.
     dp = "1" if ON_GPU else "2"
-    argv = [sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--distributed-optimizer", "--dp", dp,
-            "--max-steps", "4", "--save-interval", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
-            "--eval-interval", "0", "--output-dir", str(out)]
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return run_train(["--dtype", "bfloat16", "--distributed-optimizer", "--dp", dp, "--max-steps", "4", "--save-interval",
+                      "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-interval", "0", "--output-dir",
+                      str(out)], env=env, timeout=600)
 
 
 def _metrics(out: Path) -> dict[int, dict]:

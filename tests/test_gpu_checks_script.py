@@ -35,7 +35,6 @@ LISTED = {"parity-sharded-opt": "test_parity_on_gpu[sharded-optimizer]", "parity
           "te-grouped-gemm": "test_grouped_gemm_experts_match_sequential_experts"}
 
 
-@pytest.mark.slow
 def test_gpu_checks_wiring_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MCORE_DPO_FAULT",)}
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable)

@@ -11,7 +11,7 @@ import torch
 from checkpoint_convert.mapping import grouped_expert_name, hf_to_mcore_shard, spec_from_hf_config
 from mcore_dpo.model import live_names, load_shard, shard_names
 from mcore_dpo.platform import use_grouped_experts
-from test_families import TINY, hub_tensors
+from tests.helpers.models import TINY_FAMILIES, hub_tensors
 
 
 def _module_with(params: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -34,7 +34,7 @@ def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
     ep rank 1 of ep) loads the shard as the converter writes it, and its tensors under shard names
     are that shard, bit for bit; a shard that lacks an expert's tensor, or has one too many, is one
     error naming the tensor as the shard does (the sequential experts' name)."""
-    model = TINY["qwen3_moe"]()
+    model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     hub = hub_tensors(model)
     shard = hf_to_mcore_shard(spec, tp=2, tp_rank=1, pp=2, pp_rank=0, get=hub.__getitem__, layer_spec="te", ep=ep,
@@ -57,7 +57,7 @@ def test_a_grouped_model_loads_the_sequential_shard_and_gives_it_back(ep):
 
 
 def test_a_sequential_model_is_unchanged_by_the_boundary():
-    model = TINY["qwen3_moe"]()
+    model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())
     shard = hf_to_mcore_shard(spec, tp=1, tp_rank=0, pp=1, pp_rank=0, get=hub_tensors(model).__getitem__)
     sequential = _module_with(shard)

@@ -1,20 +1,16 @@
 """docs/GUIDE.md's layout table is the configs' arithmetic: every row's GB per GPU is recomputed
-with mcore_dpo.memory_estimate (as tests/test_configs.py recomputes the config headers), and its
-"fits" column agrees with 80 GB GPUs."""
+with mcore_dpo.memory_estimate (tests/helpers/config_arithmetic.py, as tests/test_configs.py
+recomputes the config headers), and its "fits" column agrees with 80 GB GPUs."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_configs import CONFIG_DIR, header_values, key_values, memory_gb_per_gpu  # noqa: E402
-
-from mcore_dpo.config import TrainConfig  # noqa: E402
+from mcore_dpo.config import TrainConfig
+from tests.helpers.config_arithmetic import CONFIG_DIR, header_values, key_values, memory_gb_per_gpu
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "GUIDE.md"
 CONFIG_OF = {"Llama-3-8B": "llama3_8b.yaml", "Llama-3-70B": "llama3_70b.yaml"}

@@ -5,18 +5,14 @@ one `error:` line naming the field or file, before Ray starts and before any out
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import llama_gqa_untied, mistral_mha, save_hf  # noqa: E402
-
-from checkpoint_convert.io import open_hf_dir  # noqa: E402
-from checkpoint_convert.peft_adapter import TARGETS, LoraShape, adapter_config, initial_adapter, write_adapter_dir  # noqa: E402
-from mcore_dpo.train import main  # noqa: E402
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.peft_adapter import TARGETS, LoraShape, adapter_config, initial_adapter, write_adapter_dir
+from mcore_dpo.train import main
+from tests.helpers.models import llama_gqa_untied, mistral_mha, save_hf
 
 VALID = Path(__file__).resolve().parent / "bad_inputs" / "valid_prefs.jsonl"
 

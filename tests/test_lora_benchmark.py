@@ -4,13 +4,10 @@ and the state it reports follows from what LoRA keeps (the real size is in docs/
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from benchmarks import lora_memory  # noqa: E402
+from benchmarks import lora_memory
 
 
 def test_lora_memory_runs_both_modes(tmp_path):

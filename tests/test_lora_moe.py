@@ -16,9 +16,6 @@ expert, against Hugging Face + PEFT 0.21 (`target_parameters` on the fused exper
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,12 +27,14 @@ from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_shapes,
                                              peft_to_shard, read_adapter, shards_to_peft, write_adapter_dir)
-from convert_helpers import save_hf
-from parity import _loss_and_metrics, assert_close, load_rank_tensors, make_pairs, run_ranks
-import test_parity as tp_
-from test_moe import mixtral, qwen3_moe
+from tests.helpers import parity
+from tests.helpers.cli import run_train
+from tests.helpers.data import make_pairs, write_prefs
+from tests.helpers.models import mixtral, qwen3_moe, save_hf
+from tests.helpers.moe_parity import check_router_metrics, engine_groups, router_metrics
+from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.reference import assert_close, loss_and_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
 LR, CLIP, WD, ADAM_EPS, BETA, SEED = 1e-3, 1.0, 0.1, 1e-2, 0.5, 1234
 SHAPE = LoraShape(rank=4, alpha=8.0, targets=("qkv", "proj", "expert_fc1", "expert_fc2"))
@@ -174,7 +173,7 @@ def _reference(setup) -> dict:
     metrics, grads = [], []
     for k in range(STEPS):
         opt.zero_grad()
-        loss, m = _loss_and_metrics(model, Disabled(), setup["pairs"][k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH],
+        loss, m = loss_and_metrics(model, Disabled(), setup["pairs"][k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH],
                                     loss_type="sigmoid", beta=BETA, eps=0.0, reference_free=False)
         loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in params})
@@ -223,9 +222,7 @@ def test_lora_moe_parity_with_peft(layout, setup, tmp_path):
                 assert_close(shard[name], value, what=f"{what} step {step + 1} grad {name} (tp{t} pp{p} dp{d})")
     # The router metrics of step 1 (the policy is the base then): the reference forwards run the
     # same module with the adapters off, and must not count as the policy's routing.
-    from test_moe_aux import check_router_metrics, engine_groups, router_metrics
-
-    assert GLOBAL_BATCH == tp_.GLOBAL_BATCH and MICRO_BATCH == tp_.MICRO_BATCH  # engine_groups' microbatches
+    assert GLOBAL_BATCH == parity.GLOBAL_BATCH and MICRO_BATCH == parity.MICRO_BATCH  # engine_groups' microbatches
     check_router_metrics(ours[0], router_metrics(str(setup["base"]), job["batches"][0], groups=engine_groups(dp=dp)),
                          what=f"{what} step 1")
     for (t, p, d), shard in load_rank_tensors(tmp_path, 0, "weights", layout=(tp, pp, dp)).items():
@@ -240,17 +237,13 @@ def test_lora_moe_parity_with_peft(layout, setup, tmp_path):
 
 # --------------------------------------------------------------------------- the command line
 def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path):
-    data = tmp_path / "prefs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"w{i} w4 w{i + 7}", "chosen": f" w5 w{i}", "rejected": " w6"}) + "\n"
-                            for i in range(3, 40)))
+    data = write_prefs(tmp_path / "prefs.jsonl", [{"prompt": f"w{i} w4 w{i + 7}", "chosen": f" w5 w{i}", "rejected": " w6"}
+                                                  for i in range(3, 40)])
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "mcore_dpo.train", "--model", str(setup["base"]), "--data", str(data), "--output-dir",
-         str(out), "--max-steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
-         "--save-interval", "1", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
-         "--lora-targets", "qkv,proj,expert_fc1,expert_fc2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = run_train(["--model", str(setup["base"]), "--data", str(data), "--output-dir", str(out), "--max-steps", "2",
+                        "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0", "--save-interval",
+                        "1", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
+                        "--lora-targets", "qkv,proj,expert_fc1,expert_fc2"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], config

@@ -24,7 +24,10 @@ from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (TARGET_MAP, TARGETS, LoraShape, adapter_config, adapter_entries,
                                              initial_adapter, peft_to_shard, write_adapter_dir)
-from parity import RTOL, _loss_and_metrics, assert_close, load_rank_tensors, make_pairs, run_ranks, write_models
+from tests.helpers.data import make_pairs
+from tests.helpers.models import make_model, save_hf, write_models
+from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.reference import assert_close, loss_and_metrics
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
 # Step 2 depends on step 1's B = -lr·g/(|g| + eps): an eps far below the gradients' scale turns
@@ -87,14 +90,14 @@ def peft_reference_run(*, base_dir: Path, state: dict, frozen_reference: bool, b
     metrics, grads = [], []
     for pairs in batches:
         opt.zero_grad()
-        loss, m = _loss_and_metrics(model, reference, pairs, **kw)
+        loss, m = loss_and_metrics(model, reference, pairs, **kw)
         loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in params})
         m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_([p for _, p in params], CLIP))
         metrics.append(m)
         opt.step()
     with torch.no_grad():
-        _, eval_metrics = _loss_and_metrics(model, reference, list(eval_pairs), **kw)
+        _, eval_metrics = loss_and_metrics(model, reference, list(eval_pairs), **kw)
     merged = {n: p.detach().clone() for n, p in model.merge_and_unload().state_dict().items()}
     return {"metrics": metrics, "grads": grads, "eval": eval_metrics, "merged": merged}
 
@@ -197,15 +200,10 @@ def test_lora_parity_with_peft(layout, setup, tmp_path):
 
 def test_adapter_names_cover_every_peft_module():
     """The key map names PEFT's own parameters: a PEFT model on the same base has exactly them."""
-    from transformers import AutoModelForCausalLM  # noqa: F401
-
-    spec_entries = None
-    from parity import make_model
     import tempfile
 
+    spec_entries = None
     with tempfile.TemporaryDirectory() as d:
-        from convert_helpers import save_hf
-
         base = save_hf(make_model("llama", seed=1), Path(d) / "m")
         spec = open_hf_dir(base).spec
         model = peft_model(base, initial_adapter(spec, SHAPE, seed=0), SHAPE)

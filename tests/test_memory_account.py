@@ -12,19 +12,16 @@ Tensor bytes are deterministic: every comparison is exact, in bytes.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from benchmarks import common, memory  # noqa: E402
-from mcore_dpo.memory_account import CATEGORIES, storage_bytes  # noqa: E402
-from mcore_dpo.plan_memory import StageMemory, plan_memory  # noqa: E402
-from mcore_dpo.schedule import REF_MODES, build_plan  # noqa: E402
+from benchmarks import common, memory
+from mcore_dpo.memory_account import CATEGORIES, storage_bytes
+from mcore_dpo.plan_memory import StageMemory, plan_memory
+from mcore_dpo.schedule import REF_MODES, build_plan
 
 MODES = ("interleaved", "sequential", "precomputed", "none")
 assert set(MODES) == set(REF_MODES)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import traceback
 import weakref
 from pathlib import Path
@@ -26,11 +25,10 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, os.path.dirname(__file__))
-from parity import free_port  # noqa: E402
+from mcore_dpo.ports import free_port
 
-from checkpoint_convert.mapping import ModelSpec, padded_vocab_size  # noqa: E402
-from mcore_dpo.memory_estimate import LayerShape, activation_bytes  # noqa: E402
+from checkpoint_convert.mapping import ModelSpec, padded_vocab_size
+from mcore_dpo.memory_estimate import LayerShape, activation_bytes
 
 TOLERANCE = 0.20
 TP = 2

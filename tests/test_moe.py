@@ -8,67 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import test_parity as tp_
 from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import fused_hf_sources
-from convert_helpers import save_hf
-from parity import PAD, VOCAB, _small_init, check_ran_packed, run_ranks
-from test_qwen3 import packed_parity_job, parity_job
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
-
-
-def qwen3_moe(*, seed: int, num_layers: int = 2, **overrides) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": num_layers}, intermediate_size=48, moe_intermediate_size=24,
-                            head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                            mlp_only_layers=[1] if num_layers > 2 else [], tie_word_embeddings=False, **overrides)
-    return _small_init(Qwen3MoeForCausalLM(config), seed).float().eval()
-
-
-def mixtral(*, seed: int, **overrides) -> MixtralForCausalLM:
-    config = MixtralConfig(**_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                           tie_word_embeddings=True, **overrides)
-    return _small_init(MixtralForCausalLM(config), seed).float().eval()
-
-
-FACTORIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {name: (save_hf(make(seed=1), root / f"{name}_policy"), save_hf(make(seed=2), root / f"{name}_ref"))
-            for name, make in FACTORIES.items()}
-
-
-def _with_hub_names(ref: dict, policy_dir: Path) -> dict:
-    """The HF reference's grads and weights under the hub names too (transformers 5 holds the
-    experts fused; the engine's shards are compared through the hub names)."""
-    spec = open_hf_dir(policy_dir).spec
-    for tensors in [*ref["grads"], ref["weights"]]:
-        for name, (stored, expert, part, parts) in fused_hf_sources(spec, stored=set(tensors)).items():
-            tensor = tensors[stored] if expert is None else tensors[stored][expert]
-            tensors[name] = tensor.chunk(parts, dim=0)[part]
-    return ref
-
-
-def _check(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0) -> None:
-    config = job["config"]
-    _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2), Path(config["model"]))
-    tp_._check_job(out_dir, j, job, layout[:3])
+from tests.helpers.models import MOE_FACTORIES, qwen3_moe, save_hf, save_tokenizer
+from tests.helpers.moe_parity import aux_job, check_aux_parity, check_expert_parallel, check_moe_job
+from tests.helpers.parity import packed_parity_job, parity_job
+from tests.helpers.ranks import check_ran_packed, run_ranks, verify
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_parity_single_rank(models, family, tmp_path):
+def test_parity_single_rank(moe_models, family, tmp_path):
     """Padded, and packed in the same launch (ep 1: each sequence's tokens routed on their own)."""
-    jobs = [parity_job((1, 1, 1), *models[family], name=family),
-            packed_parity_job((1, 1, 1), *models[family], name=family)]
+    jobs = [parity_job((1, 1, 1), *moe_models[family], name=family),
+            packed_parity_job((1, 1, 1), *moe_models[family], name=family)]
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
-        _check(tmp_path, job, (1, 1, 1, 1), j=j)
+        check_moe_job(tmp_path, job, (1, 1, 1, 1), j=j)
     check_ran_packed(tmp_path, padded=0, packed=1)
 
 
@@ -90,9 +45,8 @@ def test_conversion_reads_hub_and_fused_experts_and_exports_the_hub_form(family,
     from transformers import AutoModelForCausalLM
 
     from checkpoint_convert.__main__ import main
-    from convert_helpers import save_tokenizer
 
-    model = FACTORIES[family](seed=3, **({"num_layers": 4} if family == "qwen3_moe" else {}))
+    model = MOE_FACTORIES[family](seed=3, **({"num_layers": 4} if family == "qwen3_moe" else {}))
     hub_dir = tmp_path / "hub"
     model.save_pretrained(str(hub_dir))
     save_tokenizer(hub_dir)
@@ -123,19 +77,19 @@ def test_verify_qwen3_moe_tp2_pp2(tmp_path, capsys):
     hf_dir = save_hf(qwen3_moe(seed=4, num_layers=4), tmp_path / "hf")
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
     capsys.readouterr()
-    code = main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "24"])
+    code = verify(["--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "24"])
     out = capsys.readouterr().out
     assert code == 0, out
     line = next(line for line in out.splitlines() if line.startswith("verify tp=2 pp=2"))
     assert float(line.split("max |dlogit| ")[1].split(",")[0]) <= 1e-4 and "argmax agreement 100.00%" in line
 
 
-def test_torch_dist_with_experts_through_the_cli(models, tmp_path, capsys):
+def test_torch_dist_with_experts_through_the_cli(moe_models, tmp_path, capsys):
     """hf-to-mcore --format torch_dist --ep 2, reshard into the safetensors ep layout and back,
     mcore-to-hf: the experts come back bit for bit."""
     from checkpoint_convert.__main__ import main
 
-    source = models["mixtral"][0]
+    source = moe_models["mixtral"][0]
     assert main(["hf-to-mcore", "--hf-dir", str(source), "--out", str(tmp_path / "td"), "--format", "torch_dist",
                  "--tp", "2", "--ep", "2"]) == 0  # fmt: skip
     assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "st"), "--format", "safetensors",
@@ -149,7 +103,7 @@ def test_torch_dist_with_experts_through_the_cli(models, tmp_path, capsys):
     assert all(torch.equal(original.get(name), back.get(name)) for name in original.names)
 
 
-def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path, capsys):
+def test_train_cli_moe_config_missing_expert_field_is_one_line(moe_models, tmp_path, capsys):
     """Through the real command line, before any process starts: exit 2, one line naming the file and field."""
     import json
     import shutil
@@ -157,7 +111,7 @@ def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path,
     from mcore_dpo.train import main
 
     model = tmp_path / "model"
-    shutil.copytree(models["qwen3_moe"][0], model)
+    shutil.copytree(moe_models["qwen3_moe"][0], model)
     config = json.loads((model / "config.json").read_text())
     for key in ("num_experts", "num_local_experts"):
         config.pop(key, None)
@@ -173,84 +127,37 @@ def test_train_cli_moe_config_missing_expert_field_is_one_line(models, tmp_path,
     assert not ray.is_initialized(), "a worker group was started before the input was checked"
 
 
-def _check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
-    """test_parity's checks with the experts of each rank's ep share: experts whole on their rank
-    (expert tp 1), the expert-parallel rank of the rank at (tp rank t, dp rank d) of a stage is
-    (t + tp d) % ep (megatron-core's tp-ep-dp order; `Layout.ep_rank_of`)."""
-    import json
-
-    from checkpoint_convert.mapping import hf_to_mcore_shard
-    from mcore_dpo.mesh import Layout
-    from parity import assert_close, load_rank_tensors
-
-    tp, pp, dp, ep = layout
-    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
-    config = job["config"]
-    ref = _with_hub_names(tp_._reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2),
-                          Path(config["model"]))
-    spec = open_hf_dir(config["model"]).spec
-    what = f"{job['key'][0]} at tp{tp} pp{pp} dp{dp} ep{ep}"
-    for step, ref_grads in enumerate(ref["grads"], start=1):
-        for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
-                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref_grads.__getitem__)
-            assert set(expected) == set(shard), what
-            for name, value in expected.items():
-                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
-    for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=(tp, pp, dp)).items():
-        if d == 0:
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
-                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref["weights"].__getitem__)
-            assert set(expected) == set(shard), what
-            for name, value in expected.items():
-                assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
-    ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
-    for step, (m_ours, m_ref) in enumerate(zip(ours[:2], ref["metrics"]), start=1):
-        tp_._check_metrics(m_ours, m_ref, names=tp_.METRICS, prefix="", what=f"{what} step {step}", rtol=tp_.RTOL)
-    assert len(ours) == 2, what  # no evaluation: it is refused with ep > 1
-    # The router metrics (the aux loss at 0): step 1 runs at the starting weights; at pp 2 each
-    # stage's layers meet over the pp group.
-    from test_moe_aux import check_router_metrics, engine_groups, router_metrics
-
-    check_router_metrics(ours[0], router_metrics(config["model"], job["batches"][0], groups=engine_groups(dp=dp)),
-                         what=f"{what} step 1")
-
-
-def test_parity_expert_parallel_pp2_dp2_ep2(models, tmp_path):
+def test_parity_expert_parallel_pp2_dp2_ep2(moe_models, tmp_path):
     """(tp, pp, dp, ep) = (1, 2, 2, 2), Qwen3-MoE and Mixtral (tied, over two stages) in one
     launch: each rank holds half the experts; the reference is split the same way. In the same
     launch, Qwen3-MoE with the load-balancing loss on: each stage adds its layers' share."""
-    from test_moe_aux import aux_job, check_aux_parity
-
     layout = (1, 2, 2, 2)
-    jobs = [parity_job(layout, *models[family], name=family, ep=2, export_hf=False,
+    jobs = [parity_job(layout, *moe_models[family], name=family, ep=2, export_hf=False,
                        distributed_optimizer=False) for family in ("qwen3_moe", "mixtral")]
     for job in jobs:
         job["eval_pairs"] = []  # evaluation with ep > 1 is refused (uneven eval chunks per ep rank)
-    jobs.append(aux_job(layout, *models["qwen3_moe"]))
+    jobs.append(aux_job(layout, *moe_models["qwen3_moe"]))
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs[:2]):
-        _check_expert_parallel(tmp_path, j, job, layout)
+        check_expert_parallel(tmp_path, j, job, layout)
     check_aux_parity(tmp_path, 2, jobs[2], layout)
 
 
-def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
+def test_parity_tensor_parallel_experts_tp2_ep2(moe_models, tmp_path):
     """(tp, pp, dp, ep) = (2, 1, 1, 2): the expert-parallel group is the tp group, each rank holds
     half the experts whole (expert tp 1), sequence parallelism is on (megatron-core's MoE layer
     needs it at tp > 1). In one launch: the aux loss at 0, and on (each tp rank adds the share
     of its slice of the sequence); then Mixtral at (2, 1, 1, 1), its experts split over tp."""
-    from test_moe_aux import aux_job, check_aux_parity
-
     layout = (2, 1, 1, 2)
-    job = parity_job(layout, *models["qwen3_moe"], name="qwen3_moe", ep=2, export_hf=False,
+    job = parity_job(layout, *moe_models["qwen3_moe"], name="qwen3_moe", ep=2, export_hf=False,
                      distributed_optimizer=False)
     job["eval_pairs"] = []
-    split = parity_job((2, 1, 1), *models["mixtral"], name="mixtral")
-    jobs = [job, aux_job(layout, *models["qwen3_moe"]), split]
+    split = parity_job((2, 1, 1), *moe_models["mixtral"], name="mixtral")
+    jobs = [job, aux_job(layout, *moe_models["qwen3_moe"]), split]
     run_ranks(world_size=2, jobs=jobs, out_dir=tmp_path)
-    _check_expert_parallel(tmp_path, 0, jobs[0], layout)
+    check_expert_parallel(tmp_path, 0, jobs[0], layout)
     check_aux_parity(tmp_path, 1, jobs[1], layout)
-    _check(tmp_path, split, (2, 1, 1, 1), j=2)
+    check_moe_job(tmp_path, split, (2, 1, 1, 1), j=2)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -266,7 +173,7 @@ def test_parity_tensor_parallel_experts_tp2_ep2(models, tmp_path):
      "ep: LoRA with ep 2 > 1 is not supported yet"),
 ], ids=["ep-not-dividing-experts", "ep-not-fitting-world", "lora-dense-target-on-moe",
         "lora-with-checkpoints-and-sharded-optimizer-at-tp2-ep2"])
-def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags, message):
+def test_train_cli_bad_expert_layout_is_one_line(moe_models, tmp_path, capsys, flags, message):
     import json
 
     import ray
@@ -275,7 +182,7 @@ def test_train_cli_bad_expert_layout_is_one_line(models, tmp_path, capsys, flags
 
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"w{i} w4", "chosen": " w5", "rejected": " w6"}) + "\n" for i in range(3, 30)))
-    code = main(["--model", str(models["qwen3_moe"][0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+    code = main(["--model", str(moe_models["qwen3_moe"][0]), "--data", str(data), "--output-dir", str(tmp_path / "out"),
                  "--no-export-hf", "--no-distributed-optimizer", "--save-interval", "0", "--save-interval-min", "0",
                  *flags])
     err = capsys.readouterr().err.strip()

@@ -40,21 +40,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import save_hf  # noqa: E402
-from faults import with_grouped_standin  # noqa: E402
-from test_moe import qwen3_moe  # noqa: E402
-
-from mcore_dpo.even_passes import even_passes  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from mcore_dpo.even_passes import even_passes
+from tests.helpers import parity
+from tests.helpers.cli import run_train
+from tests.helpers.faults import with_grouped_standin
+from tests.helpers.models import qwen3_moe, save_hf
+from tests.helpers.moe_parity import with_hub_names
+from tests.helpers.ranks import run_ranks
+from tests.helpers.reference import assert_close, loss_and_metrics
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
 RTOL = 1e-5
 EVAL_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -100,8 +99,7 @@ def _train(args: list[str], out: Path, *, cache: Path, grouped_standin: bool = F
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
     if grouped_standin:
         env = with_grouped_standin(env)
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return run_train([*COMMON, *args, "--output-dir", str(out)], env=env, timeout=600)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -117,8 +115,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _hf_eval(policy_dir: Path, ref_dir: Path, eval_file: Path) -> dict[str, float]:
-    """TRL's metrics of every held-out pair, from HF models (parity.py's formulas)."""
-    from parity import _loss_and_metrics
+    """TRL's metrics of every held-out pair, from HF models (tests/helpers/reference.py's formulas)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mcore_dpo.data import load_pairs
@@ -128,7 +125,7 @@ def _hf_eval(policy_dir: Path, ref_dir: Path, eval_file: Path) -> dict[str, floa
     policy, reference = (AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
                          for d in (policy_dir, ref_dir))
     with torch.no_grad():
-        _, metrics = _loss_and_metrics(policy, reference, pairs, loss_type="sigmoid", beta=0.1, eps=0.0,
+        _, metrics = loss_and_metrics(policy, reference, pairs, loss_type="sigmoid", beta=0.1, eps=0.0,
                                        reference_free=False)
     return metrics
 
@@ -270,7 +267,6 @@ def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names
     TRL's mix of the source reference with the checkpoint's own policy (fp32 masters), tensor by
     tensor through HF names."""
     from checkpoint_convert.io import open_hf_dir, open_mcore_dir
-    from parity import assert_close
 
     assert sorted(p.name for p in (checkpoint / "reference").glob("tp*")) == [
         "tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"]
@@ -384,21 +380,16 @@ def test_precomputed_reference_and_evaluation_at_ep2_match_hf(tmp_path):
     """--ref-mode precomputed at (tp, pp, dp, ep) = (1, 1, 2, 2), 2 steps, 13 held-out pairs: the
     reference tables' and the evaluation's shares are uneven over the dp ranks (dummy
     microbatches and a dummy pass); every metric and the evaluation equal HF + TRL within 1e-5."""
-    import test_parity as tp_
-    from parity import run_ranks
-    from test_moe import _with_hub_names
-    from test_qwen3 import parity_job
-
     policy, ref = save_hf(qwen3_moe(seed=1), tmp_path / "policy"), save_hf(qwen3_moe(seed=2), tmp_path / "ref")
-    job = parity_job((1, 1, 2), policy, ref, name="qwen3_moe", ep=2, export_hf=False, distributed_optimizer=False)
+    job = parity.parity_job((1, 1, 2), policy, ref, name="qwen3_moe", ep=2, export_hf=False, distributed_optimizer=False)
     job["config"]["ref_mode"] = "precomputed"
     assert len(job["eval_pairs"]) == 13 and len(job["all_pairs"]) == 16
     run_ranks(world_size=2, jobs=[job], out_dir=tmp_path)
-    expected = _with_hub_names(tp_._reference(str(policy), str(ref), "sigmoid", "interleaved", 2), policy)
+    expected = with_hub_names(parity.cached_reference(str(policy), str(ref), "sigmoid", "interleaved", 2), policy)
     ours = json.loads((tmp_path / "job0_metrics.json").read_text())
     assert len(ours) == 3
     for step in (1, 2):
-        tp_._check_metrics(ours[step - 1], expected["metrics"][step - 1], names=tp_.METRICS, prefix="",
-                           what=f"precomputed ep2 step {step}", rtol=tp_.RTOL)
-    tp_._check_metrics(ours[2], expected["eval"], names=tuple(n for n in tp_.METRICS if n != "grad_norm"),
-                       prefix="eval/", what="precomputed ep2 eval", rtol=tp_.RTOL)
+        parity.check_metrics(ours[step - 1], expected["metrics"][step - 1], names=parity.METRICS, prefix="",
+                             what=f"precomputed ep2 step {step}", rtol=RTOL)
+    parity.check_metrics(ours[2], expected["eval"], names=tuple(n for n in parity.METRICS if n != "grad_norm"),
+                         prefix="eval/", what="precomputed ep2 eval", rtol=RTOL)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from convert_helpers import assert_export_generates_like, save_hf
-from test_moe import mixtral, qwen3_moe
+from tests.helpers.models import assert_export_generates_like, save_hf
+from tests.helpers.models import mixtral, qwen3_moe
 
 # Qwen3-MoE with a dense layer among its MoE layers (mlp_only_layers=[1]); Mixtral tied.
 FACTORIES = {"qwen3_moe": lambda: qwen3_moe(seed=5, num_layers=4), "mixtral": lambda: mixtral(seed=6)}
@@ -24,7 +24,7 @@ FACTORIES = {"qwen3_moe": lambda: qwen3_moe(seed=5, num_layers=4), "mixtral": la
 def hf_dirs(tmp_path_factory):
     """Each model as transformers 5.24's save_pretrained writes it (the hub's form: one tensor per
     expert and projection), with a tokenizer."""
-    from convert_helpers import save_tokenizer
+    from tests.helpers.models import save_tokenizer
 
     root = tmp_path_factory.mktemp("moe_convert")
     dirs = {}
@@ -122,7 +122,7 @@ def test_reshard_bad_ep_is_one_line_and_writes_nothing(hf_dirs, tmp_path, capsys
 
 def test_ep_on_a_dense_model_is_one_line(tmp_path, capsys):
     """Qwen3 dense has no experts: ep > 1 is refused (its round trips at ep 1 are in test_qwen3)."""
-    from test_qwen3 import qwen3
+    from tests.helpers.models import qwen3
 
     hf_dir = save_hf(qwen3(tied=False, seed=1), tmp_path / "hf")
     code = main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--ep", "2"])

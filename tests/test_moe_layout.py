@@ -10,8 +10,7 @@ import torch
 from checkpoint_convert.mapping import (expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf,
                                         spec_from_hf_config)
 from mcore_dpo.mesh import Layout
-from test_families import hub_tensors
-from test_moe import mixtral, qwen3_moe
+from tests.helpers.models import hub_tensors, mixtral, qwen3_moe
 
 
 def test_expert_tp_rule_and_ep_ranks():

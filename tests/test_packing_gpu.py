@@ -8,8 +8,6 @@ followed by padding) against each sequence run alone, unpadded, through the same
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from parity import free_port, make_model  # noqa: E402
+from mcore_dpo.ports import free_port
+from tests.helpers.models import make_model
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4  # fp32 on a GPU: kernels sum in other orders for other shapes
@@ -80,7 +78,7 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 
 def test_packed_row_gives_each_sequence_its_own_logits(tmp_path):
-    from convert_helpers import save_hf
+    from tests.helpers.models import save_hf
 
     model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
     mp.start_processes(_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")

@@ -6,7 +6,7 @@ carries the next batch's reference forwards out and the second carries them in, 
 different microbatch count; at dp 2 the two replicas run different counts in the second step;
 at tp 2 the packed job is also sequence-parallel). Checked:
 - packing on against a single-process Hugging Face reference that runs every sequence alone,
-  unpadded (TRL's formulas from tests/parity.py): every metric, every gradient of every rank,
+  unpadded (TRL's formulas from tests/helpers/reference.py): every metric, every gradient of every rank,
   the weights after the second AdamW step;
 - packing on against packing off: every metric and every gradient within 1e-5 relative;
 - evaluation after the second step, packed too (`EVAL_PAIRS` held-out pairs, not a multiple of
@@ -19,16 +19,17 @@ alone in its microbatch (30 tokens), and small pairs packed several to a row.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-import parity
 from mcore_dpo.data import TokenizedPair
 from mcore_dpo.packing import pair_tokens, plan_packed_step
-from parity import RTOL, VOCAB, assert_close, load_rank_tensors, reference_run, run_ranks, write_models
-from test_parity import ADAM_EPS, BETA, CLIP, LR, METRICS, WD, _check_metrics, _check_tensors
+from tests.helpers import reference as hf_reference
+from tests.helpers.models import VOCAB_SIZE
+from tests.helpers.parity import ADAM_EPS, BETA, CLIP, LR, METRICS, WD, check_metrics, check_tensors
+from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.reference import RTOL, assert_close, reference_run
 
 MAX_LENGTH = 16
 BUDGET = 2 * MAX_LENGTH  # the smallest budget --max-length 16 allows
@@ -42,7 +43,7 @@ def _pairs() -> list[list[TokenizedPair]]:
     line = iter(range(1, 1000))
 
     def ids(n: int) -> tuple[int, ...]:
-        return tuple(int(x) for x in torch.randint(3, VOCAB, (n,), generator=gen))
+        return tuple(int(x) for x in torch.randint(3, VOCAB_SIZE, (n,), generator=gen))
 
     def pair(lp: int, lc: int, lr: int) -> TokenizedPair:
         # BOS + lp - 1 prompt tokens; completions end with EOS.
@@ -64,7 +65,7 @@ def _pairs() -> list[list[TokenizedPair]]:
 
 
 def _completion_sums_alone(model, pairs: list[TokenizedPair]):
-    """parity._completion_sums, with every sequence run on its own: no padding, no mask."""
+    """reference._completion_sums, with every sequence run on its own: no padding, no mask."""
     sums, counts, logit_sums = [], [], []
     for prompt_of, completion_of in ((lambda p: p.prompt_ids, lambda p: p.chosen_ids),
                                      (lambda p: p.prompt_ids, lambda p: p.rejected_ids)):
@@ -82,26 +83,21 @@ def _completion_sums_alone(model, pairs: list[TokenizedPair]):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return {"llama": write_models("llama", tmp_path_factory.mktemp("packing_models"))}
-
-
-@pytest.fixture(scope="module")
-def reference(models):
-    policy_dir, ref_dir = models["llama"]
-    original = parity._completion_sums
-    parity._completion_sums = _completion_sums_alone
+def reference(parity_models):
+    policy_dir, ref_dir = parity_models["llama"]
+    original = hf_reference._completion_sums
+    hf_reference._completion_sums = _completion_sums_alone
     try:
         return reference_run(policy_dir=policy_dir, ref_dir=ref_dir, batches=_pairs(), loss_type="sigmoid", beta=BETA,
                              label_smoothing=0.0, reference_free=False, lr=LR, clip_grad=CLIP, weight_decay=WD,
                              adam_eps=ADAM_EPS, eval_pairs=_pairs()[0][:EVAL_PAIRS])
     finally:
-        parity._completion_sums = original
+        hf_reference._completion_sums = original
 
 
-def _job(layout, models, *, packing: bool) -> dict:
+def _job(layout, parity_models, *, packing: bool) -> dict:
     tp, pp, dp = layout
-    policy_dir, ref_dir = models["llama"]
+    policy_dir, ref_dir = parity_models["llama"]
     batches = _pairs()
     config = dict(model=str(policy_dir), ref_model=str(ref_dir), tp=tp, pp=pp, dp=dp, micro_batch_size=2,
                   global_batch_size=GLOBAL_BATCH, max_steps=2, max_length=MAX_LENGTH, ref_mode="interleaved", lr=LR,
@@ -131,18 +127,18 @@ def test_the_data_covers_the_edge_cases():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
-def test_packing_parity(layout, models, reference, tmp_path):
-    jobs = [_job(layout, models, packing=True), _job(layout, models, packing=False)]
+def test_packing_parity(layout, parity_models, reference, tmp_path):
+    jobs = [_job(layout, parity_models, packing=True), _job(layout, parity_models, packing=False)]
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
     what = f"packed at tp{layout[0]} pp{layout[1]} dp{layout[2]}"
-    _check_tensors(tmp_path, 0, jobs[0], layout, reference, what, RTOL)
+    check_tensors(tmp_path, 0, jobs[0], layout, reference, what, RTOL)
     packed, padded = (json.loads((tmp_path / f"job{j}_metrics.json").read_text()) for j in (0, 1))
     for step, (ours, ref) in enumerate(zip(packed, reference["metrics"]), start=1):
-        _check_metrics(ours, ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=RTOL)
+        check_metrics(ours, ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=RTOL)
     # Packing on equals packing off: every metric and every gradient.
     assert len(packed) == len(padded) == 3  # two steps, then the evaluation
     eval_names = tuple(n for n in METRICS if n != "grad_norm")
-    _check_metrics(packed[2], reference["eval"], names=eval_names, prefix="eval/", what=f"{what} packed evaluation",
+    check_metrics(packed[2], reference["eval"], names=eval_names, prefix="eval/", what=f"{what} packed evaluation",
                    rtol=RTOL)
     for name in eval_names:
         assert_close(torch.tensor(packed[2][f"eval/{name}"]), torch.tensor(padded[2][f"eval/{name}"]),

@@ -57,7 +57,6 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 # This launch is also the suite's one `--tp 4 --pp 2` run as 8 Ray actors checked against a
 # single rank (it used to be a launch of its own in tests/test_ray_launch.py, with the same
 # assertions on another batch); scripts/compat_check.sh runs it for that.
-@pytest.mark.slow
 def test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
     straight = tmp_path / "straight"

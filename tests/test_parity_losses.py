@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,10 @@ from transformers import AutoModelForCausalLM
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo.data import collate, padded_seq_len
-from parity import PACKED, PAD, RTOL, assert_close, check_ran_packed, load_rank_tensors, make_pairs, run_ranks, write_models
+from tests.helpers.data import PACKED, make_pairs
+from tests.helpers.models import PAD
+from tests.helpers.ranks import check_ran_packed, load_rank_tensors, run_ranks
+from tests.helpers.reference import RTOL, assert_close
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -48,7 +50,7 @@ JOBS = {
     "trdpo_interleaved": ("interleaved", {"loss_type": "sigmoid", **TRDPO}, 3),
     "trdpo_sequential": ("sequential", {"loss_type": "sigmoid", **TRDPO}, 3),
 }
-# "<name>/packed": job <name> with packed microbatches (parity.PACKED): the first two steps take
+# "<name>/packed": job <name> with packed microbatches (tests/helpers/data.py's PACKED): the first two steps take
 # 6 and 7 rows at dp 1, 3 + 3 and 3 + 4 at dp 2.
 # (layout, jobs): every job at (1,1,1) and (2,2,1); aot's sort across dp ranks at (1,1,2).
 LAYOUTS = [pytest.param(layout, names, id="tp{}-pp{}-dp{}".format(*layout)) for layout, names in
@@ -173,11 +175,6 @@ def _reference(policy_dir: str, ref_dir: str, name: str) -> dict:
 
 
 # --------------------------------------------------------------------------- engine
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return write_models("llama", tmp_path_factory.mktemp("parity_loss_models"))
-
-
 def _jobs(layout, names, models) -> list[dict]:
     tp, pp, dp = layout
     policy_dir, ref_dir = models
@@ -200,7 +197,8 @@ def _jobs(layout, names, models) -> list[dict]:
 
 
 @pytest.mark.parametrize("layout, names", LAYOUTS)
-def test_parity_losses(layout, names, models, tmp_path):
+def test_parity_losses(layout, names, parity_models, tmp_path):
+    models = parity_models["llama"]
     jobs = _jobs(layout, names, models)
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
     tp, pp, _ = layout

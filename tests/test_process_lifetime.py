@@ -12,10 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from faults import with_fault  # noqa: E402
-
-from mcore_dpo import output_dir, reaper  # noqa: E402
+from mcore_dpo import output_dir, reaper
+from tests.helpers.faults import with_fault
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval", "0", "--no-export-hf"]

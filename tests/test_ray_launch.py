@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from faults import with_fault  # noqa: E402
+from tests.helpers.faults import with_fault
 
 REPO = Path(__file__).resolve().parents[1]
 

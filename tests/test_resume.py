@@ -1,6 +1,6 @@
 """Reliability: exact resume, resume after resharding, restarts after worker kills, and a kill
 during a checkpoint write. Runs the real CLI (Ray actors); faults are injected through
-mcore_dpo.hooks by tests/fault_hooks (see tests/faults.py), which kill rank 0's process outright."""
+mcore_dpo.hooks by tests/fault_hooks (see tests/helpers/faults.py), which kill rank 0's process outright."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(__file__))
-from faults import with_fault  # noqa: E402
+from tests.helpers.faults import with_fault
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4

@@ -5,19 +5,15 @@ when asked, the hook points, and the one-line error for an output directory a no
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import llama_gqa_untied, save_hf  # noqa: E402
-
-from mcore_dpo import hooks, resume_check  # noqa: E402
-from mcore_dpo.config import ConfigError, TrainConfig, resolve  # noqa: E402
-from mcore_dpo.data import global_batch_order  # noqa: E402
+from mcore_dpo import hooks, resume_check
+from mcore_dpo.config import ConfigError, TrainConfig, resolve
+from mcore_dpo.data import global_batch_order
+from tests.helpers.models import llama_gqa_untied, save_hf
 
 
 def test_no_two_seed_epoch_pairs_share_a_data_order():

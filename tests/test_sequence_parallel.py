@@ -5,18 +5,13 @@ launch as those layouts' other jobs."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from parity import make_pairs  # noqa: E402
-
-from mcore_dpo import platform as plat  # noqa: E402
-from mcore_dpo.config import ConfigError, resolve  # noqa: E402
-from mcore_dpo.data import collate, padded_seq_len, seq_len_multiple  # noqa: E402
+from mcore_dpo import platform as plat
+from mcore_dpo.config import ConfigError, resolve
+from mcore_dpo.data import collate, padded_seq_len, seq_len_multiple
+from tests.helpers.data import make_pairs
 
 
 def test_flag_through_the_parser_both_polarities(tmp_path):

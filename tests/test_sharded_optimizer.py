@@ -2,7 +2,7 @@
 dp 1, against the replicated optimizer (fp32 and bf16 masters), and checkpoints written at one
 dp size restored bit for bit at another.
 
-Rank processes are real gloo ranks (the harness of tests/parity.py); the HF parity of the
+Rank processes are real gloo ranks (tests/helpers/ranks.py); the HF parity of the
 sharded optimizer at every layout is in tests/test_parity.py (it is the default there).
 """
 
@@ -17,7 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from mcore_dpo.zero import owned_range
-from parity import PAD, spawn_ranks, assert_close, make_pairs, write_models
+from tests.helpers.data import make_pairs
+from tests.helpers.models import PAD
+from tests.helpers.ranks import spawn_ranks
+from tests.helpers.reference import assert_close
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -108,7 +111,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 
 
 def _run(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:
-    """The ranks fork from parity.py's preloaded server (torch and megatron-core imported once)."""
+    """The ranks fork from tests/helpers/ranks.py's preloaded server (torch and megatron-core imported once)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spawn_ranks(_rank_main, world_size=world_size, jobs=jobs, out_dir=out_dir)
 
@@ -171,8 +174,8 @@ def _assert_clipped_steps_close(runs: Path, *, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return write_models("llama", tmp_path_factory.mktemp("sharded_models"))
+def models(parity_models):
+    return parity_models["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -251,15 +254,12 @@ def test_dp2_checkpoint_restores_bit_exactly_at_dp1(dp1_runs, dp2_runs):
 
 
 @pytest.fixture(scope="module")
-def ep2_runs(tmp_path_factory):
+def ep2_runs(moe_models, tmp_path_factory):
     """Qwen3-MoE at (tp, pp, dp, ep) = (1, 1, 2, 2), clipping on, in one launch: the sharded
     optimizer (expert slices over the expert-data-parallel group, dense ones over dp; saved at
     steps 2 and 3), the replicated one, and the sharded one resumed from the step-2 checkpoint."""
-    from convert_helpers import save_hf
-    from test_moe import qwen3_moe
-
     root = tmp_path_factory.mktemp("ep2")
-    models = (save_hf(qwen3_moe(seed=1), root / "policy"), save_hf(qwen3_moe(seed=2), root / "ref"))
+    models = moe_models["qwen3_moe"]
     out = root / "runs"
     jobs = [_job("sharded", models, dp=2, ep=2, sharded=True, clip_grad=0.05, save_at=(STEPS_BEFORE_RESUME, STEPS)),
             _job("replicated", models, dp=2, ep=2, sharded=False, clip_grad=0.05),
@@ -296,17 +296,14 @@ def test_sharded_optimizer_at_ep2_equals_the_replicated_one_and_resumes_bit_exac
 
 
 @pytest.fixture(scope="module")
-def tp2_ep2_runs(tmp_path_factory):
+def tp2_ep2_runs(moe_models, tmp_path_factory):
     """Qwen3-MoE at (tp, pp, dp, ep) = (2, 1, 2, 2), world 4, clipping on, in one launch: the
     sharded optimizer and the replicated one. megatron-core carves the ep groups from the tp x dp
     ranks, so here they run along tp (tp rank t holds ep rank t's experts, whole) and the expert-
     data-parallel group of an ep rank is its two dp ranks: dense slices are cut over dp 2, expert
     slices over expert dp 2."""
-    from convert_helpers import save_hf
-    from test_moe import qwen3_moe
-
     root = tmp_path_factory.mktemp("tp2_ep2")
-    models = (save_hf(qwen3_moe(seed=1), root / "policy"), save_hf(qwen3_moe(seed=2), root / "ref"))
+    models = moe_models["qwen3_moe"]
     out = root / "runs"
     jobs = [_job(name, models, tp=2, dp=2, ep=2, sharded=sharded, clip_grad=0.05)
             for name, sharded in (("sharded", True), ("replicated", False))]

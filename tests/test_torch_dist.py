@@ -17,14 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import FAMILY_VARIANTS, llama_gqa_untied, llama3_rope_scaled, qwen2_bias_tied, save_hf  # noqa: E402
-
-from checkpoint_convert import convert  # noqa: E402
-from checkpoint_convert.dcp import DcpReader  # noqa: E402
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir  # noqa: E402
-from checkpoint_convert.mapping import ConversionError  # noqa: E402
-from checkpoint_convert.safe_pickle import RefusedPickle, load_pickle, torch_load, torch_load_file  # noqa: E402
+from checkpoint_convert import convert
+from checkpoint_convert.dcp import DcpReader
+from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.safe_pickle import RefusedPickle, load_pickle, torch_load, torch_load_file
+from tests.helpers.models import FAMILY_VARIANTS, llama_gqa_untied, llama3_rope_scaled, qwen2_bias_tied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -189,7 +187,7 @@ def test_moe_hf_torch_dist_hf_round_trip_is_bit_exact(tmp_path, family, layout):
     Mixtral (tied; every layer MoE: stacked keys [L, E, ...]); the experts' tensors equal the
     HF ones on the global expert axis, and reshard to the safetensors ep layout is identical to
     converting the HF directory there."""
-    from test_moe import mixtral, qwen3_moe
+    from tests.helpers.models import mixtral, qwen3_moe
 
     model = qwen3_moe(seed=3, num_layers=4) if family == "qwen3_moe" else mixtral(seed=3)
     hf_dir = save_hf(model, tmp_path / "hf")

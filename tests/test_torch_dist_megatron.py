@@ -24,14 +24,12 @@ from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf  # noqa: E402
-from torch_dist_helpers import consumer_rank, megatron_lm_args, producer_rank, spawn  # noqa: E402
-
-from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir  # noqa: E402
-from checkpoint_convert.dcp import DcpReader  # noqa: E402
-from checkpoint_convert.io import open_hf_dir  # noqa: E402
-from checkpoint_convert.torch_dist import COMMON_OBJECT  # noqa: E402
+from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir
+from checkpoint_convert.dcp import DcpReader
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.torch_dist import COMMON_OBJECT
+from tests.helpers.models import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf
+from tests.helpers.megatron_ranks import consumer_rank, megatron_lm_args, producer_rank, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -140,9 +138,9 @@ def test_megatron_lm_moe_checkpoint_at_ep2_converts_to_hf_bit_exactly(tmp_path):
     megatron-core at (tp, pp, dp, ep) = (1, 2, 2, 2): experts under megatron-core's sharded keys
     with the global expert axis, per-layer keys (a list --moe-layer-freq makes the layers
     non-homogeneous). The CLI converts it from Megatron's args alone, bit-exactly."""
-    from convert_helpers import save_tokenizer
-    from test_moe import qwen3_moe
-    from torch_dist_helpers import megatron_lm_moe_args
+    from tests.helpers.models import save_tokenizer
+    from tests.helpers.models import qwen3_moe
+    from tests.helpers.megatron_ranks import megatron_lm_moe_args
 
     model = qwen3_moe(seed=5, num_layers=4)  # layers 0, 2, 3 MoE, layer 1 dense
     hub = tmp_path / "hub"
@@ -193,13 +191,13 @@ def test_megatron_core_loads_our_moe_torch_dist_at_another_ep(tmp_path):
     layout; top-k of the softmax, not renormalised), written at (tp, pp, ep) = (2, 2, 1), experts
     split over tp: megatron-core's dist_checkpointing.load reads it into a GPTModel at
     (tp, pp, dp, ep) = (1, 2, 2, 2), and its logits equal the HF model's."""
-    from parity import _small_init
-    from test_moe import _COMMON
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**_COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=16, num_experts=4,
+    from tests.helpers.models import MOE_COMMON, small_init
+
+    config = Qwen3MoeConfig(**MOE_COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=16, num_experts=4,
                             num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)
-    model = _small_init(Qwen3MoeForCausalLM(config), 6).float().eval()
+    model = small_init(Qwen3MoeForCausalLM(config), 6).float().eval()
     hf_dir = save_hf(model, tmp_path / "hf")
     out = tmp_path / "torch_dist"
     hf_to_mcore(hf_dir, out, tp=2, pp=2, ep=1, fmt="torch_dist", log=lambda _m: None)

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import llama_gqa_untied, save_hf  # noqa: E402
-
-from checkpoint_convert.convert import hf_to_mcore  # noqa: E402
-from checkpoint_convert.safe_pickle import torch_load_file  # noqa: E402
-from mcore_dpo.config import TrainConfig  # noqa: E402
-from mcore_dpo.model import open_weights  # noqa: E402
-from mcore_dpo.run import InputError, prepare  # noqa: E402
+from checkpoint_convert.convert import hf_to_mcore
+from checkpoint_convert.safe_pickle import torch_load_file
+from mcore_dpo.config import TrainConfig
+from mcore_dpo.model import open_weights
+from mcore_dpo.run import InputError, prepare
+from tests.helpers.models import llama_gqa_untied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +85,7 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 
 
 def _train(args: list[str], out: Path, *, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    from faults import with_fault
+    from tests.helpers.faults import with_fault
 
     env = with_fault(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MCORE_DPO_CACHE=str(cache)), fault)
     return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *TORCH_DIST_RUN, *args, "--output-dir", str(out)],
@@ -114,7 +112,7 @@ def test_torch_dist_training_checkpoints(tmp_path):
     dist_checkpointing.load reads model and optimizer state at tp2 pp1 and gets what this
     project's restricted reader gets; mcore-to-hf converts the save directory."""
     from safetensors.torch import load_file, save_file
-    from torch_dist_helpers import spawn, training_consumer_rank
+    from tests.helpers.megatron_ranks import spawn, training_consumer_rank
     from transformers import AutoModelForCausalLM
 
     from checkpoint_convert.mapping import hf_to_mcore_shard

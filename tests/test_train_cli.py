@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from convert_helpers import llama_gqa_untied, save_hf  # noqa: E402
-
-from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve  # noqa: E402
-from mcore_dpo.train import main  # noqa: E402
+from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve
+from mcore_dpo.train import main
+from tests.helpers.models import llama_gqa_untied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
 

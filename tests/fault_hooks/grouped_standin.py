@@ -2,7 +2,7 @@
 runs the worker's translation between grouped live names and sequential file names (shards,
 checkpoints, optimizer files, hf/ export, resume) through the real command line.
 
-Installed by sitecustomize.py when MCORE_DPO_GROUPED_STANDIN=1 (tests/faults.py's
+Installed by sitecustomize.py when MCORE_DPO_GROUPED_STANDIN=1 (tests/helpers/faults.py's
 `with_grouped_standin`): the ranks then decide for grouped experts as a GPU with Transformer
 Engine >= 1.9 would (`platform.use_grouped_experts` sees the Transformer Engine spec and its
 grouped linear), and `model.build_stage_model(grouped_experts=True)` builds the sequential

@@ -1,5 +1,5 @@
 """Fault injection for the reliability tests, loaded at start-up by every Python process whose
-PYTHONPATH holds this directory (tests/faults.py puts it there for the runs that need it, and
+PYTHONPATH holds this directory (tests/helpers/faults.py puts it there for the runs that need it, and
 Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_DPO_FAULT:
 
     "step:3,7"  kills rank 0's process at the start of steps 3 and 7

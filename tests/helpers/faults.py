@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-FAULT_HOOKS_DIR = Path(__file__).resolve().parent / "fault_hooks"
+FAULT_HOOKS_DIR = Path(__file__).resolve().parents[1] / "fault_hooks"
 
 
 def with_fault(env: dict, fault: str | None) -> dict:

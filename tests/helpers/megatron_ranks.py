@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.tiers import launches
+
 
 def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
@@ -324,7 +326,9 @@ def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
         _teardown()
 
 
+@launches("ranks")
 def spawn(fn, *, world_size: int, job: dict) -> None:
+    """`fn(rank, world_size, port, job)` on world_size spawned ranks (one of the rank functions above)."""
     import socket
 
     import torch.multiprocessing as mp

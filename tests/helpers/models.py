@@ -1,7 +1,14 @@
-"""Tiny Hugging Face models for the checkpoint_convert tests, built locally (never downloaded).
+"""Tiny Hugging Face models, built locally (never downloaded), and the HF directories they are
+saved as.
 
-Each factory returns a randomly initialised transformers model; `save_hf` writes it as an HF
-directory (config.json + safetensors, optionally sharded with an index, + a word-level tokenizer).
+- The converter's variants (`llama_gqa_untied`, `llama_tied`, `llama3_rope_scaled`, `mistral_mha`,
+  `qwen2_bias_tied`; `FAMILY_VARIANTS`): seed-1234 weights around 1 for norms.
+- The parity models (`make_model`, `write_models`, `qwen3`, `qwen3_moe`, `mixtral`): small weights
+  (`small_init`) so that two steps of training stay well conditioned; policy and reference differ.
+- `TINY_FAMILIES`: one model of every family at transformers' own initialisation (the key maps).
+
+`save_hf` writes a model as an HF directory (config.json + safetensors, optionally sharded with an
+index, + a word-level tokenizer); `hub_tensors` is what `save_pretrained` writes.
 """
 
 from __future__ import annotations
@@ -11,9 +18,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)  # fmt: skip
 
-VOCAB_SIZE = 100  # deliberately not a multiple of 128 * tp: exercises padding and trimming
+# Not a multiple of 128 * tp: exercises vocabulary padding and trimming, and padded vocabulary
+# columns must stay out of the softmax.
+VOCAB_SIZE = 100
+PAD = 0
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=32,
@@ -135,3 +148,100 @@ def assert_export_generates_like(original_dir: Path, exported_dir: Path, *, prom
     tokens = torch.tensor([prompt])
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(exported.eval().generate(tokens, **settings), original.generate(tokens, **settings))
+
+
+# --------------------------------------------------------------------------- parity models
+def small_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Norms around 1, matrices at 0.25 x N(0, 1): the parity models' weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def make_model(family: str, seed: int) -> torch.nn.Module:
+    """The dense parity model: "llama" (GQA, untied) or "qwen2" (qkv bias, tied)."""
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        raise ValueError(family)
+    return small_init(model, seed).float()
+
+
+def write_models(family: str, root: Path) -> tuple[Path, Path]:
+    """Policy and reference with DIFFERENT weights (so u± are not zero at step 1)."""
+    policy = save_hf(make_model(family, seed=1), root / f"{family}_policy")
+    reference = save_hf(make_model(family, seed=2), root / f"{family}_ref")
+    return policy, reference
+
+
+_QWEN3_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+
+
+def qwen3(*, tied: bool, seed: int) -> Qwen3ForCausalLM:
+    """Qwen3 dense: per-head q/k RMSNorm, head_dim 16 (hidden/heads = 8), no qkv bias."""
+    return small_init(Qwen3ForCausalLM(Qwen3Config(**_QWEN3_COMMON, tie_word_embeddings=tied)), seed).float().eval()
+
+
+# The MoE parity models' shared config fields (two layers unless asked otherwise).
+MOE_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=PAD)
+
+
+def qwen3_moe(*, seed: int, num_layers: int = 2, **overrides) -> Qwen3MoeForCausalLM:
+    """Qwen3-MoE, 4 experts, top 2, untied; at more than 2 layers layer 1 is dense."""
+    config = Qwen3MoeConfig(**{**MOE_COMMON, "num_hidden_layers": num_layers}, intermediate_size=48,
+                            moe_intermediate_size=24, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1] if num_layers > 2 else [],
+                            tie_word_embeddings=False, **overrides)
+    return small_init(Qwen3MoeForCausalLM(config), seed).float().eval()
+
+
+def mixtral(*, seed: int, **overrides) -> MixtralForCausalLM:
+    """Mixtral, 4 experts, top 2, tied embeddings."""
+    config = MixtralConfig(**MOE_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=True, **overrides)
+    return small_init(MixtralForCausalLM(config), seed).float().eval()
+
+
+MOE_FACTORIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}
+
+
+# --------------------------------------------------------------------------- one model per family
+_FAMILY_COMMON = dict(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)
+TINY_FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_FAMILY_COMMON, intermediate_size=64)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_FAMILY_COMMON, intermediate_size=64, head_dim=8)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_FAMILY_COMMON, intermediate_size=64, tie_word_embeddings=True)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_FAMILY_COMMON, intermediate_size=64, head_dim=16)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **_FAMILY_COMMON, intermediate_size=64, moe_intermediate_size=24, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_FAMILY_COMMON, intermediate_size=24, num_local_experts=4,
+                                                        num_experts_per_tok=2)),
+}
+
+
+def hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What save_pretrained writes (transformers 5 turns fused experts back into the hub's form)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return load_file(f"{directory}/model.safetensors")
+

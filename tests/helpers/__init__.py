@@ -1,0 +1,18 @@
+"""Helpers of the test suite, imported as `from tests.helpers.<module> import <name>`
+(pytest.ini puts the repository root on sys.path; no test imports another test module).
+
+    models.py            tiny Hugging Face models and the HF directories they are saved as
+    data.py              tokenized preference pairs (`make_pairs`), packing settings, JSONL files
+    reference.py         the independent reference: HF forward + TRL's loss and metric formulas
+    parity.py            parity jobs (`jobs_for`, `parity_job`) and their checks (`check_job`)
+    moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss
+    ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
+    megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
+    cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
+    ray_runs.py          the session's Ray cluster and in-process training runs on it
+    faults.py            environments that inject faults (tests/fault_hooks) into a run
+    config_arithmetic.py the arithmetic of configs/'s header comments
+    tiers.py             how each test gets its tier (`launches`, read by conftest.py)
+
+Shared set-ups built once per pytest run are fixtures in tests/conftest.py.
+"""

@@ -1,0 +1,101 @@
+"""Ray for the tests: the session's local cluster, and training runs in this process on it
+(tests/helpers/tiers.py marks a test that reaches one of these `ray`).
+
+An in-process run joins the session's cluster for the length of the run (`ray.init(address=)`,
+then `ray.shutdown()`), so between runs this process is not connected to Ray, as the bad-input
+tests check. `mcore_dpo.ray_workers.connect` sees Ray initialised and leaves the connection to
+the caller. The workers of a run get `env` through the job's runtime environment, on top of the
+cluster's environment (this process's at the session's start); the driver side is this process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.helpers.tiers import launches
+
+SESSION_CPUS = 8  # logical CPUs the session's cluster hands out: the largest layout the suite runs
+
+
+@dataclass
+class LocalCluster:
+    """A Ray head node in processes of its own (`ray.cluster_utils.Cluster`), tied to this
+    process by mcore_dpo's reaper: its processes end with this process, even after kill -9."""
+
+    cluster: object
+    reaper: object
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def shutdown(self) -> None:
+        from mcore_dpo import reaper
+
+        self.cluster.shutdown()
+        reaper.release(self.reaper)
+
+
+@launches("ray")
+def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node: int = 2) -> LocalCluster:
+    """A local cluster: the head with num_cpus, and `nodes` more nodes of cpus_per_node each."""
+    from ray.cluster_utils import Cluster
+
+    from mcore_dpo import reaper
+
+    before = reaper.children_of(os.getpid())
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=cpus_per_node)
+    if nodes:
+        cluster.wait_for_nodes()
+    return LocalCluster(cluster=cluster, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before))
+
+
+def _worker_env(env: dict | None) -> dict:
+    """What every worker of an in-process run sees beyond the cluster's environment."""
+    out = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("MCORE_DPO_CACHE"):
+        out["MCORE_DPO_CACHE"] = os.environ["MCORE_DPO_CACHE"]
+    out.update(env or {})
+    return out
+
+
+class _Joined:
+    """`with _Joined(cluster, env):` this process is a driver of the cluster inside the block."""
+
+    def __init__(self, cluster: LocalCluster, env: dict | None) -> None:
+        self.cluster, self.env = cluster, env
+
+    def __enter__(self):
+        import ray
+
+        assert not ray.is_initialized(), "an in-process run found this process connected to Ray already"
+        ray.init(address=self.cluster.address, runtime_env={"env_vars": _worker_env(self.env)}, log_to_driver=True,
+                 configure_logging=False)
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+@launches("ray")
+def train_in_process(config, *, cluster: LocalCluster, env: dict | None = None, log=lambda _line: None) -> Path:
+    """`mcore_dpo.train(config)` on the session's cluster; returns the run directory."""
+    from mcore_dpo.run import train
+
+    with _Joined(cluster, env):
+        return train(config, log=log)
+
+
+@launches("ray")
+def main_in_process(argv: list[str], *, cluster: LocalCluster, env: dict | None = None) -> int:
+    """`mcore_dpo.train.main(argv)` (the real parser, the command line's messages and exit code)
+    in this process, on the session's cluster; the caller reads stdout and stderr with capsys."""
+    from mcore_dpo.train import main
+
+    with _Joined(cluster, env):
+        return main(argv)

@@ -1,0 +1,116 @@
+"""The suite's tiers, and how each test gets its own without anyone marking it.
+
+A test is marked by what it starts (markers registered in pytest.ini):
+
+    cli    a command in a subprocess: `python -m mcore_dpo.train`, `python -m checkpoint_convert`, a
+           script (tests/helpers/cli.py)
+    ranks  torch.distributed ranks in processes of their own (tests/helpers/ranks.py,
+           tests/helpers/megatron_ranks.py)
+    ray    a Ray cluster: the session's (the `ray_cluster` fixture, tests/helpers/ray_runs.py) or one
+           of its own
+    slurm  SLURM daemons (tests/test_slurm.py, marked in the module)
+    fast   none of these, and the two launching tests kept on purpose (`in_fast_tier`): one
+           two-step in-process run at world size 1 and one two-rank gloo parity
+
+How: every helper that starts something carries the kinds it starts (`@launches("cli")`). At
+collection, conftest.py follows the code each test can run, its fixtures' code and its
+parameters (names of functions of the test module and of tests.helpers, recursively, and names
+imported inside functions) to the helpers it reaches, and marks the test with their kinds.
+While a fast-tier test runs, conftest.py also watches for process starts: a test that starts
+a process some other way fails and says to use the helpers, so the fast tier stays fast.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Callable
+
+LAUNCH_KINDS = ("cli", "ranks", "ray", "slurm")
+# At most this many tests launch and still run in the fast tier (`@pytest.mark.in_fast_tier`).
+FAST_TIER_LAUNCHES = 2
+
+
+def launches(*kinds: str) -> Callable:
+    """Mark a helper as starting processes of these kinds."""
+    assert kinds and set(kinds) <= set(LAUNCH_KINDS), kinds
+
+    def mark(function: Callable) -> Callable:
+        function.launches = tuple(kinds)
+        return function
+
+    return mark
+
+
+def _is_ours(module_name: str | None) -> bool:
+    """Code whose calls are followed: test modules, conftest and tests.helpers."""
+    if not module_name:
+        return False
+    leaf = module_name.rsplit(".", 1)[-1]
+    return module_name.startswith("tests.") or leaf.startswith("test_") or leaf == "conftest"
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _referenced(function: types.FunctionType) -> list[object]:
+    """The objects the function's code can reach by name: its globals, attributes of modules it
+    names (`cli.run_train`), modules it imports inside its body, and its closure."""
+    names: list[str] = []
+    for code in _code_objects(function.__code__):
+        names.extend(code.co_names)
+    found: list[object] = []
+    modules: list[types.ModuleType] = []
+    for name in names:
+        value = function.__globals__.get(name)
+        if value is None and name in sys.modules:  # `from tests.helpers.cli import run_train` in the body
+            value = sys.modules[name]
+        if isinstance(value, types.ModuleType):
+            modules.append(value)
+        elif value is not None:
+            found.append(value)
+    for module in modules:
+        if _is_ours(module.__name__):
+            found.extend(getattr(module, name) for name in names if hasattr(module, name))
+    for cell in function.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return found
+
+
+def kinds_reached(function: object, _seen: dict | None = None) -> set[str]:
+    """The launch kinds of every tagged helper `function` can reach (module docstring)."""
+    seen = {} if _seen is None else _seen
+    function = inspect.unwrap(function) if callable(function) else function
+    kinds = set(getattr(function, "launches", ()))
+    if kinds or not isinstance(function, types.FunctionType) or not _is_ours(function.__module__):
+        return kinds
+    if id(function) in seen:
+        return seen[id(function)]
+    seen[id(function)] = kinds  # cycles end here
+    for value in _referenced(function):
+        if callable(value):
+            kinds |= kinds_reached(value, seen)
+    seen[id(function)] = kinds
+    return kinds
+
+
+def kinds_of_item(item, seen: dict) -> set[str]:
+    """What a collected test starts: its own code, its fixtures' and its parameters'."""
+    kinds = kinds_reached(item.function, seen)
+    for name in item.fixturenames:
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            kinds |= kinds_reached(definition.func, seen)
+    callspec = getattr(item, "callspec", None)
+    for value in (callspec.params.values() if callspec else ()):
+        if callable(value):
+            kinds |= kinds_reached(value, seen)
+    kinds |= {mark.name for mark in item.iter_markers() if mark.name in LAUNCH_KINDS}
+    return kinds
