@@ -1,4 +1,4 @@
-"""Shared set-ups of the suite.
+"""Shared set-ups of the suite, and the tiers (tests/helpers/tiers.py says how they are assigned).
 
 Session fixtures, built once per pytest run:
     ray_cluster    the local Ray cluster every in-process run joins (tests/helpers/ray_runs.py)
@@ -12,9 +12,13 @@ once per run and never in the user's cache.
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
+
+from tests.helpers import tiers
 
 # One torch thread per process: the suite spawns many ranks on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -30,6 +34,19 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    seen: dict = {}
+    kept = []
+    for item in items:
+        kinds = tiers.kinds_of_item(item, seen)
+        for kind in sorted(kinds):
+            item.add_marker(kind)
+        if item.get_closest_marker("in_fast_tier"):
+            kept.append(item.nodeid)
+        if not kinds or item.get_closest_marker("in_fast_tier"):
+            item.add_marker("fast")
+    if len(kept) > tiers.FAST_TIER_LAUNCHES:
+        raise pytest.UsageError(f"at most {tiers.FAST_TIER_LAUNCHES} launching tests run in the fast tier "
+                                f"(in_fast_tier): {kept}")
     # MCORE_DPO_GPU_CHECKS_ON_CPU=1: the dry run of scripts/gpu_checks.sh --cpu runs them on the CPU.
     if _has_cuda() or os.environ.get("MCORE_DPO_GPU_CHECKS_ON_CPU") == "1":
         return
@@ -37,6 +54,67 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# While a fast-tier test runs (its fixtures' set-up included), process starts are recorded: the test
+# reached no launch helper, so it starts them some other way and is in the wrong tier.
+_running: dict = {"item": None, "started": []}
+
+
+def _record(what: str) -> None:
+    item = _running["item"]
+    if item is not None:
+        _running["started"].append(what)
+
+
+def pytest_configure(config):
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def recording_popen_init(self, *args, **kwargs):
+        argv = args[0] if args else kwargs.get("args")
+        _record(f"subprocess {argv if isinstance(argv, str) else ' '.join(map(str, argv))}"[:200])
+        popen_init(self, *args, **kwargs)
+
+    def recording_start(self):
+        _record(f"multiprocessing process {self.name}")
+        process_start(self)
+
+    subprocess.Popen.__init__ = recording_popen_init
+    multiprocessing.process.BaseProcess.start = recording_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    watched = item.get_closest_marker("fast") and not item.get_closest_marker("in_fast_tier")
+    _running.update(item=item if watched else None, started=[])
+    try:
+        return (yield)
+    finally:
+        _running.update(item=None, started=[])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    _fail_if_started(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    result = yield
+    _fail_if_started(item)
+    return result
+
+
+def _fail_if_started(item) -> None:
+    started = _running["started"] if _running["item"] is item else []
+    if started:
+        first, more = started[0], len(started) - 1
+        _running["started"] = []
+        pytest.fail(f"{item.nodeid} is in the fast tier but started {first}{f' (and {more} more)' if more else ''}: "
+                    "start commands, ranks and Ray through tests/helpers (cli.py, ranks.py, ray_runs.py), which tier "
+                    "the test (tests/helpers/tiers.py)", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-os.environ["OMP_NUM_THREADS"] = "1"
-
 from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_step, memory,
                         optimizer_memory, ref_cost, vs_trl)
+from tests.helpers.cli import REPO, run_python
+from tests.helpers.ranks import run_benchmark
 
 
 def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -26,7 +24,7 @@ def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def test_ref_cost_simulated_and_measured(tmp_path):
-    result = ref_cost.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "r.json"),
+    result = run_benchmark(ref_cost.main, ["--tiny", "--steps", "1", "--out", str(tmp_path / "r.json"),
                             "--work-dir", str(tmp_path / "w"), "--plot", str(tmp_path / "sim.png"),
                             "--timeline", str(tmp_path / "timeline.png")])
     rows = {(r["pp"], r["m"]): r for r in result["simulated"]}
@@ -69,7 +67,8 @@ def test_ref_cost_simulated_and_measured(tmp_path):
 
 
 def test_memory_reports_reference_bytes_per_rank(tmp_path):
-    result = memory.main(["--tiny", "--repeats", "1", "--out", str(tmp_path / "m.json"), "--work-dir", str(tmp_path)])
+    result = run_benchmark(memory.main, ["--tiny", "--repeats", "1", "--out", str(tmp_path / "m.json"), "--work-dir",
+                                         str(tmp_path)])
     total_ref = sum(row["ref_param_bytes"] for row in result["ranks"].values())
     fp32_bytes = 4 * sum(math.prod(s) for s in _weights(tmp_path / "model").values())
     assert total_ref == fp32_bytes  # pp 2 splits the reference, nothing duplicated (untied)
@@ -81,7 +80,7 @@ def test_memory_reports_reference_bytes_per_rank(tmp_path):
 
 
 def test_optimizer_memory_halves_the_state_per_rank_at_dp2(tmp_path):
-    result = optimizer_memory.main(["--tiny", "--repeats", "1", "--dtype", "bfloat16", "--share-launch",
+    result = run_benchmark(optimizer_memory.main, ["--tiny", "--repeats", "1", "--dtype", "bfloat16", "--share-launch",
                                     "--out", str(tmp_path / "o.json"), "--work-dir", str(tmp_path)])
     assert result["share_launch"] is True
     numel = sum(math.prod(s) for s in _weights(tmp_path / "model").values())
@@ -99,7 +98,7 @@ def test_optimizer_memory_halves_the_state_per_rank_at_dp2(tmp_path):
 def test_checkpoint_memory_measures_a_save_that_sends_experts(tmp_path):
     """tp 2 x ep 2 (world 2): the ep group is the tp group, so two of the four files of each kind
     are written from experts the other rank sends; every rank's figures are recorded."""
-    result = checkpoint_memory.main(["--tiny", "--repeats", "1", "--steps", "1", "--layouts", "2x1x2",
+    result = run_benchmark(checkpoint_memory.main, ["--tiny", "--repeats", "1", "--steps", "1", "--layouts", "2x1x2",
                                      "--out", str(tmp_path / "c.json"), "--work-dir", str(tmp_path)])
     written = tmp_path / "2x1x2_0" / "checkpoint"
     for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
@@ -119,14 +118,15 @@ def test_checkpoint_memory_measures_a_save_that_sends_experts(tmp_path):
 
 
 def test_dp_scaling_runs_both_sizes(tmp_path):
-    result = dp_scaling.main(["--tiny", "--steps", "1", "--out", str(tmp_path / "d.json"), "--work-dir", str(tmp_path)])
+    result = run_benchmark(dp_scaling.main, ["--tiny", "--steps", "1", "--out", str(tmp_path / "d.json"), "--work-dir",
+                                             str(tmp_path)])
     assert set(result["dp"]) == {"1", "2"}
     assert result["dp"]["1"]["speedup_vs_dp1"] == 1.0
     assert result["dp"]["2"]["tokens_per_s"]["median"] > 0
 
 
 def test_conversion_round_trip_is_exact(tmp_path):
-    result = conversion.main(["--tiny", "--repeats", "1", "--out", str(tmp_path / "c.json"),
+    result = run_benchmark(conversion.main, ["--tiny", "--repeats", "1", "--out", str(tmp_path / "c.json"),
                               "--work-dir", str(tmp_path / "conv")])
     assert result["round_trip_bit_exact"] is True
     assert result["checkpoint_bytes"] == common.directory_bytes(tmp_path / "conv" / "hf")
@@ -162,12 +162,9 @@ def test_trl_side_sees_exactly_the_engine_tokens(tmp_path):
 
 def test_packing_decompose_counts_and_splits_the_step(tmp_path):
     # Its own process: the script builds a one-rank worker (a process group) for itself.
-    import subprocess
-
     out = tmp_path / "d.json"
-    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "packing_decompose.py"),
-                    "--tiny", "--reps", "1", "--steps", "1", "--out", str(out), "--work-dir", str(tmp_path / "w")],
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    run_python([str(REPO / "benchmarks" / "packing_decompose.py"), "--tiny", "--reps", "1", "--steps", "1", "--out",
+                str(out), "--work-dir", str(tmp_path / "w")], check=True, timeout=600)
     result = json.loads(out.read_text())
     padded, packed = (result["exact"]["layouts"][k]["steps"][0] for k in ("padded", "packed"))
     assert padded["real"] == packed["real"]  # the same pairs, two layouts

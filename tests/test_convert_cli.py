@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from tests.helpers.cli import run_python
 from tests.helpers.models import llama_gqa_untied, qwen2_bias_tied, save_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,11 +223,8 @@ def test_interrupt_leaves_no_partial_output(llama_dir, tmp_path, capsys, monkeyp
 
 
 def test_console_entry_point_exits_2_with_one_line(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = run_python(["-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "nope"), "--out",
+                         str(tmp_path / "o")], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "nope" in result.stderr
     assert not (tmp_path / "o").exists()

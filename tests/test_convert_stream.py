@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from checkpoint_convert.mapping import (
     spec_from_hf_config,
 )
 from checkpoint_convert.safetensors_stream import SafetensorsReader, SafetensorsWriter, write_tensors
+from tests.helpers.cli import command_env, run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -239,11 +237,9 @@ def test_round_trip_peak_rss_is_a_fraction_of_the_checkpoint(tmp_path):
     hf_dir = _write_random_hf(tmp_path / "hf", config)
     checkpoint_bytes = (hf_dir / "model.safetensors").stat().st_size
     assert checkpoint_bytes > 180 * 10**6
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT, str(hf_dir), str(tmp_path / "m"), str(tmp_path / "back")],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    env = command_env(PYTHONPATH=str(REPO_ROOT))
+    result = run_python(["-c", _MEMORY_SCRIPT, str(hf_dir), str(tmp_path / "m"), str(tmp_path / "back")], env=env,
+                        timeout=120, check=True)
     peaks = json.loads(result.stdout.strip().splitlines()[-1])
     assert peaks["back"] - peaks["baseline"] <= 0.25 * checkpoint_bytes, (peaks, checkpoint_bytes)
     source, back = open_hf_dir(hf_dir), open_hf_dir(tmp_path / "back")

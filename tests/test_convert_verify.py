@@ -6,6 +6,7 @@ import pytest
 
 from checkpoint_convert.__main__ import main
 from tests.helpers.models import llama3_rope_scaled, qwen2_bias_tied, save_hf
+from tests.helpers.ranks import verify
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ def test_verify_tp2_pp2_matches_hf_logits(factory, tmp_path, capsys):
     hf_dir = save_hf(factory(), tmp_path / "hf")
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
     capsys.readouterr()
-    code = main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "48"])
+    code = verify(["--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "48"])
     out = capsys.readouterr().out
     assert code == 0, out
     line = next(line for line in out.splitlines() if line.startswith("verify tp=2 pp=2"))
@@ -40,5 +41,5 @@ def test_verify_fails_on_a_corrupted_checkpoint(tmp_path, capsys):
     tensors["decoder.layers.2.pre_mlp_layernorm.weight"] += 0.5
     save_file(tensors, str(shard), metadata={"format": "pt"})
     capsys.readouterr()
-    assert main(["verify", "--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m")]) == 1
+    assert verify(["--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m")]) == 1
     assert "FAILED" in capsys.readouterr().err

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from mcore_dpo import doctor
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import REPO, command_env, run_python
 
 
 def _setup_kwargs() -> dict:
@@ -49,8 +46,7 @@ def _fake_versions(**overrides: str | None):
 
 
 def test_clean_environment_exits_0_with_every_item(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mcore_dpo.doctor"], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    result = run_python(["-m", "mcore_dpo.doctor"], cwd=tmp_path, env=command_env(PYTHONPATH=str(REPO)), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     by_name = {line.split()[1]: line.split()[0] for line in lines[:-1]}
@@ -158,8 +154,7 @@ def test_optional_integrations_are_not_needed_to_import_anything():
         "            importlib.import_module(info.name); done.append(info.name)\n"
         "print(len(done), 'modules')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_python(["-c", code], env=command_env(PYTHONPATH=str(REPO)), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout.split()[0]) >= 20
 
@@ -198,6 +193,5 @@ def test_cpu_platform_serves_megatron_cores_cuda_stream_calls():
         "assert not [m for m in sys.modules if m.startswith('torch._inductor')], 'TorchInductor was imported'\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=str(REPO), MCORE_DPO_FORCE_CPU="1"))
+    result = run_python(["-c", code], env=command_env(PYTHONPATH=str(REPO), MCORE_DPO_FORCE_CPU="1"), timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import command_env, run
+
 CHECKS = ("parity-sharded-opt", "parity-adamw", "te-vs-local", "te-grouped-gemm", "bf16-resume", "convert-verify",
           "gpu-step")
 
@@ -38,8 +37,7 @@ LISTED = {"parity-sharded-opt": "test_parity_on_gpu[sharded-optimizer]", "parity
 def test_gpu_checks_wiring_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MCORE_DPO_FAULT",)}
     env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu", "--wiring"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    proc = run(["bash", "scripts/gpu_checks.sh", "--cpu", "--wiring"], env=env, timeout=1200)
     rows = _table(proc.stdout)
     assert set(rows) == set(CHECKS), proc.stdout + proc.stderr[-2000:]
     for name, (status, detail) in rows.items():
@@ -60,15 +58,13 @@ def test_gpu_checks_wiring_on_cpu(tmp_path):
 @pytest.mark.parametrize("argv, message", [(["--cpu", "--bogus"], "unknown argument '--bogus'"),
                                            (["--wiring"], "--wiring is a CPU dry run")])
 def test_gpu_checks_refuses_bad_arguments_before_running_anything(tmp_path, argv, message):
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = run(["bash", "scripts/gpu_checks.sh", *argv], env=command_env(OUT=str(tmp_path / "out"), PYTHON=sys.executable),
+               timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", (proc.returncode, proc.stderr)
     assert not (tmp_path / "out").exists()
 
 
 def test_step_benchmark_counts_8n_flops_per_token():
-    sys.path.insert(0, str(REPO))
     from benchmarks.gpu_step import ONE_B, matmul_params, step_flops
 
     n = matmul_params(ONE_B)

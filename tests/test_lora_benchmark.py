@@ -3,15 +3,13 @@ and the state it reports follows from what LoRA keeps (the real size is in docs/
 
 from __future__ import annotations
 
-import os
-
-os.environ["OMP_NUM_THREADS"] = "1"
-
 from benchmarks import lora_memory
+from tests.helpers.ranks import run_benchmark
 
 
 def test_lora_memory_runs_both_modes(tmp_path):
-    result = lora_memory.main(["--tiny", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "l.json"), "--work-dir", str(tmp_path)])
+    result = run_benchmark(lora_memory.main, ["--tiny", "--repeats", "1", "--steps", "1", "--out", str(tmp_path / "l.json"),
+                                              "--work-dir", str(tmp_path)])
     assert set(result["ranks"]) == {"0", "1"}
     for row in result["ranks"].values():
         full, lora = (row[m]["optimizer_state_bytes"]["median"] for m in ("full", "lora"))

@@ -7,10 +7,8 @@ alpha and targets through the parser and `run.prepare`."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import command_env, run_train
+
 STEPS = 4
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--lora-targets", "qkv,proj,fc1,fc2"]
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0",
@@ -28,9 +27,7 @@ RTOL = 1e-5
 
 
 def _run(args: list[str], out: Path, *, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return run_train([*COMMON, *args, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
 
 
 def _metrics(out: Path, *, after: int = 0) -> list[dict]:

@@ -22,6 +22,7 @@ from benchmarks import common, memory
 from mcore_dpo.memory_account import CATEGORIES, storage_bytes
 from mcore_dpo.plan_memory import StageMemory, plan_memory
 from mcore_dpo.schedule import REF_MODES, build_plan
+from tests.helpers.ranks import run_benchmark
 
 MODES = ("interleaved", "sequential", "precomputed", "none")
 assert set(MODES) == set(REF_MODES)
@@ -35,10 +36,11 @@ def runs(tmp_path_factory) -> dict[int, list[list[dict]]]:
     pp2_model = common.write_random_llama(work / "bench_model", shape=memory.SHAPE)
     pp4_model = common.write_random_llama(work / "small_model", shape=PP4_SHAPE)
     return {
-        2: memory.launch(model_dir=pp2_model, pp=2, modes=MODES, num_microbatches=memory.NUM_MICROBATCHES,
-                         seq_len=memory.SEQ_LEN, num_steps=2, other_modes_steps=1, out_dir=work / "pp2"),
-        4: memory.launch(model_dir=pp4_model, pp=4, modes=MODES, num_microbatches=6, seq_len=16, num_steps=2,
-                         other_modes_steps=1, out_dir=work / "pp4"),
+        2: run_benchmark(memory.launch, model_dir=pp2_model, pp=2, modes=MODES,
+                         num_microbatches=memory.NUM_MICROBATCHES, seq_len=memory.SEQ_LEN, num_steps=2,
+                         other_modes_steps=1, out_dir=work / "pp2"),
+        4: run_benchmark(memory.launch, model_dir=pp4_model, pp=4, modes=MODES, num_microbatches=6, seq_len=16,
+                         num_steps=2, other_modes_steps=1, out_dir=work / "pp4"),
     }
 
 

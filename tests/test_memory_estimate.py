@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -29,6 +28,7 @@ from mcore_dpo.ports import free_port
 
 from checkpoint_convert.mapping import ModelSpec, padded_vocab_size
 from mcore_dpo.memory_estimate import LayerShape, activation_bytes
+from tests.helpers.ranks import spawn_processes
 
 TOLERANCE = 0.20
 TP = 2
@@ -113,7 +113,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, int]:
     out_dir = tmp_path_factory.mktemp("activation_memory")
-    mp.start_processes(_rank_main, args=(free_port(), str(out_dir)), nprocs=TP, start_method="spawn")
+    spawn_processes(_rank_main, nprocs=TP, args=(free_port(), str(out_dir)))
     return json.loads((out_dir / "rank0.json").read_text())
 
 
@@ -300,7 +300,7 @@ def _moe_rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_moe_estimate_matches_measured_peak(tmp_path):
-    mp.start_processes(_moe_rank_main, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    spawn_processes(_moe_rank_main, nprocs=1, args=(free_port(), str(tmp_path)))
     peak = json.loads((tmp_path / "moe.json").read_text())["peak"]
     spec = _moe_measure_spec()
     shape = _moe_shape(spec)

@@ -39,6 +39,7 @@ from mcore_dpo.schedule import (
     validate_plan,
     validate_stages,
 )
+from tests.helpers.ranks import start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.
 CASES = [
@@ -242,12 +243,9 @@ def _stage_process(rank: int, stages, port: int, timeout_s: float, results) -> N
 
 
 def _run_stages(stages, *, timeout_s: float) -> dict[int, tuple[str, object]]:
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
+    results = multiprocessing.get_context("fork").Queue()
     port = free_port()
-    procs = [ctx.Process(target=_stage_process, args=(r, stages, port, timeout_s, results)) for r in range(len(stages))]
-    for proc in procs:
-        proc.start()
+    procs = start_forked(_stage_process, nprocs=len(stages), args_of=lambda r: (r, stages, port, timeout_s, results))
     out = {}
     for _ in procs:
         rank, status, detail = results.get(timeout=timeout_s + 120)

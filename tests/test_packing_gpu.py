@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mcore_dpo.ports import free_port
-from tests.helpers.models import make_model
+from tests.helpers.models import make_model, save_hf
+from tests.helpers.ranks import spawn_processes
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4  # fp32 on a GPU: kernels sum in other orders for other shapes
@@ -78,10 +78,8 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 
 def test_packed_row_gives_each_sequence_its_own_logits(tmp_path):
-    from tests.helpers.models import save_hf
-
     model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
-    mp.start_processes(_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=1, start_method="spawn")
+    spawn_processes(_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
     result = torch.load(tmp_path / "packed.pt", weights_only=True)
     scale = result["alone"].abs().max().item()
     err = (result["packed"] - result["alone"]).abs().max().item()

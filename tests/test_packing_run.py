@@ -15,19 +15,16 @@ steps, and without evaluation (`--data` given, so no held-out set is added).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from mcore_dpo import defaults
+from tests.helpers.cli import command_env, run_train
 
-REPO = Path(__file__).resolve().parents[1]
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 # The embedded data's first two 4-pair batches hold 108 and 94 tokens: a budget of 96 splits
 # them into 2 microbatches and 1.
@@ -37,9 +34,7 @@ ARGV = ["--tp", "4", "--pp", "2", "--packing", "--max-tokens-per-microbatch", "9
 
 
 def _run(out: Path, cache: Path, *, layout: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *ARGV, *layout, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return run_train([*ARGV, *layout, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
 
 
 def _steps(out: Path) -> dict[int, dict]:

@@ -36,7 +36,15 @@ def test_reference_has_a_formula_for_every_loss_type():
     assert not missing, f"tests/helpers/reference.py has no TRL formula for loss types {missing}"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
+# The fast tier's one gloo parity (two ranks): data parallelism alone.
+FAST_TIER_LAYOUT = (1, 1, 2)
+
+
+LAYOUT_PARAMS = [pytest.param(layout, marks=[pytest.mark.in_fast_tier] if layout == FAST_TIER_LAYOUT else [])
+                 for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
 def test_parity(layout, parity_models, tmp_path):
     jobs = layout_jobs(layout, parity_models)
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
 from mcore_dpo.plot import PlotError, main, plot_run, read_metrics, series
+from tests.helpers.cli import run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -111,13 +110,13 @@ def test_cli_bad_input_is_one_stderr_line_and_exit_2(tmp_path: Path, capsys):
 
 def test_cli_module_writes_plots(tmp_path: Path):
     run_dir = write_run(tmp_path / "run")
-    result = subprocess.run([sys.executable, "-m", "mcore_dpo.plot", str(run_dir)], capture_output=True, text=True, timeout=120)
+    result = run_python(["-m", "mcore_dpo.plot", str(run_dir)], timeout=120)
     assert result.returncode == 0, result.stderr
     assert (run_dir / "plots" / "loss.png").is_file()
     assert str(run_dir / "plots" / "overview.png") in result.stdout.splitlines()
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "metrics.jsonl").write_text("{not json\n")
-    result = subprocess.run([sys.executable, "-m", "mcore_dpo.plot", str(broken)], capture_output=True, text=True, timeout=120)
+    result = run_python(["-m", "mcore_dpo.plot", str(broken)], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "metrics.jsonl:1: not valid JSON" in result.stderr

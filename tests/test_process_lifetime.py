@@ -8,33 +8,32 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from mcore_dpo import output_dir, reaper
+from tests.helpers.cli import REPO, command_env, run_train, start_train
 from tests.helpers.faults import with_fault
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval", "0", "--no-export-hf"]
 
 
 def _env(fault: str | None = None) -> dict:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return with_fault(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path), fault)
+    return with_fault(command_env(PYTHONPATH=path), fault)
 
 
 def test_the_default_run_killed_mid_way_resumes_when_the_same_command_runs_again(tmp_path):
     """No --output-dir, checkpoints every 2 steps: rank 0 dies at the start of step 3 (through the
     fault hooks), and the same command, run again, continues that run's directory from step 2."""
-    command = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", "4", "--save-interval", "2", *SMALL]
-    killed = subprocess.run(command, cwd=tmp_path, env=_env("step:3"), capture_output=True, text=True, timeout=600)
+    command = ["--max-steps", "4", "--save-interval", "2", *SMALL]
+    killed = run_train(command, cwd=tmp_path, env=_env("step:3"), timeout=600)
     assert killed.returncode == 1 and "died" in killed.stderr.strip().splitlines()[-1], killed.stderr[-3000:]
     (out,) = (tmp_path / "outputs").iterdir()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (out / output_dir.COMPLETE_FILE).exists()
 
-    resumed = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    resumed = run_train(command, cwd=tmp_path, env=_env(), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing there" in resumed.stdout and "resuming from" in resumed.stdout, resumed.stdout
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == [out.name]  # no second directory
@@ -42,7 +41,7 @@ def test_the_default_run_killed_mid_way_resumes_when_the_same_command_runs_again
     assert steps == [0, 1, 2, 3, 4]  # 0: the held-out evaluation before training
     assert json.loads((out / output_dir.COMPLETE_FILE).read_text())["step"] == 4
 
-    again = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    again = run_train(command, cwd=tmp_path, env=_env(), timeout=600)
     assert again.returncode == 0 and "already complete at step 4" in again.stdout, again.stdout + again.stderr
 
     # What the runs printed, captured (not a terminal): the first line says what starts, no ANSI
@@ -58,10 +57,7 @@ def test_no_ray_process_survives_kill_9_of_the_driver(tmp_path):
     """The driver's local Ray cluster (GCS, raylet, agents, workers) is gone within a bounded
     wait after the driver is killed with SIGKILL."""
     out = tmp_path / "run"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "mcore_dpo.train", "--max-steps", "500", *SMALL, "--output-dir", str(out)],
-        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    driver = start_train(["--max-steps", "500", *SMALL, "--output-dir", str(out)], env=_env(), stdout=subprocess.DEVNULL)
     recorded: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 300

@@ -8,24 +8,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import command_env, run_train, start_train
 from tests.helpers.faults import with_fault
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.ray_runs import joined, start_cluster
 
 
 def _env(tmp_path: Path) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path.parent / "shared_cache"))
+    return command_env(MCORE_DPO_CACHE=str(tmp_path.parent / "shared_cache"))
 
 
 def _train(args: list[str], *, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_train(args, env=env, timeout=timeout)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -57,10 +55,8 @@ def test_dead_worker_stops_the_run(tmp_path):
     60 s, naming the role, the rank and the worker's error."""
     env = _env(tmp_path)
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mcore_dpo.train", "--tp", "2", "--pp", "2", "--max-steps", "400",
-         "--global-batch-size", "16", "--micro-batch-size", "4", "--output-dir", str(out), "--no-export-hf"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_train(["--tp", "2", "--pp", "2", "--max-steps", "400", "--global-batch-size", "16", "--micro-batch-size",
+                        "4", "--output-dir", str(out), "--no-export-hf"], env=env)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -90,23 +86,19 @@ def test_dead_worker_stops_the_run(tmp_path):
 def test_impossible_resources_fail_within_a_bounded_wait():
     """A placement group the cluster cannot meet fails within the bound and says what was
     needed and what is available."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     from mcore_dpo import ray_workers
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster = start_cluster(num_cpus=2)
     try:
-        ray.init(address=cluster.address)
-        t0 = time.monotonic()
-        with pytest.raises(ray_workers.WorkerGroupError) as caught:
-            ray_workers.create_group(
-                role="policy", world_size=4, tp=2, pp=2, dp=1, factory=dict,
-                kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False, placement_timeout_s=5,
-            )
-        elapsed = time.monotonic() - t0
+        with joined(cluster):
+            t0 = time.monotonic()
+            with pytest.raises(ray_workers.WorkerGroupError) as caught:
+                ray_workers.create_group(
+                    role="policy", world_size=4, tp=2, pp=2, dp=1, factory=dict,
+                    kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False, placement_timeout_s=5,
+                )
+            elapsed = time.monotonic() - t0
     finally:
-        ray.shutdown()
         cluster.shutdown()
     message = str(caught.value)
     assert len(message.splitlines()) == 1
@@ -117,30 +109,24 @@ def test_impossible_resources_fail_within_a_bounded_wait():
 def test_tensor_parallel_groups_stay_on_one_node():
     """A simulated 2-node cluster (two raylets on this machine): ranks are laid out so that
     every tp group shares a node, and rendezvous uses bundle 0's node."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     from mcore_dpo import ray_workers
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    cluster.add_node(num_cpus=4)
+    cluster = start_cluster(num_cpus=4, nodes=1, cpus_per_node=4)
     try:
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        group = ray_workers.create_group(
-            role="policy", world_size=8, tp=2, pp=2, dp=2, factory=dict,  # each rank holds its kwargs
-            kwargs_of_rank=lambda rank, addr, port: {"rank": rank, "addr": addr, "port": port},
-            use_gpus=False, placement_timeout_s=60,
-        )
-        nodes = [info["node_id"] for info in group.processes]
-        assert len(set(nodes)) == 2
-        for start in range(0, 8, 2):  # tp fastest: ranks 2k and 2k+1 form a tp group
-            assert nodes[start] == nodes[start + 1], nodes
-        assert group.call("get", "rank") == list(range(8))
-        assert len(set(group.call("get", "addr"))) == 1 and len(set(group.call("get", "port"))) == 1
-        group.stop()
+        with joined(cluster):
+            group = ray_workers.create_group(
+                role="policy", world_size=8, tp=2, pp=2, dp=2, factory=dict,  # each rank holds its kwargs
+                kwargs_of_rank=lambda rank, addr, port: {"rank": rank, "addr": addr, "port": port},
+                use_gpus=False, placement_timeout_s=60,
+            )
+            nodes = [info["node_id"] for info in group.processes]
+            assert len(set(nodes)) == 2
+            for start in range(0, 8, 2):  # tp fastest: ranks 2k and 2k+1 form a tp group
+                assert nodes[start] == nodes[start + 1], nodes
+            assert group.call("get", "rank") == list(range(8))
+            assert len(set(group.call("get", "addr"))) == 1 and len(set(group.call("get", "port"))) == 1
+            group.stop()
     finally:
-        ray.shutdown()
         cluster.shutdown()
 
 

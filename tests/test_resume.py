@@ -5,20 +5,19 @@ mcore_dpo.hooks by tests/fault_hooks (see tests/helpers/faults.py), which kill r
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.cli import command_env, run_train
 from tests.helpers.faults import with_fault
+from tests.helpers.ray_runs import joined, start_cluster
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0"]
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
@@ -26,9 +25,8 @@ LAYOUT_COUNTS = ("tokens/padded", "padding_fraction", "microbatches")  # of the 
 
 
 def _run(args: list[str], out: Path, *, fault: str | None = None, cache: Path) -> subprocess.CompletedProcess:
-    env = with_fault(dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache)), fault)
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *COMMON, *args, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    env = with_fault(command_env(MCORE_DPO_CACHE=str(cache)), fault)
+    return run_train([*COMMON, *args, "--output-dir", str(out)], env=env)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -169,16 +167,13 @@ def test_lost_node_restarts_on_the_remaining_node(tmp_path, cache, monkeypatch):
     import threading
     import time
 
-    import ray
-    from ray.cluster_utils import Cluster
-
     from mcore_dpo.config import TrainConfig
     from mcore_dpo.run import train
 
     monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
+    local = start_cluster(num_cpus=0, nodes=2, cpus_per_node=2)
+    cluster, nodes = local.cluster, local.nodes
     out = tmp_path / "run"
     removed: list[str] = []
 
@@ -196,17 +191,15 @@ def test_lost_node_restarts_on_the_remaining_node(tmp_path, cache, monkeypatch):
             time.sleep(0.2)
 
     try:
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        killer = threading.Thread(target=remove_the_busy_node, daemon=True)
-        killer.start()
-        config = TrainConfig(dp=2, max_steps=12, global_batch_size=16, micro_batch_size=4, eval_interval=0,
-                             save_interval=1, max_restarts=2, output_dir=str(out), export_hf=False)
-        train(config, log=lambda _msg: None)
-        killer.join(timeout=5)
+        with joined(local):
+            killer = threading.Thread(target=remove_the_busy_node, daemon=True)
+            killer.start()
+            config = TrainConfig(dp=2, max_steps=12, global_batch_size=16, micro_batch_size=4, eval_interval=0,
+                                 save_interval=1, max_restarts=2, output_dir=str(out), export_hf=False)
+            train(config, log=lambda _msg: None)
+            killer.join(timeout=5)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        local.shutdown()
     assert len(removed) == 1
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 12 and steps == sorted(set(steps))

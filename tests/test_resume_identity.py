@@ -8,18 +8,17 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import run_train
+
 SMALL = ["--global-batch-size", "8", "--micro-batch-size", "4", "--eval-interval", "0", "--no-export-hf"]
 
 
 def _run(args: list[str], *, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *SMALL, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_train([*SMALL, *args], env=env, timeout=600)
 
 
 def _wandb_records(run_file: Path):

@@ -31,6 +31,7 @@ import pytest
 
 from mcore_dpo.ports import free_port
 
+pytestmark = pytest.mark.slurm  # SLURM daemons (the suite's tiers: tests/helpers/tiers.py)
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -16,8 +14,7 @@ import pytest
 
 from mcore_dpo import metrics_log, platform, ray_workers, run
 from mcore_dpo.train import main
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import REPO, command_env, run_python
 
 
 def test_known_harmless_warnings_are_named_justified_and_the_only_ones_filtered():
@@ -79,10 +76,9 @@ def test_verify_prints_its_result_and_nothing_else(tmp_path):
 
     model = defaults.ensure_default_model()
     assert convert(["hf-to-mcore", "--hf-dir", model, "--out", str(tmp_path / "m")]) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-m", "checkpoint_convert", "verify", "--hf-dir", model, "--mcore-dir",
-                           str(tmp_path / "m")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    env = command_env(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    done = run_python(["-m", "checkpoint_convert", "verify", "--hf-dir", model, "--mcore-dir", str(tmp_path / "m")],
+                      cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [done.stdout.strip()] and done.stdout.startswith("verify tp=1 pp=1: max |dlogit| ")
     assert "Warning" not in done.stderr and "\r" not in done.stderr, done.stderr[-3000:]
@@ -120,9 +116,6 @@ def test_plots_leave_out_the_last_interleaved_steps_throughput_and_mark_evaluati
 def test_the_first_line_comes_before_the_slow_imports(tmp_path):
     """The command line says what starts before torch, megatron-core, transformers or Ray load
     (they take seconds): the first print sees none of them imported."""
-    import subprocess
-    import sys
-
     probe = (
         "import builtins, os, sys\n"
         "from mcore_dpo.train import main\n"
@@ -134,7 +127,7 @@ def test_the_first_line_comes_before_the_slow_imports(tmp_path):
         "builtins.print = first\n"
         f"main(['--tp', '2', '--max-steps', '1', '--output-dir', {str(tmp_path / 'run')!r}])\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = run_python(["-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, loaded = done.stdout.splitlines()[:2]
     assert first.startswith("starting a local Ray cluster with 2 workers"), first

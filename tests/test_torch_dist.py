@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,10 @@ from checkpoint_convert.dcp import DcpReader
 from checkpoint_convert.io import open_hf_dir, open_mcore_dir
 from checkpoint_convert.mapping import ConversionError
 from checkpoint_convert.safe_pickle import RefusedPickle, load_pickle, torch_load, torch_load_file
+from tests.helpers.cli import REPO, command_env, run_python
 from tests.helpers.models import FAMILY_VARIANTS, llama_gqa_untied, llama3_rope_scaled, qwen2_bias_tied, save_hf
+from tests.helpers.ranks import verify
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 QUIET = {"log": lambda _m: None}
 
 # The fields Megatron-LM's --use-checkpoint-args copies from a checkpoint's args (dense GPT
@@ -315,7 +314,9 @@ def test_cli_writes_reshards_verifies_and_exports_torch_dist(tmp_path, llama_dir
     code, _, err = _cli(capsys, "reshard", "--mcore-dir", str(td), "--out", str(td2), "--tp", "1", "--pp", "4", "--format", "torch_dist")
     assert code == 0, err
     assert _common(td2)["args"].pipeline_model_parallel_size == 4
-    code, out, err = _cli(capsys, "verify", "--hf-dir", str(llama_dir), "--mcore-dir", str(td2), "--atol", "1e-5")
+    code = verify(["--hf-dir", str(llama_dir), "--mcore-dir", str(td2), "--atol", "1e-5"])  # spawns its ranks
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     assert code == 0, err
     assert "max |dlogit|" in out
     code, _, err = _cli(capsys, "mcore-to-hf", "--mcore-dir", str(td2), "--out", str(back))
@@ -531,10 +532,8 @@ def test_torch_dist_round_trip_peak_rss_is_a_fraction_of_the_checkpoint(tmp_path
         for name, shape in shapes.items():
             writer.write(name, torch.randn(shape, generator=gen))
     checkpoint_bytes = (hf_dir / "model.safetensors").stat().st_size
-    result = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT, str(hf_dir), str(tmp_path / "td"), str(tmp_path / "back")],
-        env=ENV, capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+    result = run_python(["-c", _MEMORY_SCRIPT, str(hf_dir), str(tmp_path / "td"), str(tmp_path / "back")], env=command_env(PYTHONPATH=str(REPO)),
+                        timeout=300, check=True)
     peaks = json.loads(result.stdout.strip().splitlines()[-1])
     # The torch_dist reader holds one chunk's zip archive and the tensor built from it, plus the
     # previous chunk for the next row block: 27.6 % of this 184 MB checkpoint was measured (15.5 %

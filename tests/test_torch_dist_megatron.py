@@ -12,9 +12,6 @@ saved at ep 2 (experts under megatron-core's global expert axis).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -28,10 +25,10 @@ from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir
 from checkpoint_convert.dcp import DcpReader
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.torch_dist import COMMON_OBJECT
+from tests.helpers.cli import REPO, command_env, run_python
 from tests.helpers.models import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf
 from tests.helpers.megatron_ranks import consumer_rank, megatron_lm_args, producer_rank, spawn
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
@@ -72,10 +69,8 @@ def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory,
 
 def _mcore_to_hf_cli(save: Path, out: Path) -> None:
     """`python -m checkpoint_convert mcore-to-hf` of a Megatron-LM save directory, as users run it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    result = run_python(["-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(out)],
+                        env=command_env(PYTHONPATH=str(REPO)))
     assert result.returncode == 0, result.stderr
 
 

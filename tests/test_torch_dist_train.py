@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -19,9 +17,8 @@ from checkpoint_convert.safe_pickle import torch_load_file
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.model import open_weights
 from mcore_dpo.run import InputError, prepare
+from tests.helpers.cli import REPO, command_env, run_python, run_train
 from tests.helpers.models import llama_gqa_untied, save_hf
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _foreign_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
@@ -64,8 +61,7 @@ def test_train_accepts_a_megatron_checkpoint_with_tokenizer(tmp_path):
     out = tmp_path / "run"
     argv = ["--model", str(save), "--tokenizer", str(hf_dir), "--data", str(data), "--max-steps", "1",
             "--global-batch-size", "8", "--micro-batch-size", "8", "--output-dir", str(out)]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", *argv], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), timeout=900)  # fmt: skip
+    proc = run_train(argv, env=command_env(PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in steps if r["step"] == 1)
@@ -87,9 +83,8 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 def _train(args: list[str], out: Path, *, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
     from tests.helpers.faults import with_fault
 
-    env = with_fault(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MCORE_DPO_CACHE=str(cache)), fault)
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *TORCH_DIST_RUN, *args, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = with_fault(command_env(PYTHONPATH=str(REPO), MCORE_DPO_CACHE=str(cache)), fault)
+    return run_train([*TORCH_DIST_RUN, *args, "--output-dir", str(out)], env=env)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -172,9 +167,8 @@ def test_torch_dist_training_checkpoints(tmp_path):
 
     # mcore-to-hf reads the save directory (Megatron-LM's pointer) and its logits are Megatron's.
     hf_out = tmp_path / "hf_step3"
-    proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(ckpts),
-                           "--out", str(hf_out)], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)  # fmt: skip
+    proc = run_python(["-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(ckpts), "--out", str(hf_out)],
+                      env=command_env(PYTHONPATH=str(REPO)), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
     with torch.no_grad():

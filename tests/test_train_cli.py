@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,10 @@ import torch
 
 from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve
 from mcore_dpo.train import main
+from mcore_dpo import output_dir
+from tests.helpers.cli import command_env, run_train
 from tests.helpers.models import llama_gqa_untied, save_hf
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.ray_runs import main_in_process
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +170,7 @@ def test_default_run_learns_and_writes_everything(tmp_path):
     chance (policy == reference at the start: every margin is 0) to >= 0.9. Packed by default:
     config.yaml says so, and no fallback line is printed."""
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_train(["--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] >= 1]
@@ -211,11 +207,9 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     out = tmp_path / "run"
     small_eval = tmp_path / "eval5.jsonl"
     small_eval.write_text("".join(Path(DEFAULT_EVAL_DATA).read_text().splitlines(keepends=True)[:5]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
-                           "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle", "--no-packing",
-                           "--eval-data", str(small_eval), "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_train(["--dtype", "bfloat16", "--tp", "2", "--max-steps", "2", "--global-batch-size", "16",
+                      "--micro-batch-size", "8", "--no-shuffle", "--no-packing", "--eval-data", str(small_eval),
+                      "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(tmp_path / "cache")), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
 
@@ -233,3 +227,30 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out / "hf"))
+
+
+@pytest.mark.in_fast_tier
+def test_two_steps_in_process_write_metrics_a_checkpoint_and_the_export(ray_cluster, tmp_path, capsys):
+    """The product's path end to end at world size 1, in this process on the session's Ray
+    cluster and through the real parser: two steps, a checkpoint after step 1, the evaluation at
+    the start and the end, and an hf/ export that transformers loads (the fast tier's one run)."""
+    out = tmp_path / "run"
+    code = main_in_process(["--max-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "8",
+                            "--save-interval", "1", "--save-interval-min", "0", "--eval-interval", "2", "--output-dir",
+                            str(out)], cluster=ray_cluster)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-3000:]
+    assert printed.out.splitlines()[-1] == f"done: {out}", printed.out[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
+    first = next(r for r in records if r["step"] == 1 and "loss" in r)
+    assert abs(first["loss"] - 0.6931) < 1e-3  # step 1 is measured at the initial weights (policy == reference)
+    # A checkpoint after every step but the last, which ends in the export and the completion mark.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000001"]
+    assert json.loads((out / output_dir.COMPLETE_FILE).read_text())["step"] == 2
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out / "hf"))
+    assert isinstance(next(model.parameters()), torch.Tensor)

@@ -10,6 +10,7 @@ import pytest
 
 from mcore_dpo import output_dir, ray_workers, run
 from mcore_dpo.train import main
+from tests.helpers.cli import start_train
 
 
 @pytest.fixture
@@ -128,20 +129,15 @@ def test_checkpointing_is_on_by_default():
 def test_sigterm_writes_a_checkpoint_and_the_stop_line(tmp_path):
     """Through the real CLI: SIGTERM after the first step shows in metrics.jsonl ends the run at
     a step boundary with a checkpoint of that step and the stop line, exit 0; the rerun resumes."""
-    import os
     import signal
     import subprocess
-    import sys
     import time
 
     from mcore_dpo import checkpoint
 
-    repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", "200", "--global-batch-size", "8",
-            "--micro-batch-size", "8", "--eval-interval", "0", "--no-export-hf", "--output-dir", str(out)]
-    proc = subprocess.Popen(argv, cwd=repo, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = start_train(["--max-steps", "200", "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval",
+                        "0", "--no-export-hf", "--output-dir", str(out)], stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         metrics = out / "metrics.jsonl"

@@ -4,10 +4,8 @@ moving reference surviving a checkpoint and resume bit-exactly (interleaved refe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_dpo.config import ConfigError, resolve
+from tests.helpers.cli import command_env, run_train
 
-REPO = Path(__file__).resolve().parents[1]
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
 
@@ -59,9 +57,7 @@ ARGS = ["--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "
 
 
 def _run(out: Path, extra: list[str], *, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    return subprocess.run([sys.executable, "-m", "mcore_dpo.train", *ARGS, *extra, "--output-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return run_train([*ARGS, *extra, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
 
 
 def _metrics(out: Path) -> list[dict]:

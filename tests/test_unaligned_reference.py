@@ -13,34 +13,33 @@ directory (each rank reads a token file the driver wrote).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.ray_runs import joined
+
 NUM_PAIRS = 41
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    from mcore_dpo import defaults, ray_workers
+def prepared(tmp_path_factory, ray_cluster):
+    """The driver's preparation of a pp-2 run on 41 pairs; this module's tests are a driver of the
+    session's Ray cluster (the default model comes from the session's MCORE_DPO_CACHE)."""
+    from mcore_dpo import defaults
     from mcore_dpo.config import TrainConfig
     from mcore_dpo.run import prepare
 
     root = tmp_path_factory.mktemp("unaligned")
-    os.environ["MCORE_DPO_CACHE"] = str(root / "cache")  # the Ray workers inherit it
     data = root / "prefs41.jsonl"
     data.write_text("".join(Path(defaults.DEFAULT_TRAIN_DATA).read_text().splitlines(keepends=True)[:NUM_PAIRS]))
     config = TrainConfig(data=str(data), global_batch_size=16, micro_batch_size=4, dp=1, pp=2, ref_mode="separate",
                          ref_pp=2, ref_dp=1, output_dir=str(root / "out"), timeout_s=60)
     prep = prepare(config)
     assert len(prep.train_pairs) == NUM_PAIRS
-    started = ray_workers.connect(address=None, num_cpus=4)
-    try:
+    with joined(ray_cluster):
         yield prep
-    finally:
-        ray_workers.disconnect(started)
 
 
 def _hf_reference_logps(model_dir: str, pairs) -> torch.Tensor:

@@ -5,8 +5,9 @@
   TrainConfig's fields, the batches of every step, the eval pairs); each rank writes its
   gradients and weights per job, the reporting rank the metrics (`load_rank_tensors` reads them).
 - `spawn_ranks(target, ...)`: the same forked ranks running a rank function of the caller's.
-- `spawn_processes(fn, nprocs=, args=)`: `torch.multiprocessing.start_processes` with "spawn".
-- `verify(argv)`, `run_benchmark(main, argv)`: product entry points that spawn their own ranks.
+- `spawn_processes(fn, nprocs=, args=)`: `torch.multiprocessing.start_processes` with "spawn";
+  `start_forked(target, nprocs=, args_of=)`: forked processes the caller joins.
+- `verify(argv)`, `run_benchmark(function, ...)`: product entry points that spawn their own ranks.
 """
 
 from __future__ import annotations
@@ -197,6 +198,18 @@ def spawn_processes(fn, *, nprocs: int, args: tuple) -> None:
 
 
 @launches("ranks")
+def start_forked(target, *, nprocs: int, args_of) -> list:
+    """`target(*args_of(rank))` in nprocs forked processes, started; the caller joins them."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(nprocs)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+@launches("ranks")
 def verify(argv: list[str]) -> int:
     """`checkpoint_convert verify` in this process (it spawns gloo ranks of its own)."""
     from checkpoint_convert.__main__ import main
@@ -205,6 +218,7 @@ def verify(argv: list[str]) -> int:
 
 
 @launches("ranks")
-def run_benchmark(main, argv: list[str]):
-    """A benchmark's main (benchmarks/), which spawns ranks of its own; returns its result."""
-    return main(argv)
+def run_benchmark(function, *args, **kwargs):
+    """`function(*args, **kwargs)` of benchmarks/ (a main, or a launch), which spawns ranks (or
+    commands) of its own; returns its result."""
+    return function(*args, **kwargs)

@@ -11,6 +11,7 @@ cluster's environment (this process's at the session's start); the driver side i
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,8 @@ class LocalCluster:
     """A Ray head node in processes of its own (`ray.cluster_utils.Cluster`), tied to this
     process by mcore_dpo's reaper: its processes end with this process, even after kill -9."""
 
-    cluster: object
+    cluster: object  # ray.cluster_utils.Cluster
+    nodes: list  # the nodes added beside the head (Cluster.add_node's)
     reaper: object
 
     @property
@@ -40,18 +42,18 @@ class LocalCluster:
 
 @launches("ray")
 def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node: int = 2) -> LocalCluster:
-    """A local cluster: the head with num_cpus, and `nodes` more nodes of cpus_per_node each."""
+    """A local cluster: the head with num_cpus, and `nodes` more nodes (raylets on this machine)
+    of cpus_per_node each. The caller shuts it down."""
     from ray.cluster_utils import Cluster
 
     from mcore_dpo import reaper
 
     before = reaper.children_of(os.getpid())
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=cpus_per_node)
-    if nodes:
+    added = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(nodes)]
+    if added:
         cluster.wait_for_nodes()
-    return LocalCluster(cluster=cluster, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before))
+    return LocalCluster(cluster=cluster, nodes=added, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before))
 
 
 def _worker_env(env: dict | None) -> dict:
@@ -63,22 +65,17 @@ def _worker_env(env: dict | None) -> dict:
     return out
 
 
-class _Joined:
-    """`with _Joined(cluster, env):` this process is a driver of the cluster inside the block."""
+@contextmanager
+def joined(cluster: LocalCluster, env: dict | None = None):
+    """Inside the block this process is a driver of `cluster` (module docstring)."""
+    import ray
 
-    def __init__(self, cluster: LocalCluster, env: dict | None) -> None:
-        self.cluster, self.env = cluster, env
-
-    def __enter__(self):
-        import ray
-
-        assert not ray.is_initialized(), "an in-process run found this process connected to Ray already"
-        ray.init(address=self.cluster.address, runtime_env={"env_vars": _worker_env(self.env)}, log_to_driver=True,
-                 configure_logging=False)
-
-    def __exit__(self, *exc) -> None:
-        import ray
-
+    assert not ray.is_initialized(), "this process is connected to Ray already"
+    ray.init(address=cluster.address, runtime_env={"env_vars": _worker_env(env)}, log_to_driver=True,
+             configure_logging=False)
+    try:
+        yield
+    finally:
         ray.shutdown()
 
 
@@ -87,7 +84,7 @@ def train_in_process(config, *, cluster: LocalCluster, env: dict | None = None, 
     """`mcore_dpo.train(config)` on the session's cluster; returns the run directory."""
     from mcore_dpo.run import train
 
-    with _Joined(cluster, env):
+    with joined(cluster, env):
         return train(config, log=log)
 
 
@@ -97,5 +94,5 @@ def main_in_process(argv: list[str], *, cluster: LocalCluster, env: dict | None 
     in this process, on the session's cluster; the caller reads stdout and stderr with capsys."""
     from mcore_dpo.train import main
 
-    with _Joined(cluster, env):
+    with joined(cluster, env):
         return main(argv)
