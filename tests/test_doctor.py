@@ -119,7 +119,7 @@ def _third_party_imports(path: Path, *, module_level_only: bool) -> set[str]:
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    local = {p.stem for p in (REPO / "tests").glob("*.py")} | {"mcore_dpo", "checkpoint_convert", "benchmarks"}
+    local = {p.stem for p in (REPO / "tests").rglob("*.py")} | {"tests", "mcore_dpo", "checkpoint_convert", "benchmarks"}
     return {n for n in names if n not in sys.stdlib_module_names and n not in local}
 
 
@@ -127,7 +127,7 @@ def test_test_extra_holds_everything_the_suite_imports():
     kwargs = _setup_kwargs()
     declared = {_split(r)[0] for r in kwargs["install_requires"] + kwargs["extras_require"]["test"]}
     modules = set()
-    for path in [*(REPO / "tests").glob("*.py"), REPO / "scripts" / "compat_suite.py"]:
+    for path in [*(REPO / "tests").rglob("*.py"), REPO / "scripts" / "compat_suite.py"]:  # tests/helpers too
         modules |= _third_party_imports(path, module_level_only=False)
     # The suite imports these packages' modules; only their module-level imports run.
     for package in ("mcore_dpo", "checkpoint_convert", "benchmarks"):
