@@ -113,7 +113,8 @@ def test_transformer_engine_spec_matches_local_spec(tmp_path, family):
     norm into linear_fc1 only in the dense one)."""
     model = make_model("llama", seed=1) if family == "llama" else qwen3_moe(seed=1, num_layers=4)
     model_dir = save_hf(model, tmp_path / family)
-    spawn_processes(_spec_logits_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
+    spawn_processes(_spec_logits_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)),
+                    start_method="spawn")
     result = torch.load(tmp_path / "logits.pt", weights_only=True)
     # Both against the fp32 HF model first: the bf16 local spec is the yardstick for "bf16 close".
     from transformers import AutoModelForCausalLM
@@ -191,7 +192,8 @@ def test_grouped_gemm_experts_match_sequential_experts(tmp_path, monkeypatch):
     experts give HF's fp32 logits within GPU_RTOL."""
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned rank
     model_dir = save_hf(qwen3_moe(seed=1, num_layers=4), tmp_path / "qwen3_moe")
-    spawn_processes(_experts_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
+    spawn_processes(_experts_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)),
+                    start_method="spawn")
     result = torch.load(tmp_path / "experts.pt", weights_only=True)
     grouped_names, sequential_names = result["grouped/names"], result["sequential/names"]
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight0" in grouped_names

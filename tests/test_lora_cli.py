@@ -1,12 +1,13 @@
-"""LoRA DPO through the real command line (Ray actors, the tiny default model and data):
-checkpoints that hold only the adapters, exact resume, resume at another layout, and the
-exports: OUTPUT/adapter loads in PEFT with no missing or unexpected keys and gives the merged
+"""LoRA DPO through the command line (in this process on the session's Ray cluster; the tiny
+default model and data): checkpoints that hold only the adapters, exact resume, resume at another
+layout, and the exports: OUTPUT/adapter loads in PEFT with no missing or unexpected keys and gives the merged
 export's logits; OUTPUT/hf equals PEFT's merge_and_unload(). `--init-adapter` resolves its rank,
 alpha and targets through the parser and `run.prepare`."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import warnings
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.cli import command_env, run_train
+from tests.helpers.ray_runs import main_in_process
 
 STEPS = 4
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--lora-targets", "qkv,proj,fc1,fc2"]
@@ -26,8 +27,9 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 RTOL = 1e-5
 
 
-def _run(args: list[str], out: Path, *, cache: Path) -> subprocess.CompletedProcess:
-    return run_train([*COMMON, *args, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
+def _run(args: list[str], out: Path, *, cluster) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster."""
+    return main_in_process([*COMMON, *args, "--output-dir", str(out)], cluster=cluster)
 
 
 def _metrics(out: Path, *, after: int = 0) -> list[dict]:
@@ -46,15 +48,16 @@ def _copy_checkpoint(src: Path, dst: Path, step: str = "step_00000002") -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache() -> Path:
+    """The session's MCORE_DPO_CACHE, where the runs find the embedded default model."""
+    return Path(os.environ["MCORE_DPO_CACHE"])
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, cache) -> Path:
+def baseline(tmp_path_factory, ray_cluster) -> Path:
     """LoRA DPO at tp 2, a checkpoint at step 2, both exports at the end."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    result = _run(["--tp", "2", "--save-interval", "2"], out, cache=cache)
+    result = _run(["--tp", "2", "--save-interval", "2"], out, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -85,10 +88,10 @@ def test_checkpoint_holds_adapters_and_points_at_the_base(baseline, cache):
     assert base["fingerprint"] == model_fingerprint(_base_dir(cache))
 
 
-def test_exact_resume(baseline, cache, tmp_path):
+def test_exact_resume(baseline, ray_cluster, tmp_path):
     out = tmp_path / "run"
     _copy_checkpoint(baseline, out)
-    result = _run(["--tp", "2", "--save-interval", "2"], out, cache=cache)
+    result = _run(["--tp", "2", "--save-interval", "2"], out, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert _metrics(out) == _metrics(baseline, after=2)  # the copied checkpoint is step 2's
@@ -99,14 +102,14 @@ def test_exact_resume(baseline, cache, tmp_path):
     assert all(torch.equal(merged_a[k], merged_b[k]) for k in merged_b)
 
 
-def test_resume_at_another_layout_without_merging(baseline, cache, tmp_path):
+def test_resume_at_another_layout_without_merging(baseline, ray_cluster, tmp_path):
     """The tp-2 checkpoint (sharded optimizer) resumed at dp 2 with the replicated optimizer:
     steps 3-4 and the adapter equal the uninterrupted run's within 1e-5; --no-merge-lora
     exports only the adapter. The packed split's layout counts (token positions, padding,
     microbatches) are dp 2's own; the real tokens are the same."""
     out = tmp_path / "run"
     _copy_checkpoint(baseline, out)
-    result = _run(["--dp", "2", "--no-merge-lora", "--no-distributed-optimizer"], out, cache=cache)
+    result = _run(["--dp", "2", "--no-merge-lora", "--no-distributed-optimizer"], out, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "hf").exists() and (out / "adapter" / "adapter_config.json").is_file()
     ours, ref = _metrics(out), _metrics(baseline, after=2)

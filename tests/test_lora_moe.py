@@ -8,7 +8,7 @@ expert, against Hugging Face + PEFT 0.21 (`target_parameters` on the fused exper
   PEFT's `disable_adapter()`; step 1 moves B off zero, so step 2 tests A's gradients), 2 steps at
   (tp, pp, dp, ep) = (1,1,1,1) and (1,2,2,2): every metric, every adapter gradient of every rank
   (each ep rank its own experts), the merged weights against `merge_and_unload()`, within 1e-5.
-- The command line at (1,1,1,1): OUTPUT/adapter loads with `PeftModel.from_pretrained` (no
+- The command line (in this process) at (1,1,1,1): OUTPUT/adapter loads with `PeftModel.from_pretrained` (no
   missing or unexpected keys) and gives the merged export's logits; OUTPUT/hf equals PEFT's
   `merge_and_unload()`.
 """
@@ -28,11 +28,11 @@ from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_shapes,
                                              peft_to_shard, read_adapter, shards_to_peft, write_adapter_dir)
 from tests.helpers import parity
-from tests.helpers.cli import run_train
 from tests.helpers.data import make_pairs, write_prefs
 from tests.helpers.models import mixtral, qwen3_moe, save_hf
 from tests.helpers.moe_parity import check_router_metrics, engine_groups, router_metrics
 from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, loss_and_metrics
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
@@ -236,14 +236,14 @@ def test_lora_moe_parity_with_peft(layout, setup, tmp_path):
 
 
 # --------------------------------------------------------------------------- the command line
-def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path):
+def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path, ray_cluster):
     data = write_prefs(tmp_path / "prefs.jsonl", [{"prompt": f"w{i} w4 w{i + 7}", "chosen": f" w5 w{i}", "rejected": " w6"}
                                                   for i in range(3, 40)])
     out = tmp_path / "out"
-    result = run_train(["--model", str(setup["base"]), "--data", str(data), "--output-dir", str(out), "--max-steps", "2",
-                        "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0", "--save-interval",
-                        "1", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
-                        "--lora-targets", "qkv,proj,expert_fc1,expert_fc2"], timeout=600)
+    result = main_in_process(["--model", str(setup["base"]), "--data", str(data), "--output-dir", str(out),
+                              "--max-steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval",
+                              "0", "--save-interval", "1", "--save-interval-min", "0", "--lr", "1e-2", "--lora-rank", "4",
+                              "--lora-alpha", "8", "--lora-targets", "qkv,proj,expert_fc1,expert_fc2"], cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], config

@@ -13,11 +13,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from mcore_dpo import moe_aux
 from mcore_dpo.data import collate
-from tests.helpers.cli import run_train
 from tests.helpers.data import make_pairs, write_prefs
 from tests.helpers.models import PAD, qwen3_moe, save_hf
 from tests.helpers.moe_parity import aux_job, check_aux_parity
 from tests.helpers.ranks import run_ranks
+from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import sequences
 
 
@@ -133,8 +133,8 @@ def test_train_cli_refuses_in_one_line(moe_models, tmp_path, capsys, flags, mess
     assert not ray.is_initialized(), "a worker group was started before the input was checked"
 
 
-def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path):
-    """Through `python -m mcore_dpo.train` (Ray, one rank): with no flag the coefficient is the
+def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path, ray_cluster):
+    """Through the command line (in this process; Ray, one rank): with no flag the coefficient is the
     model config's router_aux_loss_coef (output_router_logits is true), written to the resolved
     config.yaml; metrics.jsonl holds aux_loss and the load shares of every MoE layer. Packing,
     left unset, falls back to padded microbatches for the aux loss: one line at startup,
@@ -146,10 +146,10 @@ def test_train_cli_default_coef_from_the_model_config_and_metrics_jsonl(tmp_path
     data = write_prefs(tmp_path / "prefs.jsonl", [{"prompt": f"w{i} w4 w{i + 7}", "chosen": f" w5 w{i}", "rejected": " w6"}
                                                   for i in range(3, 20)])
     out = tmp_path / "out"
-    result = run_train(["--model", str(model), "--data", str(data), "--output-dir", str(out), "--max-steps", "2",
-                        "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0", "--no-export-hf",
-                        "--save-interval", "0", "--save-interval-min", "0", "--no-distributed-optimizer",
-                        "--moe-grouped-gemm"])
+    result = main_in_process(["--model", str(model), "--data", str(data), "--output-dir", str(out), "--max-steps", "2",
+                              "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
+                              "--no-export-hf", "--save-interval", "0", "--save-interval-min", "0",
+                              "--no-distributed-optimizer", "--moe-grouped-gemm"], cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["moe_aux_loss_coef"] == 0.03 and resolved["packing"] is False

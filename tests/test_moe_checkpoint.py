@@ -1,5 +1,6 @@
-"""Expert-parallel runs through the real command line: training checkpoints, exact resume (and
-resume at another tp and ep), the hf/ export, and evaluation with uneven held-out shares.
+"""Expert-parallel runs through the command line (in this process, on the session's Ray cluster):
+training checkpoints, exact resume (and resume at another tp and ep), the hf/ export, and
+evaluation with uneven held-out shares.
 
 One run of Qwen3-MoE (4 experts) at (tp, pp, dp, ep) = (2, 1, 2, 2) with the sharded optimizer
 (`--distributed-optimizer`: dense state over dp 2, the experts' over expert dp 2) writes checkpoints at
@@ -37,7 +38,6 @@ moments bit for bit, and it resumes the same way.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,11 +48,11 @@ from safetensors.torch import load_file
 
 from mcore_dpo.even_passes import even_passes
 from tests.helpers import parity
-from tests.helpers.cli import run_train
-from tests.helpers.faults import with_grouped_standin
+from tests.helpers.faults import grouped_standin_env
 from tests.helpers.models import qwen3_moe, save_hf
 from tests.helpers.moe_parity import with_hub_names
 from tests.helpers.ranks import run_ranks
+from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, loss_and_metrics
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
 RTOL = 1e-5
@@ -79,7 +79,7 @@ def _rows(start: int, count: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+def run(tmp_path_factory, ray_cluster) -> dict:
     root = tmp_path_factory.mktemp("moe_ckpt")
     policy = save_hf(qwen3_moe(seed=1), root / "policy")
     ref = save_hf(qwen3_moe(seed=2), root / "ref")
@@ -87,19 +87,18 @@ def run(tmp_path_factory) -> dict:
     (root / "eval.jsonl").write_text(_rows(40, 7))
     args = ["--model", str(policy), "--ref-model", str(ref), "--data", str(root / "train.jsonl"),
             "--eval-data", str(root / "eval.jsonl")]
-    result = _train([*args, *TRDPO, *TP2_EP2], root / "a", cache=root / "cache")
+    result = _train([*args, *TRDPO, *TP2_EP2], root / "a", cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     # Packing is on by default but does not serve ep > 1: one line says so, and the run pads.
     assert [line for line in result.stdout.splitlines() if line.startswith("packing: off for --ep 2 ")], result.stdout[-2000:]
     assert "packing: false" in (root / "a" / "config.yaml").read_text().splitlines()
-    return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref}
+    return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref, "cluster": ray_cluster}
 
 
-def _train(args: list[str], out: Path, *, cache: Path, grouped_standin: bool = False) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(cache))
-    if grouped_standin:
-        env = with_grouped_standin(env)
-    return run_train([*COMMON, *args, "--output-dir", str(out)], env=env, timeout=600)
+def _train(args: list[str], out: Path, *, cluster, grouped_standin: bool = False) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster."""
+    return main_in_process([*COMMON, *args, "--output-dir", str(out)], cluster=cluster,
+                           env=grouped_standin_env() if grouped_standin else None)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -175,7 +174,7 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     # Resume from step 2 at the same layout: bit-identical.
     resumed_out = _resume_from_step2(out, tmp_path / "resumed")
     _assert_resumes_bit_identically([*run["args"], *TRDPO, *TP2_EP2, "--save-interval", "1"], out, resumed_out,
-                                    cache=root / "cache")
+                                    cluster=run["cluster"])
     # The reference read back from step 2 and written again at step 3: the same bytes.
     written = _files(step2 / "reference")
     rewritten = _files(resumed_out / "checkpoints" / "step_00000003" / "reference")
@@ -187,7 +186,7 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     other_out = _resume_from_step2(out, tmp_path / "other")
     result = _train([*run["args"], *TRDPO, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf",
                      "--no-packing", "--save-interval", "1"],
-                    other_out, cache=root / "cache")
+                    other_out, cluster=run["cluster"])
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
     # Read at ep 1 from the ep files and written again at step 3 in the ep-1 layout: the same
@@ -217,7 +216,7 @@ def test_grouped_experts_write_and_resume_as_sequential_experts_bit_for_bit(run,
     of a checkpoint): the same metrics and the same files, names and bytes, as sequential
     experts; resumed from its step-2 checkpoint, steps 3-4 again bit for bit."""
     out = tmp_path / "grouped"
-    result = _train([*run["args"], *TRDPO, *TP2_EP2], out, cache=run["root"] / "cache", grouped_standin=True)
+    result = _train([*run["args"], *TRDPO, *TP2_EP2], out, cluster=run["cluster"], grouped_standin=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "moe_grouped_gemm: true" in (out / "config.yaml").read_text().splitlines()
     sequential_rows = _metrics(run["out"])
@@ -230,7 +229,7 @@ def test_grouped_experts_write_and_resume_as_sequential_experts_bit_for_bit(run,
     assert any("/exp_avg" in key or key.startswith("exp_avg") for key in _files(out / "checkpoints/step_00000002")), \
         "no optimizer moments in the checkpoint"
     resumed_out = _resume_from_step2(out, tmp_path / "grouped_resumed")
-    result = _train([*run["args"], *TRDPO, *TP2_EP2], resumed_out, cache=run["root"] / "cache", grouped_standin=True)
+    result = _train([*run["args"], *TRDPO, *TP2_EP2], resumed_out, cluster=run["cluster"], grouped_standin=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert _metrics(resumed_out) == sequential_rows[3:]
@@ -281,10 +280,10 @@ def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names
     assert moved == len(names)  # every tensor moved, the experts of both ep ranks among them
 
 
-def _assert_resumes_bit_identically(args: list[str], out: Path, resumed_out: Path, *, cache: Path) -> None:
+def _assert_resumes_bit_identically(args: list[str], out: Path, resumed_out: Path, *, cluster) -> None:
     """Trained with `args` from the step-2 checkpoint copied into `resumed_out`: steps 3-4 and the
     exported weights are bit-identical to the uninterrupted run in `out`."""
-    result = _train(args, resumed_out, cache=cache)
+    result = _train(args, resumed_out, cluster=cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     by_step = {row["step"]: row for row in _metrics(out)}
@@ -314,9 +313,9 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
     from mcore_dpo.checkpoint_torch_dist import open_part
     from mcore_dpo.model import open_weights
 
-    out, root = tmp_path / "td", run["root"]
+    out = tmp_path / "td"
     torch_dist = ["--save-format", "torch_dist"]
-    result = _train([*run["args"], *TP2_EP2, *torch_dist], out, cache=root / "cache")
+    result = _train([*run["args"], *TP2_EP2, *torch_dist], out, cluster=run["cluster"])
     assert result.returncode == 0, result.stderr[-3000:]
     # The fixture's run moves its reference (TR-DPO) at step 2, which torch_dist does not store:
     # the two runs are the same run up to step 2's update, and their training metrics agree there.
@@ -349,13 +348,13 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
 
     # Resume from the torch_dist checkpoint at the same layout: bit-identical.
     resumed_out = _resume_from_step2(out, tmp_path / "resumed", name="iter_0000002")
-    _assert_resumes_bit_identically([*run["args"], *TP2_EP2, *torch_dist], out, resumed_out, cache=root / "cache")
+    _assert_resumes_bit_identically([*run["args"], *TP2_EP2, *torch_dist], out, resumed_out, cluster=run["cluster"])
 
     # At tp 1, ep 1 with the replicated optimizer: within 1e-5; it writes a torch_dist
     # checkpoint at ep 1 (step 3), which the converter reads into an HF model transformers loads.
     other_out = _resume_from_step2(out, tmp_path / "other", name="iter_0000002")
     result = _train([*run["args"], *torch_dist, "--tp", "1", "--ep", "1", "--no-distributed-optimizer", "--no-export-hf",
-                     "--no-packing", "--save-interval", "1"], other_out, cache=root / "cache")  # fmt: skip
+                     "--no-packing", "--save-interval", "1"], other_out, cluster=run["cluster"])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
     step3 = other_out / "checkpoints" / "iter_0000003"

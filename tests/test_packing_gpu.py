@@ -79,7 +79,8 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 def test_packed_row_gives_each_sequence_its_own_logits(tmp_path):
     model_dir = save_hf(make_model("llama", seed=1), tmp_path / "llama")
-    spawn_processes(_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)))
+    spawn_processes(_rank, nprocs=1, args=(free_port(), str(model_dir), str(tmp_path)),
+                    start_method="spawn")
     result = torch.load(tmp_path / "packed.pt", weights_only=True)
     scale = result["alone"].abs().max().item()
     err = (result["packed"] - result["alone"]).abs().max().item()

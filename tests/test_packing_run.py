@@ -1,5 +1,5 @@
-"""--packing through the real command line at tp 4 x pp 2 (8 Ray actors), equal to one rank,
-and an exact resume.
+"""--packing through the command line (in this process) at tp 4 x pp 2 (8 Ray actors), equal to
+one rank, and an exact resume.
 
 One uninterrupted run of 2 steps saves a checkpoint at step 1; its 8 ranks run as 8 Ray actors
 (processes of their own), and its losses equal those of the same command at tp 1 x pp 1 within
@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_dpo import defaults
-from tests.helpers.cli import command_env, run_train
+from tests.helpers.ray_runs import main_in_process
 
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 # The embedded data's first two 4-pair batches hold 108 and 94 tokens: a budget of 96 splits
@@ -33,8 +33,9 @@ ARGV = ["--tp", "4", "--pp", "2", "--packing", "--max-tokens-per-microbatch", "9
         "--data", defaults.DEFAULT_TRAIN_DATA]
 
 
-def _run(out: Path, cache: Path, *, layout: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return run_train([*ARGV, *layout, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
+def _run(out: Path, cluster, *, layout: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster (8 CPUs: the 8 actors)."""
+    return main_in_process([*ARGV, *layout, "--output-dir", str(out)], cluster=cluster)
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -52,10 +53,9 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 # This launch is also the suite's one `--tp 4 --pp 2` run as 8 Ray actors checked against a
 # single rank (it used to be a launch of its own in tests/test_ray_launch.py, with the same
 # assertions on another batch); scripts/compat_check.sh runs it for that.
-def test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly(tmp_path):
-    cache = tmp_path / "cache"
+def test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly(tmp_path, ray_cluster):
     straight = tmp_path / "straight"
-    result = _run(straight, cache)
+    result = _run(straight, ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     workers = json.loads((straight / "workers.json").read_text())
     assert sorted(workers) == sorted(f"policy/tp{t}-pp{p}-dp0" for t in range(4) for p in range(2))
@@ -68,7 +68,7 @@ def test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly(tmp_path):
     assert [steps[k]["microbatches"] for k in (1, 2)] == [2, 1]
 
     single = tmp_path / "tp1pp1"
-    result = _run(single, cache, layout=("--tp", "1", "--pp", "1"))
+    result = _run(single, ray_cluster, layout=("--tp", "1", "--pp", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     one = _steps(single)
     assert sorted(one) == [1, 2]
@@ -79,7 +79,7 @@ def test_packing_at_tp4_pp2_equals_tp1_pp1_and_resumes_exactly(tmp_path):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_00000001", resumed / "checkpoints" / "step_00000001")
     (resumed / "checkpoints" / "latest").write_text("step_00000001\n")
-    result = _run(resumed, cache)
+    result = _run(resumed, ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     again = _steps(resumed)

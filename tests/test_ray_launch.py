@@ -13,17 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import command_env, run_train, start_train
-from tests.helpers.faults import with_fault
-from tests.helpers.ray_runs import joined, start_cluster
+from tests.helpers.faults import fault_env
+from tests.helpers.ray_runs import joined, main_in_process, start_cluster
 
 
-def _env(tmp_path: Path) -> dict:
-    return command_env(MCORE_DPO_CACHE=str(tmp_path.parent / "shared_cache"))
-
-
-def _train(args: list[str], *, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run_train(args, env=env, timeout=timeout)
+def _train(args: list[str], *, cluster, fault: str | None = None) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster."""
+    return main_in_process(args, cluster=cluster, env=fault_env(fault) if fault else None)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -35,11 +31,11 @@ SMALL_RUN = ["--max-steps", "3", "--global-batch-size", "16", "--micro-batch-siz
 
 
 @pytest.fixture(scope="module")
-def single_rank_losses(tmp_path_factory) -> list[float]:
+def single_rank_losses(tmp_path_factory, ray_cluster) -> list[float]:
     """The losses of one rank (tp 1, pp 1, colocated reference): the yardstick of the separate
     reference group below."""
     out = tmp_path_factory.mktemp("single_rank") / "tp1pp1"
-    one = _train(["--tp", "1", "--pp", "1", "--output-dir", str(out), *SMALL_RUN], env=_env(out))
+    one = _train(["--tp", "1", "--pp", "1", "--output-dir", str(out), *SMALL_RUN], cluster=ray_cluster)
     assert one.returncode == 0, one.stderr[-3000:]
     losses = _losses(out)
     assert len(losses) == 3, losses
@@ -50,31 +46,36 @@ def single_rank_losses(tmp_path_factory) -> list[float]:
 # run is checked against a tp 1 x pp 1 run of the same command (one 8-rank launch for both).
 
 
-def test_dead_worker_stops_the_run(tmp_path):
-    """Killing one worker mid-run: every worker is stopped and the driver exits non-zero within
-    60 s, naming the role, the rank and the worker's error."""
-    env = _env(tmp_path)
+def test_dead_worker_stops_the_run(tmp_path, ray_cluster):
+    """Killing one worker mid-run: every worker is stopped and the driver (the command line in
+    this process) ends non-zero within 60 s, naming the role, the rank and the worker's error."""
+    import threading
+
     out = tmp_path / "run"
-    proc = start_train(["--tp", "2", "--pp", "2", "--max-steps", "400", "--global-batch-size", "16", "--micro-batch-size",
-                        "4", "--output-dir", str(out), "--no-export-hf"], env=env)
-    try:
+    killed: dict = {}
+
+    def kill_a_worker_after_two_steps() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             metrics = out / "metrics.jsonl"
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+                killed["workers"] = json.loads((out / "workers.json").read_text())
+                os.kill(killed["workers"]["policy/tp1-pp0-dp0"]["pid"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+                return
             time.sleep(0.5)
-        workers = json.loads((out / "workers.json").read_text())
-        victim = "policy/tp1-pp0-dp0"
-        os.kill(workers[victim]["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=90)
-        assert time.monotonic() - killed_at < 60, "the driver took too long to stop"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode not in (0, None)
+
+    killer = threading.Thread(target=kill_a_worker_after_two_steps, daemon=True)
+    killer.start()
+    result = _train(["--tp", "2", "--pp", "2", "--max-steps", "400", "--global-batch-size", "16", "--micro-batch-size",
+                     "4", "--output-dir", str(out), "--no-export-hf"], cluster=ray_cluster)
+    ended_at = time.monotonic()
+    killer.join(timeout=5)
+    assert "at" in killed, f"no worker was killed: the run ended first ({result.returncode})\n{result.stderr[-3000:]}"
+    assert ended_at - killed["at"] < 60, "the driver took too long to stop"
+    workers = killed["workers"]
+    assert result.returncode not in (0, None)
+    stderr = result.stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: policy/") and "died" in last, stderr[-2000:]
     time.sleep(1)
@@ -130,12 +131,11 @@ def test_tensor_parallel_groups_stay_on_one_node():
         cluster.shutdown()
 
 
-def test_reference_as_its_own_worker_group(tmp_path, single_rank_losses):
+def test_reference_as_its_own_worker_group(tmp_path, single_rank_losses, ray_cluster):
     """`--ref-mode separate`: the reference runs as role "ref" with its own tp/pp (tp 2, beside a
     pp-2 policy); the losses equal those of the colocated reference (the single-rank run) within 1e-5."""
-    env = _env(tmp_path)
     sep = _train(["--pp", "2", *SMALL_RUN, "--ref-mode", "separate", "--ref-tp", "2",
-                  "--output-dir", str(tmp_path / "sep")], env=env)
+                  "--output-dir", str(tmp_path / "sep")], cluster=ray_cluster)
     assert sep.returncode == 0, sep.stderr[-3000:]
     workers = json.loads((tmp_path / "sep" / "workers.json").read_text())
     assert {"ref/tp0-pp0-dp0", "ref/tp1-pp0-dp0", "policy/tp0-pp0-dp0", "policy/tp0-pp1-dp0"} == set(workers)
@@ -145,13 +145,13 @@ def test_reference_as_its_own_worker_group(tmp_path, single_rank_losses):
         assert abs(x - y) <= 1e-5, (losses, single_rank_losses)
 
 
-def test_a_stuck_peer_ends_in_an_error_naming_it(tmp_path):
+def test_a_stuck_peer_ends_in_an_error_naming_it(tmp_path, ray_cluster):
     """A rank that stops responding: its pipeline neighbour's receive times out after
     --timeout-s and the run ends with a message naming the stage, the transfer and the peer."""
-    env = with_fault(_env(tmp_path), "hang:2")
     t0 = time.monotonic()
     result = _train(["--pp", "2", "--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
-                     "--timeout-s", "10", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], env=env, timeout=300)
+                     "--timeout-s", "10", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], cluster=ray_cluster,
+                    fault="hang:2")
     assert result.returncode not in (0, None)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: policy/tp0-pp1-dp0 failed:") and "from rank 0" in last, last

@@ -1,6 +1,7 @@
 """Reliability: exact resume, resume after resharding, restarts after worker kills, and a kill
-during a checkpoint write. Runs the real CLI (Ray actors); faults are injected through
-mcore_dpo.hooks by tests/fault_hooks (see tests/helpers/faults.py), which kill rank 0's process outright."""
+during a checkpoint write. Runs the command line in this process on the session's Ray cluster
+(its actors are processes of their own); faults are injected through mcore_dpo.hooks by
+tests/fault_hooks (see tests/helpers/faults.py), which kill rank 0's process outright."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.cli import command_env, run_train
-from tests.helpers.faults import with_fault
-from tests.helpers.ray_runs import joined, start_cluster
+from tests.helpers.faults import fault_env
+from tests.helpers.ray_runs import joined, main_in_process, start_cluster
 
 STEPS = 4
 COMMON = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0"]
@@ -24,9 +24,11 @@ TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # me
 LAYOUT_COUNTS = ("tokens/padded", "padding_fraction", "microbatches")  # of the packed split over dp ranks
 
 
-def _run(args: list[str], out: Path, *, fault: str | None = None, cache: Path) -> subprocess.CompletedProcess:
-    env = with_fault(command_env(MCORE_DPO_CACHE=str(cache)), fault)
-    return run_train([*COMMON, *args, "--output-dir", str(out)], env=env)
+def _run(args: list[str], out: Path, *, fault: str | None = None, cluster) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster (the subprocess door and a
+    rerun of the same command after a kill: tests/test_process_lifetime.py)."""
+    return main_in_process([*COMMON, *args, "--output-dir", str(out)], cluster=cluster,
+                           env=fault_env(fault) if fault else None)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -50,17 +52,12 @@ def _assert_identical(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory, cache) -> dict:
+def baselines(tmp_path_factory, ray_cluster) -> dict:
     """Uninterrupted runs (saving every step) at tp2-pp2-dp1 and tp1-pp1-dp2."""
     root = tmp_path_factory.mktemp("baselines")
     runs = {}
     for name, layout in (("tp2pp2", ["--tp", "2", "--pp", "2"]), ("dp2", ["--dp", "2"])):
-        result = _run([*layout, "--save-interval", "1"], root / name, cache=cache)
+        result = _run([*layout, "--save-interval", "1"], root / name, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = (root / name, layout)
     return runs
@@ -70,26 +67,26 @@ def baselines(tmp_path_factory, cache) -> dict:
 # test_restarts_after_three_kills (restarts inside one run); this one adds the pipeline's
 # carried state.
 @pytest.mark.parametrize("name", ["tp2pp2"])
-def test_exact_resume_after_kill(baselines, cache, tmp_path, name):
+def test_exact_resume_after_kill(baselines, ray_cluster, tmp_path, name):
     base, layout = baselines[name]
     out = tmp_path / "run"
-    killed = _run([*layout, "--save-interval", "2"], out, fault="step:3", cache=cache)
+    killed = _run([*layout, "--save-interval", "2"], out, fault="step:3", cluster=ray_cluster)
     assert killed.returncode != 0 and "died" in killed.stderr.strip().splitlines()[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    resumed = _run([*layout, "--save-interval", "2"], out, cache=cache)
+    resumed = _run([*layout, "--save-interval", "2"], out, cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     _assert_identical(base, out)
 
 
-def test_resume_after_resharding(baselines, cache, tmp_path):
+def test_resume_after_resharding(baselines, ray_cluster, tmp_path):
     """A tp2-pp2 checkpoint resumed at tp1-pp1 gives the same weights within 1e-6."""
     base, _ = baselines["tp2pp2"]
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
-    result = _run(["--tp", "1", "--pp", "1"], out, cache=cache)
+    result = _run(["--tp", "1", "--pp", "1"], out, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     wa, wb = _weights(base), _weights(out)
     for name in wa:
@@ -97,7 +94,7 @@ def test_resume_after_resharding(baselines, cache, tmp_path):
         assert err <= 1e-6, (name, err)
 
 
-def test_resume_at_another_dp(baselines, cache, tmp_path):
+def test_resume_at_another_dp(baselines, ray_cluster, tmp_path):
     """The dp-2 run's step-2 checkpoint (the sharded optimizer's state gathered into it) resumed
     at dp 1: the end state equals the uninterrupted dp-2 run within 1e-5 (at another dp the
     gradient is reduced in another order). Packed microbatches are split by tokens over the dp
@@ -111,7 +108,7 @@ def test_resume_at_another_dp(baselines, cache, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
-    resumed = _run(["--dp", "1", "--save-interval", "2"], out, cache=cache)
+    resumed = _run(["--dp", "1", "--save-interval", "2"], out, cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     ours, ref = _metrics(out), [m for m in _metrics(base) if m["step"] >= 3]
@@ -129,39 +126,39 @@ def test_resume_at_another_dp(baselines, cache, tmp_path):
         assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
 
 
-def test_restarts_after_three_kills(baselines, cache, tmp_path):
+def test_restarts_after_three_kills(baselines, ray_cluster, tmp_path):
     """--max-restarts 3 with three worker kills at random steps: identical to the uninterrupted run."""
     base, layout = baselines["dp2"]
     kill_steps = sorted(random.Random(7).sample(range(2, STEPS + 1), 3))
     out = tmp_path / "run"
     result = _run([*layout, "--save-interval", "1", "--max-restarts", "3"], out,
-                  fault="step:" + ",".join(map(str, kill_steps)), cache=cache)
+                  fault="step:" + ",".join(map(str, kill_steps)), cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("restart ") == 3, result.stdout
     _assert_identical(base, out)
 
 
-def test_kill_during_checkpoint_write(baselines, cache, tmp_path):
+def test_kill_during_checkpoint_write(baselines, ray_cluster, tmp_path):
     """A kill in the middle of writing step 4's checkpoint leaves step 2's current and loadable;
     the next run resumes from it and ends identical to the uninterrupted run."""
     from checkpoint_convert.io import open_mcore_dir
 
     base, layout = baselines["dp2"]
     out = tmp_path / "run"
-    result = _run([*layout, "--save-interval", "2", "--max-steps", "6"], out, fault="save:4", cache=cache)
+    result = _run([*layout, "--save-interval", "2", "--max-steps", "6"], out, fault="save:4", cluster=ray_cluster)
     assert result.returncode != 0
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     assert any(".partial-" in p.name for p in ckpts.iterdir())
     model = open_mcore_dir(ckpts / "step_00000002" / "model")
     assert model.meta.tp == 1 and model.shard(0, 0)
-    result = _run([*layout, "--save-interval", "2"], out, cache=cache)  # back to the baseline's 4 steps
+    result = _run([*layout, "--save-interval", "2"], out, cluster=ray_cluster)  # back to the baseline's 4 steps
     assert result.returncode == 0, result.stderr[-3000:]
     assert not any(".partial-" in p.name for p in ckpts.iterdir())
     _assert_identical(base, out)
 
 
-def test_lost_node_restarts_on_the_remaining_node(tmp_path, cache, monkeypatch):
+def test_lost_node_restarts_on_the_remaining_node(tmp_path, monkeypatch):
     """A node lost mid-run (its raylet stopped): the driver rebuilds the group on the node that
     is left and resumes from the latest checkpoint; the run finishes."""
     import threading
@@ -170,7 +167,6 @@ def test_lost_node_restarts_on_the_remaining_node(tmp_path, cache, monkeypatch):
     from mcore_dpo.config import TrainConfig
     from mcore_dpo.run import train
 
-    monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     local = start_cluster(num_cpus=0, nodes=2, cpus_per_node=2)
     cluster, nodes = local.cluster, local.nodes

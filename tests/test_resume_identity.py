@@ -1,4 +1,4 @@
-"""Resume is the same run or an explicit choice: through the real CLI, a checkpointed run
+"""Resume is the same run or an explicit choice: through the command line, a checkpointed run
 refuses to resume with another --seed or changed data content (one line naming the change,
 exit 2, before any worker starts), and continues with --resume-with-changes. The first run also
 logs to Weights & Biases (the wandb package, offline mode) because --wandb asks it to."""
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import run_train
+from tests.helpers.ray_runs import main_in_process
 
 SMALL = ["--global-batch-size", "8", "--micro-batch-size", "4", "--eval-interval", "0", "--no-export-hf"]
 
@@ -47,12 +48,13 @@ def _wandb_records(run_file: Path):
             yield record
 
 
-def test_resume_refuses_a_changed_run_unless_asked(tmp_path):
+def test_resume_refuses_a_changed_run_unless_asked(tmp_path, ray_cluster):
+    """The first run through `python -m mcore_dpo.train` (wandb's offline service stays in its
+    process); the later ones through the command line in this process, on the session's cluster."""
     pytest.importorskip("wandb")
     from mcore_dpo import defaults
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline",
-               WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_API_KEY", None)
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(Path(defaults.DEFAULT_TRAIN_DATA).read_text().splitlines(keepends=True)[:16]))
@@ -80,7 +82,7 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path):
         assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "grad_norm", "lr"} <= keys, keys
 
-    refused = _run([*base, "--max-steps", "3", "--seed", "5"], env=env)
+    refused = main_in_process([*SMALL, *base, "--max-steps", "3", "--seed", "5"], cluster=ray_cluster)
     assert refused.returncode == 2
     err = refused.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -88,10 +90,11 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path):
     assert "--resume-with-changes" in err
 
     data.write_text(data.read_text().replace('"', '"', 1) + data.read_text().splitlines(keepends=True)[0])
-    refused = _run([*base, "--max-steps", "3"], env=env)
+    refused = main_in_process([*SMALL, *base, "--max-steps", "3"], cluster=ray_cluster)
     assert refused.returncode == 2 and "--data (its content) changed" in refused.stderr, refused.stderr[-2000:]
 
-    resumed = _run([*base, "--max-steps", "3", "--seed", "5", "--resume-with-changes"], env=env)
+    resumed = main_in_process([*SMALL, *base, "--max-steps", "3", "--seed", "5", "--resume-with-changes"],
+                              cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming despite changes (--resume-with-changes): --data (its content) changed; --seed 1234 -> 5" in resumed.stdout
     assert "resuming from" in resumed.stdout

@@ -25,7 +25,6 @@ from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf_dir
 from checkpoint_convert.dcp import DcpReader
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.torch_dist import COMMON_OBJECT
-from tests.helpers.cli import REPO, command_env, run_python
 from tests.helpers.models import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf
 from tests.helpers.megatron_ranks import consumer_rank, megatron_lm_args, producer_rank, spawn
 
@@ -68,10 +67,11 @@ def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory,
 
 
 def _mcore_to_hf_cli(save: Path, out: Path) -> None:
-    """`python -m checkpoint_convert mcore-to-hf` of a Megatron-LM save directory, as users run it."""
-    result = run_python(["-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(save), "--out", str(out)],
-                        env=command_env(PYTHONPATH=str(REPO)))
-    assert result.returncode == 0, result.stderr
+    """`checkpoint_convert mcore-to-hf` of a Megatron-LM save directory through its command line,
+    in this process (the console entry point's own process: tests/test_convert_cli.py)."""
+    from checkpoint_convert.__main__ import main
+
+    assert main(["mcore-to-hf", "--mcore-dir", str(save), "--out", str(out)]) == 0
 
 
 def _assert_same_weights(converted, original: dict[str, torch.Tensor], *, padded: int) -> None:

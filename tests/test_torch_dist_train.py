@@ -17,8 +17,9 @@ from checkpoint_convert.safe_pickle import torch_load_file
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.model import open_weights
 from mcore_dpo.run import InputError, prepare
-from tests.helpers.cli import REPO, command_env, run_python, run_train
+from tests.helpers.faults import fault_env
 from tests.helpers.models import llama_gqa_untied, save_hf
+from tests.helpers.ray_runs import main_in_process
 
 
 def _foreign_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
@@ -39,7 +40,7 @@ def _data(path: Path) -> Path:
     return path
 
 
-def test_train_accepts_a_megatron_checkpoint_with_tokenizer(tmp_path):
+def test_train_accepts_a_megatron_checkpoint_with_tokenizer(tmp_path, ray_cluster):
     hf_dir, save = _foreign_checkpoint(tmp_path)
     data = _data(tmp_path / "prefs.jsonl")
     # Before any process: no tokenizer in the checkpoint and none given is one clear error ...
@@ -61,7 +62,7 @@ def test_train_accepts_a_megatron_checkpoint_with_tokenizer(tmp_path):
     out = tmp_path / "run"
     argv = ["--model", str(save), "--tokenizer", str(hf_dir), "--data", str(data), "--max-steps", "1",
             "--global-batch-size", "8", "--micro-batch-size", "8", "--output-dir", str(out)]  # fmt: skip
-    proc = run_train(argv, env=command_env(PYTHONPATH=str(REPO)))
+    proc = main_in_process(argv, cluster=ray_cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in steps if r["step"] == 1)
@@ -80,11 +81,10 @@ TORCH_DIST_RUN = ["--max-steps", str(STEPS), "--global-batch-size", "16", "--mic
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")  # measured, not computed
 
 
-def _train(args: list[str], out: Path, *, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    from tests.helpers.faults import with_fault
-
-    env = with_fault(command_env(PYTHONPATH=str(REPO), MCORE_DPO_CACHE=str(cache)), fault)
-    return run_train([*TORCH_DIST_RUN, *args, "--output-dir", str(out)], env=env)
+def _train(args: list[str], out: Path, *, cluster, fault: str | None = None) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster."""
+    return main_in_process([*TORCH_DIST_RUN, *args, "--output-dir", str(out)], cluster=cluster,
+                           env=fault_env(fault) if fault else None)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -101,8 +101,8 @@ def _hf_weights(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_torch_dist_training_checkpoints(tmp_path):
-    """--save-format torch_dist through the CLI at tp1 pp2: rotation and both pointers; a run
+def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
+    """--save-format torch_dist through the command line (in this process) at tp1 pp2: rotation and both pointers; a run
     killed at step 3 resumes from iter_0000002 bit-exactly; megatron-core's own
     dist_checkpointing.load reads model and optimizer state at tp2 pp1 and gets what this
     project's restricted reader gets; mcore-to-hf converts the save directory."""
@@ -113,9 +113,8 @@ def test_torch_dist_training_checkpoints(tmp_path):
     from checkpoint_convert.mapping import hf_to_mcore_shard
     from mcore_dpo.checkpoint_torch_dist import open_part
 
-    cache = tmp_path / "cache"
     base = tmp_path / "base"
-    result = _train(["--save-interval", "1", "--keep-last", "2"], base, cache=cache)
+    result = _train(["--save-interval", "1", "--keep-last", "2"], base, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpts = base / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["final", "iter_0000002", "iter_0000003"]
@@ -128,13 +127,13 @@ def test_torch_dist_training_checkpoints(tmp_path):
     assert common["args"].pipeline_model_parallel_size == 2 and common["args"].num_layers == 4
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
 
-    # Killed at step 3 (after the step-2 checkpoint), resumed by rerunning the same command.
+    # Killed at step 3 (after the step-2 checkpoint), resumed by running the same command line again.
     out = tmp_path / "run"
-    killed = _train(["--save-interval", "2"], out, cache=cache, fault="step:3")
+    killed = _train(["--save-interval", "2"], out, cluster=ray_cluster, fault="step:3")
     assert killed.returncode != 0 and "died" in killed.stderr.strip().splitlines()[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    resumed = _train(["--save-interval", "2"], out, cache=cache)
+    resumed = _train(["--save-interval", "2"], out, cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "iter_0000002" in resumed.stdout
     assert _metrics(out) == _metrics(base)
@@ -167,9 +166,9 @@ def test_torch_dist_training_checkpoints(tmp_path):
 
     # mcore-to-hf reads the save directory (Megatron-LM's pointer) and its logits are Megatron's.
     hf_out = tmp_path / "hf_step3"
-    proc = run_python(["-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir", str(ckpts), "--out", str(hf_out)],
-                      env=command_env(PYTHONPATH=str(REPO)), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    from checkpoint_convert.__main__ import main as convert
+
+    assert convert(["mcore-to-hf", "--mcore-dir", str(ckpts), "--out", str(hf_out)]) == 0
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
     with torch.no_grad():
         reference = hf_model(input_ids=tokens).logits

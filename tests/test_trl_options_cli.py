@@ -1,5 +1,6 @@
-"""The TRL 1.16 options through the real command line: parsing and refusals, and TR-DPO's
-moving reference surviving a checkpoint and resume bit-exactly (interleaved reference at pp 2, aot)."""
+"""The TRL 1.16 options through the command line's parser (the runs in this process): parsing and
+refusals, and TR-DPO's moving reference surviving a checkpoint and resume bit-exactly
+(interleaved reference at pp 2, aot)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_dpo.config import ConfigError, resolve
-from tests.helpers.cli import command_env, run_train
+from tests.helpers.ray_runs import main_in_process
 
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
@@ -56,8 +57,9 @@ ARGS = ["--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "
         "--ref-model-sync-steps", "2", "--ref-model-mixup-alpha", "0.5"]
 
 
-def _run(out: Path, extra: list[str], *, cache: Path) -> subprocess.CompletedProcess:
-    return run_train([*ARGS, *extra, "--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(cache)))
+def _run(out: Path, extra: list[str], *, cluster) -> subprocess.CompletedProcess:
+    """The command line in this process, on the session's Ray cluster."""
+    return main_in_process([*ARGS, *extra, "--output-dir", str(out)], cluster=cluster)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -72,15 +74,14 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_trdpo_resume_across_a_sync_is_bit_exact(tmp_path_factory):
+def test_trdpo_resume_across_a_sync_is_bit_exact(tmp_path_factory, ray_cluster):
     """The step-3 checkpoint of an uninterrupted run, resumed with the same command: step 4 (a
     sync step) and the exported weights equal the uninterrupted run's bit for bit. The run
     resumes from a copy of that checkpoint rather than after a kill: a killed run writes the
     same checkpoint, and a kill followed by a rerun of the same command is covered at pp 2 by
     tests/test_resume.py::test_exact_resume_after_kill (interleaved reference, carried state)."""
-    cache = tmp_path_factory.mktemp("cache")
     base = tmp_path_factory.mktemp("base") / "run"
-    result = _run(base, ["--save-interval", "3"], cache=cache)
+    result = _run(base, ["--save-interval", "3"], cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     # The step-3 checkpoint holds the reference as mixed at step 2, not the source model's.
     ckpt = base / "checkpoints" / "step_00000003"
@@ -91,7 +92,7 @@ def test_trdpo_resume_across_a_sync_is_bit_exact(tmp_path_factory):
     out = tmp_path_factory.mktemp("resumed") / "run"
     shutil.copytree(ckpt, out / "checkpoints" / ckpt.name)
     (out / "checkpoints" / "latest").write_text(ckpt.name + "\n")
-    resumed = _run(out, ["--save-interval", "3"], cache=cache)
+    resumed = _run(out, ["--save-interval", "3"], cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     assert _metrics(out) == [m for m in _metrics(base) if m["step"] == 4]

@@ -27,3 +27,19 @@ def with_grouped_standin(env: dict) -> dict:
 
 def _with_hooks_dir(env: dict) -> dict:
     return dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(FAULT_HOOKS_DIR), env.get("PYTHONPATH")) if p))
+
+
+def fault_env(fault: str) -> dict:
+    """The variables an in-process run (tests/helpers/ray_runs.py) gives its workers for `fault`:
+    the fault, and the hooks directory ahead of this process's PYTHONPATH."""
+    return _hook_vars(with_fault({}, fault))
+
+
+def grouped_standin_env() -> dict:
+    """The same for the grouped experts' stand-in."""
+    return _hook_vars(with_grouped_standin({}))
+
+
+def _hook_vars(env: dict) -> dict:
+    path = os.pathsep.join(p for p in (str(FAULT_HOOKS_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path}

@@ -328,15 +328,12 @@ def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
 
 @launches("ranks")
 def spawn(fn, *, world_size: int, job: dict) -> None:
-    """`fn(rank, world_size, port, job)` on world_size spawned ranks (one of the rank functions above)."""
-    import socket
+    """`fn(rank, world_size, port, job)` on world_size ranks (one of the rank functions above),
+    forked from tests/helpers/ranks.py's preloaded server."""
+    from mcore_dpo.ports import free_port
+    from tests.helpers.ranks import spawn_processes
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(fn, args=(world_size, port, job), nprocs=world_size, join=True)
+    spawn_processes(fn, nprocs=world_size, args=(world_size, free_port(), job))
 
 
 def megatron_lm_moe_args(config: dict, *, tp: int, pp: int, ep: int, divisor: int = 128) -> Namespace:

@@ -5,7 +5,7 @@
   TrainConfig's fields, the batches of every step, the eval pairs); each rank writes its
   gradients and weights per job, the reporting rank the metrics (`load_rank_tensors` reads them).
 - `spawn_ranks(target, ...)`: the same forked ranks running a rank function of the caller's.
-- `spawn_processes(fn, nprocs=, args=)`: `torch.multiprocessing.start_processes` with "spawn";
+- `spawn_processes(fn, nprocs=, args=)`: `fn(rank, *args)` on forked (or spawned) processes;
   `start_forked(target, nprocs=, args_of=)`: forked processes the caller joins.
 - `verify(argv)`, `run_benchmark(function, ...)`: product entry points that spawn their own ranks.
 """
@@ -128,12 +128,18 @@ def _with_environment(environ: dict, target, *args) -> None:
     target(*args)
 
 
+def _forkserver():
+    """The forkserver context, its server started (once per pytest run) with _PRELOAD imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 @launches("ranks")
 def spawn_ranks(target, *, world_size: int, jobs: list[dict], out_dir: Path) -> None:
     """`target(rank, world_size, port, jobs, out_dir)` on world_size forked ranks; the first
     rank error file (error_*rank*.txt in out_dir) or a non-zero exit fails the caller."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = _forkserver()
     port = free_port()
     environ = dict(os.environ)
     procs = [ctx.Process(target=_with_environment, args=(environ, target, r, world_size, port, jobs, str(out_dir)))
@@ -191,10 +197,44 @@ def load_rank_tensors(out_dir: Path, job: int, kind: str, *, layout: tuple[int, 
     return out
 
 
+def _rank_of_processes(environ: dict, fn, rank: int, args: tuple, error_file: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        fn(rank, *args)
+    except BaseException:
+        Path(error_file).write_text(traceback.format_exc())
+        raise
+
+
 @launches("ranks")
-def spawn_processes(fn, *, nprocs: int, args: tuple) -> None:
-    """`fn(rank, *args)` in nprocs fresh processes ("spawn" start method), joined."""
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+def spawn_processes(fn, *, nprocs: int, args: tuple, start_method: str = "forkserver") -> None:
+    """`fn(rank, *args)` in nprocs processes, joined; a rank's exception fails the caller with its
+    traceback. "forkserver": forked from the preloaded server, with the caller's environment (as
+    spawn_ranks); "spawn": fresh interpreters (the GPU checks, which keep CUDA out of any server)."""
+    if start_method == "spawn":
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+        return
+    import tempfile
+
+    ctx, environ = _forkserver(), dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="ranks-") as errors:
+        procs = [ctx.Process(target=_rank_of_processes, args=(environ, fn, r, args, f"{errors}/rank{r}.txt"))
+                 for r in range(nprocs)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=900)
+        failed = sorted(Path(errors).glob("rank*.txt"))
+        if failed:
+            for proc in procs:
+                proc.kill()
+            raise AssertionError(f"{failed[0].stem} failed:\n{failed[0].read_text()}")
+        for proc in procs:
+            if proc.exitcode != 0:
+                for other in procs:
+                    other.kill()
+                raise AssertionError(f"a rank process exited with {proc.exitcode}")
 
 
 @launches("ranks")

@@ -10,8 +10,10 @@ cluster's environment (this process's at the session's start); the driver side i
 
 from __future__ import annotations
 
+import io
 import os
-from contextlib import contextmanager
+import subprocess
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,18 +83,38 @@ def joined(cluster: LocalCluster, env: dict | None = None):
 
 @launches("ray")
 def train_in_process(config, *, cluster: LocalCluster, env: dict | None = None, log=lambda _line: None) -> Path:
-    """`mcore_dpo.train(config)` on the session's cluster; returns the run directory."""
+    """`mcore_dpo.train(config)` on the session's cluster, with `env` for the driver and the
+    workers; returns the run directory."""
     from mcore_dpo.run import train
 
-    with joined(cluster, env):
+    with _driver_environment(env), joined(cluster, env):
         return train(config, log=log)
 
 
+@contextmanager
+def _driver_environment(env: dict | None):
+    """This process's environment with `env` on top for the block (the driver's side of a run)."""
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @launches("ray")
-def main_in_process(argv: list[str], *, cluster: LocalCluster, env: dict | None = None) -> int:
-    """`mcore_dpo.train.main(argv)` (the real parser, the command line's messages and exit code)
-    in this process, on the session's cluster; the caller reads stdout and stderr with capsys."""
+def main_in_process(argv: list[str], *, cluster: LocalCluster, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`mcore_dpo.train.main(argv)`, the command line without its process: the real parser, the
+    command line's messages and exit code, in this process on the session's cluster, with `env`
+    for the driver and the workers. Returns what a subprocess run would: the exit code and what
+    was printed (the workers' lines too, which Ray prints on the driver)."""
     from mcore_dpo.train import main
 
-    with joined(cluster, env):
-        return main(argv)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with _driver_environment(env), joined(cluster, env), redirect_stdout(stdout), redirect_stderr(stderr):
+        code = main(argv)
+    return subprocess.CompletedProcess(args=argv, returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
