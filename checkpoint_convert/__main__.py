@@ -79,10 +79,10 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _weights_dir(path: str) -> str:
-    """A trainer checkpoint names its weights folder: OUTPUT/checkpoints/step_N (or the
-    `latest` pointer file, or the checkpoints folder, which both name the current step) holds
-    them in model/. Any other path is returned as given."""
+def _weights_dir(path: str, *, log=print) -> str:
+    """A trainer's run names its weights folder: OUTPUT/checkpoints/step_N holds them in model/;
+    the run directory OUTPUT, its checkpoints folder and the `latest` pointer file name the
+    newest checkpoint (said in one line). Any other path is returned as given."""
     from pathlib import Path
 
     from checkpoint_convert.io import is_mcore_dir
@@ -90,15 +90,20 @@ def _weights_dir(path: str) -> str:
     given = Path(path)
     if is_mcore_dir(given):
         return path
-    pointer = given if given.is_file() and given.name == "latest" else given / "latest"
-    if pointer.is_file():
+    candidates = [given] if given.is_file() and given.name == "latest" else [given / "latest",
+                                                                             given / "checkpoints" / "latest"]
+    pointer = next((p for p in candidates if p.is_file()), None)
+    if pointer is not None:
         name = pointer.read_text(encoding="utf-8").strip()
         if not name or "/" in name or name in (".", ".."):
             raise ConversionError(f"{pointer}: does not name a checkpoint ({name!r})")
         given = pointer.parent / name
+        if not given.is_dir():
+            raise ConversionError(f"{pointer}: names {name}, which is not a directory")
+        log(f"{path}: the newest checkpoint is {given}")
     if is_mcore_dir(given / "model"):
         return str(given / "model")
-    return path
+    return str(given) if pointer is not None else path
 
 
 def run(argv: list[str] | None = None) -> int:

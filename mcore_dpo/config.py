@@ -71,9 +71,11 @@ class TrainConfig:
     """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
     each attending only to itself. --packing insists (modes it does not serve are then refused);
-    --no-packing: padded microbatches of --micro-batch-size pairs. (default: on, except with a
-    mode packing does not serve, --ep > 1 or the MoE load-balancing loss, which then runs padded
-    and says so at startup)"""
+    --no-packing: padded microbatches of --micro-batch-size pairs. (default: decided by the ranks'
+    attention: on where it runs in Transformer Engine's THD layout (a GPU), off on the local
+    attention (the CPU), whose W x W packed rows cost more than padding, see docs/PACKING.md; off
+    too with a mode packing does not serve, --ep > 1 or the MoE load-balancing loss, said at
+    startup; --max-tokens-per-microbatch alone turns it on)"""
     max_tokens_per_microbatch: int | None = None
     """Packed: token budget of one microbatch, at least 2 x --max-length (a pair's two sequences
     always share a microbatch). (default: 2 x --micro-batch-size x --max-length, what one padded
@@ -250,20 +252,23 @@ class TrainConfig:
 
     @property
     def packed(self) -> bool:
-        """Whether this run packs: --packing / --no-packing as given; unset, unless a mode packing
-        does not serve is on (`packing_unserved`)."""
+        """Whether this run may pack: --packing / --no-packing as given; unset, unless a mode
+        packing does not serve is on (`packing_unserved`), the ranks decide by their attention
+        (`platform.default_packing`)."""
         return self.packing if self.packing is not None else self.packing_unserved() is None
 
     def decide_packing(self) -> tuple[TrainConfig, str | None]:
-        """This config with `packing` decided (true or false), and, when an unset --packing falls
-        back to padded microbatches, the one line that says why. Call it once the MoE
+        """This config with what the driver can decide of an unset --packing, and, when it falls
+        back to padded microbatches, the one line that says why. An explicit budget
+        (--max-tokens-per-microbatch) asks for packing; otherwise it stays unset for the ranks
+        to decide by their attention (`platform.default_packing`). Call it once the MoE
         load-balancing coefficient is resolved (`resolve_moe_aux_loss_coef`)."""
         if self.packing is not None:
             return self, None
         self.validate()  # the budget and the padded layout's rules, with the coefficient now known
         unserved = self.packing_unserved()
         if unserved is None:
-            return dataclasses.replace(self, packing=True), None
+            return (dataclasses.replace(self, packing=True) if self.max_tokens_per_microbatch else self), None
         return dataclasses.replace(self, packing=False), (f"packing: off for {unserved}; running padded microbatches "
                                                           f"of {self.micro_batch_size} pairs (--no-packing asks for them "
                                                           "explicitly)")
@@ -278,10 +283,13 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         self._validate_packing()
-        if not self.packed and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
+        # Unset, the ranks may run padded (the local attention): the padded rule binds then too.
+        if self.packing is not True and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
             raise ConfigError(
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
-                f"= {self.dp}*{self.micro_batch_size}" + ("" if self.packing is False else " (padded microbatches)")
+                f"= {self.dp}*{self.micro_batch_size}" + ("" if self.packing is False else " (padded microbatches)"
+                                                          if self.packing_unserved() else
+                                                          " (padded microbatches; --packing lifts this rule)")
             )
         self._validate_expert_parallel()
         if self.sequence_parallel and self.tp == 1:
@@ -640,12 +648,13 @@ def world_size(config: TrainConfig) -> int:
 
 
 def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
-    """What a run is about to do, printed before anything slow: the Ray cluster, the workers
-    and what is loaded."""
+    """What a run is about to do, printed before anything slow: the workers, the Ray cluster
+    they will run on and what is loaded. Ray starts later, once the run's inputs and output
+    directory passed their checks (`run.train` says so then)."""
     ray = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
     world = world_size(config)
     workers = f"{world} worker{'s' if world > 1 else ''} (tp {config.tp} x pp {config.pp} x dp {config.dp}"
     workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
     model = config.model or "the tiny default model"
     data = config.data or ("the default preference data" if config.model is None else "no --data")
-    return f"starting {ray} with {workers}; loading {model} and {data}"
+    return f"preparing {workers} on {ray}; loading {model} and {data}"

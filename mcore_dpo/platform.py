@@ -297,6 +297,15 @@ def use_sequence_parallel(platform: Platform, *, requested: bool | None, tp: int
     return platform.is_cuda if requested is None else requested
 
 
+def default_packing(*, thd_attention: bool) -> bool:
+    """Packing when --packing is unset and the run's modes allow it: on where packed rows run in
+    Transformer Engine's THD layout (each sequence's own causal triangle: no more attention than
+    the padded rows it replaces), off on the local attention, which computes a packed row's whole
+    W x W score matrix: on the CPU the default job's steps took 4-5x longer packed than padded
+    (docs/PACKING.md)."""
+    return thd_attention
+
+
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports (it needs CUDA)."""
     if not torch.cuda.is_available():

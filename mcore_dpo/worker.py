@@ -56,12 +56,6 @@ class _Rank:
     """What every rank of every role has: device, process group, parallel state, RNG, and
     models built and loaded for its (tp, pp) coordinates."""
 
-    @property
-    def packing(self) -> bool:
-        """Packed microbatches: the run decides an unset --packing before any worker starts
-        (`TrainConfig.decide_packing`); a config built by hand that leaves it unset runs padded."""
-        return self.config.packing is True
-
     def __init__(
         self,
         *,
@@ -105,6 +99,11 @@ class _Rank:
         requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
+        # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
+        self.packed_thd = self.use_te and self.platform.is_cuda
+        # An unset --packing that the driver left open is decided by that attention.
+        self.packing = (config.packing if config.packing is not None
+                        else config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd))
         self.reference: torch.nn.Module | None = None
 
     def _build(self, weights_dir: str) -> torch.nn.Module:
@@ -139,7 +138,7 @@ class _Rank:
             vocab_size=self.spec.vocab_size,
             wait_clock=plat.IntervalClock(self.platform),
             sequence_parallel=self.sequence_parallel,
-            packed_thd=self.use_te and self.platform.is_cuda,
+            packed_thd=self.packed_thd,
             logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
             **kwargs,
         )
@@ -184,6 +183,10 @@ class _Rank:
     def layer_spec(self) -> str:
         """The layer spec this rank built its models with; it names the tensors of its shards."""
         return layer_spec_name(use_te=self.use_te)
+
+    def packs(self) -> bool:
+        """Whether this rank runs packed microbatches (an unset --packing decided here)."""
+        return self.packing
 
     def experts(self) -> tuple[str | None, str | None]:
         """How this rank's MoE experts run ("grouped", "sequential"; None for a dense model) and

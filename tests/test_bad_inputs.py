@@ -127,7 +127,7 @@ CONFIG_CASES = [
     _flags("flag_global_batch_negative", ("--global-batch-size", "-8"), None,
            "global_batch_size: must be a positive integer, got -8"),
     _flags("flag_lr_negative", ("--lr", "-1"), None, "lr: must be positive, got -1.0"),
-    # the rules of padded microbatches (packing, on by default, splits a global batch by tokens)
+    # the rules of padded microbatches (packing splits a global batch by tokens)
     _flags("flag_global_batch_not_divisible", ("--global-batch-size", "10", "--micro-batch-size", "4", "--no-packing"), None,
            "global_batch_size: 10 is not a multiple of dp*micro_batch_size = 1*4"),
     _flags("flag_dp_times_micro_batch_exceeds_global", ("--dp", "4", "--micro-batch-size", "8", "--global-batch-size", "16",

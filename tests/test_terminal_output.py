@@ -69,7 +69,7 @@ def test_the_first_line_says_what_starts_and_what_is_loaded(tmp_path, monkeypatc
     monkeypatch.setattr(run, "_attempt", lambda prep, *, out, log: None)
     assert main(["--tp", "2", "--pp", "2", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first == ("starting a local Ray cluster with 4 workers (tp 2 x pp 2 x dp 1); "
+    assert first == ("preparing 4 workers (tp 2 x pp 2 x dp 1) on a local Ray cluster; "
                      "loading the tiny default model and the default preference data")
 
 
@@ -137,6 +137,6 @@ def test_the_first_line_comes_before_the_slow_imports(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, loaded = done.stdout.splitlines()[:2]
-    assert first.startswith("starting a local Ray cluster with 2 workers"), first
+    assert first.startswith("preparing 2 workers (tp 2 x pp 1 x dp 1) on a local Ray cluster"), first
     assert loaded == "loaded: ", loaded
     assert not (tmp_path / "run").exists()
