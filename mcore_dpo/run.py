@@ -295,7 +295,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
                              run_config=config.to_dict())
     group = ref_group = None
-    stop = _StopRequest()
+    stop = _StopRequest(before_print=metrics_log.end_line)
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
@@ -369,8 +369,9 @@ class _StopRequest:
     """SIGINT and SIGTERM (as SLURM sends before a time limit) ask the training loop to write a
     checkpoint at the next step boundary and stop; a second signal interrupts at once."""
 
-    def __init__(self):
+    def __init__(self, *, before_print=lambda: None):
         self.requested = False
+        self._before_print = before_print  # ends a terminal's progress line first
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -382,6 +383,7 @@ class _StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self._before_print()
         print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)", flush=True)
 
     def restore(self) -> None:

@@ -63,6 +63,30 @@ def test_numbers_keep_one_format_and_the_eta_leaves_out_the_first_step(monkeypat
     assert not any("\x1b" in line for line in lines)  # not a terminal: plain lines
 
 
+def test_a_stop_message_starts_its_own_line_after_a_terminal_progress_line(monkeypatch, tmp_path, capsys):
+    import io
+    import signal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    log = metrics_log.MetricsLog(tmp_path, total_steps=10)
+    log.write(1, {"loss": 0.5, "tokens/s": 1000.0})
+    assert not terminal.getvalue().endswith("\n")  # the progress line stays open for its next update
+    stop = run._StopRequest(before_print=log.end_line)
+    try:
+        stop._handle(signal.SIGINT, None)
+    finally:
+        stop.restore()
+    assert terminal.getvalue().endswith("\n")  # ended before the message went out
+    assert capsys.readouterr().out == "SIGINT: stopping after this step (a checkpoint is written first)\n"
+    log.close()
+    assert not terminal.getvalue().endswith("\n\n")  # closing adds no second newline
+
+
 def test_the_first_line_says_what_starts_and_what_is_loaded(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
     monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
