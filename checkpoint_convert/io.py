@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.mapping import (
     DTYPES,
@@ -108,6 +109,8 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
+        if not self.dir.exists():
+            raise ConversionError(f"{self.dir}: does not exist{hub_name_hint(directory)}")
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: not a directory")
         self.config = read_json(self.dir / "config.json")

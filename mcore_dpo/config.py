@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
+from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
 from mcore_dpo.loss_spec import LOSS_TYPES, LossSpec
 from mcore_dpo.schedule import REF_MODES
 
@@ -177,7 +178,7 @@ class TrainConfig:
     eval_interval: int = 40
     """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
     dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16 | float16."""
+    """Parameter dtype: float32 | bfloat16 | float16 (fp32, bf16, fp16 are read as these)."""
     timeout_s: float = 300.0
     """Timeout of collectives and point-to-point communication."""
     placement_timeout_s: float = 120.0
@@ -273,6 +274,11 @@ class TrainConfig:
                                                           f"of {self.micro_batch_size} pairs (--no-packing asks for them "
                                                           "explicitly)")
 
+    def __post_init__(self) -> None:
+        # One internal name per dtype, whichever spelling came in (bf16 and bfloat16 are one run).
+        if isinstance(self.dtype, str):
+            self.dtype = canonical_dtype(self.dtype)
+
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
@@ -308,8 +314,8 @@ class TrainConfig:
         if self.save_format == "torch_dist" and self.sync_ref_model:
             raise ConfigError("save_format: torch_dist does not yet store the moving reference of --sync-ref-model; "
                               "use --save-format safetensors")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16 (or fp32, bf16, fp16)")
         for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -335,7 +341,8 @@ class TrainConfig:
         for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template", "init_adapter"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
-                raise ConfigError(f"{name}: {path} does not exist")
+                hint = hub_name_hint(path) if name in ("model", "ref_model", "tokenizer") else ""
+                raise ConfigError(f"{name}: {path} does not exist{hint}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
 
@@ -551,7 +558,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     return {
         "ref_mode": RUN_REF_MODES,
         "loss_type": tuple(LOSS_TYPES),
-        "dtype": ("float32", "bfloat16", "float16"),
+        "dtype": DTYPE_NAMES,
         "lr_schedule": ("constant", "cosine"),
         "on_bad_row": ("error", "skip"),
         "save_format": ("safetensors", "torch_dist"),

@@ -7,6 +7,7 @@ worker group, feed it global batches, log metrics, export the policy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 from checkpoint_convert.mapping import check_layout
 from mcore_dpo import checkpoint, durable, output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
-from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
+from mcore_dpo.data import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
 from mcore_dpo.resume_check import run_identity
 
@@ -230,12 +231,15 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
             return out
     output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
     write_resolved(config, str(out))
+    data_stats = {name: stats for name, stats in (("data", prep.train_stats), ("eval_data", prep.eval_stats)) if stats}
+    durable.replace_file(out / "data_stats.json", json.dumps(
+        {name: {"path": getattr(config, name), **dataclasses.asdict(stats)} for name, stats in data_stats.items()},
+        indent=2) + "\n")
     if config.chat_template:
         durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
-    for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
-        if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
-            log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
-                f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
+    for name, stats in data_stats.items():  # unused columns; truncated, dropped and skipped pairs
+        for note in data_notes(getattr(config, name), stats, max_length=config.max_length):
+            log(note)
     world = world_size(config)
     num_cpus = max(world, os.cpu_count() or 1)
     log(f"connecting to the Ray cluster at {ray_address}" if ray_address else

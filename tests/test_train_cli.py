@@ -137,6 +137,19 @@ def test_unknown_flag_and_bad_values(capsys, tmp_path):
     assert "tp" in _run_bad(capsys, ["--config", str(yaml_file)])
 
 
+def test_dtype_takes_the_converter_short_names_as_one_internal_name(tmp_path):
+    """bf16/fp16/fp32 (the converter's old spelling) are read as bfloat16/float16/float32, from
+    a flag, a YAML file or Python, so either spelling is the same run."""
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("dtype: fp16\n")
+    assert resolve(["--dtype", "bf16"])[0].dtype == "bfloat16"
+    assert resolve(["--config", str(yaml_file)])[0].dtype == "float16"
+    assert TrainConfig(dtype="fp32").dtype == "float32" == TrainConfig().dtype
+    assert "(fp32, bf16, fp16 are read as these)" in " ".join(subprocess.run(
+        [sys.executable, "-m", "mcore_dpo.train", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    ).stdout.split())
+
+
 BOOL_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)]
 
 
