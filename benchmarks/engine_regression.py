@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--floor", action="store_true", help="also time the one-process compute floor")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     opts = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark still removes its worktree
     result: dict = {"machine": common.machine(), "job": f"python -m mcore_dpo.train --max-steps {opts.steps}",
                     "rounds": opts.rounds, "before": commit_of(opts.before),
                     "after": commit_of(opts.after) if opts.after else f"working tree at {commit_of('HEAD')}"}
