@@ -179,8 +179,11 @@ class TrainConfig:
     """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16 (fp32, bf16, fp16 are read as these)."""
-    timeout_s: float = 300.0
-    """Timeout of collectives and point-to-point communication."""
+    timeout_s: float | None = None
+    """Timeout of collectives and point-to-point communication, the one a stuck peer is found by.
+    (default: the ranks' platform decides, platform.default_timeout_s: 1800 on GPUs, where a large
+    model's first step, with its weights loading and NCCL connecting, must fit; 300 on the CPU's
+    gloo, where a dead peer should end a small run in minutes)"""
     placement_timeout_s: float = 120.0
     """How long to wait for the cluster to provide every rank's device before giving up."""
     on_bad_row: str = "error"
@@ -317,7 +320,7 @@ class TrainConfig:
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16 (or fp32, bf16, fp16)")
         for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval", "save_interval", "keep_last",
                      "max_restarts", "save_interval_min"):

@@ -208,6 +208,23 @@ def init_model_rng(platform: Platform, seed: int) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+GPU_TIMEOUT_S = 1800.0  # NCCL: a 70B model's first step (loading, lazy connections) fits
+CPU_TIMEOUT_S = 300.0  # gloo: small runs, where a dead peer should end the run in minutes
+
+
+def default_timeout_s(platform: Platform) -> float:
+    """The collectives' timeout when --timeout-s is not given."""
+    return GPU_TIMEOUT_S if platform.is_cuda else CPU_TIMEOUT_S
+
+
+def nccl_error_settings() -> dict[str, str]:
+    """NCCL settings under which a failed or stuck peer surfaces as an error the rank raises
+    (naming the transfer and the peer, pipeline.PeerError) rather than the watchdog killing the
+    process: on a timeout or error the watchdog aborts the communicators and leaves the process
+    alive (2 = clean up only), so the rank's next wait raises. Set where the user has not."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def init_process_group(
     platform: Platform, *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float
 ) -> None:
@@ -216,6 +233,8 @@ def init_process_group(
     kwargs = {}
     if platform.is_cuda:
         kwargs["device_id"] = platform.device
+        for name, value in nccl_error_settings().items():  # read when the NCCL group is created
+            os.environ.setdefault(name, value)
     torch.distributed.init_process_group(
         backend=platform.backend,
         init_method=init_method,

@@ -83,7 +83,7 @@ class _Rank:
                 world_size=self.layout.world_size,
                 master_addr=master_addr,
                 master_port=master_port,
-                timeout_s=config.timeout_s,
+                timeout_s=config.timeout_s or plat.default_timeout_s(self.platform),
             )
         self.mesh: Mesh = initialize(self.layout)
         plat.init_model_rng(self.platform, config.seed)

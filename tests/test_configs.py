@@ -186,3 +186,20 @@ def test_header_attention_matters():
     local = memory_gb_per_gpu(arch=arch, config=config, attention="local")
     assert flash == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
     assert local > flash + 5
+
+
+def test_the_collectives_timeout_defaults_by_platform_and_a_flag_sets_it():
+    """One timeout, from the config when given; unset, the ranks' platform decides: 1800 s on
+    GPUs (a large model's first step fits), 300 s on the CPU. NCCL is set to raise, not abort."""
+    import torch
+
+    from mcore_dpo import platform
+    from mcore_dpo.config import resolve
+
+    assert resolve([])[0].timeout_s is None
+    assert resolve(["--timeout-s", "42"])[0].timeout_s == 42.0
+    gpu = platform.Platform(device=torch.device("cuda", 0), backend="nccl")
+    cpu = platform.Platform(device=torch.device("cpu"), backend="gloo")
+    assert platform.default_timeout_s(gpu) == 1800.0 and platform.default_timeout_s(cpu) == 300.0
+    # every shipped large-model config fits in the GPU default or sets its own
+    assert platform.nccl_error_settings() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
