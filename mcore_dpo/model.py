@@ -26,7 +26,7 @@ def layer_spec_name(*, use_te: bool) -> str:
 
 def transformer_config(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False,
 ):
     """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
     are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only)."""
@@ -81,6 +81,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        deterministic_mode=deterministic,  # --deterministic (platform.make_deterministic)
         # What differs by family (qkv bias, qk norms, experts): the family module says.
         **_family_fields(spec, grouped_experts=grouped_experts),
     )
@@ -97,7 +98,7 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
 
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
@@ -111,7 +112,7 @@ def build_stage_model(
         # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
         raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
-                                grouped_experts=grouped_experts)
+                                grouped_experts=grouped_experts, deterministic=deterministic)
     if config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(

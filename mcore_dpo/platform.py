@@ -36,6 +36,24 @@ def detect(*, local_rank: int = 0) -> Platform:
     return Platform(device=torch.device("cpu"), backend="gloo")
 
 
+def deterministic_settings() -> dict[str, str]:
+    """Environment for --deterministic, read when CUDA, cuBLAS and Transformer Engine start:
+    cuBLAS with a fixed workspace (required by torch's deterministic mode), Transformer Engine's
+    attention without its nondeterministic (atomic) backward."""
+    return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def make_deterministic(enabled: bool) -> None:
+    """--deterministic: call before the platform is activated (the settings are read when CUDA
+    starts). torch's deterministic algorithms include `index_add` on CUDA, the packed rows'
+    segment sums (logprobs.segment_sums), which otherwise accumulate atomically."""
+    if not enabled:
+        return
+    for name, value in deterministic_settings().items():
+        os.environ[name] = value
+    torch.use_deterministic_algorithms(True)
+
+
 def activate(platform: Platform) -> None:
     """Make the platform current for this process (and adapt megatron-core on the CPU)."""
     if platform.is_cuda:

@@ -75,6 +75,7 @@ class _Rank:
         self.layout = layout
         # device -> process group -> parallel state
         self.platform = plat.detect(local_rank=local_rank)
+        plat.make_deterministic(config.deterministic)
         plat.activate(self.platform)
         if not dist.is_initialized():  # a process may build several workers (tests do)
             plat.init_process_group(
@@ -111,6 +112,7 @@ class _Rank:
             model = build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
+                deterministic=self.config.deterministic,
             ).to(self.platform.device)
         shard = hf_to_mcore_shard(
             self.spec,

@@ -20,8 +20,8 @@
 #   packed-thd           tests/test_packing_gpu.py: a packed row in Transformer Engine's THD layout gives each
 #                        sequence its own logits (the mask path without TE)
 #   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
-#   bf16-resume          CLI run in bf16 with the distributed optimizer: checkpoint every 2 steps,
-#                        kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
+#   bf16-resume          CLI run in bf16 with the distributed optimizer and --deterministic: checkpoint
+#                        every 2 steps, kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
 #   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
 #                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
 #   te-grouped-gemm      Qwen3-MoE: grouped GEMM experts (TEGroupedMLP) vs sequential experts on the TE
@@ -171,7 +171,7 @@ for row in "${PLAN[@]}"; do
     parity-sharded-opt) pytest_check parity-sharded-opt "tests/test_gpu.py::test_parity_on_gpu[sharded-optimizer]" ;;
     packed-thd) pytest_check packed-thd "tests/test_packing_gpu.py::test_packed_row_gives_each_sequence_its_own_logits" ;;
     te-vs-local) pytest_check te-vs-local "tests/test_gpu.py::test_transformer_engine_spec_matches_local_spec" ;;
-    bf16-resume) pytest_check bf16-resume "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli" ;;
+    bf16-resume) pytest_check bf16-resume "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli[deterministic]" ;;
     gpu-step)
       rm -f "$OUT/gpu_step.json"
       run_check gpu-step step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}" ;;

@@ -32,7 +32,7 @@ def _table(text: str) -> dict[str, tuple[str, str]]:
 
 LISTED = {"parity-sharded-opt": "tests/test_gpu.py::test_parity_on_gpu[sharded-optimizer]",
           "parity-adamw": "tests/test_gpu.py::test_parity_on_gpu[adamw]",
-          "bf16-resume": "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli",
+          "bf16-resume": "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli[deterministic]",
           "te-grouped-gemm": "tests/test_gpu.py::test_grouped_gemm_experts_match_sequential_experts",
           "packed-thd": "tests/test_packing_gpu.py::test_packed_row_gives_each_sequence_its_own_logits"}
 

@@ -218,8 +218,9 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
 def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
-    and loads in transformers. The same run checks more things end to end: --no-shuffle
-    reaches the written config.yaml as no_shuffle: true, --no-packing as packing: false and
+    and loads in transformers. The same run checks more things end to end: --deterministic
+    (torch's deterministic algorithms and megatron-core's deterministic mode run on the CPU too)
+    and --no-shuffle reach the written config.yaml, --no-packing as packing: false and
     padded microbatches (16 pairs in 2 of 8), and a held-out set of 5 pairs (fewer than the
     global batch of 16) is evaluated at the start and the end."""
     from mcore_dpo.defaults import DEFAULT_EVAL_DATA
@@ -230,6 +231,7 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MCORE_DPO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-m", "mcore_dpo.train", "--dtype", "bfloat16", "--tp", "2", "--max-steps", "2",
                            "--global-batch-size", "16", "--micro-batch-size", "8", "--no-shuffle", "--no-packing",
+                           "--deterministic",
                            "--eval-data", str(small_eval), "--output-dir", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -237,6 +239,7 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path):
 
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert written["no_shuffle"] is True and written["dtype"] == "bfloat16" and written["packing"] is False
+    assert written["deterministic"] is True
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
     assert [r["microbatches"] for r in records if "loss" in r] == [2.0, 2.0]
