@@ -137,6 +137,8 @@ def build_stage_model(
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    if mesh.is_first_stage:
+        model.embedding.register_forward_hook(_canonical_strides)
     if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
         # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
         # inverse frequencies from the checkpoint's own values instead.
@@ -144,6 +146,18 @@ def build_stage_model(
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def _canonical_strides(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the embedding: its [s, b, h] output with the strides of a fresh tensor.
+
+    megatron-core turns [b, s, h] into [s, b, h] by `transpose(0, 1).contiguous()`, which for a
+    packed row (b = 1) copies nothing and keeps the batch stride s*h. torch.matmul then folds
+    such an input into one matrix product only when the weight requires grad, and otherwise
+    runs a batched product of s one-row products, which rounds differently: with identical
+    weights, the policy (trainable) and the frozen reference would give different log-probs.
+    A view with canonical strides (free: no copy) makes both fold."""
+    return output.contiguous().view(output.shape)
 
 
 class SequenceParallelRMSNorm:
