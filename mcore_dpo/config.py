@@ -179,6 +179,11 @@ class TrainConfig:
     """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16 (fp32, bf16, fp16 are read as these)."""
+    fused_kernels: bool | None = None
+    """megatron-core's and Transformer Engine's fused kernels: bias-SwiGLU, RoPE (THD too, with no
+    host sync), weight-gradient accumulation into the fp32 main grads, MoE token permutation.
+    (default: on where the ranks run the Transformer Engine spec on a GPU, off elsewhere, where
+    they do not exist; --no-fused-kernels turns them off, as the GPU parity checks compare)"""
     deterministic: bool = False
     """Deterministic GPU kernels, so that a resumed bf16 run repeats an uninterrupted one bit for
     bit: torch's deterministic algorithms (the packed rows' segment sums included), deterministic
@@ -543,7 +548,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 # --help groups: each field's group (the fields not named here are run settings).
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
-    "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "deterministic"),
+    "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
     "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm", "timeout_s",
                     "placement_timeout_s"),

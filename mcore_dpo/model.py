@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from checkpoint_convert.families import family_of
 from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.mesh import Mesh
+from mcore_dpo.platform import fused_kernel_fields
 
 
 def layer_spec_name(*, use_te: bool) -> str:
@@ -26,7 +27,7 @@ def layer_spec_name(*, use_te: bool) -> str:
 
 def transformer_config(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False, deterministic: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused: dict[str, bool] | None = None,
 ):
     """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
     are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only)."""
@@ -74,16 +75,12 @@ def transformer_config(
         # Weights always come from a checkpoint, but megatron-core only marks tensor-parallel
         # parameters (which the gradient norm relies on) when it initialises them.
         perform_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         deterministic_mode=deterministic,  # --deterministic (platform.make_deterministic)
-        # What differs by family (qkv bias, qk norms, experts): the family module says.
-        **_family_fields(spec, grouped_experts=grouped_experts),
+        # What differs by family (qkv bias, qk norms, experts): the family module says; then the
+        # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
+        **{**_family_fields(spec, grouped_experts=grouped_experts),
+           **(fused or fused_kernel_fields(requested=False, use_te=False, on_gpu=False, moe=bool(spec.num_experts)))},
     )
 
 
@@ -98,7 +95,7 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
 
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False, deterministic: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
@@ -112,7 +109,9 @@ def build_stage_model(
         # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
         raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
-                                grouped_experts=grouped_experts, deterministic=deterministic)
+                                grouped_experts=grouped_experts, deterministic=deterministic,
+                                fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
+                                                          moe=bool(spec.num_experts)))
     if config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(

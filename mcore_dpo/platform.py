@@ -36,6 +36,20 @@ def detect(*, local_rank: int = 0) -> Platform:
     return Platform(device=torch.device("cpu"), backend="gloo")
 
 
+def fused_kernel_fields(*, requested: bool | None, use_te: bool, on_gpu: bool, moe: bool) -> dict[str, bool]:
+    """megatron-core TransformerConfig fields of the fused kernels: on (unless --no-fused-kernels)
+    where the rank builds the Transformer Engine spec on a GPU, which provides them (fused RoPE
+    also keeps THD rows free of the unfused path's per-sequence host syncs; weight gradients
+    accumulate straight into DDP's fp32 main_grad); off on the CPU and the local spec, where the
+    unfused code is what the parity tests check."""
+    on = requested is not False and use_te and on_gpu
+    fields = {"bias_activation_fusion": on, "bias_dropout_fusion": on, "apply_rope_fusion": on,
+              "gradient_accumulation_fusion": on, "masked_softmax_fusion": False, "persist_layer_norm": False}
+    if moe:
+        fields["moe_permute_fusion"] = on
+    return fields
+
+
 def deterministic_settings() -> dict[str, str]:
     """Environment for --deterministic, read when CUDA, cuBLAS and Transformer Engine start:
     cuBLAS with a fixed workspace (required by torch's deterministic mode), Transformer Engine's

@@ -112,7 +112,7 @@ class _Rank:
             model = build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
-                deterministic=self.config.deterministic,
+                deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
             ).to(self.platform.device)
         shard = hf_to_mcore_shard(
             self.spec,

@@ -24,6 +24,7 @@
 #                        every 2 steps, kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
 #   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
 #                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
+#   parity-unfused       parity-sharded-opt with --no-fused-kernels (the fusions on, above, against them off)
 #   te-grouped-gemm      Qwen3-MoE: grouped GEMM experts (TEGroupedMLP) vs sequential experts on the TE
 #                        spec, the shard loads, bf16 logits and gradients (SKIP without TE)
 #   parity-adamw         the same parity with the replicated AdamW (--no-distributed-optimizer)
@@ -38,10 +39,11 @@ PLAN=(
   "parity-sharded-opt|75"
   "packed-thd|50"
   "te-vs-local|45"
-  "bf16-resume|120"
-  "gpu-step|75"
-  "te-grouped-gemm|40"
-  "parity-adamw|40"
+  "bf16-resume|100"
+  "gpu-step|70"
+  "parity-unfused|35"
+  "te-grouped-gemm|35"
+  "parity-adamw|35"
   "convert-verify|25"
 )
 PLAN_TOTAL_S=0
@@ -177,6 +179,7 @@ for row in "${PLAN[@]}"; do
       run_check gpu-step step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}" ;;
     te-grouped-gemm) pytest_check te-grouped-gemm "tests/test_gpu.py::test_grouped_gemm_experts_match_sequential_experts" ;;
     parity-adamw) pytest_check parity-adamw "tests/test_gpu.py::test_parity_on_gpu[adamw]" ;;
+    parity-unfused) pytest_check parity-unfused "tests/test_gpu.py::test_parity_on_gpu[unfused]" ;;
     convert-verify)
       run_check convert-verify "grep -E '^verify' $OUT/convert-verify.log | tail -1" -- \
         bash -c "$(declare -f convert_verify); PY='$PY' OUT='$OUT' convert_verify" ;;

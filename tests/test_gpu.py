@@ -55,8 +55,11 @@ def models(tmp_path_factory):
     return {family: write_models(family, root) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["sharded-optimizer", "adamw"])
-def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer):
+# Fused kernels are on by default on the Transformer Engine spec; "unfused" runs the same parity
+# with --no-fused-kernels, so that a failing fusion shows as one row failing and the other passing.
+@pytest.mark.parametrize("distributed_optimizer, fused_kernels", [(True, None), (False, None), (True, False)],
+                         ids=["sharded-optimizer", "adamw", "unfused"])
+def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer, fused_kernels):
     from parity import run_ranks
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned ranks
@@ -66,6 +69,7 @@ def test_parity_on_gpu(models, tmp_path, monkeypatch, distributed_optimizer):
         jobs = [job for job in jobs if job["key"] in QUICK_KEYS]
     for job in jobs:
         job["config"]["distributed_optimizer"] = distributed_optimizer
+        job["config"]["fused_kernels"] = fused_kernels
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, layout, rtol=GPU_RTOL)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("parity-sharded-opt", "packed-thd", "te-vs-local", "bf16-resume", "gpu-step", "te-grouped-gemm",
-          "parity-adamw", "convert-verify")  # the order they run in: the most important first
+CHECKS = ("parity-sharded-opt", "packed-thd", "te-vs-local", "bf16-resume", "gpu-step", "parity-unfused",
+          "te-grouped-gemm", "parity-adamw", "convert-verify")  # the order they run in: the most important first
 
 
 def _table(text: str) -> dict[str, tuple[str, str]]:
@@ -32,6 +32,7 @@ def _table(text: str) -> dict[str, tuple[str, str]]:
 
 LISTED = {"parity-sharded-opt": "tests/test_gpu.py::test_parity_on_gpu[sharded-optimizer]",
           "parity-adamw": "tests/test_gpu.py::test_parity_on_gpu[adamw]",
+          "parity-unfused": "tests/test_gpu.py::test_parity_on_gpu[unfused]",
           "bf16-resume": "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli[deterministic]",
           "te-grouped-gemm": "tests/test_gpu.py::test_grouped_gemm_experts_match_sequential_experts",
           "packed-thd": "tests/test_packing_gpu.py::test_packed_row_gives_each_sequence_its_own_logits"}
