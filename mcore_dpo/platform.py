@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -40,11 +41,15 @@ def fused_kernel_fields(*, requested: bool | None, use_te: bool, on_gpu: bool, m
     """megatron-core TransformerConfig fields of the fused kernels: on (unless --no-fused-kernels)
     where the rank builds the Transformer Engine spec on a GPU, which provides them (fused RoPE
     also keeps THD rows free of the unfused path's per-sequence host syncs; weight gradients
-    accumulate straight into DDP's fp32 main_grad); off on the CPU and the local spec, where the
-    unfused code is what the parity tests check."""
+    accumulate straight into DDP's fp32 main_grad where apex's extension is built); off on the
+    CPU and the local spec, where the unfused code is what the parity tests check."""
     on = requested is not False and use_te and on_gpu
+    # megatron-core's own linears (the output layer, also on the TE spec) refuse this fusion
+    # without apex's fused_weight_gradient_mlp_cuda extension.
+    wgrad_fusion = on and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     fields = {"bias_activation_fusion": on, "bias_dropout_fusion": on, "apply_rope_fusion": on,
-              "gradient_accumulation_fusion": on, "masked_softmax_fusion": False, "persist_layer_norm": False}
+              "gradient_accumulation_fusion": wgrad_fusion, "masked_softmax_fusion": False,
+              "persist_layer_norm": False}
     if moe:
         fields["moe_permute_fusion"] = on
     return fields

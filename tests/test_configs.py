@@ -210,9 +210,14 @@ def test_fused_kernels_run_where_transformer_engine_provides_them():
     from mcore_dpo.config import resolve
     from mcore_dpo.platform import fused_kernel_fields
 
-    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
+    import importlib.util
+
+    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
     on = fused_kernel_fields(requested=None, use_te=True, on_gpu=True, moe=True)
     assert all(on[n] for n in names) and on["moe_permute_fusion"] and not on["masked_softmax_fusion"]
+    # megatron-core's own linears need apex's extension for the weight-gradient fusion
+    apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    assert on["gradient_accumulation_fusion"] is apex_wgrad
     for requested, use_te, on_gpu in ((False, True, True), (None, False, True), (None, True, False), (True, False, False)):
         fields = fused_kernel_fields(requested=requested, use_te=use_te, on_gpu=on_gpu, moe=False)
         assert not any(fields.values()) and "moe_permute_fusion" not in fields
