@@ -112,13 +112,15 @@ class _Rank:
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
             ).to(self.platform.device)
-        shard = hf_to_mcore_shard(
+        weights = open_weights(weights_dir)
+        shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
             tp=self.layout.tp,
             tp_rank=self.mesh.tp_rank,
             pp=self.layout.pp,
             pp_rank=self.mesh.pp_rank,
-            get=open_weights(weights_dir).get,
+            get=weights.get,
+            get_part=weights.get_part,
             layer_spec=layer_spec_name(use_te=self.use_te),
             ep=self.layout.ep,
             ep_rank=self.mesh.ep_rank,
