@@ -274,7 +274,9 @@ def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
 
 def open_weights(path: str):
     """HF-named lazy tensors of an HF directory or of a checkpoint_convert Megatron directory
-    (any tp/pp: the latter is read through HF names). Has `.spec` and `.get(name)`."""
+    (any tp/pp: the latter is read through HF names). Has `.spec`, `.get(name)` and
+    `.get_part(name, dim, start, stop)`, which reads only that part's bytes (a rank's own rows
+    or columns, see mapping.hf_to_mcore_shard)."""
     from checkpoint_convert.io import is_mcore_dir, open_hf_dir, open_mcore_dir
 
     return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)

@@ -114,13 +114,15 @@ class _Rank:
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
                 deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
             ).to(self.platform.device)
-        shard = hf_to_mcore_shard(
+        weights = open_weights(weights_dir)
+        shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
             tp=self.layout.tp,
             tp_rank=self.mesh.tp_rank,
             pp=self.layout.pp,
             pp_rank=self.mesh.pp_rank,
-            get=open_weights(weights_dir).get,
+            get=weights.get,
+            get_part=weights.get_part,
             layer_spec=layer_spec_name(use_te=self.use_te),
             ep=self.layout.ep,
             ep_rank=self.mesh.ep_rank,
