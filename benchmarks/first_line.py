@@ -1,5 +1,5 @@
-"""Seconds from launching `python -m mcore_dpo.train` to its first line of output ("starting a
-local Ray cluster with N workers ...; loading ..."). Each launch is killed as soon as that line
+"""Seconds from launching `python -m mcore_dpo.train` to its first line of output ("preparing
+N workers (...) on a local Ray cluster; loading ..."). Each launch is killed as soon as that line
 arrives, so nothing is trained and no Ray cluster is left behind.
 
     python benchmarks/first_line.py --repeats 5

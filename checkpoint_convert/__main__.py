@@ -1,6 +1,6 @@
 """Command line: convert checkpoints between Hugging Face and megatron-core layouts.
 
-    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--ep 2] [--dtype bf16] [--format torch_dist]
+    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--ep 2] [--dtype bfloat16] [--format torch_dist]
     python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB] [--hf-config DIR]
     python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--ep 1] [--format torch_dist] [--hf-config DIR]
     python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
@@ -22,55 +22,83 @@ import signal
 import sys
 
 from checkpoint_convert.mapping import LAYER_SPECS, ConversionError
+from checkpoint_convert.names import DTYPE_HELP, DTYPE_NAMES, canonical_dtype
 
 # Kept in step with checkpoint_convert.convert.FORMATS (not imported here: it pulls in torch).
 FORMATS = ("safetensors", "torch_dist")
 _FORMAT_HELP = "safetensors: this package's format; torch_dist: Megatron-LM's layout with megatron-core dist_checkpointing"
 
 EXIT_BAD_INPUT = 2
-_EP_HELP = "expert-parallel ranks the experts of a MoE model are split over (default 1)"
+_EP_HELP = "expert-parallel ranks the experts of a MoE model are split over"
+_HF_CONFIG_HELP = ("directory whose config.json describes the model, for a torch_dist checkpoint that has no HF "
+                   "config of its own (default: the checkpoint's own)")
+_MCORE_DIR_HELP = ("Megatron checkpoint to read (either format): its folder, or a trainer's "
+                   "OUTPUT/checkpoints/step_N, .../checkpoints or .../latest")
+_OVERWRITE_HELP = "replace --out if it already holds files (default: refuse a non-empty --out)"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends in its default, or says it is required (as train's --help does)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS:  # --help's default is SUPPRESS
+            return text
+        if action.required:
+            return text + " (required)"
+        if action.default is None or action.default is False:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-convert", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mcore-convert", description=__doc__.splitlines()[0],
+                                     formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron checkpoint sharded tp x pp (x ep)")
-    p.add_argument("--hf-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+    p = command("hf-to-mcore", "HF directory -> Megatron checkpoint sharded tp x pp (x ep)")
+    p.add_argument("--hf-dir", required=True, metavar="DIR",
+                   help="local Hugging Face model directory to read (config.json, *.safetensors)")
+    p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to shard the weights over")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages to split the layers over")
     p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: keep the source dtype")
-    p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local", help="'te' for Transformer Engine names")
+    p.add_argument("--dtype", type=canonical_dtype, choices=DTYPE_NAMES, default=None,
+                   help=f"dtype the shards are stored in: {DTYPE_HELP} (default: keep the source dtype)")
+    p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
+                   help="tensor names the shards use: 'local' for megatron-core's own layers, "
+                        "'te' for Transformer Engine's")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help=_FORMAT_HELP)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
 
-    p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory")
-    p.add_argument("--mcore-dir", required=True,
-                   help="Megatron checkpoint: its folder, or a trainer's OUTPUT/checkpoints/step_N or .../latest")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
-    p.add_argument("--overwrite", action="store_true")
+    p = command("mcore-to-hf", "Megatron checkpoint -> HF directory")
+    p.add_argument("--mcore-dir", required=True, metavar="DIR", help=_MCORE_DIR_HELP)
+    p.add_argument("--out", required=True, metavar="DIR", help="Hugging Face model directory to write")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest model-*.safetensors file to write, e.g. 500MB or 5GB")
+    p.add_argument("--hf-config", default=None, metavar="DIR", help=_HF_CONFIG_HELP)
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
 
-    p = sub.add_parser("reshard", help="Megatron checkpoint -> Megatron checkpoint at a new tp x pp x ep")
-    p.add_argument("--mcore-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
+    p = command("reshard", "Megatron checkpoint -> Megatron checkpoint at a new tp x pp x ep")
+    p.add_argument("--mcore-dir", required=True, metavar="DIR", help=_MCORE_DIR_HELP)
+    p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks of the new checkpoint")
+    p.add_argument("--pp", type=int, required=True, help="pipeline stages of the new checkpoint")
     p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
     p.add_argument("--format", choices=FORMATS, default=None, help=_FORMAT_HELP + " (default: the input's)")
-    p.add_argument("--hf-config", default=None, help="directory with the config.json of a torch_dist checkpoint's model")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--hf-config", default=None, metavar="DIR", help=_HF_CONFIG_HELP)
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
 
-    p = sub.add_parser("verify", help="compare HF and Megatron logits at the checkpoint's tp x pp")
-    p.add_argument("--hf-dir", required=True)
-    p.add_argument("--mcore-dir", required=True)
-    p.add_argument("--atol", type=float, default=1e-4)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p = command("verify", "compare HF and Megatron logits at the checkpoint's tp x pp")
+    p.add_argument("--hf-dir", required=True, metavar="DIR", help="Hugging Face model directory (the reference side)")
+    p.add_argument("--mcore-dir", required=True, metavar="DIR", help=_MCORE_DIR_HELP)
+    p.add_argument("--atol", type=float, default=1e-4, help="largest |logit difference| that passes")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences of random token ids to compare")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     return parser
 
 
@@ -79,10 +107,10 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _weights_dir(path: str) -> str:
-    """A trainer checkpoint names its weights folder: OUTPUT/checkpoints/step_N (or the
-    `latest` pointer file, or the checkpoints folder, which both name the current step) holds
-    them in model/. Any other path is returned as given."""
+def _weights_dir(path: str, *, log=print) -> str:
+    """A trainer's run names its weights folder: OUTPUT/checkpoints/step_N holds them in model/;
+    the run directory OUTPUT, its checkpoints folder and the `latest` pointer file name the
+    newest checkpoint (said in one line). Any other path is returned as given."""
     from pathlib import Path
 
     from checkpoint_convert.io import is_mcore_dir
@@ -90,15 +118,20 @@ def _weights_dir(path: str) -> str:
     given = Path(path)
     if is_mcore_dir(given):
         return path
-    pointer = given if given.is_file() and given.name == "latest" else given / "latest"
-    if pointer.is_file():
+    candidates = [given] if given.is_file() and given.name == "latest" else [given / "latest",
+                                                                             given / "checkpoints" / "latest"]
+    pointer = next((p for p in candidates if p.is_file()), None)
+    if pointer is not None:
         name = pointer.read_text(encoding="utf-8").strip()
         if not name or "/" in name or name in (".", ".."):
             raise ConversionError(f"{pointer}: does not name a checkpoint ({name!r})")
         given = pointer.parent / name
+        if not given.is_dir():
+            raise ConversionError(f"{pointer}: names {name}, which is not a directory")
+        log(f"{path}: the newest checkpoint is {given}")
     if is_mcore_dir(given / "model"):
         return str(given / "model")
-    return path
+    return str(given) if pointer is not None else path
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -133,7 +166,8 @@ def run(argv: list[str] | None = None) -> int:
         from checkpoint_convert.verify import verify
 
         report = verify(
-            args.hf_dir, args.mcore_dir, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
+            args.hf_dir, args.mcore_dir, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+            log=lambda line: print(line, flush=True),  # progress as it happens, also through a pipe
         )
         print(report.summary())
         if not report.passes(atol=args.atol):

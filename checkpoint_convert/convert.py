@@ -49,9 +49,9 @@ from checkpoint_convert.mapping import (
     padded_vocab_size,
     split_entry,
 )
+from checkpoint_convert.names import DTYPE_HELP, canonical_dtype
 from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 
-DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Checkpoint formats: this package's safetensors per rank, and megatron-core's torch_dist
 # inside Megatron-LM's layout (checkpoint_convert.torch_dist). See docs/BENCHMARKS.md for
 # why safetensors stays the default.
@@ -218,10 +218,12 @@ def hf_to_mcore(
     log: Callable[[str], None] = print,
 ) -> None:
     """Convert an HF directory into a Megatron checkpoint sharded tp x pp, its experts over ep
-    (format `fmt`)."""
+    (format `fmt`), stored in `dtype` (either spelling, bfloat16 or bf16; None: the source's)."""
     source = open_hf_dir(hf_dir)
     check_layout(source.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir / "config.json"), divisor=divisor)
-    target_dtype = DTYPE_FLAGS[dtype] if dtype else source.spec.torch_dtype
+    target_dtype = canonical_dtype(dtype) if dtype else source.spec.torch_dtype
+    if target_dtype not in DTYPES:
+        raise ConversionError(f"dtype: {dtype!r} is not {DTYPE_HELP}")
     write = _writer(fmt, ep=ep)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         write(

@@ -185,6 +185,7 @@ class DcpReader:
             self.tensors[key] = TensorInfo(shape=shape, dtype=dtype)
             self._chunks[key] = chunks
         self._cached: tuple[tuple, torch.Tensor] | None = None
+        self.bytes_read = 0  # bytes of the tensor chunks loaded so far (objects and metadata not counted)
 
     def _check_extent(self, info: object, *, label: str, sizes: dict[str, int], source: str) -> None:
         """The storage entry names a file in this directory and lies within it."""
@@ -211,6 +212,7 @@ class DcpReader:
         self._cached = None  # drop the previous chunk before reading the next
         path = self.dir / file
         tensor = self._load_stored(path, start, length, label=f"tensor '{key}' chunk at {list(offsets)}")
+        self.bytes_read += length
         _check(
             isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == extent and tensor.dtype == self.tensors[key].dtype,
             str(path), f"tensor '{key}' chunk at {list(offsets)} is not a {self.tensors[key].dtype} tensor of shape {list(extent)}",

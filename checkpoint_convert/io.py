@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.mapping import (
     DTYPES,
@@ -51,7 +52,11 @@ from checkpoint_convert.mapping import (
     mcore_to_hf_tensor,
     tp_part_of_whole_expert,
     padded_vocab_size,
+    qkv_group_rows,
     spec_from_hf_config,
+    stored_group_pieces,
+    stored_pieces,
+    unfuse_groups,
 )
 from mcore_dpo.durable import fsync_dir, fsync_tree
 
@@ -96,6 +101,15 @@ def _check_shard_name(index_path: Path, file: object) -> None:
         )
 
 
+def narrowed_box(shape: tuple[int, ...], dim: int, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of a tensor of `shape` narrowed to [start, stop) on `dim`."""
+    if not 0 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
+        raise ValueError(f"[{start}, {stop}) on dim {dim} is outside a tensor of shape {list(shape)}")
+    offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+    sizes = tuple(stop - start if d == dim else size for d, size in enumerate(shape))
+    return offsets, sizes
+
+
 def _check_shapes(path: Path, handle: SafetensorsReader, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
     for name in names:
         shape = handle.shape(name)
@@ -104,10 +118,13 @@ def _check_shapes(path: Path, handle: SafetensorsReader, names: list[str], expec
 
 
 class HFCheckpoint:
-    """A validated HF directory; get(name) reads one tensor (get_rows: a block of its rows)."""
+    """A validated HF directory; get(name) reads one tensor, get_part(name, dim, start, stop)
+    only a slice of it (get_rows: a block of its rows); bytes_read counts the tensor bytes read."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
+        if not self.dir.exists():
+            raise ConversionError(f"{self.dir}: does not exist{hub_name_hint(directory)}")
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: not a directory")
         self.config = read_json(self.dir / "config.json")
@@ -180,18 +197,44 @@ class HFCheckpoint:
         return self._handles[self._file_of[name]].read(name)
 
     def _get_fused(self, name: str) -> torch.Tensor:
+        return self._get_fused_part(name, 0, 0, self._fused_shapes[name][0])
+
+    def _get_fused_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """A hub tensor held inside a fused one: `stored[expert].chunk(parts, dim=0)[part]`,
+        narrowed; only the slice's bytes are read."""
         stored, expert, part, parts = self._fused[name]
-        tensor = self._handles[self._file_of[stored]].read(stored)
-        if expert is not None:
-            if tensor.dim() != 3 or tensor.shape[0] != self.spec.num_experts:
-                raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(tensor.shape)}, "
-                                      f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
-            tensor = tensor[expert]
-        tensor = tensor.chunk(parts, dim=0)[part].contiguous().clone()
+        handle = self._handles[self._file_of[stored]]
+        shape = handle.shape(stored)
+        lead = () if expert is None else (expert,)
+        if expert is not None and (len(shape) != 3 or shape[0] != self.spec.num_experts):
+            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' has shape {list(shape)}, "
+                                  f"expected [{self.spec.num_experts}, ...] (one slice per expert)")
+        inner = shape[len(lead):]
+        chunk = -(-inner[0] // parts)  # torch.chunk's size
+        first, last = min(part * chunk, inner[0]), min((part + 1) * chunk, inner[0])
+        hub = (last - first, *inner[1:])
         expected = self._fused_shapes[name]
-        if tuple(tensor.shape) != expected:
-            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(tensor.shape)}, expected {list(expected)}")
-        return tensor
+        if hub != expected:
+            raise ConversionError(f"{self._path_of(stored)}: tensor '{stored}' gives '{name}' of shape {list(hub)}, expected {list(expected)}")
+        offsets, sizes = narrowed_box(hub, dim, start, stop)
+        offsets = lead + (first + offsets[0],) + offsets[1:]
+        return handle.read_box(stored, offsets=offsets, sizes=(1,) * len(lead) + sizes).reshape(sizes)
+
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Tensor `name` narrowed to [start, stop) on dim, reading only those bytes (a block of
+        rows is one read, a block of columns one read per row)."""
+        if name in self._fused and name not in self._file_of:
+            return self._get_fused_part(name, dim, start, stop)
+        if name not in self._file_of:
+            raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
+        handle = self._handles[self._file_of[name]]
+        offsets, sizes = narrowed_box(handle.shape(name), dim, start, stop)
+        return handle.read_box(name, offsets=offsets, sizes=sizes)
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read from the files so far (headers not counted)."""
+        return sum(handle.bytes_read for handle in self._handles.values())
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` (one contiguous read: no whole tensor in memory)."""
@@ -311,6 +354,18 @@ class _LazyShard(Mapping):
         """Rows [start, stop) of tensor `name` without reading the rest."""
         return self._handle.read(name, rows=(start, stop))
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._handle.shape(name)
+
+    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Tensor `name` narrowed to [start, stop) on dim, reading only those bytes."""
+        offsets, sizes = narrowed_box(self._handle.shape(name), dim, start, stop)
+        return self._handle.read_box(name, offsets=offsets, sizes=sizes)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._handle.bytes_read
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -326,7 +381,7 @@ class _ExpertParallelShard(Mapping):
         self, ranks: list[_LazyShard], *, spec: ModelSpec, tp: int, tp_rank: int, pp: int, pp_rank: int, layer_spec: str
     ) -> None:
         num_experts = spec.num_experts
-        self._spec, self._tp, self._tp_rank = spec, tp, tp_rank
+        self._spec, self._tp, self._tp_rank, self._ranks = spec, tp, tp_rank, ranks
         self._whole_experts = expert_tp_size(tp=tp, ep=len(ranks)) != tp
         self._kinds = {mcore_name(t, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(layer)): kind
                        for t, kind, _, local, layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
@@ -348,6 +403,33 @@ class _ExpertParallelShard(Mapping):
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         shard, local = self._where[name]
         return shard.get_rows(local, start, stop)
+
+    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """self[name] narrowed to [start, stop) on dim. A whole expert's tp part is read as its
+        rows (fc1: this rank's gate rows, then its up rows) or columns (fc2) of the whole."""
+        shard, local = self._where[name]
+        if not (self._whole_experts and _LOCAL_EXPERT.search(name)):
+            return shard.part(local, dim, start, stop)
+        kind, whole = self._kinds[name], shard.shape(local)
+        if kind == "row" and dim == 1:
+            first = self._tp_rank * whole[1] // self._tp
+            return shard.part(local, 1, first + start, first + stop)
+        if kind == "fc1" and dim == 0:
+            half, rows = whole[0] // 2, whole[0] // 2 // self._tp
+            blocks = []
+            for i in (0, 1):  # the gate rows, then the up rows of this tp rank
+                lo, hi = max(start, i * rows), min(stop, (i + 1) * rows)
+                if lo < hi:
+                    first = i * half + self._tp_rank * rows - i * rows
+                    blocks.append(shard.part(local, 0, first + lo, first + hi))
+            if not blocks:
+                return shard.part(local, 0, 0, 0)
+            return torch.cat(blocks, dim=0) if len(blocks) > 1 else blocks[0]
+        return self[name].narrow(dim, start, stop - start).clone()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(shard.bytes_read for shard in self._ranks)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -427,6 +509,11 @@ class McoreCheckpoint:
         """config.json, generation_config.json and the tokenizer files of the source model."""
         return self.dir / HF_FILES_DIR
 
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read from the rank files so far (headers not counted)."""
+        return sum(shard.bytes_read for shard in self._shards.values())
+
     def shard_view(self, tp_rank: int, pp_rank: int) -> _LazyShard | _ExpertParallelShard:
         """Lazy mapping of one rank's tensors (with ep > 1: of its ep files together, every
         expert under its global index, as at ep 1)."""
@@ -449,13 +536,21 @@ class HFView:
     cached until asked for, so reading names in hf_tensor_names order gathers each entry once.
     get_rows(name, start, stop) reads a row block of the vocabulary tensors straight from the
     rank files that hold it, so the embedding and head never have to be whole in memory.
+    get_part(name, dim, start, stop) reads the parts hf_to_mcore_shard asks for from the rank
+    files that hold them, and only their bytes (a training rank at any tp reads its own part).
     """
 
     def __init__(self, checkpoint: McoreCheckpoint) -> None:
         self._ckpt = checkpoint
         self.spec = checkpoint.spec
         self._cache: dict[str, torch.Tensor] = {}
+        self._part_cache: dict[tuple[str, int, int, int], torch.Tensor] = {}
         self._index = hf_entry_index(self.spec, pp=checkpoint.meta.pp)
+        self._shapes = hf_tensor_shapes(self.spec)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._ckpt.bytes_read
 
     @property
     def names(self) -> list[str]:
@@ -493,6 +588,42 @@ class HFView:
         if not blocks:  # start == stop
             return torch.empty((0, self.spec.hidden_size), dtype=DTYPES[meta.dtype])
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
+
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """HF tensor `name` narrowed to [start, stop) on dim. The parts hf_to_mcore_shard asks
+        for are read from the rank files that hold them, only their bytes: q, k and v as whole
+        query groups (all three from one read of the groups' fused rows; the other two are kept
+        until asked for), the rest by mapping.stored_pieces. Any other part is cut from get(name)."""
+        if name not in self._index:
+            raise ConversionError(f"tensor '{name}' is not part of a {self.spec.architecture} checkpoint")
+        _, sizes = narrowed_box(self._shapes[name], dim, start, stop)
+        if (name, dim, start, stop) in self._part_cache:
+            return self._part_cache.pop((name, dim, start, stop))
+        template, kind, hf_names, pp_rank, local, moe_layer = self._index[name]
+        meta = self._ckpt.meta
+        shard_name = mcore_name(template, layer=local, layer_spec=meta.layer_spec, moe_layer=moe_layer)
+        index = hf_names.index(name)
+        dtype = DTYPES[meta.dtype]
+        if kind == "qkv" and dim == 0:
+            groups = stored_group_pieces(self.spec, index=index, start=start, stop=stop, tp=meta.tp)
+            if groups is not None:
+                (g0, g1), pieces = groups
+                if not pieces:
+                    return torch.empty(sizes, dtype=dtype)
+                fused = [self._ckpt.shard_view(t, pp_rank).part(shard_name, 0, lo, hi) for t, lo, hi in pieces]
+                parts = unfuse_groups(self.spec, torch.cat(fused) if len(fused) > 1 else fused[0])
+                self._part_cache = {(n, 0, g0 * rows, g1 * rows): part.clone()
+                                    for n, rows, part in zip(hf_names, qkv_group_rows(self.spec), parts) if n != name}
+                return parts[index].clone()
+        padded = padded_vocab_size(self.spec.vocab_size, tp=meta.tp, divisor=meta.vocab_divisor)
+        pieces = stored_pieces(self.spec, kind=kind, index=index, dim=dim, start=start, stop=stop,
+                               size=self._shapes[name][dim], tp=meta.tp, padded_vocab=padded)
+        if pieces is None:
+            return self.get(name).narrow(dim, start, stop - start).clone()
+        blocks = [self._ckpt.shard_view(t, pp_rank).part(shard_name, dim, lo, hi) for t, lo, hi in pieces]
+        if not blocks:
+            return torch.empty(sizes, dtype=dtype)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
 
 def open_mcore_dir(directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None):

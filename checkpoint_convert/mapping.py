@@ -262,24 +262,49 @@ def mcore_shard_shapes(
 # ---------------------------------------------------------------------------------------
 
 
-def _fuse_qkv_rank(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tp: int, tp_rank: int) -> torch.Tensor:
-    groups, d = spec.num_query_groups, spec.head_dim
-    r = spec.num_heads // groups
-    tail = q.shape[1:]  # (hidden,) for weights, () for biases
-    q = q.reshape(groups, r * d, *tail)
-    k = k.reshape(groups, d, *tail)
-    v = v.reshape(groups, d, *tail)
-    per_rank = groups // tp
-    sel = slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
-    fused = torch.cat([q[sel], k[sel], v[sel]], dim=1)
-    return fused.reshape(per_rank * (r + 2) * d, *tail)
+# A reader's part of one HF tensor: get_part(name, dim, start, stop) is get(name) narrowed to
+# [start, stop) on dim, as a fresh tensor; a reader with a file behind it reads only those bytes.
+GetPart = Callable[[str, int, int, int], torch.Tensor]
 
 
-def _pad_vocab(weight: torch.Tensor, *, vocab_padded: int) -> torch.Tensor:
-    extra = vocab_padded - weight.shape[0]
-    if extra == 0:
-        return weight
-    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])], dim=0)
+def qkv_group_rows(spec: ModelSpec) -> tuple[int, int, int]:
+    """Rows of q, k and v per query group (r query heads, one k head, one v head)."""
+    d = spec.head_dim
+    return (spec.num_heads // spec.num_query_groups * d, d, d)
+
+
+def entry_slices(
+    spec: ModelSpec, *, kind: str, shapes: list[tuple[int, ...]], tp: int, tp_rank: int
+) -> list[tuple[int, int, int]]:
+    """(dim, start, stop) of each HF tensor of a non-vocabulary entry (shapes in the key map's
+    order: q, k, v or gate, up) that tp rank tp_rank's part is made of: qkv by whole query
+    groups, fc1's gate and up by rows, a row-parallel weight by columns, a replicated one whole."""
+    if kind == "replicated":
+        return [(0, 0, shapes[0][0])]
+    if kind == "qkv":
+        per_rank = spec.num_query_groups // tp
+        return [(0, tp_rank * per_rank * rows, (tp_rank + 1) * per_rank * rows) for rows in qkv_group_rows(spec)]
+    if kind == "fc1":
+        return [(0, tp_rank * shape[0] // tp, (tp_rank + 1) * shape[0] // tp) for shape in shapes]
+    if kind == "row":
+        return [(1, tp_rank * shapes[0][1] // tp, (tp_rank + 1) * shapes[0][1] // tp)]
+    raise AssertionError(kind)
+
+
+def join_parts(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tp rank's tensor from the parts `entry_slices` names: q, k and v fused group by group
+    ([q_g; k_g; v_g] for each of the rank's groups), fc1 as [gate part; up part]."""
+    if kind in ("replicated", "row"):
+        return parts[0]
+    if kind == "qkv":
+        q_rows, d, _ = qkv_group_rows(spec)
+        q, k, v = parts
+        groups, tail = k.shape[0] // d, q.shape[1:]  # tail: (hidden,) for weights, () for biases
+        fused = torch.cat([q.reshape(groups, q_rows, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1)
+        return fused.reshape(groups * (q_rows + 2 * d), *tail)
+    if kind == "fc1":
+        return torch.cat(parts, dim=0)
+    raise AssertionError(kind)
 
 
 def hf_to_mcore_shard(
@@ -290,6 +315,7 @@ def hf_to_mcore_shard(
     pp: int,
     pp_rank: int,
     get: Callable[[str], torch.Tensor],
+    get_part: GetPart | None = None,
     layer_spec: str = "local",
     divisor: int = 128,
     ep: int = 1,
@@ -299,22 +325,32 @@ def hf_to_mcore_shard(
     named_parameters() (experts by their local index on ep_rank, split over
     `expert_tp_size(tp, ep)` ranks: whole when ep > 1).
 
-    `get(hf_name)` returns one HF tensor; each result is a fresh contiguous tensor (no view
-    into the full HF tensor is kept), so memory holds one shard plus one HF tensor.
+    Each HF tensor is asked for only in the part this rank holds (`get_part`, see GetPart: its
+    vocabulary rows, its query groups' q/k/v rows, its gate/up rows, its columns of a
+    row-parallel weight; replicated tensors and an ep rank's whole experts in full). Without
+    `get_part` the parts are cut from `get(hf_name)`, the whole HF tensor. Each result is a
+    fresh contiguous tensor, so memory holds one shard plus the tensor in flight.
     """
     check_layout(spec, tp=tp, pp=pp, ep=ep, divisor=divisor)
+    if get_part is None:
+        def get_part(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+            return get(name).narrow(dim, start, stop - start)
     vocab = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)
+    hf_shapes = hf_tensor_shapes(spec)
     shard: dict[str, torch.Tensor] = {}
     etp = expert_tp_size(tp=tp, ep=ep)
     for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
         name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
         hf_names = [t.format(layer=global_layer) for t in hf]
-        if kind == "vocab":
-            out = _pad_vocab(get(hf_names[0]), vocab_padded=vocab).chunk(tp, dim=0)[tp_rank]
-        elif is_expert_entry(template):  # split over the expert tp ranks only
-            out = split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=etp, tp_rank=tp_rank % etp)
-        else:
-            out = split_entry(spec, kind=kind, tensors=[get(n) for n in hf_names], tp=tp, tp_rank=tp_rank)
+        if kind == "vocab":  # the rank's rows of the padded vocabulary: source rows, then zero rows
+            rows = vocab // tp
+            start, stop = min(tp_rank * rows, spec.vocab_size), min((tp_rank + 1) * rows, spec.vocab_size)
+            real = get_part(hf_names[0], 0, start, stop)
+            out = torch.cat([real, real.new_zeros(rows - (stop - start), *real.shape[1:])], dim=0)
+        else:  # an expert is split over the expert tp ranks only
+            split_tp, split_rank = (etp, tp_rank % etp) if is_expert_entry(template) else (tp, tp_rank)
+            slices = entry_slices(spec, kind=kind, shapes=[hf_shapes[n] for n in hf_names], tp=split_tp, tp_rank=split_rank)
+            out = join_parts(spec, kind=kind, parts=[get_part(n, *where) for n, where in zip(hf_names, slices)])
         shard[name] = out.contiguous().clone()
     return shard
 
@@ -322,17 +358,8 @@ def hf_to_mcore_shard(
 def split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: int, tp_rank: int) -> torch.Tensor:
     """One tp rank's part of a non-vocabulary entry, from the entry's HF tensors (in the order
     of the key map: q, k, v or gate, up). The vocabulary kind is padded and split by rows."""
-    if kind == "replicated":
-        return tensors[0]
-    if kind == "qkv":
-        q, k, v = tensors
-        return _fuse_qkv_rank(spec, q, k, v, tp=tp, tp_rank=tp_rank)
-    if kind == "fc1":
-        gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in tensors)
-        return torch.cat([gate, up], dim=0)
-    if kind == "row":
-        return tensors[0].chunk(tp, dim=1)[tp_rank]
-    raise AssertionError(kind)
+    slices = entry_slices(spec, kind=kind, shapes=[tuple(t.shape) for t in tensors], tp=tp, tp_rank=tp_rank)
+    return join_parts(spec, kind=kind, parts=[t.narrow(dim, a, b - a) for t, (dim, a, b) in zip(tensors, slices)])
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,6 +396,61 @@ def entry_blocks(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> It
                 yield i, block.reshape(-1, *tail)
     else:
         raise AssertionError(kind)
+
+
+def stored_pieces(
+    spec: ModelSpec, *, kind: str, index: int, dim: int, start: int, stop: int, size: int, tp: int, padded_vocab: int
+) -> list[tuple[int, int, int]] | None:
+    """Where [start, stop) on `dim` of the `index`-th HF tensor of an entry (its extent there:
+    `size`) lies in the entry's tensors of a tp-way split: (tp rank, start, stop) on the same dim
+    of that rank's tensor, in order; the HF part is their concatenation on `dim`. Covers the parts
+    hf_to_mcore_shard asks for but q/k/v (`stored_group_pieces`): vocabulary rows (the padded
+    vocabulary split by rows), gate or up rows (each rank holds [gate part; up part]), columns of
+    a row-parallel weight, any part of a replicated one. None for any other part."""
+    if kind == "replicated":
+        return [(0, start, stop)]
+    if kind == "vocab" and dim == 0:
+        per_rank, offset = padded_vocab // tp, 0
+    elif kind == "fc1" and dim == 0:
+        per_rank = size // tp
+        offset = index * per_rank
+    elif kind == "row" and dim == 1:
+        per_rank, offset = size // tp, 0
+    else:
+        return None
+    pieces = []
+    for rank in range(tp):
+        lo, hi = max(start, rank * per_rank), min(stop, (rank + 1) * per_rank)
+        if lo < hi:
+            pieces.append((rank, offset + lo - rank * per_rank, offset + hi - rank * per_rank))
+    return pieces
+
+
+def stored_group_pieces(
+    spec: ModelSpec, *, index: int, start: int, stop: int, tp: int
+) -> tuple[tuple[int, int], list[tuple[int, int, int]]] | None:
+    """Rows [start, stop) of the `index`-th of q, k, v as whole query groups [g0, g1), and where
+    the fused rows of those groups lie in a tp-way split: (tp rank, start, stop) rows of that
+    rank's fused qkv tensor, in order (`unfuse_groups` takes their concatenation apart). None
+    unless the rows are whole groups."""
+    unit, fused_rows = qkv_group_rows(spec)[index], sum(qkv_group_rows(spec))
+    if start % unit or stop % unit:
+        return None
+    g0, g1 = start // unit, stop // unit
+    per_rank = spec.num_query_groups // tp
+    pieces = []
+    for rank in range(tp):
+        lo, hi = max(g0, rank * per_rank), min(g1, (rank + 1) * per_rank)
+        if lo < hi:
+            pieces.append((rank, (lo - rank * per_rank) * fused_rows, (hi - rank * per_rank) * fused_rows))
+    return (g0, g1), pieces
+
+
+def unfuse_groups(spec: ModelSpec, fused: torch.Tensor) -> list[torch.Tensor]:
+    """q, k and v of the whole query groups that fused qkv rows ([q_g; k_g; v_g] per group) hold."""
+    rows, tail = qkv_group_rows(spec), fused.shape[1:]
+    parts = fused.reshape(-1, sum(rows), *tail).split(list(rows), dim=1)
+    return [part.reshape(-1, *tail) for part in parts]
 
 
 def _gather_entry(

@@ -13,6 +13,7 @@ memory holds only the tensors in flight (the kernel page cache is not charged to
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -112,6 +113,7 @@ class SafetensorsReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.bytes_read = 0  # tensor bytes read so far (the header is not counted)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as error:
@@ -182,32 +184,56 @@ class SafetensorsReader:
 
     def read(self, name: str, *, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name`, or only rows [start, stop) of its first dimension (one contiguous read)."""
+        shape = self.info(name).shape
+        if rows is None:
+            return self.read_box(name, offsets=(0,) * len(shape), sizes=shape)
+        if not shape:
+            raise ValueError(f"{self.path}: tensor '{name}' is a scalar; it has no rows")
+        start, stop = rows
+        if not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{self.path}: tensor '{name}': rows {rows} outside [0, {shape[0]}]")
+        return self.read_box(name, offsets=(start,) + (0,) * (len(shape) - 1), sizes=(stop - start,) + shape[1:])
+
+    def read_box(self, name: str, *, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The region [offsets, offsets + sizes) of tensor `name`, reading only its bytes.
+
+        The dimensions after the last one the region cuts are whole, so the region is a run of
+        contiguous pieces of the file, one per index of the dimensions before it: a row block is
+        one read, a column block of a matrix one read per row."""
         info = self.info(name)
-        shape = list(info.shape)
-        begin, end = info.begin, info.end
-        if rows is not None:
-            if not shape:
-                raise ValueError(f"{self.path}: tensor '{name}' is a scalar; it has no rows")
-            start, stop = rows
-            if not 0 <= start <= stop <= shape[0]:
-                raise ValueError(f"{self.path}: tensor '{name}': rows {rows} outside [0, {shape[0]}]")
-            row_bytes = (end - begin) // shape[0] if shape[0] else 0
-            begin, end = begin + start * row_bytes, begin + stop * row_bytes
-            shape[0] = stop - start
-        out = torch.empty(shape, dtype=info.dtype)
-        if end == begin:
+        shape = info.shape
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)):
+            raise ValueError(f"{self.path}: tensor '{name}': region at {list(offsets)} of {list(sizes)} outside {list(shape)}")
+        out = torch.empty(sizes, dtype=info.dtype)
+        if not math.prod(sizes):
             return out
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        flat = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        if not shape:
+            self._read_into(flat, info.begin, name=name)
+            return out
+        cut = max((d for d in range(len(shape)) if sizes[d] != shape[d]), default=0)
+        element = _element_bytes(info.dtype)
+        strides = [math.prod(shape[d + 1 :]) * element for d in range(len(shape))]
+        piece = sizes[cut] * strides[cut]  # bytes of one contiguous piece
+        outer = itertools.product(*(range(o, o + s) for o, s in zip(offsets[:cut], sizes[:cut])))
+        for i, index in enumerate(outer):
+            begin = info.begin + sum(x * stride for x, stride in zip(index, strides)) + offsets[cut] * strides[cut]
+            self._read_into(flat[i * piece : (i + 1) * piece], begin, name=name)
+        return out
+
+    def _read_into(self, view: memoryview, begin: int, *, name: str) -> None:
+        """Fill `view` with the file's bytes from `begin` (in pieces of at most _READ_CHUNK_BYTES)."""
         done = 0
-        while done < end - begin:
+        while done < len(view):
             try:
                 got = os.preadv(self._fd, [view[done : done + _READ_CHUNK_BYTES]], begin + done)
             except OSError as error:
                 raise ConversionError(f"{self.path}: tensor '{name}' unreadable ({error.strerror or error})") from None
             if got == 0:  # the file shrank after the header was checked
-                raise _bad(self.path, f"truncated: tensor '{name}' ends at byte {end}, read stopped at {begin + done}")
+                raise _bad(self.path, f"truncated: tensor '{name}' ends at byte {begin + len(view)}, read stopped at {begin + done}")
             done += got
-        return out
+            self.bytes_read += got
 
 
 class SafetensorsWriter:

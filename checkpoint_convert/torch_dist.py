@@ -58,7 +58,7 @@ import torch
 
 from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
 from checkpoint_convert.families.base import moe_layer_freq
-from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, read_json
+from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, narrowed_box, read_json
 from checkpoint_convert.mapping import (
     DTYPES,
     ConversionError,
@@ -230,6 +230,17 @@ class _GlobalShard(Mapping):
         key, _ = self._locate(name)
         return self._ckpt.reader.read(key, offsets=(start, 0), sizes=(stop - start, self._names[name][1]))
 
+    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """self[name] narrowed to [start, stop) on dim, loading only the chunks that hold it."""
+        key, lead = self._locate(name)
+        offsets, sizes = narrowed_box(self._names[name], dim, start, stop)
+        region = self._ckpt.reader.read(key, offsets=lead + offsets, sizes=(1,) * len(lead) + sizes)
+        return region.reshape(sizes)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._ckpt.reader.bytes_read
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -345,6 +356,11 @@ class TorchDistCheckpoint:
     @property
     def hf_files_dir(self) -> Path:
         return self.dir / HF_FILES_DIR
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of the tensor chunks loaded so far (each a torch.save record, read whole)."""
+        return self.reader.bytes_read
 
     def shard_view(self, tp_rank: int, pp_rank: int) -> _GlobalShard:
         if (tp_rank, pp_rank) != (0, 0):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -107,9 +109,11 @@ def _same_model(hf_spec, mcore_spec) -> bool:
 
 
 def verify(
-    hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, batch_size: int = 2, seq_len: int = 16, seed: int = 0
+    hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, batch_size: int = 2, seq_len: int = 16, seed: int = 0,
+    log: Callable[[str], None] = print,
 ) -> VerifyReport:
-    """Compare HF logits with Megatron logits on one random batch of token ids."""
+    """Compare HF logits with Megatron logits on one random batch of token ids; `log` gets a
+    line as each phase starts (the inputs are checked before the first)."""
     hf = open_hf_dir(hf_dir)
     # A torch_dist checkpoint without an HF config of its own is read with the HF model's.
     checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf.dir)
@@ -123,6 +127,9 @@ def verify(
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, meta.spec.vocab_size, (batch_size, seq_len), generator=generator)
     world_size = meta.tp * meta.pp
+    started = time.monotonic()
+    log(f"verify: building the megatron model at tp={meta.tp} pp={meta.pp} from {checkpoint.dir} "
+        f"({world_size} CPU rank{'s' if world_size > 1 else ''}) and running {batch_size} x {seq_len} random tokens")
     with tempfile.TemporaryDirectory(prefix="mcore-verify-") as work_dir:
         save_file({"tokens": tokens}, str(Path(work_dir) / "tokens.safetensors"))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -133,7 +140,10 @@ def verify(
             join=True,
         )
         mcore_logits = load_file(str(Path(work_dir) / "mcore_logits.safetensors"))["logits"]
+    log(f"verify: megatron logits done ({time.monotonic() - started:.1f} s); loading the HF model from {hf.dir}")
+    started = time.monotonic()
     hf_logits = _hf_logits(hf.dir, tokens)
+    log(f"verify: HF logits done ({time.monotonic() - started:.1f} s); comparing logits")
     if mcore_logits.shape != hf_logits.shape:
         raise ConversionError(
             f"verify: logits shapes differ (hf {list(hf_logits.shape)}, megatron {list(mcore_logits.shape)})"

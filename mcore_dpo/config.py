@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
+from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
 from mcore_dpo.loss_spec import LOSS_TYPES, LossSpec
 from mcore_dpo.schedule import REF_MODES
 
@@ -71,9 +72,11 @@ class TrainConfig:
     """Packed sequences (padding-free): a step's pairs are split over dp ranks and microbatches by
     tokens (--max-tokens-per-microbatch), each microbatch one row of sequences laid end to end,
     each attending only to itself. --packing insists (modes it does not serve are then refused);
-    --no-packing: padded microbatches of --micro-batch-size pairs. (default: on, except with a
-    mode packing does not serve, --ep > 1 or the MoE load-balancing loss, which then runs padded
-    and says so at startup)"""
+    --no-packing: padded microbatches of --micro-batch-size pairs. (default: decided by the ranks'
+    attention: on where it runs in Transformer Engine's THD layout (a GPU), off on the local
+    attention (the CPU), whose W x W packed rows cost more than padding, see docs/PACKING.md; off
+    too with a mode packing does not serve, --ep > 1 or the MoE load-balancing loss, said at
+    startup; --max-tokens-per-microbatch alone turns it on)"""
     max_tokens_per_microbatch: int | None = None
     """Packed: token budget of one microbatch, at least 2 x --max-length (a pair's two sequences
     always share a microbatch). (default: 2 x --micro-batch-size x --max-length, what one padded
@@ -175,9 +178,22 @@ class TrainConfig:
     eval_interval: int = 40
     """Evaluate on --eval-data every N steps (0 = only at the start and the end)."""
     dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16 | float16."""
-    timeout_s: float = 300.0
-    """Timeout of collectives and point-to-point communication."""
+    """Parameter dtype: float32 | bfloat16 | float16 (fp32, bf16, fp16 are read as these)."""
+    fused_kernels: bool | None = None
+    """megatron-core's and Transformer Engine's fused kernels: bias-SwiGLU, RoPE (THD too, with no
+    host sync), weight-gradient accumulation into the fp32 main grads, MoE token permutation.
+    (default: on where the ranks run the Transformer Engine spec on a GPU, off elsewhere, where
+    they do not exist; --no-fused-kernels turns them off, as the GPU parity checks compare)"""
+    deterministic: bool = False
+    """Deterministic GPU kernels, so that a resumed bf16 run repeats an uninterrupted one bit for
+    bit: torch's deterministic algorithms (the packed rows' segment sums included), deterministic
+    cuBLAS workspaces, Transformer Engine's deterministic attention backward, megatron-core's
+    deterministic mode. Slower on GPUs (docs/GUIDE.md); the CPU is deterministic either way."""
+    timeout_s: float | None = None
+    """Timeout of collectives and point-to-point communication, the one a stuck peer is found by.
+    (default: the ranks' platform decides, platform.default_timeout_s: 1800 on GPUs, where a large
+    model's first step, with its weights loading and NCCL connecting, must fit; 300 on the CPU's
+    gloo, where a dead peer should end a small run in minutes)"""
     placement_timeout_s: float = 120.0
     """How long to wait for the cluster to provide every rank's device before giving up."""
     on_bad_row: str = "error"
@@ -250,23 +266,31 @@ class TrainConfig:
 
     @property
     def packed(self) -> bool:
-        """Whether this run packs: --packing / --no-packing as given; unset, unless a mode packing
-        does not serve is on (`packing_unserved`)."""
+        """Whether this run may pack: --packing / --no-packing as given; unset, unless a mode
+        packing does not serve is on (`packing_unserved`), the ranks decide by their attention
+        (`platform.default_packing`)."""
         return self.packing if self.packing is not None else self.packing_unserved() is None
 
     def decide_packing(self) -> tuple[TrainConfig, str | None]:
-        """This config with `packing` decided (true or false), and, when an unset --packing falls
-        back to padded microbatches, the one line that says why. Call it once the MoE
+        """This config with what the driver can decide of an unset --packing, and, when it falls
+        back to padded microbatches, the one line that says why. An explicit budget
+        (--max-tokens-per-microbatch) asks for packing; otherwise it stays unset for the ranks
+        to decide by their attention (`platform.default_packing`). Call it once the MoE
         load-balancing coefficient is resolved (`resolve_moe_aux_loss_coef`)."""
         if self.packing is not None:
             return self, None
         self.validate()  # the budget and the padded layout's rules, with the coefficient now known
         unserved = self.packing_unserved()
         if unserved is None:
-            return dataclasses.replace(self, packing=True), None
+            return (dataclasses.replace(self, packing=True) if self.max_tokens_per_microbatch else self), None
         return dataclasses.replace(self, packing=False), (f"packing: off for {unserved}; running padded microbatches "
                                                           f"of {self.micro_batch_size} pairs (--no-packing asks for them "
                                                           "explicitly)")
+
+    def __post_init__(self) -> None:
+        # One internal name per dtype, whichever spelling came in (bf16 and bfloat16 are one run).
+        if isinstance(self.dtype, str):
+            self.dtype = canonical_dtype(self.dtype)
 
     @property
     def num_microbatches(self) -> int:
@@ -278,10 +302,13 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         self._validate_packing()
-        if not self.packed and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
+        # Unset, the ranks may run padded (the local attention): the padded rule binds then too.
+        if self.packing is not True and self.global_batch_size % (self.dp * self.micro_batch_size) != 0:
             raise ConfigError(
                 f"global_batch_size: {self.global_batch_size} is not a multiple of dp*micro_batch_size "
-                f"= {self.dp}*{self.micro_batch_size}" + ("" if self.packing is False else " (padded microbatches)")
+                f"= {self.dp}*{self.micro_batch_size}" + ("" if self.packing is False else " (padded microbatches)"
+                                                          if self.packing_unserved() else
+                                                          " (padded microbatches; --packing lifts this rule)")
             )
         self._validate_expert_parallel()
         if self.sequence_parallel and self.tp == 1:
@@ -300,10 +327,10 @@ class TrainConfig:
         if self.save_format == "torch_dist" and self.sync_ref_model:
             raise ConfigError("save_format: torch_dist does not yet store the moving reference of --sync-ref-model; "
                               "use --save-format safetensors")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16 (or fp32, bf16, fp16)")
         for name in ("lr", "adam_eps", "timeout_s", "placement_timeout_s"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "weight_decay", "clip_grad", "eval_interval", "save_interval", "keep_last",
                      "max_restarts", "save_interval_min"):
@@ -327,7 +354,8 @@ class TrainConfig:
         for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template", "init_adapter"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
-                raise ConfigError(f"{name}: {path} does not exist")
+                hint = hub_name_hint(path) if name in ("model", "ref_model", "tokenizer") else ""
+                raise ConfigError(f"{name}: {path} does not exist{hint}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template: {self.chat_template} is not a file")
 
@@ -520,7 +548,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 # --help groups: each field's group (the fields not named here are run settings).
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
-    "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype"),
+    "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
     "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm", "timeout_s",
                     "placement_timeout_s"),
@@ -543,7 +571,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     return {
         "ref_mode": RUN_REF_MODES,
         "loss_type": tuple(LOSS_TYPES),
-        "dtype": ("float32", "bfloat16", "float16"),
+        "dtype": DTYPE_NAMES,
         "lr_schedule": ("constant", "cosine"),
         "on_bad_row": ("error", "skip"),
         "save_format": ("safetensors", "torch_dist"),
@@ -640,12 +668,13 @@ def world_size(config: TrainConfig) -> int:
 
 
 def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
-    """What a run is about to do, printed before anything slow: the Ray cluster, the workers
-    and what is loaded."""
+    """What a run is about to do, printed before anything slow: the workers, the Ray cluster
+    they will run on and what is loaded. Ray starts later, once the run's inputs and output
+    directory passed their checks (`run.train` says so then)."""
     ray = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
     world = world_size(config)
     workers = f"{world} worker{'s' if world > 1 else ''} (tp {config.tp} x pp {config.pp} x dp {config.dp}"
     workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
     model = config.model or "the tiny default model"
     data = config.data or ("the default preference data" if config.model is None else "no --data")
-    return f"starting {ray} with {workers}; loading {model} and {data}"
+    return f"preparing {workers} on {ray}; loading {model} and {data}"

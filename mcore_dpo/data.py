@@ -7,6 +7,7 @@ Three row formats are accepted (the same ones TRL's DPO accepts):
                      a completion is the rest of the rendered full conversation;
   - implicit prompt: only "chosen" and "rejected" (texts or conversations); the prompt is
                      their shared beginning.
+A file holds texts or conversations, not both; other columns are unused, and named (`data_notes`).
 Files: .jsonl (one row a line), .json (an array of rows, a column dict, or JSON lines),
 .parquet (read with the `datasets` library). JSON is parsed here, not by `datasets`, so a
 broken row is reported with its line number.
@@ -26,6 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 ROLES = ("system", "user", "assistant")
+COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused
 MAX_BAD_LINES_RECORDED = 10
 
 
@@ -48,6 +50,10 @@ class DataStats:
     num_dropped_prompt_too_long: int
     num_bad_rows_skipped: int
     first_bad_lines: tuple[int, ...]
+    num_truncated_pairs: int = 0  # kept pairs with a completion cut to fit max_length
+    num_truncated_tokens: int = 0  # completion tokens those cuts removed (chosen and rejected)
+    unused_columns: tuple[str, ...] = ()  # columns of the file that are not in COLUMNS, first seen first
+    has_prompt: bool = True  # False: implicit-prompt file, each prompt is the shared start of its completions
 
 
 @dataclass
@@ -81,6 +87,12 @@ class _RawPair:
 # ----------------------------------------------------------------------------- reading
 
 
+def _json_problem(error: json.JSONDecodeError) -> str:
+    # Some of json's messages end in "at" ("Invalid control character at"): say it once.
+    message = error.msg.removesuffix(" at")
+    return f"broken JSON ({message} at column {error.colno})"
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -108,7 +120,7 @@ def _jsonl_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
         try:
             yield line, json.loads(raw_line.decode("utf-8"))
         except json.JSONDecodeError as error:
-            yield line, _BadRow(f"broken JSON ({error.msg} at column {error.colno})")
+            yield line, _BadRow(_json_problem(error))
 
 
 def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
@@ -141,7 +153,7 @@ def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:
-        raise DataError(f"{path}:{error.lineno}: broken JSON ({error.msg} at column {error.colno})") from None
+        raise DataError(f"{path}:{error.lineno}: {_json_problem(error)}") from None
     if not isinstance(document, list):
         raise DataError(f"{path}:1: expected a JSON array of rows")
     # Report each row by the line it starts on: decode the array element by element.
@@ -369,7 +381,8 @@ def load_pairs(
     Tokenized as TRL's DPOTrainer does (docs/DATA.md): prompt + completion as one string, cut
     where it stops matching the tokenized prompt (`split_at_prompt`). A pair whose prompt alone
     has >= max_length tokens is dropped and counted; the others are cut to max_length tokens,
-    keeping the start (the prompt, then the completion's head).
+    keeping the start (the prompt, then the completion's head); the cuts are counted. A file
+    that mixes plain-text and conversational rows is refused (DataError, whatever on_bad_row).
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row: must be 'error' or 'skip', got {on_bad_row!r}")
@@ -380,15 +393,21 @@ def load_pairs(
     pairs: list[TokenizedPair] = []
     num_rows = 0
     num_dropped = 0
+    num_truncated_pairs = num_truncated_tokens = 0
     bad_lines: list[int] = []
+    unused: dict[str, None] = {}  # an ordered set: the columns not in COLUMNS, first seen first
+    first_line_of_kind: dict[bool, int] = {}  # is_conversation -> line of the first such row
     has_prompt: bool | None = None
     for line, row in _read_rows(path):
         num_rows += 1
-        if has_prompt is None and isinstance(row, dict):
-            # The first object decides the format, so a row that lost its prompt is an error.
-            has_prompt = "prompt" in row
+        if isinstance(row, dict):
+            if has_prompt is None:
+                # The first object decides the format, so a row that lost its prompt is an error.
+                has_prompt = "prompt" in row
+            unused.update((str(key), None) for key in row if key not in COLUMNS)
         try:
             raw = _validate_row(row, has_prompt=bool(has_prompt))
+            _check_one_kind(first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=path)
             if raw.is_conversation:
                 if not getattr(tokenizer, "chat_template", None):
                     raise DataError(f"{path}:{line}: conversational row but the tokenizer has no chat_template; "
@@ -411,6 +430,10 @@ def load_pairs(
         if completion_budget <= 0:
             num_dropped += 1
             continue
+        cut = max(len(chosen_ids) - completion_budget, 0) + max(len(rejected_ids) - completion_budget, 0)
+        if cut:
+            num_truncated_pairs += 1
+            num_truncated_tokens += cut
         pairs.append(
             TokenizedPair(
                 prompt_ids=tuple(prompt_ids),
@@ -427,8 +450,43 @@ def load_pairs(
         num_dropped_prompt_too_long=num_dropped,
         num_bad_rows_skipped=len(bad_lines),
         first_bad_lines=tuple(bad_lines[:MAX_BAD_LINES_RECORDED]),
+        num_truncated_pairs=num_truncated_pairs,
+        num_truncated_tokens=num_truncated_tokens,
+        unused_columns=tuple(unused),
+        has_prompt=bool(has_prompt),
     )
     return pairs, stats
+
+
+def _check_one_kind(first_line_of_kind: dict[bool, int], *, is_conversation: bool, line: int, path: str) -> None:
+    """One file holds plain texts or conversations, not both (docs/DATA.md): a file that mixes
+    them is refused, naming the first row of each kind. Records the first row of each kind."""
+    first_line_of_kind.setdefault(is_conversation, line)
+    if len(first_line_of_kind) == 2:
+        where = "row" if path.lower().endswith(".parquet") else "line"
+        raise DataError(
+            f"{path}: mixes plain-text rows (first on {where} {first_line_of_kind[False]}) and conversational rows "
+            f"(first on {where} {first_line_of_kind[True]}); one file holds one kind (docs/DATA.md)"
+        )
+
+
+def data_notes(path: str, stats: DataStats, *, max_length: int) -> list[str]:
+    """What the driver prints about one data file: unused columns, and what --max-length and
+    --on-bad-row took away. Empty when the file is used whole."""
+    notes = []
+    if stats.unused_columns:
+        named = ", ".join(repr(column) for column in stats.unused_columns)
+        note = f"{path}: ignoring unused column(s) {named} (recognised: {', '.join(COLUMNS)})"
+        if not stats.has_prompt:
+            note += "; with no 'prompt' column, each prompt is the shared start of 'chosen' and 'rejected'"
+        notes.append(note)
+    if stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped:
+        notes.append(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
+                     f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
+    if stats.num_truncated_pairs:
+        notes.append(f"{path}: --max-length {max_length} truncated {stats.num_truncated_pairs} of {stats.num_pairs} "
+                     f"pairs, dropping {stats.num_truncated_tokens} completion tokens")
+    return notes
 
 
 # ----------------------------------------------------------------------------- batching

@@ -32,6 +32,7 @@ class MetricsLog:
 
             self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), config=run_config)
         self._tty = sys.stderr.isatty()
+        self._line_open = False  # a terminal's progress line waits for its next update (no newline yet)
         self._timed_from: tuple[int, float] | None = None  # (step, time) the ETA counts from
 
     def _eta(self, step: int) -> str:
@@ -95,13 +96,22 @@ class MetricsLog:
             width = 24
             done = int(width * step / max(1, self.total_steps))
             sys.stderr.write("\r[" + "#" * done + "." * (width - done) + "] " + line + "\x1b[K")
-            if step == self.total_steps:
+            self._line_open = step != self.total_steps
+            if not self._line_open:
                 sys.stderr.write("\n")
             sys.stderr.flush()
         else:
             print(line, flush=True)
 
+    def end_line(self) -> None:
+        """End a terminal's open progress line, so that what is printed next starts a line of its own."""
+        if self._line_open:
+            self._line_open = False
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
     def close(self) -> None:
+        self.end_line()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from checkpoint_convert.families import family_of
 from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.mesh import Mesh
+from mcore_dpo.platform import fused_kernel_fields
 
 
 def layer_spec_name(*, use_te: bool) -> str:
@@ -26,7 +27,7 @@ def layer_spec_name(*, use_te: bool) -> str:
 
 def transformer_config(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused: dict[str, bool] | None = None,
 ):
     """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
     are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only)."""
@@ -74,15 +75,12 @@ def transformer_config(
         # Weights always come from a checkpoint, but megatron-core only marks tensor-parallel
         # parameters (which the gradient norm relies on) when it initialises them.
         perform_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        # What differs by family (qkv bias, qk norms, experts): the family module says.
-        **_family_fields(spec, grouped_experts=grouped_experts),
+        deterministic_mode=deterministic,  # --deterministic (platform.make_deterministic)
+        # What differs by family (qkv bias, qk norms, experts): the family module says; then the
+        # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
+        **{**_family_fields(spec, grouped_experts=grouped_experts),
+           **(fused or fused_kernel_fields(requested=False, use_te=False, on_gpu=False, moe=bool(spec.num_experts)))},
     )
 
 
@@ -97,7 +95,7 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
 
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
-    grouped_experts: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
@@ -111,7 +109,9 @@ def build_stage_model(
         # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
         raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
-                                grouped_experts=grouped_experts)
+                                grouped_experts=grouped_experts, deterministic=deterministic,
+                                fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
+                                                          moe=bool(spec.num_experts)))
     if config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
@@ -136,6 +136,8 @@ def build_stage_model(
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    if mesh.is_first_stage:
+        model.embedding.register_forward_hook(_canonical_strides)
     if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
         # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
         # inverse frequencies from the checkpoint's own values instead.
@@ -143,6 +145,18 @@ def build_stage_model(
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def _canonical_strides(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the embedding: its [s, b, h] output with the strides of a fresh tensor.
+
+    megatron-core turns [b, s, h] into [s, b, h] by `transpose(0, 1).contiguous()`, which for a
+    packed row (b = 1) copies nothing and keeps the batch stride s*h. torch.matmul then folds
+    such an input into one matrix product only when the weight requires grad, and otherwise
+    runs a batched product of s one-row products, which rounds differently: with identical
+    weights, the policy (trainable) and the frozen reference would give different log-probs.
+    A view with canonical strides (free: no copy) makes both fold."""
+    return output.contiguous().view(output.shape)
 
 
 class SequenceParallelRMSNorm:
@@ -260,7 +274,9 @@ def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
 
 def open_weights(path: str):
     """HF-named lazy tensors of an HF directory or of a checkpoint_convert Megatron directory
-    (any tp/pp: the latter is read through HF names). Has `.spec` and `.get(name)`."""
+    (any tp/pp: the latter is read through HF names). Has `.spec`, `.get(name)` and
+    `.get_part(name, dim, start, stop)`, which reads only that part's bytes (a rank's own rows
+    or columns, see mapping.hf_to_mcore_shard)."""
     from checkpoint_convert.io import is_mcore_dir, open_hf_dir, open_mcore_dir
 
     return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)

@@ -4,9 +4,12 @@
   same command (the same resolved configuration) run again continues its own earlier directory
   there (resumes it, or says it is already complete), so that rerunning a command resumes.
 - An explicit --output-dir that is empty or missing: used as is.
-- One that holds this same run (its run.json names the same run identity, or a checkpoint of it
-  exists and resume is on): used, so rerunning the same command resumes.
-- One that holds anything else: refused in one line, unless --overwrite (emptied, started afresh).
+- One that holds this same run (its run.json names the same run identity): used, so rerunning
+  the same command resumes, says it is already complete, or, with a larger --max-steps,
+  continues from the final step.
+- One that holds another run, finished or not: refused in one line naming each field that
+  differs (old -> new), unless --resume-with-changes (continued with the changes) or
+  --overwrite (emptied, started afresh). Any other contents: refused unless --overwrite.
 """
 
 from __future__ import annotations
@@ -64,20 +67,32 @@ def is_empty(out: Path) -> bool:
     return not out.exists() or (out.is_dir() and not any(out.iterdir()))
 
 
-def foreign_contents_problem(out: Path, *, identity: dict, has_checkpoint: bool, resume: bool) -> str | None:
-    """Why `out` may not be used by the run of `identity` (None: it may).
+def door_problem(out: Path, *, identity: dict, checkpoint_identity: dict | None, has_checkpoint: bool,
+                 resume: bool, resume_with_changes: bool) -> tuple[str | None, list[str]]:
+    """The one rule of an existing `out` for the run of `identity`: (why it may not be used,
+    None when it may; the changes from the run it holds that --resume-with-changes accepted).
 
-    A checkpoint with resume on is judged by the checkpoint's own identity check (see run.py)."""
+    The run a directory holds is the identity in its run.json (else its checkpoint's). The same
+    run continues (resumes, extends, or is already complete). Any other run, finished or not,
+    is refused in one line naming each field that differs, with both ways out."""
+    from mcore_dpo.resume_check import changes
+
     if is_empty(out):
-        return None
+        return None, []
     if not out.is_dir():
-        return f"output_dir: {out} is a file, not a directory"
-    if has_checkpoint and resume:
-        return None
-    if not has_checkpoint and owner_identity(out) == _as_stored(identity):
-        return None  # this same run, stopped before its first checkpoint: it starts over
-    what = "holds checkpoints and --no-resume is set" if has_checkpoint else "holds another run's outputs"
-    return f"output_dir: {out} {what}; pass --overwrite to start afresh there, or choose another --output-dir"
+        return f"output_dir: {out} is a file, not a directory", []
+    held = owner_identity(out) or checkpoint_identity
+    if held is None:
+        return (f"output_dir: {out} holds files that are not a run's outputs; pass --overwrite to empty it and "
+                "start there, or choose another --output-dir"), []
+    differs = changes(held, _as_stored(identity))
+    if differs and not resume_with_changes:
+        return (f"output_dir: {out} holds another run: {'; '.join(differs)}; pass --resume-with-changes to continue "
+                "it with these changes, or --overwrite to start afresh there"), []
+    if has_checkpoint and not resume:
+        return (f"output_dir: {out} holds checkpoints and --no-resume is set; pass --overwrite to start afresh "
+                "there, or choose another --output-dir"), []
+    return None, differs
 
 
 def claim(out: Path, *, identity: dict, overwrite: bool, command: dict | None = None) -> None:
@@ -97,13 +112,14 @@ def mark_complete(out: Path, *, identity: dict, step: int) -> None:
     durable.replace_file(out / COMPLETE_FILE, json.dumps({"step": step, "run": identity}, indent=2) + "\n")
 
 
-def completed_step(out: Path, *, identity: dict) -> int | None:
-    """The step the run of `identity` finished at in `out`, or None when it has not finished there."""
+def completed_step(out: Path) -> int | None:
+    """The step the run in `out` finished at, or None when it has not finished (the door,
+    `door_problem`, has said whose run it is)."""
     try:
         done = json.loads((out / COMPLETE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(done, dict) or done.get("run") != _as_stored(identity):
+    if not isinstance(done, dict):
         return None
     step = done.get("step")
     return step if isinstance(step, int) else None

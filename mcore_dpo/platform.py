@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,42 @@ def detect(*, local_rank: int = 0) -> Platform:
         index = local_rank % torch.cuda.device_count()
         return Platform(device=torch.device("cuda", index), backend="nccl")
     return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def fused_kernel_fields(*, requested: bool | None, use_te: bool, on_gpu: bool, moe: bool) -> dict[str, bool]:
+    """megatron-core TransformerConfig fields of the fused kernels: on (unless --no-fused-kernels)
+    where the rank builds the Transformer Engine spec on a GPU, which provides them (fused RoPE
+    also keeps THD rows free of the unfused path's per-sequence host syncs; weight gradients
+    accumulate straight into DDP's fp32 main_grad where apex's extension is built); off on the
+    CPU and the local spec, where the unfused code is what the parity tests check."""
+    on = requested is not False and use_te and on_gpu
+    # megatron-core's own linears (the output layer, also on the TE spec) refuse this fusion
+    # without apex's fused_weight_gradient_mlp_cuda extension.
+    wgrad_fusion = on and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    fields = {"bias_activation_fusion": on, "bias_dropout_fusion": on, "apply_rope_fusion": on,
+              "gradient_accumulation_fusion": wgrad_fusion, "masked_softmax_fusion": False,
+              "persist_layer_norm": False}
+    if moe:
+        fields["moe_permute_fusion"] = on
+    return fields
+
+
+def deterministic_settings() -> dict[str, str]:
+    """Environment for --deterministic, read when CUDA, cuBLAS and Transformer Engine start:
+    cuBLAS with a fixed workspace (required by torch's deterministic mode), Transformer Engine's
+    attention without its nondeterministic (atomic) backward."""
+    return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def make_deterministic(enabled: bool) -> None:
+    """--deterministic: call before the platform is activated (the settings are read when CUDA
+    starts). torch's deterministic algorithms include `index_add` on CUDA, the packed rows'
+    segment sums (logprobs.segment_sums), which otherwise accumulate atomically."""
+    if not enabled:
+        return
+    for name, value in deterministic_settings().items():
+        os.environ[name] = value
+    torch.use_deterministic_algorithms(True)
 
 
 def activate(platform: Platform) -> None:
@@ -208,6 +245,23 @@ def init_model_rng(platform: Platform, seed: int) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+GPU_TIMEOUT_S = 1800.0  # NCCL: a 70B model's first step (loading, lazy connections) fits
+CPU_TIMEOUT_S = 300.0  # gloo: small runs, where a dead peer should end the run in minutes
+
+
+def default_timeout_s(platform: Platform) -> float:
+    """The collectives' timeout when --timeout-s is not given."""
+    return GPU_TIMEOUT_S if platform.is_cuda else CPU_TIMEOUT_S
+
+
+def nccl_error_settings() -> dict[str, str]:
+    """NCCL settings under which a failed or stuck peer surfaces as an error the rank raises
+    (naming the transfer and the peer, pipeline.PeerError) rather than the watchdog killing the
+    process: on a timeout or error the watchdog aborts the communicators and leaves the process
+    alive (2 = clean up only), so the rank's next wait raises. Set where the user has not."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def init_process_group(
     platform: Platform, *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float
 ) -> None:
@@ -216,6 +270,8 @@ def init_process_group(
     kwargs = {}
     if platform.is_cuda:
         kwargs["device_id"] = platform.device
+        for name, value in nccl_error_settings().items():  # read when the NCCL group is created
+            os.environ.setdefault(name, value)
     torch.distributed.init_process_group(
         backend=platform.backend,
         init_method=init_method,
@@ -295,6 +351,15 @@ def use_sequence_parallel(platform: Platform, *, requested: bool | None, tp: int
     if tp <= 1:
         return False
     return platform.is_cuda if requested is None else requested
+
+
+def default_packing(*, thd_attention: bool) -> bool:
+    """Packing when --packing is unset and the run's modes allow it: on where packed rows run in
+    Transformer Engine's THD layout (each sequence's own causal triangle: no more attention than
+    the padded rows it replaces), off on the local attention, which computes a packed row's whole
+    W x W score matrix: on the CPU the default job's steps took 4-5x longer packed than padded
+    (docs/PACKING.md)."""
+    return thd_attention
 
 
 def transformer_engine_available() -> bool:

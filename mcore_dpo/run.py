@@ -7,6 +7,7 @@ worker group, feed it global batches, log metrics, export the policy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,9 +20,9 @@ from pathlib import Path
 from checkpoint_convert.mapping import check_layout
 from mcore_dpo import checkpoint, durable, output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
-from mcore_dpo.data import DataStats, TokenizedPair, global_batch_order, load_pairs
+from mcore_dpo.data import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
-from mcore_dpo.resume_check import changes, run_identity
+from mcore_dpo.resume_check import run_identity
 
 
 class InputError(ValueError):
@@ -75,7 +76,7 @@ def prepare(config: TrainConfig) -> Prepared:
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
         num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
-    config, packing_note = config.decide_packing()  # on by default, unless a mode it does not serve is on
+    config, packing_note = config.decide_packing()  # off for a mode it does not serve; else the ranks decide
     if config.lora:
         config = _resolve_lora(config, spec)
     if config.ref_model and config.ref_mode != "none":
@@ -139,8 +140,8 @@ def _adapter_shape_change(saved: dict, current: dict) -> str | None:
 
 def _command_of(config: TrainConfig) -> dict:
     """What makes two invocations the same command: the resolved configuration, where the
-    outputs go and --overwrite aside."""
-    return {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "overwrite")}
+    outputs go, --overwrite and --max-steps aside (a larger --max-steps continues the run)."""
+    return {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "overwrite", "max_steps")}
 
 
 def _use_chat_template(tokenizer, path: str) -> None:
@@ -212,36 +213,38 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
     # a broken pointer or state file is reported now, before any worker
     current = None if config.overwrite else checkpoint.latest(out)
     if not config.overwrite:
-        problem = output_dir.foreign_contents_problem(out, identity=prep.identity, has_checkpoint=current is not None,
-                                                      resume=config.resume)
+        saved = checkpoint.read_state(current).get("run", {}) if current is not None else None
+        problem, changed = output_dir.door_problem(
+            out, identity=prep.identity, checkpoint_identity=saved or None, has_checkpoint=current is not None,
+            resume=config.resume, resume_with_changes=config.resume_with_changes)
         if problem:
             raise InputError(problem)
-    if current is not None:
-        changed = changes(checkpoint.read_state(current).get("run", {}), prep.identity)
-        if changed and not config.resume_with_changes:
-            raise InputError(
-                f"{current / 'trainer_state.json'}: this run differs from the checkpoint's: {'; '.join(changed)}; "
-                "pass --resume-with-changes to continue anyway, or choose another --output-dir"
-            )
-        shape_problem = _adapter_shape_change(checkpoint.read_state(current).get("run", {}), prep.identity)
+        shape_problem = _adapter_shape_change(saved, prep.identity) if current is not None else None
         if shape_problem:
             raise InputError(f"{current / 'trainer_state.json'}: {shape_problem}")
         if changed:
             log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
-    done_step = None if config.overwrite else output_dir.completed_step(out, identity=prep.identity)
-    if done_step is not None and done_step >= config.max_steps:
-        log(f"already complete at step {done_step}: {out} (--overwrite to train it again)")
-        return out
+        done_step = output_dir.completed_step(out)
+        if done_step is not None and done_step >= config.max_steps:
+            log(f"already complete at step {done_step}: {out} (a larger --max-steps continues it; --overwrite "
+                "trains it again)")
+            return out
     output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
     write_resolved(config, str(out))
+    data_stats = {name: stats for name, stats in (("data", prep.train_stats), ("eval_data", prep.eval_stats)) if stats}
+    durable.replace_file(out / "data_stats.json", json.dumps(
+        {name: {"path": getattr(config, name), **dataclasses.asdict(stats)} for name, stats in data_stats.items()},
+        indent=2) + "\n")
     if config.chat_template:
         durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
-    for path, stats in ((config.data, prep.train_stats), (config.eval_data, prep.eval_stats)):
-        if stats is not None and (stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped):
-            log(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
-                f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
+    for name, stats in data_stats.items():  # unused columns; truncated, dropped and skipped pairs
+        for note in data_notes(getattr(config, name), stats, max_length=config.max_length):
+            log(note)
     world = world_size(config)
-    started = ray_workers.connect(address=ray_address, num_cpus=max(world, os.cpu_count() or 1))
+    num_cpus = max(world, os.cpu_count() or 1)
+    log(f"connecting to the Ray cluster at {ray_address}" if ray_address else
+        f"starting a local Ray cluster ({num_cpus} logical CPUs)")
+    started = ray_workers.connect(address=ray_address, num_cpus=num_cpus)
     try:
         restarts = 0
         while True:
@@ -271,6 +274,16 @@ def _record_experts(prep: Prepared, kinds: set[str | None], *, out: Path) -> Non
         write_resolved(prep.config, str(out))
 
 
+def _record_packing(prep: Prepared, decided: set[bool], *, out: Path) -> None:
+    """config.yaml says whether packing ran: an unset --packing is decided by the ranks'
+    attention (`platform.default_packing`), as they decide which experts run."""
+    assert len(decided) == 1, f"ranks disagree on packing: {sorted(decided)}"
+    ran = decided.pop()
+    if prep.config.packing is not ran:
+        prep.config = replace(prep.config, packing=ran)
+        write_resolved(prep.config, str(out))
+
+
 def _attempt(prep: Prepared, *, out: Path, log) -> None:
     """Build the worker group, resume from the latest checkpoint if any, train to the end."""
     from mcore_dpo.worker import PolicyWorker, ReferenceWorker, StepBatch
@@ -286,7 +299,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
                              run_config=config.to_dict())
     group = ref_group = None
-    stop = _StopRequest()
+    stop = _StopRequest(before_print=metrics_log.end_line)
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
@@ -296,6 +309,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         for note in sorted({note for _, note in experts if note}):
             log(note)  # grouped GEMM experts expected but not possible on the ranks
         _record_experts(prep, {kind for kind, _ in experts}, out=out)
+        _record_packing(prep, set(group.call("packs")), out=out)
         workers = {}
         for g in (ref_group, group):
             if g is not None:
@@ -331,10 +345,12 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             metrics_log.write(step, metrics)
             by_step = config.save_interval and step % config.save_interval == 0
             by_time = config.save_interval_min and time.monotonic() - last_save >= 60 * config.save_interval_min
-            if (by_step or by_time or stop.requested) and not last:
+            # The last step is always saved: `latest` names the newest checkpoint at every moment, a
+            # finished run exports from it, and a larger --max-steps continues from it.
+            if by_step or by_time or stop.requested or last:
                 save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity)
                 last_save = time.monotonic()
-                if stop.requested:
+                if stop.requested and not last:
                     raise Stopped(step)
         if config.lora:
             export_adapter(group, config=config, spec=prep.spec, out=out)
@@ -357,8 +373,9 @@ class _StopRequest:
     """SIGINT and SIGTERM (as SLURM sends before a time limit) ask the training loop to write a
     checkpoint at the next step boundary and stop; a second signal interrupts at once."""
 
-    def __init__(self):
+    def __init__(self, *, before_print=lambda: None):
         self.requested = False
+        self._before_print = before_print  # ends a terminal's progress line first
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -370,6 +387,7 @@ class _StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self._before_print()
         print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)", flush=True)
 
     def restore(self) -> None:

@@ -56,12 +56,6 @@ class _Rank:
     """What every rank of every role has: device, process group, parallel state, RNG, and
     models built and loaded for its (tp, pp) coordinates."""
 
-    @property
-    def packing(self) -> bool:
-        """Packed microbatches: the run decides an unset --packing before any worker starts
-        (`TrainConfig.decide_packing`); a config built by hand that leaves it unset runs padded."""
-        return self.config.packing is True
-
     def __init__(
         self,
         *,
@@ -81,6 +75,7 @@ class _Rank:
         self.layout = layout
         # device -> process group -> parallel state
         self.platform = plat.detect(local_rank=local_rank)
+        plat.make_deterministic(config.deterministic)
         plat.activate(self.platform)
         if not dist.is_initialized():  # a process may build several workers (tests do)
             plat.init_process_group(
@@ -89,7 +84,7 @@ class _Rank:
                 world_size=self.layout.world_size,
                 master_addr=master_addr,
                 master_port=master_port,
-                timeout_s=config.timeout_s,
+                timeout_s=config.timeout_s or plat.default_timeout_s(self.platform),
             )
         self.mesh: Mesh = initialize(self.layout)
         plat.init_model_rng(self.platform, config.seed)
@@ -105,6 +100,11 @@ class _Rank:
         requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
+        # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
+        self.packed_thd = self.use_te and self.platform.is_cuda
+        # An unset --packing that the driver left open is decided by that attention.
+        self.packing = (config.packing if config.packing is not None
+                        else config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd))
         self.reference: torch.nn.Module | None = None
 
     def _build(self, weights_dir: str) -> torch.nn.Module:
@@ -112,14 +112,17 @@ class _Rank:
             model = build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
+                deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
             ).to(self.platform.device)
-        shard = hf_to_mcore_shard(
+        weights = open_weights(weights_dir)
+        shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
             tp=self.layout.tp,
             tp_rank=self.mesh.tp_rank,
             pp=self.layout.pp,
             pp_rank=self.mesh.pp_rank,
-            get=open_weights(weights_dir).get,
+            get=weights.get,
+            get_part=weights.get_part,
             layer_spec=layer_spec_name(use_te=self.use_te),
             ep=self.layout.ep,
             ep_rank=self.mesh.ep_rank,
@@ -139,7 +142,7 @@ class _Rank:
             vocab_size=self.spec.vocab_size,
             wait_clock=plat.IntervalClock(self.platform),
             sequence_parallel=self.sequence_parallel,
-            packed_thd=self.use_te and self.platform.is_cuda,
+            packed_thd=self.packed_thd,
             logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
             **kwargs,
         )
@@ -184,6 +187,10 @@ class _Rank:
     def layer_spec(self) -> str:
         """The layer spec this rank built its models with; it names the tensors of its shards."""
         return layer_spec_name(use_te=self.use_te)
+
+    def packs(self) -> bool:
+        """Whether this rank runs packed microbatches (an unset --packing decided here)."""
+        return self.packing
 
     def experts(self) -> tuple[str | None, str | None]:
         """How this rank's MoE experts run ("grouped", "sequential"; None for a dense model) and

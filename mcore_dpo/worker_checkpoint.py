@@ -116,14 +116,16 @@ class PolicyCheckpointing:
             if self.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
                 shards[kind] = self._adapter_shard_of(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)))
                 continue
+            source = (checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
+                      else open_weights(os.path.join(directory, kind)))
             shards[kind] = hf_to_mcore_shard(
                 self.spec,
                 tp=self.layout.tp,
                 tp_rank=self.mesh.tp_rank,
                 pp=self.layout.pp,
                 pp_rank=self.mesh.pp_rank,
-                get=(checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
-                     else open_weights(os.path.join(directory, kind))).get,
+                get=source.get,
+                get_part=source.get_part,
                 layer_spec=layer_spec_name(use_te=self.use_te),
                 ep=self.layout.ep,
                 ep_rank=self.mesh.ep_rank,

@@ -1,32 +1,53 @@
 #!/usr/bin/env bash
-# GPU checks, from the repository root, on one CUDA GPU, in one call (at most 8 minutes on an
-# H200; every check has a time limit and the whole script a deadline):
+# GPU checks, from the repository root, on one CUDA GPU, in one call (at most 470 s of checks
+# on an H200: every check has a time limit, and the deadline is their sum):
 #
 #   bash scripts/gpu_checks.sh            # on a GPU machine
 #   bash scripts/gpu_checks.sh --cpu      # dry run on the CPU at the smallest sizes: everything
 #                                         # but the CUDA-only parts
+#   bash scripts/gpu_checks.sh --plan     # the checks in order with their limits, and the total
 #   bash scripts/gpu_checks.sh --cpu --wiring
 #                                         # the script's wiring only (tests/test_gpu_checks_script.py):
 #                                         # the long pytest checks are only collected (row COLLECTED),
 #                                         # te-vs-local, convert-verify and gpu-step run at their
 #                                         # smallest sizes
 #
-# Checks (one row each in the summary table; logs and JSON in $OUT, default /tmp/gpu_checks):
+# Checks, most important first (one row each in the summary table; logs and JSON in $OUT,
+# default /tmp/gpu_checks). Each has its own time limit; the limits add up to the deadline, so a
+# slow row never turns a later one into SKIP (`--plan` prints them and exits):
 #   parity-sharded-opt   tests/test_gpu.py: world size 1, the dp-sharded optimizer (--distributed-optimizer),
 #                        every metric, gradient and weight against the HF reference (fp32, TF32 off)
-#   parity-adamw         the same with the replicated AdamW (--no-distributed-optimizer)
+#   packed-thd           tests/test_packing_gpu.py: a packed row in Transformer Engine's THD layout gives each
+#                        sequence its own logits (the mask path without TE)
 #   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
-#   te-grouped-gemm      Qwen3-MoE: grouped GEMM experts (TEGroupedMLP) vs sequential experts on the TE
-#                        spec, the shard loads, bf16 logits and gradients (SKIP without TE)
-#   bf16-resume          CLI run in bf16 with the distributed optimizer: checkpoint every 2 steps,
-#                        kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
-#   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
+#   bf16-resume          CLI run in bf16 with the distributed optimizer and --deterministic: checkpoint
+#                        every 2 steps, kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
 #   gpu-step             benchmarks/gpu_step.py: ~1.2B Llama, bf16, reference interleaved;
 #                        MFU counts 8N flops per token (policy forward+backward 6N + reference 2N)
+#   parity-unfused       parity-sharded-opt with --no-fused-kernels (the fusions on, above, against them off)
+#   te-grouped-gemm      Qwen3-MoE: grouped GEMM experts (TEGroupedMLP) vs sequential experts on the TE
+#                        spec, the shard loads, bf16 logits and gradients (SKIP without TE)
+#   parity-adamw         the same parity with the replicated AdamW (--no-distributed-optimizer)
+#   convert-verify       checkpoint_convert hf-to-mcore + verify on the embedded default model
 # Exit code: 0 when every check passed (or, with --wiring, was collected) or was skipped for want
 # of Transformer Engine; 1 when one failed or did not run before the deadline; 2 on a bad argument.
 set -u
 cd "$(dirname "$0")/.."
+
+# NAME|LIMIT_S, in the order they run: the most important first.
+PLAN=(
+  "parity-sharded-opt|75"
+  "packed-thd|50"
+  "te-vs-local|45"
+  "bf16-resume|100"
+  "gpu-step|70"
+  "parity-unfused|35"
+  "te-grouped-gemm|35"
+  "parity-adamw|35"
+  "convert-verify|25"
+)
+PLAN_TOTAL_S=0
+for row in "${PLAN[@]}"; do PLAN_TOTAL_S=$((PLAN_TOTAL_S + ${row#*|})); done
 
 MODE=gpu
 WIRING=0
@@ -34,7 +55,8 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --wiring) WIRING=1 ;;
-    *) echo "gpu_checks.sh: unknown argument '$arg' (use --cpu, --cpu --wiring or nothing)" >&2; exit 2 ;;
+    --plan) printf '%s\n' "${PLAN[@]}"; echo "total|$PLAN_TOTAL_S"; exit 0 ;;
+    *) echo "gpu_checks.sh: unknown argument '$arg' (use --cpu, --cpu --wiring, --plan or nothing)" >&2; exit 2 ;;
   esac
 done
 if [ "$WIRING" = 1 ] && [ "$MODE" != cpu ]; then
@@ -47,7 +69,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export MCORE_DPO_CACHE="$OUT/cache"
 PY=${PYTHON:-python3}
-DEADLINE_S=${DEADLINE_S:-470}
 LIMIT_SCALE=1
 START=$(date +%s)
 STEP_ARGS=(--model-dir "$OUT/llama_1b")  # written once with random weights, reused by a rerun
@@ -55,20 +76,31 @@ if [ "$MODE" = cpu ]; then
   export MCORE_DPO_FORCE_CPU=1 MCORE_DPO_GPU_CHECKS_ON_CPU=1 OMP_NUM_THREADS=1
   STEP_ARGS=(--tiny)
   [ "$WIRING" = 1 ] && STEP_ARGS=(--tiny --steps 1 --warmup-steps 1)
-  DEADLINE_S=${DEADLINE_S_CPU:-3000}
   LIMIT_SCALE=${CPU_LIMIT_SCALE:-8}  # a shared 2-core box runs these far slower than a GPU
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+fi
+# The deadline is the limits' sum (by construction); a smaller DEADLINE_S is refused up front.
+DEADLINE_S=${DEADLINE_S:-$((PLAN_TOTAL_S * LIMIT_SCALE))}
+if [ "$DEADLINE_S" -lt $((PLAN_TOTAL_S * LIMIT_SCALE)) ]; then
+  echo "gpu_checks.sh: DEADLINE_S=$DEADLINE_S is below the checks' limits, $((PLAN_TOTAL_S * LIMIT_SCALE)) s in all" >&2
+  exit 2
 fi
 $PY -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2> "$OUT/versions.err"
 
 ROWS=()
 FAILED=0
 
-# run_check NAME LIMIT_S DETAIL_CMD -- COMMAND...: runs COMMAND with its output in $OUT/NAME.log.
+limit_of() {  # NAME: its limit in PLAN
+  local row
+  for row in "${PLAN[@]}"; do [ "${row%|*}" = "$1" ] && { echo "${row#*|}"; return; }; done
+  echo "gpu_checks.sh: no limit for $1 in PLAN" >&2; exit 2
+}
+
+# run_check NAME DETAIL_CMD -- COMMAND...: runs COMMAND with its output in $OUT/NAME.log, within NAME's limit.
 run_check() {
-  local name=$1 limit=$(($2 * LIMIT_SCALE)) detail_cmd=$3
-  shift 4
+  local name=$1 limit=$(($(limit_of "$1") * LIMIT_SCALE)) detail_cmd=$2
+  shift 3
   local left=$((DEADLINE_S - ($(date +%s) - START)))
   if [ "$left" -lt 20 ]; then
     ROWS+=("$name|SKIP|0|not run: no time left before the ${DEADLINE_S}s deadline")
@@ -101,27 +133,22 @@ pytest_summary() {  # the last summary line of a pytest log, and a skip reason i
 }
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rs)
-GPU_TESTS=tests/test_gpu.py
-# pytest_check NAME LIMIT_S TEST_ID: one test of tests/test_gpu.py, by its node id. --wiring lists
-# the long ones instead of running them on the CPU (their code paths run in the CPU suite:
-# tests/test_parity.py, tests/test_sharded_optimizer.py, tests/test_resume.py,
-# tests/test_train_cli.py): the row is COLLECTED when pytest collects that node id.
+GPU_TESTS=(tests/test_gpu.py tests/test_packing_gpu.py)
+# pytest_check NAME TEST_ID: one GPU test, by its node id. --wiring lists the long ones instead of
+# running them on the CPU (their code paths run in the CPU suite: tests/test_parity.py,
+# tests/test_sharded_optimizer.py, tests/test_resume.py, tests/test_train_cli.py,
+# tests/test_packing_parity.py): the row is COLLECTED when pytest collects that node id.
 if [ "$WIRING" = 1 ]; then
-  "${PYTEST[@]}" --collect-only "$GPU_TESTS" > "$OUT/collected.txt" 2>&1
+  "${PYTEST[@]}" --collect-only "${GPU_TESTS[@]}" > "$OUT/collected.txt" 2>&1
 fi
 pytest_check() {
-  local name=$1 limit=$2 test_id=$3
+  local name=$1 test_id=$2
   if [ "$WIRING" = 1 ] && [ "$name" != te-vs-local ]; then
-    COLLECT_ONLY=1 run_check "$name" "$limit" "echo $test_id" -- grep -qxF "$test_id" "$OUT/collected.txt"
+    COLLECT_ONLY=1 run_check "$name" "echo $test_id" -- grep -qxF "$test_id" "$OUT/collected.txt"
   else
-    run_check "$name" "$limit" "pytest_summary $name" -- "${PYTEST[@]}" "$test_id"
+    run_check "$name" "pytest_summary $name" -- "${PYTEST[@]}" "$test_id"
   fi
 }
-pytest_check parity-sharded-opt 150 "$GPU_TESTS::test_parity_on_gpu[sharded-optimizer]"
-pytest_check parity-adamw 150 "$GPU_TESTS::test_parity_on_gpu[adamw]"
-pytest_check te-vs-local 90 "$GPU_TESTS::test_transformer_engine_spec_matches_local_spec"
-pytest_check te-grouped-gemm 60 "$GPU_TESTS::test_grouped_gemm_experts_match_sequential_experts"
-pytest_check bf16-resume 240 "$GPU_TESTS::test_bf16_checkpoint_and_exact_resume_through_cli"
 
 convert_verify() {
   local hf
@@ -130,7 +157,6 @@ convert_verify() {
   $PY -m checkpoint_convert hf-to-mcore --hf-dir "$hf" --out "$OUT/convert_mcore" --tp 1 --pp 1 || return 1
   $PY -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$OUT/convert_mcore"
 }
-run_check convert-verify 120 "grep -E '^verify' $OUT/convert-verify.log | tail -1" -- bash -c "$(declare -f convert_verify); PY='$PY' OUT='$OUT' convert_verify"
 
 step_detail() {
   $PY - "$OUT/gpu_step.json" <<'EOF'
@@ -141,8 +167,24 @@ print(f"{r['device_name']} {r['layer_spec']} {r['dtype']}: {r['step_time_s']['me
       f"{r['tokens_per_s_per_device']:.0f} tok/s/dev, MFU(8N) " + (f"{mfu:.1%}" if mfu is not None else "n/a"))
 EOF
 }
-rm -f "$OUT/gpu_step.json"
-run_check gpu-step 180 step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}"
+
+for row in "${PLAN[@]}"; do
+  case "${row%|*}" in
+    parity-sharded-opt) pytest_check parity-sharded-opt "tests/test_gpu.py::test_parity_on_gpu[sharded-optimizer]" ;;
+    packed-thd) pytest_check packed-thd "tests/test_packing_gpu.py::test_packed_row_gives_each_sequence_its_own_logits" ;;
+    te-vs-local) pytest_check te-vs-local "tests/test_gpu.py::test_transformer_engine_spec_matches_local_spec" ;;
+    bf16-resume) pytest_check bf16-resume "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli[deterministic]" ;;
+    gpu-step)
+      rm -f "$OUT/gpu_step.json"
+      run_check gpu-step step_detail -- $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "${STEP_ARGS[@]}" ;;
+    te-grouped-gemm) pytest_check te-grouped-gemm "tests/test_gpu.py::test_grouped_gemm_experts_match_sequential_experts" ;;
+    parity-adamw) pytest_check parity-adamw "tests/test_gpu.py::test_parity_on_gpu[adamw]" ;;
+    parity-unfused) pytest_check parity-unfused "tests/test_gpu.py::test_parity_on_gpu[unfused]" ;;
+    convert-verify)
+      run_check convert-verify "grep -E '^verify' $OUT/convert-verify.log | tail -1" -- \
+        bash -c "$(declare -f convert_verify); PY='$PY' OUT='$OUT' convert_verify" ;;
+  esac
+done
 
 {
   echo "GPU checks ($MODE mode$([ "$WIRING" = 1 ] && echo ", wiring only")), $(head -1 "$OUT/versions.txt"), total $(($(date +%s) - START)) s"

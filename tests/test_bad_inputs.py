@@ -85,6 +85,9 @@ DATA_CASES = [
     _data("conversation_message_without_content.jsonl", 2, "'rejected' message 1 is not a {\"role\", \"content\"} object"),
     _data("conversation_content_not_string.jsonl", 2, "'chosen' message 1 content must be a string, got list"),
     _data("mixed_string_and_conversation.jsonl", 2, "mixed formats"),
+    _data("mixed_texts_and_conversations.jsonl", None,
+          "mixes plain-text rows (first on line 1) and conversational rows (first on line 3)"),
+    _data("broken_json_control_character.jsonl", 2, "broken JSON (Invalid control character at column 16)"),
     _data("array_broken.json", 4, "broken JSON"),
     _data("array_identical_pair.json", 12, "'chosen' and 'rejected' are identical"),
     _data("empty.jsonl", None, "contains no rows"),
@@ -123,7 +126,7 @@ CONFIG_CASES = [
     _flags("flag_global_batch_negative", ("--global-batch-size", "-8"), None,
            "global_batch_size: must be a positive integer, got -8"),
     _flags("flag_lr_negative", ("--lr", "-1"), None, "lr: must be positive, got -1.0"),
-    # the rules of padded microbatches (packing, on by default, splits a global batch by tokens)
+    # the rules of padded microbatches (packing splits a global batch by tokens)
     _flags("flag_global_batch_not_divisible", ("--global-batch-size", "10", "--micro-batch-size", "4", "--no-packing"), None,
            "global_batch_size: 10 is not a multiple of dp*micro_batch_size = 1*4"),
     _flags("flag_dp_times_micro_batch_exceeds_global", ("--dp", "4", "--micro-batch-size", "8", "--global-batch-size", "16",
@@ -178,6 +181,10 @@ MODEL_CASES = [
     _model("mcore_missing_stage_shard", "{mcore_missing_stage_shard}/tp0_pp1/model.safetensors", "file is missing"),
     Case("ref_model_other_shape", ("--model", "{model}", "--ref-model", "{ref_other_shape}", "--data", "{valid}"),
          "{ref_other_shape}", "has a different architecture than"),
+    Case("model_hub_name", ("--model", "Qwen/Qwen2.5-0.5B", "--data", "{valid}"),
+         "model: Qwen/Qwen2.5-0.5B does not exist",
+         "a local model directory is needed, not a hub name (nothing is downloaded): get one with "
+         "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir Qwen2.5-0.5B"),
 ]  # fmt: skip
 
 ALL_CASES = DATA_CASES + CONFIG_CASES + MODEL_CASES

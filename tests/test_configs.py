@@ -114,3 +114,39 @@ def test_header_attention_matters():
     local = memory_gb_per_gpu(arch=arch, config=config, attention="local")
     assert flash == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
     assert local > flash + 5
+
+
+def test_the_collectives_timeout_defaults_by_platform_and_a_flag_sets_it():
+    """One timeout, from the config when given; unset, the ranks' platform decides: 1800 s on
+    GPUs (a large model's first step fits), 300 s on the CPU. NCCL is set to raise, not abort."""
+    import torch
+
+    from mcore_dpo import platform
+    from mcore_dpo.config import resolve
+
+    assert resolve([])[0].timeout_s is None
+    assert resolve(["--timeout-s", "42"])[0].timeout_s == 42.0
+    gpu = platform.Platform(device=torch.device("cuda", 0), backend="nccl")
+    cpu = platform.Platform(device=torch.device("cpu"), backend="gloo")
+    assert platform.default_timeout_s(gpu) == 1800.0 and platform.default_timeout_s(cpu) == 300.0
+    assert platform.nccl_error_settings() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def test_fused_kernels_run_where_transformer_engine_provides_them():
+    """On a GPU with the Transformer Engine spec every fusion is on unless --no-fused-kernels;
+    elsewhere (the CPU, the local spec) none is, as the CPU parity tests check."""
+    from mcore_dpo.config import resolve
+    from mcore_dpo.platform import fused_kernel_fields
+
+    import importlib.util
+
+    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
+    on = fused_kernel_fields(requested=None, use_te=True, on_gpu=True, moe=True)
+    assert all(on[n] for n in names) and on["moe_permute_fusion"] and not on["masked_softmax_fusion"]
+    # megatron-core's own linears need apex's extension for the weight-gradient fusion
+    apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    assert on["gradient_accumulation_fusion"] is apex_wgrad
+    for requested, use_te, on_gpu in ((False, True, True), (None, False, True), (None, True, False), (True, False, False)):
+        fields = fused_kernel_fields(requested=requested, use_te=use_te, on_gpu=on_gpu, moe=False)
+        assert not any(fields.values()) and "moe_permute_fusion" not in fields
+    assert resolve(["--no-fused-kernels"])[0].fused_kernels is False and resolve([])[0].fused_kernels is None

@@ -15,7 +15,6 @@ from checkpoint_convert.io import open_hf_dir, open_mcore_dir
 from tests.helpers.cli import run_python
 from tests.helpers.models import llama_gqa_untied, qwen2_bias_tied, save_hf
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _tree_digest(directory: Path) -> str:
@@ -228,3 +227,76 @@ def test_console_entry_point_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "nope" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _help(capsys, command: str) -> str:
+    """`checkpoint_convert COMMAND --help` through the real parser (in this process; the console
+    entry point's own process: test_console_entry_point_exits_2_with_one_line), one line."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def _subcommand_parsers() -> dict:
+    from checkpoint_convert.__main__ import _parser
+
+    (sub,) = [a for a in _parser()._actions if a.dest == "command"]
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", ["hf-to-mcore", "mcore-to-hf", "reshard", "verify"])
+def test_help_explains_every_option_and_shows_its_default(command, capsys):
+    text = _help(capsys, command)
+    for action in _subcommand_parsers()[command]._actions:
+        if not action.option_strings or action.option_strings == ["-h", "--help"]:
+            continue
+        flag = action.option_strings[0]
+        assert action.help and len(action.help) > 10, f"{command} {flag} has no help text"
+        shown = text[text.index(flag + " ", text.index("options:")):]
+        if action.required:
+            assert "(required)" in shown.split(" --")[0], (flag, shown[:200])
+        elif action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in shown.split(" --")[0], (flag, shown[:200])
+        else:  # no value to show: the help says in words what happens without the option
+            assert "(default: " in action.help, (flag, action.help)
+
+
+def test_help_names_the_options_the_issue_found_bare(capsys):
+    text = _help(capsys, "hf-to-mcore")
+    assert "--hf-dir DIR local Hugging Face model directory to read" in text
+    assert "--out DIR Megatron checkpoint directory to write (required)" in text
+    assert "--tp TP tensor-parallel ranks to shard the weights over (default: 1)" in text
+    assert "--pp PP pipeline stages to split the layers over (default: 1)" in text
+    # train's dtype names, and the converter's older ones still accepted
+    assert "--dtype {float32,bfloat16,float16}" in text and "(or fp32, bf16, fp16)" in text
+
+
+def test_dtype_takes_train_names_and_short_names(llama_model, tmp_path, capsys):
+    fp32_dir = save_hf(llama_model, tmp_path / "fp32")
+    for flag, name, dtype in (("float16", "float16", torch.float16), ("bf16", "bfloat16", torch.bfloat16),
+                              ("bfloat16", "bfloat16", torch.bfloat16)):
+        out = tmp_path / f"m_{flag}"
+        assert _run(["hf-to-mcore", "--hf-dir", str(fp32_dir), "--out", str(out), "--dtype", flag], capsys)[0] == 0
+        assert open_mcore_dir(out).meta.dtype == name  # one internal name, whichever spelling came in
+        assert load_file(str(out / "tp0_pp0" / "model.safetensors"))["output_layer.weight"].dtype == dtype
+    with pytest.raises(SystemExit) as caught:
+        main(["hf-to-mcore", "--hf-dir", str(fp32_dir), "--out", str(tmp_path / "bad"), "--dtype", "int8"])
+    assert caught.value.code == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_a_hub_name_as_hf_dir_says_to_download_a_local_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a relative name that is not a directory here
+    code, err = _run(["hf-to-mcore", "--hf-dir", "Qwen/Qwen2.5-0.5B", "--out", "m"], capsys)
+    assert code == 2
+    assert err.strip() == (
+        "error: Qwen/Qwen2.5-0.5B: does not exist; a local model directory is needed, not a hub name (nothing is "
+        "downloaded): get one with huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir Qwen2.5-0.5B, and pass "
+        "that directory")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_missing_local_hf_dir_gets_no_hub_hint(tmp_path, capsys):
+    code, err = _run(["verify", "--hf-dir", str(tmp_path / "nope"), "--mcore-dir", str(tmp_path / "m")], capsys)
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'nope'}: does not exist"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,8 +13,10 @@ from transformers import AutoTokenizer
 
 from mcore_dpo.data import (
     DataError,
+    DataStats,
     TokenizedPair,
     collate,
+    data_notes,
     eval_passes,
     global_batch_order,
     load_pairs,
@@ -21,6 +24,10 @@ from mcore_dpo.data import (
     split_at_prompt,
 )
 from mcore_dpo.defaults import DEFAULT_TOKENIZER_DIR
+from tests.helpers.ray_runs import main_in_process
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DOC = (REPO / "docs" / "DATA.md").read_text(encoding="utf-8")
 
 STANDARD_ROWS = [
     {"prompt": "name two fruits .", "chosen": "apple and pear .", "rejected": "cat and dog ."},
@@ -229,11 +236,15 @@ def test_prompt_swallowed_by_a_merge_is_a_bad_row(tmp_path, merging_tokenizer):
 
 
 def test_json_array_json_columns_and_parquet_match_jsonl(tmp_path, tokenizer):
-    rows = STANDARD_ROWS + [CHAT_ROW]
-    reference, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", rows), tokenizer=tokenizer, max_length=64)
+    # One file holds one kind of row: the texts, then the conversations, each in every file type.
+    reference, _ = load_pairs(_write_jsonl(tmp_path / "d.jsonl", STANDARD_ROWS), tokenizer=tokenizer, max_length=64)
+    chat_reference, _ = load_pairs(_write_jsonl(tmp_path / "chat.jsonl", [CHAT_ROW]), tokenizer=tokenizer, max_length=64)
+    reference += chat_reference
 
     array_path = tmp_path / "array.json"
-    array_path.write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")  # row i on line i+1
+    array_path.write_text("[\n" + ",\n".join(json.dumps(row) for row in STANDARD_ROWS) + "\n]\n")  # row i on line i+1
+    chat_array_path = tmp_path / "chat_array.json"
+    chat_array_path.write_text("[\n\n" + json.dumps(CHAT_ROW) + "\n]\n")  # on line 3
     columns_path = tmp_path / "columns.json"
     columns_path.write_text(json.dumps({key: [row[key] for row in STANDARD_ROWS] for key in STANDARD_ROWS[0]}))
     parquet_path = tmp_path / "d.parquet"
@@ -242,10 +253,11 @@ def test_json_array_json_columns_and_parquet_match_jsonl(tmp_path, tokenizer):
     pq.write_table(pa.Table.from_pylist([CHAT_ROW, CHAT_ROW]), str(chat_parquet_path))
 
     from_array, _ = load_pairs(str(array_path), tokenizer=tokenizer, max_length=64)
+    from_array += load_pairs(str(chat_array_path), tokenizer=tokenizer, max_length=64)[0]
     from_columns, _ = load_pairs(str(columns_path), tokenizer=tokenizer, max_length=64)
     from_parquet, stats = load_pairs(str(parquet_path), tokenizer=tokenizer, max_length=64)
     from_chat_parquet, _ = load_pairs(str(chat_parquet_path), tokenizer=tokenizer, max_length=64)
-    assert [p.source_line for p in from_array] == [p.source_line + 1 for p in reference]  # the line a row starts on
+    assert [p.source_line for p in from_array] == [2, 3, 4, 3]  # the line a row starts on
     assert [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in from_array] == [
         (p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in reference
     ]
@@ -291,8 +303,8 @@ def test_file_level_problems_raise_one_line_data_error(tmp_path, tokenizer, name
 def test_conversation_without_chat_template_is_an_error(tmp_path, tokenizer):
     own = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER_DIR)
     own.chat_template = None
-    path = _write_jsonl(tmp_path / "d.jsonl", [STANDARD_ROWS[0], CHAT_ROW])
-    with pytest.raises(DataError, match=r"d\.jsonl:2: conversational row but the tokenizer has no chat_template"):
+    path = _write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW, CHAT_ROW])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: conversational row but the tokenizer has no chat_template"):
         load_pairs(path, tokenizer=own, max_length=64, on_bad_row="skip")
 
 
@@ -428,6 +440,167 @@ def test_invalid_arguments(tmp_path, tokenizer):
         load_pairs(path, tokenizer=tokenizer, max_length=64, on_bad_row="ignore")
     with pytest.raises(DataError, match="max_length"):
         load_pairs(path, tokenizer=tokenizer, max_length=1)
+
+
+# ----------------------------------------------------------------------------- what the run is told
+
+
+def test_a_prompt_column_under_another_name_is_named_as_unused(tmp_path, tokenizer, monkeypatch):
+    """'question' instead of 'prompt': the file is in implicit-prompt format (the prompt is the
+    shared start "yes :"), and the one note says the column is not used and what that means."""
+    monkeypatch.chdir(tmp_path)
+    rows = [{"question": "name two fruits .", "chosen": "yes : apple and pear .", "rejected": "yes : cat and dog ."},
+            {"question": "name two tools .", "chosen": "yes : saw and axe .", "rejected": "yes : red and blue ."}]
+    pairs, stats = load_pairs(_write_jsonl("prefs.jsonl", rows), tokenizer=tokenizer, max_length=64)
+    assert [list(p.prompt_ids) for p in pairs] == [_ids(tokenizer, "yes :", specials=True)] * 2
+    assert stats.unused_columns == ("question",) and stats.has_prompt is False
+    notes = data_notes("prefs.jsonl", stats, max_length=64)
+    assert notes == ["prefs.jsonl: ignoring unused column(s) 'question' (recognised: prompt, chosen, rejected); "
+                     "with no 'prompt' column, each prompt is the shared start of 'chosen' and 'rejected'"]
+    assert "    " + notes[0] + "\n" in DATA_DOC  # docs/DATA.md quotes the line as it is printed
+
+
+def test_unused_columns_of_every_row_are_named_first_seen_first(tmp_path, tokenizer):
+    rows = [{**STANDARD_ROWS[0], "id": 1}, {**STANDARD_ROWS[1], "score": 2.0, "id": 2}, STANDARD_ROWS[2]]
+    _, stats = load_pairs(_write_jsonl(tmp_path / "d.jsonl", rows), tokenizer=tokenizer, max_length=64)
+    assert stats.unused_columns == ("id", "score") and stats.has_prompt is True
+    assert data_notes("d.jsonl", stats, max_length=64) == [
+        "d.jsonl: ignoring unused column(s) 'id', 'score' (recognised: prompt, chosen, rejected)"]
+    parquet_path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{**row, "source": "x"} for row in STANDARD_ROWS]), str(parquet_path))
+    assert load_pairs(str(parquet_path), tokenizer=tokenizer, max_length=64)[1].unused_columns == ("source",)
+    _, stats = load_pairs(_write_jsonl(tmp_path / "plain.jsonl", STANDARD_ROWS), tokenizer=tokenizer, max_length=64)
+    assert stats.unused_columns == () and data_notes("plain.jsonl", stats, max_length=64) == []
+
+
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_a_file_that_mixes_texts_and_conversations_is_refused(tmp_path, tokenizer, monkeypatch, on_bad_row):
+    monkeypatch.chdir(tmp_path)
+    path = _write_jsonl("prefs.jsonl", [STANDARD_ROWS[0], STANDARD_ROWS[1], CHAT_ROW, STANDARD_ROWS[2]])
+    with pytest.raises(DataError) as caught:
+        load_pairs(path, tokenizer=tokenizer, max_length=64, on_bad_row=on_bad_row)
+    assert str(caught.value) == ("prefs.jsonl: mixes plain-text rows (first on line 1) and conversational rows "
+                                 "(first on line 3); one file holds one kind (docs/DATA.md)")
+    assert f"    error: {caught.value}\n" in DATA_DOC  # docs/DATA.md quotes the refusal as it is printed
+
+
+def test_mixing_is_found_whichever_kind_comes_first_and_in_implicit_prompt_files(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "d.jsonl", [CHAT_ROW, CHAT_ROW, STANDARD_ROWS[0]])
+    with pytest.raises(DataError, match=r"d\.jsonl: mixes plain-text rows \(first on line 3\) and conversational "
+                                        r"rows \(first on line 1\)"):
+        load_pairs(path, tokenizer=tokenizer, max_length=64)
+    implicit_chat = {"chosen": CHAT_ROW["prompt"] + CHAT_ROW["chosen"], "rejected": CHAT_ROW["prompt"] + CHAT_ROW["rejected"]}
+    implicit_text = {"chosen": "q : a . x", "rejected": "q : a . y"}
+    path = _write_jsonl(tmp_path / "i.jsonl", [implicit_text, implicit_chat])
+    with pytest.raises(DataError, match=r"i\.jsonl: mixes plain-text rows \(first on line 1\) and conversational "
+                                        r"rows \(first on line 2\)"):
+        load_pairs(path, tokenizer=tokenizer, max_length=64)
+
+
+def test_a_skipped_bad_row_of_the_other_kind_is_not_a_mix(tmp_path, tokenizer):
+    bad_chat = {**CHAT_ROW, "prompt": [{"role": "robot", "content": "x"}]}
+    path = _write_jsonl(tmp_path / "d.jsonl", [STANDARD_ROWS[0], bad_chat, STANDARD_ROWS[1]])
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=64, on_bad_row="skip")
+    assert [p.source_line for p in pairs] == [1, 3] and stats.first_bad_lines == (2,)
+
+
+def test_truncation_is_counted_in_pairs_and_tokens(tmp_path, tokenizer):
+    rows = STANDARD_ROWS + [  # at max_length 10: the standard rows fit, these two do not
+        {"prompt": "hi", "chosen": " apple and pear and plum and mango .", "rejected": " cat ."},
+        {"prompt": "hi", "chosen": " apple and pear and plum and mango and cat .", "rejected": " red and blue and saw and axe ."},
+    ]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    eos = tokenizer.eos_token_id
+    max_length = 10
+    expected_pairs = expected_tokens = 0
+    for row in rows:  # what the cut removes, from the pieces tokenized on their own (no merges in this vocabulary)
+        budget = max_length - len(_ids(tokenizer, row["prompt"], specials=True))
+        cut = [max(len(_ids(tokenizer, row[key], specials=False)) + 1 - budget, 0) for key in ("chosen", "rejected")]
+        expected_pairs += sum(cut) > 0
+        expected_tokens += sum(cut)
+    assert 0 < expected_pairs < len(rows)  # some pairs are cut, some are not
+    pairs, stats = load_pairs(path, tokenizer=tokenizer, max_length=max_length)
+    assert stats.num_pairs == len(rows) and stats.num_dropped_prompt_too_long == 0
+    assert (stats.num_truncated_pairs, stats.num_truncated_tokens) == (expected_pairs, expected_tokens)
+    full, _ = load_pairs(path, tokenizer=tokenizer, max_length=64)
+    kept = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    assert sum(len(p.chosen_ids) + len(p.rejected_ids) for p in full) - kept == expected_tokens
+    assert all(eos in p.chosen_ids and eos in p.rejected_ids for p in full)
+    assert data_notes("d.jsonl", stats, max_length=max_length) == [
+        f"d.jsonl: --max-length 10 truncated {expected_pairs} of 5 pairs, dropping {expected_tokens} completion tokens"]
+
+
+def test_dropped_pairs_are_not_counted_as_truncated(tmp_path, tokenizer):
+    long = {"prompt": "name two fruits please .", "chosen": "apple .", "rejected": "cat ."}
+    path = _write_jsonl(tmp_path / "d.jsonl", [long, STANDARD_ROWS[0]])
+    max_length = len(_ids(tokenizer, long["prompt"], specials=True))
+    _, stats = load_pairs(path, tokenizer=tokenizer, max_length=max_length)
+    assert stats.num_dropped_prompt_too_long == 1 and stats.num_truncated_pairs == 1
+    budget = max_length - len(_ids(tokenizer, STANDARD_ROWS[0]["prompt"], specials=True))
+    assert 0 < budget
+    lengths = [len(_ids(tokenizer, STANDARD_ROWS[0][key], specials=False)) + 1 for key in ("chosen", "rejected")]
+    assert stats.num_truncated_tokens == sum(length - budget for length in lengths)  # only the kept pair's cut
+
+
+def test_the_documented_truncation_line_is_the_printed_one():
+    stats = DataStats(num_rows=2000, num_pairs=2000, num_dropped_prompt_too_long=0, num_bad_rows_skipped=0,
+                      first_bad_lines=(), num_truncated_pairs=12, num_truncated_tokens=31)
+    assert data_notes("prefs.jsonl", stats, max_length=64) == [
+        "prefs.jsonl: --max-length 64 truncated 12 of 2000 pairs, dropping 31 completion tokens"]
+    assert "    prefs.jsonl: --max-length 64 truncated 12 of 2000 pairs, dropping 31 completion tokens\n" in DATA_DOC
+
+
+@pytest.mark.parametrize("name, content, where", [
+    ("d.jsonl", '{"prompt": "a\tb", "chosen": "c", "rejected": "d"}\n', 1),
+    ("d.json", '[\n{"prompt": "a\tb", "chosen": "c", "rejected": "d"}\n]\n', 2),
+])
+def test_broken_json_says_at_column_once(tmp_path, tokenizer, name, content, where):
+    """json's "Invalid control character at" (a raw tab in a string) gave "... at at column"."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError) as caught:
+        load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    assert str(caught.value) == f"{path}:{where}: broken JSON (Invalid control character at column 14)"
+    path.write_text(content.replace('"d"}', '"d}'))  # json's "Unterminated string starting at"
+    with pytest.raises(DataError) as caught:
+        load_pairs(str(path), tokenizer=tokenizer, max_length=64)
+    assert " at at " not in str(caught.value) and "broken JSON (" in str(caught.value)
+
+
+def test_the_train_command_prints_unused_columns_and_truncation_and_logs_them(tmp_path, tokenizer, ray_cluster):
+    """Through the command line (in this process; one step of the tiny default model): the notes
+    for the training file (a prompt column named 'question', every pair cut) and the eval file
+    are printed, and OUTPUT/data_stats.json holds the same counts. --dtype fp32 is read as float32."""
+    import yaml
+
+    train = _write_jsonl(tmp_path / "train.jsonl", [
+        {"question": f"name thing {i} .", "chosen": "sure : sheep and rabbit and bear and lion .",
+         "rejected": "sure : saw and hammer ."} for i in range(8)])
+    evaluate = _write_jsonl(tmp_path / "eval.jsonl", STANDARD_ROWS)
+    out = tmp_path / "run"
+    proc = main_in_process(["--data", train, "--eval-data", evaluate, "--max-length", "8", "--global-batch-size", "8",
+                            "--micro-batch-size", "8", "--max-steps", "1", "--dtype", "fp32", "--output-dir", str(out)],
+                           cluster=ray_cluster)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    # the default model's tokenizer is the embedded one
+    expected = {name: load_pairs(path, tokenizer=tokenizer, max_length=8)[1]
+                for name, path in (("data", train), ("eval_data", evaluate))}
+    assert expected["data"].num_truncated_pairs == 8 and expected["eval_data"].num_truncated_pairs > 0
+    assert [line for line in lines if "ignoring unused column" in line] == [
+        f"{train}: ignoring unused column(s) 'question' (recognised: prompt, chosen, rejected); "
+        "with no 'prompt' column, each prompt is the shared start of 'chosen' and 'rejected'"]
+    for path, stats in ((train, expected["data"]), (evaluate, expected["eval_data"])):
+        note = (f"{path}: --max-length 8 truncated {stats.num_truncated_pairs} of {stats.num_pairs} pairs, "
+                f"dropping {stats.num_truncated_tokens} completion tokens")
+        assert note in lines, proc.stdout
+    logged = json.loads((out / "data_stats.json").read_text())
+    for name, path in (("data", train), ("eval_data", evaluate)):
+        assert logged[name]["path"] == path
+        assert logged[name]["num_truncated_pairs"] == expected[name].num_truncated_pairs
+        assert logged[name]["num_truncated_tokens"] == expected[name].num_truncated_tokens
+    assert logged["data"]["unused_columns"] == ["question"] and logged["data"]["has_prompt"] is False
+    assert yaml.safe_load((out / "config.yaml").read_text())["dtype"] == "float32"
 
 
 # ----------------------------------------------------------------------------- batching

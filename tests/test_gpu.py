@@ -48,8 +48,11 @@ BF16_LOGIT_RTOL = 3e-2
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
 
 
-@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["sharded-optimizer", "adamw"])
-def test_parity_on_gpu(parity_models, tmp_path, monkeypatch, distributed_optimizer):
+# Fused kernels are on by default on the Transformer Engine spec; "unfused" runs the same parity
+# with --no-fused-kernels, so that a failing fusion shows as one row failing and the other passing.
+@pytest.mark.parametrize("distributed_optimizer, fused_kernels", [(True, None), (False, None), (True, False)],
+                         ids=["sharded-optimizer", "adamw", "unfused"])
+def test_parity_on_gpu(parity_models, tmp_path, monkeypatch, distributed_optimizer, fused_kernels):
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # read by cuBLAS in the spawned ranks
     layout = (1, 1, 1)
     jobs = jobs_for(layout, parity_models, all_losses=False)
@@ -57,6 +60,7 @@ def test_parity_on_gpu(parity_models, tmp_path, monkeypatch, distributed_optimiz
         jobs = [job for job in jobs if job["key"] in QUICK_KEYS]
     for job in jobs:
         job["config"]["distributed_optimizer"] = distributed_optimizer
+        job["config"]["fused_kernels"] = fused_kernels
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         check_job(tmp_path, j, job, layout, rtol=GPU_RTOL)
@@ -219,14 +223,14 @@ def test_grouped_gemm_experts_match_sequential_experts(tmp_path, monkeypatch):
         assert diff <= bound, f"grad {name}: grouped vs sequential {diff:.3e} > {bound:.3e}"
 
 
-def _train(out: Path, *, fault: str | None, cache: Path) -> subprocess.CompletedProcess:
+def _train(out: Path, *, fault: str | None, cache: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = with_fault(dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                           MCORE_DPO_CACHE=str(cache)), fault)
     # One GPU holds one rank; the CPU dry run shards the optimizer over dp 2.
     dp = "1" if ON_GPU else "2"
     return run_train(["--dtype", "bfloat16", "--distributed-optimizer", "--dp", dp, "--max-steps", "4", "--save-interval",
                       "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-interval", "0", "--output-dir",
-                      str(out)], env=env, timeout=600)
+                      str(out), *extra], env=env, timeout=600)
 
 
 def _metrics(out: Path) -> dict[int, dict]:
@@ -234,15 +238,28 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {row["step"]: {k: v for k, v in row.items() if k not in TIMING and not k.startswith("memory/")} for row in rows if "step" in row}
 
 
-def test_bf16_checkpoint_and_exact_resume_through_cli(tmp_path):
+# Without --deterministic the GPU's atomics (segment sums, attention backward) reorder float
+# additions: a resumed bf16 run then agrees with an uninterrupted one to this relative error.
+NONDETERMINISTIC_BF16_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default-kernels"])
+def test_bf16_checkpoint_and_exact_resume_through_cli(tmp_path, deterministic):
     cache = tmp_path / "cache"
-    straight = _train(tmp_path / "straight", fault=None, cache=cache)
+    extra = ("--deterministic",) if deterministic else ()
+    straight = _train(tmp_path / "straight", fault=None, cache=cache, extra=extra)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    killed = _train(tmp_path / "resumed", fault="step:3", cache=cache)  # rank 0 dies at step 3
+    killed = _train(tmp_path / "resumed", fault="step:3", cache=cache, extra=extra)  # rank 0 dies at step 3
     assert killed.returncode != 0, "the injected kill did not end the run"
-    resumed = _train(tmp_path / "resumed", fault="step:3", cache=cache)  # the fault fires once per directory
+    resumed = _train(tmp_path / "resumed", fault="step:3", cache=cache, extra=extra)  # the fault fires once per directory
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     want, got = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
     assert {1, 2, 3, 4} <= set(want) and {3, 4} <= set(got), (sorted(want), sorted(got))
     for step in (3, 4):
-        assert got[step] == want[step], f"step {step} after resume: {got[step]} != {want[step]}"
+        if deterministic or not ON_GPU:  # bit for bit (the CPU is deterministic either way)
+            assert got[step] == want[step], f"step {step} after resume: {got[step]} != {want[step]}"
+            continue
+        assert got[step].keys() == want[step].keys()
+        for key, value in want[step].items():
+            bound = NONDETERMINISTIC_BF16_RTOL * max(1.0, abs(value))
+            assert abs(got[step][key] - value) <= bound, f"step {step} {key}: {got[step][key]} vs {value} (> {bound:.3g})"

@@ -16,8 +16,8 @@ import pytest
 
 from tests.helpers.cli import command_env, run
 
-CHECKS = ("parity-sharded-opt", "parity-adamw", "te-vs-local", "te-grouped-gemm", "bf16-resume", "convert-verify",
-          "gpu-step")
+CHECKS = ("parity-sharded-opt", "packed-thd", "te-vs-local", "bf16-resume", "gpu-step", "parity-unfused",
+          "te-grouped-gemm", "parity-adamw", "convert-verify")  # the order they run in: the most important first
 
 
 def _table(text: str) -> dict[str, tuple[str, str]]:
@@ -29,9 +29,12 @@ def _table(text: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-LISTED = {"parity-sharded-opt": "test_parity_on_gpu[sharded-optimizer]", "parity-adamw": "test_parity_on_gpu[adamw]",
-          "bf16-resume": "test_bf16_checkpoint_and_exact_resume_through_cli",
-          "te-grouped-gemm": "test_grouped_gemm_experts_match_sequential_experts"}
+LISTED = {"parity-sharded-opt": "tests/test_gpu.py::test_parity_on_gpu[sharded-optimizer]",
+          "parity-adamw": "tests/test_gpu.py::test_parity_on_gpu[adamw]",
+          "parity-unfused": "tests/test_gpu.py::test_parity_on_gpu[unfused]",
+          "bf16-resume": "tests/test_gpu.py::test_bf16_checkpoint_and_exact_resume_through_cli[deterministic]",
+          "te-grouped-gemm": "tests/test_gpu.py::test_grouped_gemm_experts_match_sequential_experts",
+          "packed-thd": "tests/test_packing_gpu.py::test_packed_row_gives_each_sequence_its_own_logits"}
 
 
 def test_gpu_checks_wiring_on_cpu(tmp_path):
@@ -45,7 +48,9 @@ def test_gpu_checks_wiring_on_cpu(tmp_path):
         log = (tmp_path / "out" / f"{name}.log").read_text()[-3000:]
         assert status == expected, f"{name}: {status} ({detail})\n{log}"
     for name, test in LISTED.items():  # the row names the test a GPU run executes
-        assert rows[name][1] == f"tests/test_gpu.py::{test}", rows[name]
+        assert rows[name][1] == test, rows[name]
+    assert [line.split("|")[1].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in CHECKS] == list(CHECKS)
     assert proc.returncode == 0, proc.stdout
     assert "Transformer Engine needs CUDA" in rows["te-vs-local"][1]
     assert "MFU(8N)" in rows["gpu-step"][1]
@@ -53,6 +58,20 @@ def test_gpu_checks_wiring_on_cpu(tmp_path):
     assert step["layer_spec"] == "local" and step["tokens_per_step"] == 2 * 2 * 32  # --tiny: 2 pairs x 2 sequences x 32 tokens
     assert step["step_time_s"]["median"] > 0
     assert (tmp_path / "out" / "summary.md").read_text().strip() == proc.stdout.strip()
+
+
+def test_gpu_checks_limits_add_up_to_the_deadline_by_construction(tmp_path):
+    """The rows' limits are the plan; the deadline is their sum, so no row is left without time
+    by a slow one before it, and a smaller DEADLINE_S is refused before anything runs."""
+    plan = run(["bash", "scripts/gpu_checks.sh", "--plan"], timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    rows = [line.split("|") for line in plan.stdout.split()]
+    limits = {name: int(limit) for name, limit in rows[:-1]}
+    assert tuple(limits) == CHECKS and rows[-1] == ["total", str(sum(limits.values()))]
+    assert sum(limits.values()) <= 470  # what one device call leaves for the checks (15 min in all, with start-up)
+    env = command_env(OUT=str(tmp_path / "out"), PYTHON=sys.executable, DEADLINE_S=str(sum(limits.values()) - 1))
+    proc = run(["bash", "scripts/gpu_checks.sh"], env=env, timeout=60)
+    assert proc.returncode == 2 and "is below the checks' limits" in proc.stderr and proc.stdout == "", proc.stderr
 
 
 @pytest.mark.parametrize("argv, message", [(["--cpu", "--bogus"], "unknown argument '--bogus'"),

@@ -89,7 +89,7 @@ def run(tmp_path_factory, ray_cluster) -> dict:
             "--eval-data", str(root / "eval.jsonl")]
     result = _train([*args, *TRDPO, *TP2_EP2], root / "a", cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
-    # Packing is on by default but does not serve ep > 1: one line says so, and the run pads.
+    # Packing, left unset, does not serve ep > 1: one line says so, and the run pads.
     assert [line for line in result.stdout.splitlines() if line.startswith("packing: off for --ep 2 ")], result.stdout[-2000:]
     assert "packing: false" in (root / "a" / "config.yaml").read_text().splitlines()
     return {"root": root, "args": args, "out": root / "a", "policy": policy, "ref": ref, "cluster": ray_cluster}

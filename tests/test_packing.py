@@ -227,7 +227,7 @@ def test_step_token_stats():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--packing", "--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
-    # packing unset (on by default): the same budget rule
+    # packing unset (a budget asks for it): the same budget rule
     (["--max-tokens-per-microbatch", "100"], "max_tokens_per_microbatch: 100 is below 2 x max_length = 128"),
     (["--no-packing", "--max-tokens-per-microbatch", "256"], "max_tokens_per_microbatch: given with --no-packing"),
     (["--packing", "--max-tokens-per-microbatch", "128", "--dp", "4", "--global-batch-size", "2"],
@@ -261,21 +261,30 @@ def test_packing_flags_parse_from_the_command_line():
     assert config.packing and config.packing_budget == 400  # unset: 2 x micro_batch_size x max_length
 
 
-def test_packing_is_on_by_default_with_the_padded_microbatch_as_its_budget():
+def test_unset_packing_is_left_to_the_ranks_attention_with_the_padded_microbatch_as_its_budget():
     from mcore_dpo.config import resolve
+    from mcore_dpo.platform import default_packing
 
     config, _ = resolve(["--micro-batch-size", "4", "--max-length", "100"])
-    assert config.packing is None and config.packed  # unset until the run decides it
+    assert config.packing is None and config.packed  # may pack: the ranks decide
     decided, note = config.decide_packing()
-    assert decided.packing is True and note is None
+    assert decided.packing is None and note is None
+    # on where packed rows run in the THD layout (a GPU with Transformer Engine), off on the local
+    # attention (the CPU), where a packed row's W x W scores cost more than padding
+    assert default_packing(thd_attention=True) is True and default_packing(thd_attention=False) is False
     # what one padded microbatch holds at most: 4 pairs x 2 rows x 100 tokens
     assert decided.packing_budget == 2 * 4 * 100
-    # the padded rule (global batch a multiple of dp x micro batch) does not bind packed runs
-    assert resolve(["--global-batch-size", "60"])[0].decide_packing()[0].packing is True
+    # an explicit budget asks for packing
+    assert resolve(["--max-tokens-per-microbatch", "512"])[0].decide_packing()[0].packing is True
+    # the padded rule (global batch a multiple of dp x micro batch) binds unset runs (they may run
+    # padded), not packed ones
+    with pytest.raises(ConfigError, match="--packing lifts this rule"):
+        resolve(["--global-batch-size", "60"])
+    assert resolve(["--global-batch-size", "60", "--packing"])[0].decide_packing()[0].packing is True
     from mcore_dpo.config import build_parser
 
     text = " ".join(build_parser().format_help().split())
-    assert "--packing, --no-packing Packed sequences" in text and "(default: on, except with a mode" in text
+    assert "--packing, --no-packing Packed sequences" in text and "(default: decided by the ranks' attention" in text
     assert "what one padded microbatch holds at most, so packing never widens a microbatch)" in text
     # LD-DPO is served packed (its weights per segment: `logprobs.ld_weights`)
     assert resolve(["--ld-alpha", "0.5"])[0].decide_packing()[1] is None

@@ -47,7 +47,7 @@ def test_the_default_run_killed_mid_way_resumes_when_the_same_command_runs_again
     # What the runs printed, captured (not a terminal): the first line says what starts, no ANSI
     # codes, none of megatron-core's known-harmless warnings.
     for done in (killed, resumed, again):
-        assert done.stdout.startswith("starting a local Ray cluster with 1 worker "), done.stdout[:300]
+        assert done.stdout.startswith("preparing 1 worker (tp 1 x pp 1 x dp 1) on a local Ray cluster"), done.stdout[:300]
         printed = done.stdout + done.stderr
         assert "\x1b[" not in printed, printed[-3000:]
         assert "Transformer Engine and Apex are not installed" not in printed and "Apex is not installed" not in printed

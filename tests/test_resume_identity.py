@@ -63,7 +63,8 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path, ray_cluster):
 
     first = _run([*base, "--max-steps", "2", "--save-interval", "1", "--wandb", "--wandb-project", "dpo-test"], env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    # the last step is saved too: `latest` names the newest checkpoint
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
     # --wandb logged every metric line under the project it names
     run_files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -86,7 +87,7 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path, ray_cluster):
     assert refused.returncode == 2
     err = refused.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "trainer_state.json: this run differs from the checkpoint's: --seed 1234 -> 5;" in err, err
+    assert f"output_dir: {out} holds another run: --seed 1234 -> 5;" in err, err
     assert "--resume-with-changes" in err
 
     data.write_text(data.read_text().replace('"', '"', 1) + data.read_text().splitlines(keepends=True)[0])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -60,13 +61,37 @@ def test_numbers_keep_one_format_and_the_eta_leaves_out_the_first_step(monkeypat
     assert not any("\x1b" in line for line in lines)  # not a terminal: plain lines
 
 
+def test_a_stop_message_starts_its_own_line_after_a_terminal_progress_line(monkeypatch, tmp_path, capsys):
+    import io
+    import signal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    log = metrics_log.MetricsLog(tmp_path, total_steps=10)
+    log.write(1, {"loss": 0.5, "tokens/s": 1000.0})
+    assert not terminal.getvalue().endswith("\n")  # the progress line stays open for its next update
+    stop = run._StopRequest(before_print=log.end_line)
+    try:
+        stop._handle(signal.SIGINT, None)
+    finally:
+        stop.restore()
+    assert terminal.getvalue().endswith("\n")  # ended before the message went out
+    assert capsys.readouterr().out == "SIGINT: stopping after this step (a checkpoint is written first)\n"
+    log.close()
+    assert not terminal.getvalue().endswith("\n\n")  # closing adds no second newline
+
+
 def test_the_first_line_says_what_starts_and_what_is_loaded(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
     monkeypatch.setattr(ray_workers, "disconnect", lambda started: None)
     monkeypatch.setattr(run, "_attempt", lambda prep, *, out, log: None)
     assert main(["--tp", "2", "--pp", "2", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first == ("starting a local Ray cluster with 4 workers (tp 2 x pp 2 x dp 1); "
+    assert first == ("preparing 4 workers (tp 2 x pp 2 x dp 1) on a local Ray cluster; "
                      "loading the tiny default model and the default preference data")
 
 
@@ -130,6 +155,6 @@ def test_the_first_line_comes_before_the_slow_imports(tmp_path):
     done = run_python(["-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, loaded = done.stdout.splitlines()[:2]
-    assert first.startswith("starting a local Ray cluster with 2 workers"), first
+    assert first.startswith("preparing 2 workers (tp 2 x pp 1 x dp 1) on a local Ray cluster"), first
     assert loaded == "loaded: ", loaded
     assert not (tmp_path / "run").exists()

@@ -133,6 +133,20 @@ def test_unknown_flag_and_bad_values(capsys, tmp_path):
     assert "tp" in _run_bad(capsys, ["--config", str(yaml_file)])
 
 
+def test_dtype_takes_the_converter_short_names_as_one_internal_name(tmp_path, capsys):
+    """bf16/fp16/fp32 (the converter's old spelling) are read as bfloat16/float16/float32, from
+    a flag, a YAML file or Python, so either spelling is the same run; --help says so."""
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("dtype: fp16\n")
+    assert resolve(["--dtype", "bf16"])[0].dtype == "bfloat16"
+    assert resolve(["--config", str(yaml_file)])[0].dtype == "float16"
+    assert TrainConfig(dtype="fp32").dtype == "float32" == TrainConfig().dtype
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert "(fp32, bf16, fp16 are read as these)" in " ".join(capsys.readouterr().out.split())
+
+
 BOOL_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)]
 
 
@@ -167,8 +181,9 @@ def test_double_negations_and_abbreviations_are_errors(argv):
 
 def test_default_run_learns_and_writes_everything(tmp_path):
     """`python -m mcore_dpo.train` on the embedded default: held-out reward accuracy rises from
-    chance (policy == reference at the start: every margin is 0) to >= 0.9. Packed by default:
-    config.yaml says so, and no fallback line is printed."""
+    chance (policy == reference at the start: every margin is 0) to >= 0.9. Padded on the CPU by
+    default (the local attention's packed rows cost more than padding): config.yaml says so, and
+    no fallback line is printed."""
     out = tmp_path / "run"
     proc = run_train(["--output-dir", str(out)], env=command_env(MCORE_DPO_CACHE=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -188,7 +203,7 @@ def test_default_run_learns_and_writes_everything(tmp_path):
     assert (out / "plots" / "loss.png").is_file() and (out / "plots" / "rewards_accuracies.png").is_file()
     import yaml
 
-    assert yaml.safe_load((out / "config.yaml").read_text())["packing"] is True
+    assert yaml.safe_load((out / "config.yaml").read_text())["packing"] is False
     assert not any(line.startswith("packing: ") for line in proc.stdout.splitlines()), proc.stdout
     from transformers import AutoModelForCausalLM
 
@@ -198,8 +213,9 @@ def test_default_run_learns_and_writes_everything(tmp_path):
 
 def test_bf16_run_exports_a_bf16_checkpoint(tmp_path, ray_cluster):
     """--dtype bfloat16 (megatron-core keeps some norms in fp32): the export is uniformly bf16
-    and loads in transformers. The same run checks more things end to end: --no-shuffle
-    reaches the written config.yaml as no_shuffle: true, --no-packing as packing: false and
+    and loads in transformers. The same run checks more things end to end: --deterministic
+    (torch's deterministic algorithms and megatron-core's deterministic mode run on the CPU too)
+    and --no-shuffle reach the written config.yaml, --no-packing as packing: false and
     padded microbatches (16 pairs in 2 of 8), and a held-out set of 5 pairs (fewer than the
     global batch of 16) is evaluated at the start and the end."""
     from mcore_dpo.defaults import DEFAULT_EVAL_DATA
@@ -208,13 +224,14 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path, ray_cluster):
     small_eval = tmp_path / "eval5.jsonl"
     small_eval.write_text("".join(Path(DEFAULT_EVAL_DATA).read_text().splitlines(keepends=True)[:5]))
     proc = main_in_process(["--dtype", "bfloat16", "--tp", "2", "--max-steps", "2", "--global-batch-size", "16",
-                            "--micro-batch-size", "8", "--no-shuffle", "--no-packing", "--eval-data", str(small_eval),
-                            "--output-dir", str(out)], cluster=ray_cluster)
+                            "--micro-batch-size", "8", "--no-shuffle", "--no-packing", "--deterministic", "--eval-data",
+                            str(small_eval), "--output-dir", str(out)], cluster=ray_cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
 
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert written["no_shuffle"] is True and written["dtype"] == "bfloat16" and written["packing"] is False
+    assert written["deterministic"] is True
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
     assert [r["microbatches"] for r in records if "loss" in r] == [2.0, 2.0]

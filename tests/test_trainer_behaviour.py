@@ -50,11 +50,20 @@ def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_p
     # The same command again is the same run: allowed (here it is already complete).
     assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
     assert "already complete" in capsys.readouterr().out
-    # Another run (another seed) into it: one line, exit 2, nothing touched.
+    # Another run (another seed) into it, finished or not: one line naming the change with both
+    # ways out, exit 2, nothing touched.
     assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err, err
+    assert len(err.splitlines()) == 1 and str(out) in err, err
+    assert "holds another run: --seed 1234 -> 7;" in err and "--resume-with-changes" in err and "--overwrite" in err, err
     assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 1234
+    # Another model into a finished run's directory is refused the same way, not "already complete".
+    other_model = tmp_path / "model-b"
+    _copy_default_model_with_other_weights(other_model)
+    assert main(["--max-steps", "1", "--model", str(other_model), "--data", _default_data(), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds another run: --model changed" in err, err
+    assert "--resume-with-changes" in err and "--overwrite" in err
     # A directory of unrelated files is refused too.
     other = tmp_path / "other"
     other.mkdir()
@@ -66,6 +75,52 @@ def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_p
     assert main(["--max-steps", "1", "--seed", "7", "--output-dir", str(out), "--overwrite"]) == 0
     assert json.loads((out / "metrics.jsonl").read_text())["seed"] == 7
     assert len(driver_only) == 2
+
+
+def _default_data() -> str:
+    from mcore_dpo import defaults
+
+    return defaults.DEFAULT_TRAIN_DATA
+
+
+def _copy_default_model_with_other_weights(target: Path) -> None:
+    """The tiny default model's directory with the same architecture, file names and sizes, but
+    other weights: only the weights' content tells the two apart."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from mcore_dpo import defaults
+
+    shutil.copytree(defaults.ensure_default_model(), target)
+    for path in target.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: (v + 1e-3 * torch.randn_like(v)).contiguous() for k, v in tensors.items()}, path,
+                  metadata={"format": "pt"})
+
+
+def test_resume_with_changes_continues_another_run_in_its_directory(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["--max-steps", "2", "--seed", "7", "--output-dir", str(out), "--resume-with-changes"]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming despite changes (--resume-with-changes): --seed 1234 -> 7" in printed, printed
+    assert len(driver_only) == 2 and json.loads((out / "metrics.jsonl").read_text())["seed"] == 7
+    # the directory now holds the changed run: its own command continues it without the flag
+    assert main(["--max-steps", "2", "--seed", "7", "--output-dir", str(out)]) == 0
+    assert "already complete at step 2" in capsys.readouterr().out
+
+
+def test_a_refused_or_complete_run_starts_no_ray(tmp_path, capsys, driver_only):
+    out = tmp_path / "run"
+    assert main(["--max-steps", "1", "--output-dir", str(out)]) == 0
+    assert "starting a local Ray cluster" in capsys.readouterr().out
+    for argv, code in ((["--max-steps", "1"], 0), (["--max-steps", "1", "--seed", "7"], 2)):
+        assert main([*argv, "--output-dir", str(out)]) == code
+        captured = capsys.readouterr()
+        assert "starting a local Ray cluster" not in captured.out + captured.err
 
 
 def test_fresh_dirs_never_collide(tmp_path):
@@ -206,5 +261,7 @@ def test_the_same_command_without_output_dir_continues_its_own_directory(tmp_pat
     printed = capsys.readouterr().out
     assert "continuing there" in printed and "already complete at step 1" in printed, printed
     assert len(driver_only) == 1 and len(list((tmp_path / "outputs").iterdir())) == 1
-    assert main(["--max-steps", "2"]) == 0  # another command: a directory of its own
-    assert len(driver_only) == 2 and driver_only[1] != driver_only[0]
+    assert main(["--max-steps", "2"]) == 0  # a larger --max-steps extends the same run, in its directory
+    assert len(driver_only) == 2 and driver_only[1] == driver_only[0]
+    assert main(["--max-steps", "2", "--seed", "7"]) == 0  # another command: a directory of its own
+    assert len(driver_only) == 3 and driver_only[2] != driver_only[0]
