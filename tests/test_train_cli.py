@@ -249,7 +249,7 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path, ray_cluster):
 @pytest.mark.in_fast_tier
 def test_two_steps_in_process_write_metrics_a_checkpoint_and_the_export(ray_cluster, tmp_path):
     """The product's path end to end at world size 1, in this process on the session's Ray
-    cluster and through the real parser: two steps, a checkpoint after step 1, the evaluation at
+    cluster and through the real parser: two steps, a checkpoint after each, the evaluation at
     the start and the end, and an hf/ export that transformers loads (the fast tier's one run)."""
     out = tmp_path / "run"
     done = main_in_process(["--max-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "8",
@@ -262,9 +262,9 @@ def test_two_steps_in_process_write_metrics_a_checkpoint_and_the_export(ray_clus
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]
     first = next(r for r in records if r["step"] == 1 and "loss" in r)
     assert abs(first["loss"] - 0.6931) < 1e-3  # step 1 is measured at the initial weights (policy == reference)
-    # A checkpoint after every step but the last, which ends in the export and the completion mark.
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
-    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000001"]
+    # A checkpoint after each step (`latest` names the final one), the completion mark at step 2.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
     assert json.loads((out / output_dir.COMPLETE_FILE).read_text())["step"] == 2
     from transformers import AutoModelForCausalLM
 

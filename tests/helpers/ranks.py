@@ -251,10 +251,24 @@ def start_forked(target, *, nprocs: int, args_of) -> list:
 
 @launches("ranks")
 def verify(argv: list[str]) -> int:
-    """`checkpoint_convert verify` in this process (it spawns gloo ranks of its own)."""
+    """`checkpoint_convert verify ARGV` in this process. Its ranks (torch.multiprocessing.spawn's
+    fresh interpreters in the command line) fork from the preloaded server here, which saves each
+    rank the imports of torch and megatron-core; they run the same rank function. The command
+    line's own spawn runs in tests/test_terminal_output.py and scripts/gpu_checks.sh's wiring."""
+    import torch.multiprocessing
+
     from checkpoint_convert.__main__ import main
 
-    return main(["verify", *argv])
+    def forked_spawn(fn, args=(), nprocs=1, join=True, **_):
+        assert join, "verify joins its ranks"
+        spawn_processes(fn, nprocs=nprocs, args=args)
+
+    spawn = torch.multiprocessing.spawn
+    torch.multiprocessing.spawn = forked_spawn
+    try:
+        return main(["verify", *argv])
+    finally:
+        torch.multiprocessing.spawn = spawn
 
 
 @launches("ranks")
