@@ -20,8 +20,10 @@ import pytest
 
 from tests.helpers import tiers
 
-# One torch thread per process: the suite spawns many ranks on a 2-core machine.
+# One torch thread per process: the suite spawns many ranks on a 2-core machine. Tokenizers without
+# their thread pool, as the trainer's Ray workers run them (and the session's cluster inherits both).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _has_cuda() -> bool:

@@ -20,15 +20,18 @@ from tests.helpers.reference import REFERENCE_LOSS_TYPES
 
 # Each layout runs a code path the others do not:
 #   (1,1,1) no parallelism: the engine's batching, loss and optimizer alone;
-#   (2,1,1) tensor parallelism alone (vocab-parallel logits and log-probs, no pipeline);
-#   (2,2,1) tp x pp: every loss type through the pipeline's last stage (all_losses);
+#   (2,2,1) tp x pp: vocab-parallel logits and log-probs, every loss type through the pipeline's
+#           last stage (all_losses), every reference mode at tp 2, sequence parallelism;
 #   (1,1,2) data parallelism alone (gradient reduction, dp-sharded optimizer, a rank's eval share);
 #   (2,2,2) tp x pp x dp together, and --ref-mode separate feeding a dp-split policy.
 # Pipeline parallelism without tp runs at pp 4 below (warm-up, steady-state interleaving and
-# carrying, every reference mode); a separate pp-2 layout would repeat that path.
-# (Sequence-parallel jobs join the tp-2 launches, and (2,2,2) runs each pair of (family, mode,
-# loss) once: tests/helpers/parity.py's layout_jobs.)
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)]
+# carrying, every reference mode); a separate pp-2 layout would repeat that path. Tensor
+# parallelism without a pipeline ((2,1,1), formerly a launch of its own) repeats paths run
+# elsewhere: the vocab-parallel logits, log-probs and every reference mode at tp 2 run at (2,2,1); one stage holding the embedding and the output layer runs at (1,1,1) and
+# (1,1,2), and with tp 2 and tied embeddings in tests/test_moe.py's (2,1,1) Mixtral job (every
+# gradient and weight checked), beside sequence parallelism without a pipeline there.
+# ((2,2,2) runs each pair of (family, mode, loss) once: tests/helpers/parity.py's layout_jobs.)
+LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 1, 2), (2, 2, 2)]
 
 
 def test_reference_has_a_formula_for_every_loss_type():

@@ -96,7 +96,7 @@ def test_impossible_resources_fail_within_a_bounded_wait():
             with pytest.raises(ray_workers.WorkerGroupError) as caught:
                 ray_workers.create_group(
                     role="policy", world_size=4, tp=2, pp=2, dp=1, factory=dict,
-                    kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False, placement_timeout_s=5,
+                    kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False, placement_timeout_s=2,
                 )
             elapsed = time.monotonic() - t0
     finally:
@@ -150,7 +150,7 @@ def test_a_stuck_peer_ends_in_an_error_naming_it(tmp_path, ray_cluster):
     --timeout-s and the run ends with a message naming the stage, the transfer and the peer."""
     t0 = time.monotonic()
     result = _train(["--pp", "2", "--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
-                     "--timeout-s", "10", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], cluster=ray_cluster,
+                     "--timeout-s", "5", "--output-dir", str(tmp_path / "run"), "--no-export-hf"], cluster=ray_cluster,
                     fault="hang:2")
     assert result.returncode not in (0, None)
     last = result.stderr.strip().splitlines()[-1]

@@ -30,11 +30,6 @@ def test_no_two_seed_epoch_pairs_share_a_data_order():
 # ----------------------------------------------------------------------------- resume identity
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_hf(llama_gqa_untied(), tmp_path_factory.mktemp("model") / "hf")
-
-
 def _config(tmp_path: Path, model_dir: Path, **changes) -> TrainConfig:
     data = tmp_path / "prefs.jsonl"
     if not data.exists():
@@ -42,8 +37,8 @@ def _config(tmp_path: Path, model_dir: Path, **changes) -> TrainConfig:
     return replace(TrainConfig(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out")), **changes)
 
 
-def test_resume_identity_names_each_change(tmp_path, model_dir):
-    base = _config(tmp_path, model_dir)
+def test_resume_identity_names_each_change(tmp_path, hf_llama):
+    base = _config(tmp_path, hf_llama)
     saved = resume_check.run_identity(base)
     assert resume_check.changes(saved, resume_check.run_identity(base)) == []
     # the layout, max_steps and logging may change on resume
@@ -100,18 +95,18 @@ def _save_with_fake_group(tmp_path, model_dir, **config_changes):
     return final
 
 
-def test_checkpoint_layer_spec_comes_from_the_workers(tmp_path, model_dir, monkeypatch):
+def test_checkpoint_layer_spec_comes_from_the_workers(tmp_path, hf_llama, monkeypatch):
     """A driver that sees Transformer Engine (the workers do not) still writes the workers' spec."""
     import mcore_dpo.platform
 
     monkeypatch.setattr(mcore_dpo.platform, "transformer_engine_available", lambda: True)
-    final = _save_with_fake_group(tmp_path, model_dir)
+    final = _save_with_fake_group(tmp_path, hf_llama)
     for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
         assert json.loads((final / kind / "mcore_checkpoint.json").read_text())["layer_spec"] == "local"
 
 
 @pytest.mark.parametrize("trust", [False, True])
-def test_custom_code_is_carried_only_with_trust_remote_code(tmp_path, model_dir, trust):
+def test_custom_code_is_carried_only_with_trust_remote_code(tmp_path, hf_llama, trust):
     custom = tmp_path / "custom_model"
     save_hf(llama_gqa_untied(), custom)
     (custom / "modeling_custom.py").write_text("raise SystemExit('custom code ran')\n")
@@ -138,13 +133,13 @@ def test_wandb_is_off_without_the_flag_even_with_an_api_key(tmp_path, monkeypatc
     assert not (tmp_path / "wandb").exists()
 
 
-def test_wandb_project_needs_the_wandb_flag(model_dir, tmp_path):
-    data = _config(tmp_path, model_dir).data
+def test_wandb_project_needs_the_wandb_flag(hf_llama, tmp_path):
+    data = _config(tmp_path, hf_llama).data
     with pytest.raises(ConfigError, match="wandb_project: given without --wandb"):
-        resolve(["--model", str(model_dir), "--data", data, "--wandb-project", "p"])
-    config, _ = resolve(["--model", str(model_dir), "--data", data, "--wandb", "--wandb-project", "p"])
+        resolve(["--model", str(hf_llama), "--data", data, "--wandb-project", "p"])
+    config, _ = resolve(["--model", str(hf_llama), "--data", data, "--wandb", "--wandb-project", "p"])
     assert config.wandb and config.wandb_project == "p"
-    assert not resolve(["--model", str(model_dir), "--data", data])[0].wandb
+    assert not resolve(["--model", str(hf_llama), "--data", data])[0].wandb
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -43,11 +43,6 @@ MEGATRON_LM_CHECKPOINT_ARGS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    return save_hf(llama_gqa_untied(), tmp_path_factory.mktemp("td") / "llama")
-
-
 def _same_hf(a: Path, b: Path) -> None:
     source, back = open_hf_dir(a), open_hf_dir(b)
     assert back.names == source.names
@@ -64,9 +59,9 @@ def _common(directory: Path) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def test_writes_megatron_lm_layout_with_hf_files(tmp_path, llama_dir):
+def test_writes_megatron_lm_layout_with_hf_files(tmp_path, hf_llama):
     out = tmp_path / "td"
-    convert.hf_to_mcore(llama_dir, out, tp=2, pp=2, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, out, tp=2, pp=2, fmt="torch_dist", **QUIET)
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     release = out / "release"
     names = {p.name for p in release.iterdir()}
@@ -75,7 +70,7 @@ def test_writes_megatron_lm_layout_with_hf_files(tmp_path, llama_dir):
     assert json.loads((release / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     common = _common(out)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
-    assert json.loads((release / "hf_files" / "config.json").read_text()) == json.loads((llama_dir / "config.json").read_text())
+    assert json.loads((release / "hf_files" / "config.json").read_text()) == json.loads((hf_llama / "config.json").read_text())
     assert (release / "hf_files" / "tokenizer.json").is_file()
     keys = set(DcpReader(release).tensors)
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys  # TE norm names, stacked
@@ -248,14 +243,14 @@ def test_torch_dist_and_safetensors_formats_convert_into_each_other_identically(
     assert _common(tmp_path / "td_pp4")["args"].pipeline_model_parallel_size == 4
 
 
-def test_reads_other_writers_key_variants(tmp_path, llama_dir):
+def test_reads_other_writers_key_variants(tmp_path, hf_llama):
     """A checkpoint whose model keys carry a wrapper prefix ('module.'), per-layer keys
     (decoder.layers.N....) with local-spec norm names, and optimizer entries beside the model,
     with no HF files: read with --hf-config, it converts back bit-exactly."""
     from checkpoint_convert.dcp import DcpWriter
 
     td = tmp_path / "td"
-    convert.hf_to_mcore(llama_dir, td, tp=2, pp=1, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=2, pp=1, fmt="torch_dist", **QUIET)
     source = DcpReader(td / "release")
     variant = tmp_path / "variant" / "iter_0000007"
     variant.mkdir(parents=True)
@@ -279,8 +274,8 @@ def test_reads_other_writers_key_variants(tmp_path, llama_dir):
     del common["args"].vocab_size
     torch.save({**common, "iteration": 7}, variant / "common.pt")
     (tmp_path / "variant" / "latest_checkpointed_iteration.txt").write_text("7")
-    convert.mcore_to_hf_dir(tmp_path / "variant", tmp_path / "back", hf_config_dir=llama_dir, **QUIET)
-    _same_hf(llama_dir, tmp_path / "back")
+    convert.mcore_to_hf_dir(tmp_path / "variant", tmp_path / "back", hf_config_dir=hf_llama, **QUIET)
+    _same_hf(hf_llama, tmp_path / "back")
     # An unmapped model tensor is an error, not silently dropped.
     writer = DcpWriter(variant)
     for key in source.tensors:
@@ -290,7 +285,7 @@ def test_reads_other_writers_key_variants(tmp_path, llama_dir):
     writer.write_chunk("decoder.layers.self_attention.q_layernorm.weight", torch.ones(4, 4), offsets=(0, 0), file="__0_0.distcp")
     writer.finish()
     with pytest.raises(ConversionError, match="q_layernorm.weight' is not part of"):
-        open_mcore_dir(tmp_path / "variant", hf_config_dir=llama_dir)
+        open_mcore_dir(tmp_path / "variant", hf_config_dir=hf_llama)
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,21 +302,21 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_cli_writes_reshards_verifies_and_exports_torch_dist(tmp_path, llama_dir, capsys):
+def test_cli_writes_reshards_verifies_and_exports_torch_dist(tmp_path, hf_llama, capsys):
     td, td2, back = tmp_path / "td", tmp_path / "td2", tmp_path / "back"
-    code, _, err = _cli(capsys, "hf-to-mcore", "--hf-dir", str(llama_dir), "--out", str(td), "--tp", "2", "--pp", "2", "--format", "torch_dist")
+    code, _, err = _cli(capsys, "hf-to-mcore", "--hf-dir", str(hf_llama), "--out", str(td), "--tp", "2", "--pp", "2", "--format", "torch_dist")
     assert code == 0, err
     code, _, err = _cli(capsys, "reshard", "--mcore-dir", str(td), "--out", str(td2), "--tp", "1", "--pp", "4", "--format", "torch_dist")
     assert code == 0, err
     assert _common(td2)["args"].pipeline_model_parallel_size == 4
-    code = verify(["--hf-dir", str(llama_dir), "--mcore-dir", str(td2), "--atol", "1e-5"])  # spawns its ranks
+    code = verify(["--hf-dir", str(hf_llama), "--mcore-dir", str(td2), "--atol", "1e-5"])  # spawns its ranks
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert code == 0, err
     assert "max |dlogit|" in out
     code, _, err = _cli(capsys, "mcore-to-hf", "--mcore-dir", str(td2), "--out", str(back))
     assert code == 0, err
-    _same_hf(llama_dir, back)
+    _same_hf(hf_llama, back)
 
 
 def _bad(capsys, *argv: str) -> str:
@@ -332,9 +327,9 @@ def _bad(capsys, *argv: str) -> str:
     return err
 
 
-def test_truncated_chunk_file_and_bad_tracker_are_one_line_errors(tmp_path, llama_dir, capsys):
+def test_truncated_chunk_file_and_bad_tracker_are_one_line_errors(tmp_path, hf_llama, capsys):
     td = tmp_path / "td"
-    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     chunk = td / "release" / "__0_0.distcp"
     chunk.write_bytes(chunk.read_bytes()[:-100])
     err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
@@ -360,13 +355,13 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_singleton_local_shards_layout_is_one_line(tmp_path, llama_dir, capsys):
+def test_singleton_local_shards_layout_is_one_line(tmp_path, hf_llama, capsys):
     """megatron-core's singleton_local_shards layout splits each fc1 into weight_w / weight_v
     (per-layer keys): not read, and said so in one line."""
     from checkpoint_convert.dcp import DcpWriter
 
     td = tmp_path / "td"
-    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     source = DcpReader(td / "release")
     variant = tmp_path / "variant" / "release"
     variant.mkdir(parents=True)
@@ -384,13 +379,13 @@ def test_singleton_local_shards_layout_is_one_line(tmp_path, llama_dir, capsys):
     writer.finish()
     (tmp_path / "variant" / "latest_checkpointed_iteration.txt").write_text("release")
     err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(tmp_path / "variant"), "--out", str(tmp_path / "back"),
-               "--hf-config", str(llama_dir))  # fmt: skip
+               "--hf-config", str(hf_llama))  # fmt: skip
     assert "singleton_local_shards" in err and not (tmp_path / "back").exists()
 
 
-def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir, capsys):
+def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, hf_llama, capsys):
     td, marker = tmp_path / "td", tmp_path / "PWNED"
-    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     (td / "release" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
     assert ".metadata" in err and "'posix.system'" in err and "refusing" in err
@@ -398,9 +393,9 @@ def test_code_in_metadata_pickle_is_refused_and_never_runs(tmp_path, llama_dir, 
     assert not (tmp_path / "back").exists()
 
 
-def test_code_in_common_pt_is_refused_and_never_runs(tmp_path, llama_dir, capsys):
+def test_code_in_common_pt_is_refused_and_never_runs(tmp_path, hf_llama, capsys):
     td, marker = tmp_path / "td", tmp_path / "PWNED"
-    convert.hf_to_mcore(llama_dir, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
     common = _common(td)
     common["args"].evil = _RunsCode(marker)
     torch.save(common, td / "release" / "common.pt")
@@ -429,9 +424,9 @@ def _resave_in_megatron_core_019_layout(source: Path, out: Path, common: object)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_reads_the_common_state_object_of_megatron_core_019(tmp_path, llama_dir, capsys):
+def test_reads_the_common_state_object_of_megatron_core_019(tmp_path, hf_llama, capsys):
     td = tmp_path / "td"
-    convert.hf_to_mcore(llama_dir, td, tp=2, pp=2, fmt="torch_dist", **QUIET)
+    convert.hf_to_mcore(hf_llama, td, tp=2, pp=2, fmt="torch_dist", **QUIET)
     common = {**_common(td), "iteration": 100}
     new = tmp_path / "megatron019"
     iteration = _resave_in_megatron_core_019_layout(td, new, common)
@@ -442,8 +437,8 @@ def test_reads_the_common_state_object_of_megatron_core_019(tmp_path, llama_dir,
     back = tmp_path / "back"
     code, _, err = _cli(capsys, "mcore-to-hf", "--mcore-dir", str(new), "--out", str(back))
     assert code == 0, err
-    source, exported = open_hf_dir(llama_dir), open_hf_dir(back)
-    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    source, exported = open_hf_dir(hf_llama), open_hf_dir(back)
+    vocab = json.loads((hf_llama / "config.json").read_text())["vocab_size"]
     for name in source.names:
         got, want = exported.get(name), source.get(name)
         if got.shape != want.shape:

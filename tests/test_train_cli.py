@@ -17,14 +17,8 @@ from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve
 from mcore_dpo.train import main
 from mcore_dpo import output_dir
 from tests.helpers.cli import command_env, run_train
-from tests.helpers.models import llama_gqa_untied, save_hf
+from tests.helpers.models import save_hf
 from tests.helpers.ray_runs import main_in_process
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory) -> Path:
-    # 8 heads, 4 query groups, 4 layers, vocab 100
-    return save_hf(llama_gqa_untied(), tmp_path_factory.mktemp("cli") / "llama")
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +52,12 @@ def _run_bad(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_heads_not_divisible_by_tp(capsys, hf_model, good_data, tmp_path):
-    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--tp", "3", "--output-dir", str(tmp_path / "o")])
+def test_heads_not_divisible_by_tp(capsys, hf_llama, good_data, tmp_path):
+    err = _run_bad(capsys, ["--model", str(hf_llama), "--data", str(good_data), "--tp", "3", "--output-dir", str(tmp_path / "o")])
     assert "config.json" in err and ("num_attention_heads" in err or "num_key_value_heads" in err), err
 
 
-def test_query_groups_not_divisible_by_tp(capsys, hf_model, good_data, tmp_path):
+def test_query_groups_not_divisible_by_tp(capsys, hf_llama, good_data, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -73,42 +67,42 @@ def test_query_groups_not_divisible_by_tp(capsys, hf_model, good_data, tmp_path)
     assert "num_key_value_heads" in err, err
 
 
-def test_fewer_layers_than_pipeline_stages(capsys, hf_model, good_data, tmp_path):
-    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--pp", "5", "--output-dir", str(tmp_path / "o")])
+def test_fewer_layers_than_pipeline_stages(capsys, hf_llama, good_data, tmp_path):
+    err = _run_bad(capsys, ["--model", str(hf_llama), "--data", str(good_data), "--pp", "5", "--output-dir", str(tmp_path / "o")])
     assert "num_hidden_layers" in err or "pp" in err, err
 
 
-def test_unsupported_architecture(capsys, hf_model, good_data, tmp_path):
-    model = _edit_config(hf_model, tmp_path / "m", architectures=["GPT2LMHeadModel"])
+def test_unsupported_architecture(capsys, hf_llama, good_data, tmp_path):
+    model = _edit_config(hf_llama, tmp_path / "m", architectures=["GPT2LMHeadModel"])
     err = _run_bad(capsys, ["--model", str(model), "--data", str(good_data), "--output-dir", str(tmp_path / "o")])
     assert "GPT2LMHeadModel" in err and "config.json" in err, err
 
 
-def test_grouped_gemm_experts_on_a_dense_model(capsys, hf_model, good_data, tmp_path):
-    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--moe-grouped-gemm", "--output-dir", str(tmp_path / "o")])
-    assert err.endswith(f"moe_grouped_gemm: {hf_model / 'config.json'} describes a dense model (no experts)"), err
+def test_grouped_gemm_experts_on_a_dense_model(capsys, hf_llama, good_data, tmp_path):
+    err = _run_bad(capsys, ["--model", str(hf_llama), "--data", str(good_data), "--moe-grouped-gemm", "--output-dir", str(tmp_path / "o")])
+    assert err.endswith(f"moe_grouped_gemm: {hf_llama / 'config.json'} describes a dense model (no experts)"), err
 
 
-def test_data_row_without_chosen(capsys, hf_model, tmp_path):
+def test_data_row_without_chosen(capsys, hf_llama, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "w3", "chosen": " w4", "rejected": " w5"}) + "\n"
                     + json.dumps({"prompt": "w3", "rejected": " w5"}) + "\n")
-    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(data), "--output-dir", str(tmp_path / "o")])
+    err = _run_bad(capsys, ["--model", str(hf_llama), "--data", str(data), "--output-dir", str(tmp_path / "o")])
     assert "bad.jsonl:2" in err and "chosen" in err, err
 
 
-def test_eval_data_without_a_usable_pair(capsys, hf_model, good_data, tmp_path):
+def test_eval_data_without_a_usable_pair(capsys, hf_llama, good_data, tmp_path):
     """Every held-out prompt fills --max-length: one line before any worker starts, not an
     error from the workers after they started."""
     eval_data = tmp_path / "eval.jsonl"
     eval_data.write_text(json.dumps({"prompt": "w3 w4 w5 w6", "chosen": " w7", "rejected": " w8"}) + "\n")
-    err = _run_bad(capsys, ["--model", str(hf_model), "--data", str(good_data), "--eval-data", str(eval_data),
+    err = _run_bad(capsys, ["--model", str(hf_llama), "--data", str(good_data), "--eval-data", str(eval_data),
                             "--max-length", "4", "--global-batch-size", "8", "--output-dir", str(tmp_path / "o")])
     assert "eval.jsonl: no usable pairs" in err and "max_length 4" in err, err
 
 
-def test_tokenizer_larger_than_model_vocabulary(capsys, hf_model, good_data, tmp_path):
-    model = _edit_config(hf_model, tmp_path / "m")
+def test_tokenizer_larger_than_model_vocabulary(capsys, hf_llama, good_data, tmp_path):
+    model = _edit_config(hf_llama, tmp_path / "m")
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(model / "model.safetensors"))

@@ -7,26 +7,30 @@ is 1) and the policy group's --ref-mode precomputed table.
 The reference side is a single-process Hugging Face forward written here from the definition
 (sum of log p(token | prefix) over the completion tokens), not the engine's own functions.
 
-The same Ray session also checks how the driver finds ranks that do not share its output
-directory (each rank reads a token file the driver wrote).
+The workers run as real gloo ranks (tests/helpers/ranks.py), built as the driver's worker group
+builds them. A Ray worker group on the session's cluster checks how the driver finds ranks that
+do not share its output directory (each rank reads a token file the driver wrote).
 """
 
 from __future__ import annotations
 
+import json
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.ranks import spawn_ranks
 from tests.helpers.ray_runs import joined
 
 NUM_PAIRS = 41
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory, ray_cluster):
-    """The driver's preparation of a pp-2 run on 41 pairs; this module's tests are a driver of the
-    session's Ray cluster (the default model comes from the session's MCORE_DPO_CACHE)."""
+def prepared(tmp_path_factory):
+    """The driver's preparation of a pp-2 run on 41 pairs (the default model comes from the
+    session's MCORE_DPO_CACHE)."""
     from mcore_dpo import defaults
     from mcore_dpo.config import TrainConfig
     from mcore_dpo.run import prepare
@@ -38,8 +42,7 @@ def prepared(tmp_path_factory, ray_cluster):
                          ref_pp=2, ref_dp=1, output_dir=str(root / "out"), timeout_s=60)
     prep = prepare(config)
     assert len(prep.train_pairs) == NUM_PAIRS
-    with joined(ray_cluster):
-        yield prep
+    return prep
 
 
 def _hf_reference_logps(model_dir: str, pairs) -> torch.Tensor:
@@ -58,80 +61,92 @@ def _hf_reference_logps(model_dir: str, pairs) -> torch.Tensor:
     return table
 
 
-def _start(role: str, factory, prep, *, pp: int, dp: int):
-    """A worker group of `factory` ranks at tp 1 (what the driver starts for a role)."""
-    from mcore_dpo import ray_workers
+def _worker_rank(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    """One rank of the worker group of `job["role"]` (what the driver starts for a role): the
+    reference's table of the pairs, or the policy's precomputed table and an evaluation against
+    it; a rank with a result writes it."""
+    (job,) = jobs
+    try:
+        from safetensors.torch import save_file
 
-    return ray_workers.create_group(
-        role=role, world_size=pp * dp, tp=1, pp=pp, dp=dp, factory=factory,
-        kwargs_of_rank=lambda rank, addr, port: dict(config=prep.config, spec=prep.spec, pad_token_id=prep.pad_token_id,
-                                                     rank=rank, master_addr=addr, master_port=port),
-        use_gpus=False, placement_timeout_s=300,
-    )  # fmt: skip
+        from mcore_dpo.worker import PolicyWorker, ReferenceWorker
+
+        factory = {"ref": ReferenceWorker, "policy": PolicyWorker}[job["role"]]
+        worker = factory(config=job["config"], spec=job["spec"], pad_token_id=job["pad_token_id"], rank=rank,
+                         master_addr="127.0.0.1", master_port=port)
+        if job["role"] == "ref":
+            table = worker.reference_logps(job["pairs"])
+            if table is not None:
+                save_file({"table": table.contiguous()}, str(Path(out_dir, f"result_rank{rank}.safetensors")))
+        else:
+            worker.precompute_reference(job["pairs"], job["pairs"])
+            metrics = worker.evaluate(job["pairs"])
+            if metrics is not None:
+                Path(out_dir, f"result_rank{rank}.json").write_text(json.dumps(metrics))
+        worker.shutdown()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
 
 
-def _one(results):
-    found = [r for r in results if r is not None]
-    assert len(found) == 1
-    return found[0]
+def _run_group(role: str, prep, out_dir: Path, *, pp: int, dp: int) -> Path:
+    """The group's ranks at tp 1; the one result file (exactly one rank returns a result)."""
+    job = {"role": role, "config": prep.config, "spec": prep.spec, "pad_token_id": prep.pad_token_id,
+           "pairs": prep.train_pairs}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spawn_ranks(_worker_rank, world_size=pp * dp, jobs=[job], out_dir=out_dir)
+    (found,) = sorted(out_dir.glob("result_rank*"))
+    return found
 
 
 @pytest.mark.parametrize("ref_dp", [1, 2])
-def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp):
+def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp, tmp_path):
     from dataclasses import replace
 
+    from safetensors.torch import load_file
+
     from mcore_dpo.run import Prepared
-    from mcore_dpo.worker import ReferenceWorker
 
     config = replace(prepared.config, ref_dp=ref_dp)
     prep = Prepared(**{**prepared.__dict__, "config": config})
-    group = _start("ref", ReferenceWorker, prep, pp=2, dp=ref_dp)
-    try:
-        table = _one(group.call("reference_logps", prep.train_pairs, timeout_s=300))
-    finally:
-        group.stop()
+    table = load_file(str(_run_group("ref", prep, tmp_path, pp=2, dp=ref_dp)))["table"]
     expected = _hf_reference_logps(config.model, prep.train_pairs)
     assert table.shape == (NUM_PAIRS, 2)
     err = (table.double() - expected).abs().max().item()
     assert err <= 1e-5 * expected.abs().max().item(), err
 
 
-def test_precomputed_reference_at_pp2_on_unaligned_data(prepared):
+def test_precomputed_reference_at_pp2_on_unaligned_data(prepared, tmp_path):
     """The policy group's one-off reference pass over 41 pairs (train and held-out) at pp 2.
     Policy and reference start as the same weights, so every reward of an evaluation against
     the precomputed table is zero: a row of the table that belonged to another pair would not be."""
     from dataclasses import replace
 
     from mcore_dpo.run import Prepared
-    from mcore_dpo.worker import PolicyWorker
 
     config = replace(prepared.config, ref_mode="precomputed")
     prep = Prepared(**{**prepared.__dict__, "config": config})
-    group = _start("policy", PolicyWorker, prep, pp=2, dp=1)
-    try:
-        group.call("precompute_reference", prep.train_pairs, prep.train_pairs, timeout_s=300)
-        metrics = _one(group.call("evaluate", prep.train_pairs, timeout_s=300))
-    finally:
-        group.stop()
+    metrics = json.loads(_run_group("policy", prep, tmp_path, pp=2, dp=1).read_text())
     scale = config.beta * max(abs(metrics["eval/logps/chosen"]), abs(metrics["eval/logps/rejected"]))
     for key in ("eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margins"):
         assert abs(metrics[key]) <= 1e-5 * scale, (key, metrics[key], scale)
 
 
-def test_ranks_read_the_drivers_token_file(prepared, tmp_path):
+def test_ranks_read_the_drivers_token_file(ray_cluster, tmp_path):
     from mcore_dpo import ray_workers
 
-    group = ray_workers.create_group(role="probe", world_size=2, tp=1, pp=1, dp=2, factory=dict,
-                                     kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False,
-                                     placement_timeout_s=120)
-    try:
-        token = tmp_path / ".output-dir-token"
-        token.write_text("abc\n")
-        assert ray_workers.ranks_not_seeing(group, path=str(token), text="abc\n") == []
-        # what a rank on a node without this directory reports: another text, or none
-        missing = ray_workers.ranks_not_seeing(group, path=str(token), text="xyz\n")
-        assert [name for name, _ in missing] == group.names
-        assert all(node == group.processes[i]["node_ip"] for i, (_, node) in enumerate(missing))
-        assert len(ray_workers.ranks_not_seeing(group, path=str(tmp_path / "absent"), text="abc\n")) == 2
-    finally:
-        group.stop()
+    with joined(ray_cluster):
+        group = ray_workers.create_group(role="probe", world_size=2, tp=1, pp=1, dp=2, factory=dict,
+                                         kwargs_of_rank=lambda rank, addr, port: {}, use_gpus=False,
+                                         placement_timeout_s=120)
+        try:
+            token = tmp_path / ".output-dir-token"
+            token.write_text("abc\n")
+            assert ray_workers.ranks_not_seeing(group, path=str(token), text="abc\n") == []
+            # what a rank on a node without this directory reports: another text, or none
+            missing = ray_workers.ranks_not_seeing(group, path=str(token), text="xyz\n")
+            assert [name for name, _ in missing] == group.names
+            assert all(node == group.processes[i]["node_ip"] for i, (_, node) in enumerate(missing))
+            assert len(ray_workers.ranks_not_seeing(group, path=str(tmp_path / "absent"), text="abc\n")) == 2
+        finally:
+            group.stop()

@@ -30,6 +30,7 @@ class LocalCluster:
     cluster: object  # ray.cluster_utils.Cluster
     nodes: list  # the nodes added beside the head (Cluster.add_node's)
     reaper: object
+    environ: dict  # this process's environment when the cluster started: its workers' environment
 
     @property
     def address(self) -> str:
@@ -50,21 +51,28 @@ def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node
 
     from mcore_dpo import reaper
 
+    environ = dict(os.environ)
     before = reaper.children_of(os.getpid())
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
     added = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(nodes)]
     if added:
         cluster.wait_for_nodes()
-    return LocalCluster(cluster=cluster, nodes=added, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before))
+    return LocalCluster(cluster=cluster, nodes=added, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before),
+                        environ=environ)
 
 
-def _worker_env(env: dict | None) -> dict:
-    """What every worker of an in-process run sees beyond the cluster's environment."""
-    out = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+def _runtime_env(cluster: LocalCluster, env: dict | None) -> dict | None:
+    """The job's runtime environment: the variables a run's workers need (what
+    mcore_dpo.ray_workers.connect gives a local cluster's, this process's MCORE_DPO_CACHE, and
+    `env`) where the cluster's own environment differs; None when it already holds them all (a
+    runtime environment costs every worker group a second or so to set up)."""
+    wanted = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if os.environ.get("MCORE_DPO_CACHE"):
-        out["MCORE_DPO_CACHE"] = os.environ["MCORE_DPO_CACHE"]
-    out.update(env or {})
-    return out
+        wanted["MCORE_DPO_CACHE"] = os.environ["MCORE_DPO_CACHE"]
+    wanted.update(env or {})
+    if all(cluster.environ.get(name) == value for name, value in wanted.items()):
+        return None
+    return {"env_vars": wanted}
 
 
 @contextmanager
@@ -73,8 +81,7 @@ def joined(cluster: LocalCluster, env: dict | None = None):
     import ray
 
     assert not ray.is_initialized(), "this process is connected to Ray already"
-    ray.init(address=cluster.address, runtime_env={"env_vars": _worker_env(env)}, log_to_driver=True,
-             configure_logging=False)
+    ray.init(address=cluster.address, runtime_env=_runtime_env(cluster, env), log_to_driver=True, configure_logging=False)
     try:
         yield
     finally:
