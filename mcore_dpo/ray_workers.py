@@ -29,6 +29,9 @@ from mcore_dpo import platform, reaper
 platform.quiet_known_warnings()
 
 
+ROOT_CAUSE_WAIT_S = 5.0  # how long a rank's error waits for a peer's death to be reported instead
+
+
 class WorkerGroupError(RuntimeError):
     """A worker failed; str() names the role, the rank and the worker's error."""
 
@@ -139,12 +142,32 @@ class WorkerGroup:
                 try:
                     results[i] = ray.get(ref)
                 except (RayTaskError, RayActorError, RayError) as error:
+                    i, error = self._root_failure(i, error, pending)
                     self.stop()
                     raise WorkerGroupError(f"{self.names[i]} failed: {_first_line(error)}") from None
             if deadline is not None and time.monotonic() > deadline and pending:
                 self.stop()
                 raise WorkerGroupError(f"{self.role}: no answer within {timeout_s:.0f} s from {self.names[next(iter(pending.values()))]}")
         return results
+
+    def _root_failure(self, index: int, error: BaseException, pending: dict) -> tuple[int, BaseException]:
+        """The failure to report: a rank whose process died is the cause, and its peers' errors
+        (a transfer with it failing) the consequence, which may arrive first. When the first
+        failure is not a death, the other ranks get ROOT_CAUSE_WAIT_S to show one."""
+        if isinstance(error, RayActorError) or not pending:
+            return index, error
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+        while pending and time.monotonic() < deadline:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except RayActorError as died:
+                    return i, died
+                except RayError:
+                    pass
+        return index, error
 
     def stop(self) -> None:
         for actor in self.actors:
