@@ -16,6 +16,12 @@ from dataclasses import dataclass
 if not (sys.stdout.isatty() and sys.stderr.isatty()):
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A task or actor that asks for no GPU keeps the GPUs its node's processes see, as Ray 2.60 does by
+# default; older releases (2.50 among them) empty CUDA_VISIBLE_DEVICES for it instead and print a
+# FutureWarning at ray.init saying so. Every release in setup.py's range then behaves alike and
+# prints nothing. The ranks ask for a GPU whenever the cluster has one, so of this project's tasks
+# only the rendezvous one (bundle 0's address and a port) is affected.
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
