@@ -317,6 +317,30 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def use_rope_fusion(platform: Platform, *, use_te: bool) -> bool:
+    """Whether the model applies RoPE with Transformer Engine's fused kernels
+    (`apply_rope_fusion`): on a GPU with the Transformer Engine spec, when megatron-core found
+    both of TE's kernels (padded rows and the packed THD layout). Unfused, megatron-core's THD
+    RoPE loops over the sequences of a packed row in Python and reads their lengths off the
+    device (`.tolist()`) in every layer, a host sync per layer. Local spec and CPU: unfused."""
+    if not (use_te and platform.is_cuda):
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host: on a GPU, copied from pinned memory
+    with `non_blocking` (a copy from pageable memory waits for the GPU); already there (the
+    CPU), the tensor itself."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def te_grouped_linear_available() -> bool:
     """True when megatron-core has its Transformer Engine grouped linear, which its grouped GEMM
     experts (TEGroupedMLP) are made of: Transformer Engine imports and is 1.9 or newer."""
