@@ -8,8 +8,10 @@ executor's compute ops (`pipeline._policy_forward`, `_policy_backward`, `_refere
 which on the last stage include the per-microbatch loss), it refuses those calls on any tensor.
 Host-side bookkeeping belongs before the ops (`StageContext.stage_inputs`, `MoeStep.begin`) or
 after them (the metrics at the step's end, read once per step). Point-to-point calls other than
-the plan's own transfers are refused there too: a message outside the plan is one the plan
-validator never sees.
+the plan's own transfers are refused anywhere in the job: every batch_isend_irecv comes from
+the executor's `transfer` (holding exactly its plan op's parts and their riders) or the
+start-up `warm_up_links`, and no lone send or receive is posted. A message outside the plan is
+one the plan validator never sees.
 
 Sites inside megatron-core that read the device by design are listed in `ALLOWED` with the
 reason; the guard records each hit of them instead of failing, and the test checks which paths
@@ -56,7 +58,11 @@ class Guard:
         self.depth = 0
         self.op = ""
         self.allowed_hits: dict[str, int] = {}
-        self.plan_transfers = 0  # batch_isend_irecv calls outside the compute ops
+        self.transfers = 0  # the executor's transfer ops run
+        self.riders = 0  # tensors that rode on them (the MoE aux counts)
+        self.channel: str | None = None  # inside pipeline.transfer or warm_up_links
+        self.expected: int | None = None  # messages the transfer's batch must hold
+        self.in_batch = False
         self.first_transfers: list[list[tuple[str, int]]] = []
         self.collect = False  # record the reads instead of raising at the first (to list them all)
         self.reads: dict[str, int] = {}
@@ -136,24 +142,60 @@ def _patch_tensor_methods(guard: Guard) -> None:
 
 
 def _patch_p2p(guard: Guard) -> None:
+    """Point-to-point messages only in the executor's transfers (one batch_isend_irecv per plan
+    transfer op, holding its parts and their riders) and in the start-up warm-up."""
+    from mcore_dpo import pipeline, worker
+    from mcore_dpo.plan import OpKind
+
+    policy_kinds = (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
+    transfer, warm_up = pipeline.transfer, pipeline.warm_up_links
+
+    def guarded_transfer(ctx, op):
+        parts = op.parts if op.kind is OpKind.P2P else (op,)
+        riders = sum(part.kind in policy_kinds for part in parts) if ctx.riders is not None else 0
+        guard.channel, guard.expected = "transfer", len(parts) + riders
+        guard.transfers += 1
+        guard.riders += riders
+        try:
+            return transfer(ctx, op)
+        finally:
+            guard.channel = None
+
+    def guarded_warm_up(mesh, **kwargs):
+        guard.channel, guard.expected = "warm_up", None
+        try:
+            return warm_up(mesh, **kwargs)
+        finally:
+            guard.channel = None
+
+    pipeline.transfer, pipeline.warm_up_links = guarded_transfer, guarded_warm_up
+    worker.warm_up_links = guarded_warm_up  # imported by name there
     for name in _P2P:
         original = getattr(dist, name)
 
         def p2p(*args, _original=original, _name=name, **kwargs):
-            if guard.depth:
-                message = (f"point-to-point dist.{_name} in {guard.op}, outside the plan's transfers "
+            batch = _name == "batch_isend_irecv"
+            if guard.depth or (guard.channel is None if batch else not guard.in_batch):
+                where = f"in {guard.op}" if guard.depth else "outside"
+                message = (f"point-to-point dist.{_name} {where}, not a transfer of the plan "
                            f"(at {':'.join(map(str, _caller()[:2]))})")
                 if not guard.collect:
                     raise HostReadError(message)
                 guard.reads[message] = guard.reads.get(message, 0) + 1
-            if _name == "batch_isend_irecv":
-                guard.plan_transfers += 1
-                if not guard.first_transfers:
-                    guard.first_transfers.append([(op.op.__name__, op.peer) for op in args[0]])
-            return _original(*args, **kwargs)
+            if not batch:
+                return _original(*args, **kwargs)
+            ops = args[0] if args else kwargs["p2p_op_list"]
+            if guard.expected is not None and len(ops) != guard.expected:
+                raise HostReadError(f"a transfer posted {len(ops)} messages, its plan op and riders {guard.expected}")
+            if not guard.first_transfers:
+                guard.first_transfers.append([(op.op.__name__, op.peer) for op in ops])
+            guard.in_batch = True
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                guard.in_batch = False
 
         p2p.__name__ = name  # what a recorded P2POp names
-
         setattr(dist, name, p2p)
         # P2POp accepts only the isend/irecv that distributed_c10d names: the same wrappers there.
         setattr(dist.distributed_c10d, name, p2p)
@@ -189,7 +231,7 @@ def install(job: dict, rank: int, out_dir: str) -> None:
         _patch_tensor_methods(_GUARD)
         _patch_p2p(_GUARD)
         _wrap_compute_ops(_GUARD, inject_item=bool(job.get("inject_item")))
-    _GUARD.allowed_hits, _GUARD.plan_transfers, _GUARD.first_transfers = {}, 0, []
+    _GUARD.allowed_hits, _GUARD.transfers, _GUARD.riders, _GUARD.first_transfers = {}, 0, 0, []
     _GUARD.collect, _GUARD.reads = bool(job.get("collect_reads")), {}
 
 
@@ -197,7 +239,7 @@ def report(job_index: int, rank: int, out_dir: str) -> None:
     """Called after each job: what the guard saw, per rank."""
     assert _GUARD is not None
     Path(out_dir, f"job{job_index}_guard_rank{rank}.json").write_text(json.dumps({
-        "allowed_hits": _GUARD.allowed_hits, "plan_transfers": _GUARD.plan_transfers,
+        "allowed_hits": _GUARD.allowed_hits, "transfers": _GUARD.transfers, "riders": _GUARD.riders,
         "first_transfers": _GUARD.first_transfers, "reads": _GUARD.reads}))
 
 
