@@ -3,7 +3,7 @@ message travels outside the plan: real gloo ranks run their steps under tests/ho
 which refuses `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool/int/float(tensor)`,
 `.to("cpu")` and `torch.tensor(..., device=...)` inside the executor's compute ops, for the
 dense (padded), packed, MoE (with the aux loss, whose counts ride on the plan's messages) and
-LoRA paths at pp 2. The same launch checks that the first transfer of every rank is the
+LoRA paths at pp 2, and the dense path at tp 2 with sequence parallelism. The same launch checks that the first transfer of every rank is the
 warm-up exchange with its neighbour, that every message is in a plan transfer (the MoE counts
 riding on its act and grad messages), and parity (dense, packed, MoE with aux) within the usual
 tolerance, so the guarded code is the code that trains right.
@@ -60,16 +60,20 @@ def test_no_stage_op_reads_the_device_dense_packed_moe_lora(models, tmp_path):
     jobs = [_guarded(parity_job(LAYOUT, policy, ref, name="llama")),
             _guarded(packed_parity_job(LAYOUT, policy, ref, name="llama")),
             _guarded(aux_job((*LAYOUT, 1), *models["qwen3_moe"])),
-            _guarded(lora)]
+            _guarded(lora),
+            _guarded(parity_job((2, 1, 1), policy, ref, name="llama", sequence_parallel=True))]
     run_ranks(world_size=2, jobs=jobs, out_dir=tmp_path)  # a refused read or message fails its rank
     allowed = {f"{suffix}:{function}:{what}" for suffix, function in ALLOWED
                for what in ("Tensor.to(cpu)", "Tensor.tolist")}
-    for j, name in enumerate(["dense", "packed", "moe", "lora"]):
+    for j, name in enumerate(["dense", "packed", "moe", "lora", "tp2 sequence parallel"]):
         for rank, report in enumerate(_reports(tmp_path, j, 2)):
             hits = set(report["allowed_hits"])
             assert hits <= allowed, (name, hits)
             assert hits - NO_OPS_ON_GPU == (MOE_SITES if name == "moe" else set()), (name, rank, hits)
             # The first transfer of the job is the warm-up: one message each way with the neighbour.
+            if name.startswith("tp2"):  # one stage: no links, no transfers
+                assert report["first_transfers"] == [] and report["transfers"] == 0, (name, rank)
+                continue
             assert report["first_transfers"] == [[["isend", 1 - rank], ["irecv", 1 - rank]]], (name, rank)
             assert report["transfers"] > 0, (name, rank)
             # The MoE aux counts ride on the act and grad messages: each stage's policy parts.
@@ -77,6 +81,7 @@ def test_no_stage_op_reads_the_device_dense_packed_moe_lora(models, tmp_path):
     tp_._check_job(tmp_path, 0, jobs[0], LAYOUT)
     tp_._check_job(tmp_path, 1, jobs[1], LAYOUT)
     check_aux_parity(tmp_path, 2, jobs[2], (*LAYOUT, 1))
+    tp_._check_job(tmp_path, 4, jobs[4], (2, 1, 1))
 
 
 def test_the_guard_fails_a_forward_that_reads_the_device(models, tmp_path):
