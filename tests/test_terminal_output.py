@@ -110,6 +110,8 @@ def test_verify_prints_its_result_and_nothing_else(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [done.stdout.strip()] and done.stdout.startswith("verify tp=1 pp=1: max |dlogit| ")
     assert "Warning" not in done.stderr and "\r" not in done.stderr, done.stderr[-3000:]
+    # its progress goes to stderr, one line per phase
+    assert [line.split(" ")[1] for line in done.stderr.splitlines()] == ["building", "megatron", "HF"], done.stderr
 
 
 def _run_dir(tmp_path: Path, *, ref_mode: str) -> Path:
