@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from mcore_dpo import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+STEPS = 40  # enough that the signal, sent once step 1 is logged, lands well before the end
 
 
 def _train_argv(out: Path, *, max_steps: int) -> list[str]:
@@ -48,7 +49,7 @@ def _export(run_dir: Path, dest: Path) -> str:
 def test_interrupted_resumed_finished_run_exports_its_final_step_and_extends_from_it(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(_train_argv(out, max_steps=6), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_train_argv(out, max_steps=STEPS), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -63,24 +64,25 @@ def test_interrupted_resumed_finished_run_exports_its_final_step_and_extends_fro
             proc.kill()
     assert proc.returncode == 0 and "stopped at step " in printed, printed[-3000:]
     interrupted = checkpoint.read_state(checkpoint.latest(out))["step"]
-    assert interrupted < 6
+    assert interrupted < STEPS
 
-    finished = subprocess.run(_train_argv(out, max_steps=6), cwd=REPO, env=env, capture_output=True, text=True,
+    finished = subprocess.run(_train_argv(out, max_steps=STEPS), cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert f"(step {interrupted})" in finished.stdout
     # `latest` is never stale: it names the final step's checkpoint
-    assert checkpoint.latest(out).name == checkpoint.name_of(6)
-    said = _export(out, tmp_path / "export-6")
-    assert f"the newest checkpoint is {out / 'checkpoints' / checkpoint.name_of(6)}" in said, said
-    _assert_bitwise_equal(_tensors(tmp_path / "export-6"), _tensors(out / "hf"))
+    assert checkpoint.latest(out).name == checkpoint.name_of(STEPS)
+    said = _export(out, tmp_path / "export-final")
+    assert f"the newest checkpoint is {out / 'checkpoints' / checkpoint.name_of(STEPS)}" in said, said
+    _assert_bitwise_equal(_tensors(tmp_path / "export-final"), _tensors(out / "hf"))
 
-    extended = subprocess.run(_train_argv(out, max_steps=8), cwd=REPO, env=env, capture_output=True, text=True,
+    extended = subprocess.run(_train_argv(out, max_steps=STEPS + 2), cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=600)
     assert extended.returncode == 0, extended.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoints' / checkpoint.name_of(6)} (step 6)" in extended.stdout, extended.stdout
-    assert checkpoint.latest(out).name == checkpoint.name_of(8)
-    _export(out, tmp_path / "export-8")
-    _assert_bitwise_equal(_tensors(tmp_path / "export-8"), _tensors(out / "hf"))
+    assert f"resuming from {out / 'checkpoints' / checkpoint.name_of(STEPS)} (step {STEPS})" in extended.stdout, \
+        extended.stdout
+    assert checkpoint.latest(out).name == checkpoint.name_of(STEPS + 2)
+    _export(out, tmp_path / "export-extended")
+    _assert_bitwise_equal(_tensors(tmp_path / "export-extended"), _tensors(out / "hf"))
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert len(steps) == 8  # each step once: nothing retrained
+    assert len(steps) == STEPS + 2  # each step once: nothing retrained
