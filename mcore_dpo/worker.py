@@ -57,6 +57,14 @@ class _Rank:
     """What every rank of every role has: device, process group, parallel state, RNG, and
     models built and loaded for its (tp, pp) coordinates."""
 
+    @property
+    def packing(self) -> bool:
+        """Packed microbatches: --packing / --no-packing as given; an unset one that the driver
+        left open (no mode packing does not serve) is decided by the rank's attention."""
+        if self.config.packing is not None:
+            return self.config.packing
+        return self.config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd)
+
     def __init__(
         self,
         *,
@@ -105,9 +113,6 @@ class _Rank:
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
         self.packed_thd = self.use_te and self.platform.is_cuda
-        # An unset --packing that the driver left open is decided by that attention.
-        self.packing = (config.packing if config.packing is not None
-                        else config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd))
         self.reference: torch.nn.Module | None = None
 
     def _build(self, weights_dir: str) -> torch.nn.Module:
