@@ -15,7 +15,7 @@ setup(
     install_requires=[
         "torch>=2.13.0,<2.16",
         "megatron-core>=0.16.1,<0.20",
-        "ray>=2.60,<2.61",
+        "ray>=2.50,<2.61",
         "transformers>=5.20,<5.25",
         "safetensors>=0.8,<0.9",
         "datasets>=5.2,<5.3",

@@ -96,6 +96,7 @@ def _microbatches(worker, config, batch):
 def _context(worker, mbs):
     ctx = worker._context({0: mbs, 1: mbs})
     ctx.loss_fn = lambda mb, logps: logps.logp_sum.sum()
+    ctx.stage_inputs()  # what run_ops does before the first op
     return ctx
 
 

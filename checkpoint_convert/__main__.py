@@ -167,7 +167,8 @@ def run(argv: list[str] | None = None) -> int:
 
         report = verify(
             args.hf_dir, args.mcore_dir, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-            log=lambda line: print(line, flush=True),  # progress as it happens, also through a pipe
+            # progress on stderr as it happens; stdout holds the one result line
+            log=lambda line: print(line, file=sys.stderr, flush=True),
         )
         print(report.summary())
         if not report.passes(atol=args.atol):

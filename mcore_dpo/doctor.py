@@ -35,7 +35,7 @@ PYTHON_RANGE = ">=3.10,<3.13"
 REQUIRED: dict[str, tuple[str, str]] = {
     "torch": (">=2.13.0,<2.16", "torch"),
     "megatron-core": (">=0.16.1,<0.20", "megatron.core"),
-    "ray": (">=2.60,<2.61", "ray"),
+    "ray": (">=2.50,<2.61", "ray"),
     "transformers": (">=5.20,<5.25", "transformers"),
     "safetensors": (">=0.8,<0.9", "safetensors"),
     "datasets": (">=5.2,<5.3", "datasets"),

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_dpo.loss import PairLogps
+from mcore_dpo.platform import to_device
 
 
 @dataclass
@@ -66,7 +67,7 @@ def token_logprobs(
             dist.all_reduce(mean_logit, group=tp_group)
         mean_logit = mean_logit / vocab_size
 
-    if not bool(real_cols.all()):
+    if start + v_local > vocab_size:  # this rank holds padded columns (a host-side fact: no device read)
         logits = logits.masked_fill(~real_cols, float("-inf"))
     else:
         # vocab_parallel_cross_entropy works in place on its input; keep the caller's tensor intact.
@@ -174,9 +175,10 @@ def sequence_logps(
 
 def table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
     """Reference summed log-probs of some pairs from a [pairs, 2] table, as a microbatch's
-    rows (chosen first, then rejected)."""
-    picked = table[rows]
-    return torch.cat([picked[:, 0], picked[:, 1]]).to(device)
+    rows (chosen first, then rejected). No host sync: the row index and a host table's rows go
+    to the device as non-blocking copies."""
+    picked = table[to_device(torch.tensor(rows, dtype=torch.long), table.device)]
+    return to_device(torch.cat([picked[:, 0], picked[:, 1]]), device)
 
 
 def pair_logps(
@@ -184,7 +186,7 @@ def pair_logps(
 ) -> PairLogps:
     """Split a microbatch's rows (chosen first, then rejected) into per-pair tensors; the
     reference's summed log-probs are zero when there is no reference. `positions`: the pairs'
-    places in the global batch."""
+    places in the global batch (built on the host, copied without blocking it)."""
     ref = ref_logp_sum.detach() if ref_logp_sum is not None else torch.zeros_like(policy.logp_sum).detach()
     wpo = policy.wpo_log_weight
     return PairLogps(
@@ -200,5 +202,5 @@ def pair_logps(
         chosen_nll_sum=None if policy.plain_logp_sum is None else -policy.plain_logp_sum[:b],
         chosen_wpo_log_weight=None if wpo is None else wpo[:b],
         rejected_wpo_log_weight=None if wpo is None else wpo[b:],
-        pair_index=torch.tensor(positions, dtype=torch.long, device=policy.logp_sum.device),
+        pair_index=to_device(torch.tensor(positions, dtype=torch.long), policy.logp_sum.device),
     )

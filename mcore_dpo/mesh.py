@@ -137,25 +137,6 @@ def initialize(layout: Layout) -> Mesh:
     return _CURRENT
 
 
-def pipeline_side_group(mesh: Mesh, *, device) -> tuple[object, list[int]]:
-    """A process group over this rank's pipeline group of its own (so that its messages never
-    interleave with the pipeline's transfers, which on NCCL are matched in order per
-    communicator), and the global ranks of the other stages in it. A collective: every rank of
-    the world calls it at once."""
-    import torch
-
-    mine = dist.get_process_group_ranks(mesh.pp_group)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    group = None
-    for ranks in sorted({tuple(r) for r in every}):
-        created = dist.new_group(list(ranks))
-        if mesh.rank in ranks:
-            group = created
-    dist.all_reduce(torch.zeros(1, device=device), group=group)  # set up before the schedule needs it
-    return group, [r for r in mine if r != mesh.rank]
-
-
 def release_layout() -> None:
     """Drop this process's layout (megatron-core's parallel state) but keep torch.distributed
     up, so that `initialize` may build another layout over the same world."""

@@ -15,7 +15,7 @@ from mcore_dpo import durable
 
 class MetricsLog:
     def __init__(self, out_dir: Path, *, total_steps: int, keep_up_to_step: int = 0, wandb_project: str | None = None,
-                 run_config: dict | None = None):
+                 run_config: dict | None = None, note=None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self._start(keep_up_to_step)
         self.total_steps = total_steps
@@ -33,6 +33,7 @@ class MetricsLog:
             self._wandb = wandb.init(project=wandb_project, dir=str(out_dir), config=run_config)
         self._tty = sys.stderr.isatty()
         self._line_open = False  # a terminal's progress line waits for its next update (no newline yet)
+        self._note = note  # each progress line, also as a plain line (the run's log file)
         self._timed_from: tuple[int, float] | None = None  # (step, time) the ETA counts from
 
     def _eta(self, step: int) -> str:
@@ -102,6 +103,8 @@ class MetricsLog:
             sys.stderr.flush()
         else:
             print(line, flush=True)
+        if self._note is not None:
+            self._note(line)
 
     def end_line(self) -> None:
         """End a terminal's open progress line, so that what is printed next starts a line of its own."""

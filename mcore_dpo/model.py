@@ -30,7 +30,8 @@ def transformer_config(
     grouped_experts: bool = False, deterministic: bool = False, fused: dict[str, bool] | None = None,
 ):
     """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
-    are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only)."""
+    are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only).
+    `fused`: the fused kernels' fields (`platform.fused_kernel_fields` decides; none by default)."""
     from megatron.core.transformer import TransformerConfig
 
     layout = mesh.layout
@@ -157,6 +158,17 @@ def _canonical_strides(_module, _args, output: torch.Tensor) -> torch.Tensor:
     weights, the policy (trainable) and the frozen reference would give different log-probs.
     A view with canonical strides (free: no copy) makes both fold."""
     return output.contiguous().view(output.shape)
+
+
+def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on `device`, its RoPE frequencies too: megatron-core keeps them in a plain
+    attribute that `Module.to` does not move, and copies them over in the first forward, a
+    host->device copy that waits for the GPU."""
+    model = model.to(device)
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is not None:
+        rope.inv_freq = rope.inv_freq.to(device)
+    return model
 
 
 class SequenceParallelRMSNorm:
@@ -314,17 +326,17 @@ def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor):
+def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, num_positions: int):
     """RoPE at `position_ids` [1, W] instead of 0..W-1 (a packed row restarts at 0 in each
     sequence). megatron-core's rotary embedding takes a length, not positions: its table up to
-    the largest position is computed by its own code and indexed per token, for this forward."""
+    the largest position (`num_positions` = that + 1, known on the host: the longest segment)
+    is computed by its own code and indexed per token, for this forward."""
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:
         yield
         return
-    positions = position_ids[0]
-    table = rope.get_emb(int(positions.max()) + 1)  # [L, 1, 1, d]
-    emb = table[positions.to(table.device)]
+    table = rope.get_emb(num_positions)  # [L, 1, 1, d]
+    emb = table[position_ids[0]]
 
     def forward(*_args, **_kwargs):
         return emb
@@ -337,10 +349,13 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor):
 
 
 def packed_seq_params(seq_lens: tuple[int, ...], *, device: torch.device):
-    """megatron-core's PackedSeqParams for one packed row in the THD layout (Transformer Engine)."""
+    """megatron-core's PackedSeqParams for one packed row in the THD layout (Transformer Engine);
+    cu_seqlens built on the host and copied without blocking it."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
+    from mcore_dpo.platform import to_device
+
+    cu = to_device(torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32), device)
     longest = max(seq_lens)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
@@ -354,20 +369,24 @@ def stage_forward(
     mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
     packed_params=None,
+    num_positions: int | None = None,
 ) -> torch.Tensor:
     """One stage's forward. First stage reads tokens [b, s]; later stages read the previous
     stage's hidden states [s, b, h]. Returns hidden states [s, b, h], or on the last stage the
     vocab-parallel logits [b, s, v/tp].
 
     Packed rows (b = 1): either the THD layout (`packed_params`, attention over cu_seqlens, no
-    mask) or the local spec's block-diagonal `mask` with RoPE at `position_ids`."""
+    mask) or the local spec's block-diagonal `mask` with RoPE at `position_ids` (then
+    `num_positions`: the largest position + 1, a host-side fact of the row)."""
     unwrapped = model.module if hasattr(model, "module") else model
     unwrapped.set_input_tensor(input_tensor)
     if packed_params is not None:
         return model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
                      packed_seq_params=packed_params)
     if position_ids is not None:
-        with _rope_at_positions(unwrapped, position_ids):
+        if num_positions is None:
+            raise ValueError("stage_forward: position_ids with a mask need num_positions (the largest position + 1)")
+        with _rope_at_positions(unwrapped, position_ids, num_positions=num_positions):
             return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
     seq_len = tokens.shape[1]
     position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)

@@ -12,9 +12,13 @@ gradient. So each piece of the model can carry its own share: on each stage and 
 aux's. Each stage attaches its part to its own output's backward (a custom autograd function
 that, at the backward, hands S_part the gradient coef / microbatches * E C / (L R)^2 and passes
 the output's gradient through), as megatron-core's MoEAuxLossAutoScaler attaches its per-layer
-loss. C is summed over tp in the forward; at pp > 1 each stage sends its counts to the other
-stages right after its forward (on a process group of their own, in microbatch order) and
-receives theirs when the backward needs them, by which time every stage has run that forward.
+loss. C is summed over tp in the forward; at pp > 1 the counts travel in the plan's own
+messages (`pipeline.Riders`): each stage adds its counts to the sum that came with the
+microbatch's activation and sends the sum on with its own, the last stage has the whole sum,
+and it goes back upstream with the activation gradient, which every stage's backward waits for
+anyway. No channel outside the plan, and nothing read on the host in a forward: the token
+masks and counts are computed from the host rows in `begin`, the statistics read once in
+`finish`.
 
 The reference never goes through here: its routing is its own and frozen."""
 
@@ -27,8 +31,10 @@ import torch.distributed as dist
 
 from mcore_dpo import moe_aux
 from mcore_dpo.data import Microbatch
-from mcore_dpo.mesh import Mesh, pipeline_side_group
+from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import RouterTap
+from mcore_dpo.plan import Op, OpKind
+from mcore_dpo.platform import to_device
 
 
 def token_mask(micro: Microbatch) -> torch.Tensor:
@@ -71,25 +77,51 @@ class MoeStep:
         self.num_experts, self.topk, self.mesh, self.device = num_experts, topk, mesh, device
         # MoE models run sequence-parallel at tp > 1: each tp rank routes its slice of the sequence.
         self.split = mesh.layout.tp
-        self.side_group, self.peers = None, []
-        if mesh.layout.pp > 1:  # every rank calls this at once (a collective)
-            self.side_group, self.peers = pipeline_side_group(mesh, device=device)
         policy.register_forward_hook(self._after_forward)
         self._microbatches: list[Microbatch] = []
         self._coef = 0.0
         self._forwards = 0
-        self._stats: dict[int, torch.Tensor] = {}  # microbatch -> [L, 2, E] (C, S) of this rank, detached
-        self._rows: dict[int, float] = {}
-        self._sends: list = []
-        self._received: dict[int, list[torch.Tensor]] = {}
+        self._stats: dict[int, torch.Tensor] = {}  # microbatch -> [L, 2, E] (C, S) of this rank, detached, on the device
+        self._rows: list[float] = []  # per microbatch: its real tokens (host)
+        self._masks: list[torch.Tensor] = []  # per microbatch: the real-token mask in router order, on the device
+        # Expert counts of each microbatch, summed over the stages: the sum so far arrives with
+        # the act (stages before this one), the whole sum with the grad (from the last stage).
+        self._partial: dict[int, torch.Tensor] = {}  # mb -> stages 0..s-1's counts (received)
+        self._sent: dict[int, torch.Tensor] = {}  # mb -> stages 0..s's counts (to send with the act)
+        self._total: dict[int, torch.Tensor] = {}  # mb -> every stage's counts
 
     def begin(self, microbatches: list[Microbatch], *, coef: float) -> None:
-        """Before the step's forwards: its microbatches (this dp rank's, in order) and the aux weight."""
+        """Before the step's forwards: its microbatches (this dp rank's, in order) and the aux
+        weight. The token masks and counts come from the host rows here, not in the forwards."""
         self.tap.take()
         self._microbatches, self._coef, self._forwards = microbatches, coef, 0
-        self._stats, self._rows, self._sends = {}, {}, []
-        self._received = {peer: [] for peer in self.peers}
+        self._stats, self._partial, self._sent, self._total = {}, {}, {}, {}
+        masks = [token_mask(micro) for micro in microbatches]
+        self._rows = [float(mask.sum()) for mask in masks]
+        self._masks = [to_device(router_token_mask(mask, tp=self.split, tp_rank=self.mesh.tp_rank), self.device)
+                       for mask in masks]
         self.tap.active = True
+
+    def riders(self) -> "MoeStep | None":
+        """What rides on the plan's messages in this step (`pipeline.Riders`): the counts, when the
+        aux loss is on and there are several stages; None otherwise."""
+        return self if self._coef and self.mesh.layout.pp > 1 else None
+
+    # --- pipeline.Riders: the counts travel with the policy act (downstream) and grad (upstream)
+    def outgoing(self, op: Op) -> torch.Tensor | None:
+        if op.kind is OpKind.SEND_ACT:
+            return self._sent.pop(op.microbatch)
+        if op.kind is OpKind.SEND_GRAD:
+            return self._total[op.microbatch]
+        return None
+
+    def incoming(self, op: Op) -> torch.Tensor | None:
+        if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD):
+            return torch.empty(self.num_experts, dtype=torch.float32, device=self.device)
+        return None
+
+    def received(self, op: Op, tensor: torch.Tensor) -> None:
+        (self._partial if op.kind is OpKind.RECV_ACT else self._total)[op.microbatch] = tensor
 
     def _after_forward(self, module, args, output):
         """Forward hook of the policy: the step's training forwards run in microbatch order."""
@@ -97,70 +129,61 @@ class MoeStep:
             return None
         mb = self._forwards
         self._forwards += 1
-        micro = self._microbatches[mb]
-        mask = token_mask(micro)
-        flat = router_token_mask(mask, tp=self.split, tp_rank=self.mesh.tp_rank)
-        stats = torch.zeros(len(self.moe_layers), 2, self.num_experts, dtype=torch.float64)
+        flat = self._masks[mb]
+        stats = torch.zeros(len(self.moe_layers), 2, self.num_experts, dtype=torch.float64, device=self.device)
         counts = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
         prob_sums = None
         for layer, logits in self.tap.take():
-            c, s = moe_aux.layer_sums(logits, flat.to(logits.device), topk=self.topk)
-            stats[self.slot[layer], 0], stats[self.slot[layer], 1] = c.detach().double().cpu(), s.detach().double().cpu()
+            c, s = moe_aux.layer_sums(logits, flat, topk=self.topk)
+            stats[self.slot[layer], 0], stats[self.slot[layer], 1] = c.detach().double(), s.detach().double()
             counts = counts + c.detach()
             prob_sums = s if prob_sums is None else prob_sums + s
-        self._stats[mb], self._rows[mb] = stats, float(mask.sum())
+        self._stats[mb] = stats
         if not self._coef:
             return None
         if self.split > 1:
             dist.all_reduce(counts, group=self.mesh.tp_group)
-        for peer in self.peers:  # every stage, routers or not, so that the messages pair up
-            self._sends.append((dist.isend(counts, dst=peer, group=self.side_group), counts))
+        if self.mesh.layout.pp > 1:  # every stage, routers or not, so that the sums go on
+            summed = counts if self.mesh.is_first_stage else self._partial.pop(mb) + counts
+            if self.mesh.is_last_stage:
+                self._total[mb] = summed
+            else:
+                self._sent[mb] = summed
+        else:
+            self._total[mb] = counts
         if prob_sums is None:  # no MoE layer on this stage
             return None
         scale = self._coef / len(self._microbatches) * self.num_experts / (len(self.moe_layers) * self._rows[mb]) ** 2
 
-        def weight() -> torch.Tensor:
-            total = counts + sum((self._receive(peer, mb) for peer in self.peers), torch.zeros_like(counts))
-            return (scale * total).to(prob_sums.dtype)
+        def weight() -> torch.Tensor:  # at the backward: the last stage's sum has come with the grad
+            return (scale * self._total[mb]).to(prob_sums.dtype)
 
         return _AuxGradient.apply(output, prob_sums, weight)
-
-    def _receive(self, peer: int, mb: int) -> torch.Tensor:
-        """Stage `peer`'s counts of microbatch `mb` (received in microbatch order)."""
-        got = self._received[peer]
-        while len(got) <= mb:
-            buf = torch.empty(self.num_experts, dtype=torch.float32, device=self.device)
-            dist.recv(buf, src=peer, group=self.side_group)
-            got.append(buf)
-        return got[mb]
 
     def finish(self, microbatches: list[Microbatch]) -> dict[str, float] | None:
         """Collective over the tp group, the pp group, then (last stage) the dp group: the step's
         metrics on the reporting rank, None elsewhere."""
         self.tap.active = False
         self.tap.take()
-        if self._coef:  # the counts no backward asked for (a stage without routers), then our sends
-            for peer in self.peers:
-                self._receive(peer, len(microbatches) - 1)
-            for work, _ in self._sends:
-                work.wait()
-            self._sends = []
+        self._partial, self._sent, self._total = {}, {}, {}
         mesh = self.mesh
         num_mb = len(microbatches)
         if sorted(self._stats) != list(range(num_mb)):
             raise AssertionError(f"router statistics of microbatches {sorted(self._stats)}, expected {num_mb}")
-        stats = torch.stack([self._stats[mb] for mb in range(num_mb)]) if num_mb else torch.zeros(0)
-        rows = torch.tensor([self._rows[mb] for mb in range(num_mb)], dtype=torch.float64)
+        # The step's one read of the device: every microbatch's statistics at once.
+        stats = (torch.stack([self._stats[mb] for mb in range(num_mb)]) if num_mb
+                 else torch.zeros(0, dtype=torch.float64, device=self.device))
+        rows = torch.tensor(self._rows, dtype=torch.float64)
         if self.split > 1:  # each tp rank routed its slice of the sequence
-            flat = stats.reshape(-1).to(self.device)
+            flat = stats.reshape(-1)
             dist.all_reduce(flat, group=mesh.tp_group)
-            stats = flat.cpu().reshape(stats.shape)
+            stats = flat.reshape(stats.shape)
         if mesh.layout.pp > 1:  # each stage holds its own layers: sum them; the rows once
             rows = rows if mesh.is_first_stage else torch.zeros_like(rows)
-            flat = torch.cat([stats.reshape(-1), rows]).to(self.device)
+            flat = torch.cat([stats.reshape(-1), rows.to(self.device)])
             dist.all_reduce(flat, group=mesh.pp_group)
-            flat = flat.cpu()
             stats, rows = flat[:stats.numel()].reshape(stats.shape), flat[stats.numel():]
+        stats, rows = stats.cpu(), rows.cpu()
         if not mesh.is_last_stage:
             return None
         num_layers = len(self.moe_layers)

@@ -10,6 +10,14 @@ peer's receive is posted, once the send is waited for.
 Every transfer goes through `batch_isend_irecv`, even one alone: NCCL runs batched
 point-to-point ops on the group's communicator and single ones on a separate two-rank
 communicator, and messages between two ranks stay in order only within one communicator.
+
+No op reads a device value on the host (`tests/test_host_sync.py` checks it): the
+microbatches' inputs are on the device before the first op (`StageContext.stage_inputs`), and
+the facts the host needs (the largest packed position, whether the vocabulary is padded) are
+computed from host data. A sync in a forward can hang a step on NCCL while a link is not yet
+connected (`plan_check.validate_host_device`); `warm_up_links` connects them all at start-up.
+Tensors that ride along with a policy message (`StageContext.riders`: the MoE aux-loss counts)
+travel in the same `batch_isend_irecv`, on the same link, in the plan's order.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,11 +37,39 @@ from mcore_dpo.memory_account import MemoryAccount
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import causal_mask, packed_causal_mask, packed_seq_params, stage_forward
 from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
-from mcore_dpo.platform import IntervalClock
+from mcore_dpo.platform import IntervalClock, to_device
 from mcore_dpo.schedule import Op, OpKind, forward_only_stages
 
 # loss_fn(microbatch_index, policy_logps) -> scalar loss to back-propagate (last stage only)
 LossFn = Callable[[int, SequenceLogps], torch.Tensor]
+
+
+class Riders(Protocol):
+    """Small tensors that travel with a policy message of the plan (its act or grad of a
+    microbatch), posted in the same transfer right after it; both ends must agree which."""
+
+    def outgoing(self, op: Op) -> torch.Tensor | None:
+        """The tensor to send with this send part, or None."""
+
+    def incoming(self, op: Op) -> torch.Tensor | None:
+        """A buffer to receive into with this receive part, or None."""
+
+    def received(self, op: Op, tensor: torch.Tensor) -> None:
+        """The rider of a receive part has arrived."""
+
+
+@dataclass
+class StagedInputs:
+    """One microbatch's inputs on the device (copied before the step's first op) and the
+    host-side facts a forward needs, so that no op copies to the device or reads it."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor | None  # the last stage only, as loss_mask
+    loss_mask: torch.Tensor | None
+    segment_ids: torch.Tensor | None = None  # packed rows
+    position_ids: torch.Tensor | None = None
+    num_positions: int | None = None  # packed rows: the largest position + 1 (its longest segment)
+    packed_params: object | None = None  # THD layout: megatron-core's PackedSeqParams
 
 
 @dataclass
@@ -72,6 +109,8 @@ class StageContext:
     sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
     packed_thd: bool = False  # packed rows run in the THD layout (Transformer Engine) rather than with a mask
     memory: MemoryAccount | None = None  # exact tensor bytes by category (memory_account.py)
+    riders: Riders | None = None  # tensors that ride with policy messages (the MoE aux counts)
+    _staged: dict[tuple[int, int], StagedInputs] = field(default_factory=dict)
 
     def activation_shape(self, batch: int, mb: int) -> tuple[int, int, int]:
         """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
@@ -81,20 +120,38 @@ class StageContext:
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
+    def stage_inputs(self) -> None:
+        """Put every microbatch's inputs on the device (non-blocking copies from pinned memory
+        on a GPU; the tensors themselves on the CPU), before the first op."""
+        last = self.mesh.is_last_stage
+        for batch, micros in self.microbatches.items():
+            for mb, micro in enumerate(micros):
+                if (batch, mb) in self._staged:
+                    continue
+                staged = StagedInputs(tokens=to_device(micro.tokens, self.device),
+                                      labels=to_device(micro.labels, self.device) if last else None,
+                                      loss_mask=to_device(micro.loss_mask, self.device) if last else None)
+                if micro.is_packed:
+                    staged.segment_ids = to_device(micro.segment_ids, self.device)
+                    staged.position_ids = to_device(micro.position_ids, self.device)
+                    staged.num_positions = max(micro.seq_lens)
+                    if self.packed_thd:
+                        staged.packed_params = packed_seq_params(micro.seq_lens, device=self.device)
+                self._staged[(batch, mb)] = staged
+
     def forward_inputs(self, batch: int, mb: int) -> dict:
         """The attention inputs of microbatch `mb` (stage_forward's keyword arguments): one
         causal mask per batch for padded rows; for a packed row, its THD cu_seqlens when
         `packed_thd`, else its block-diagonal mask and per-sequence positions."""
-        micro = self.microbatches[batch][mb]
-        if micro.is_packed:
-            positions = micro.position_ids.to(self.device)
+        staged = self._staged[(batch, mb)]
+        if staged.position_ids is not None:
             if self.packed_thd:
-                return {"mask": None, "position_ids": positions,
-                        "packed_params": packed_seq_params(micro.seq_lens, device=self.device)}
+                return {"mask": None, "position_ids": staged.position_ids, "packed_params": staged.packed_params}
             key = (batch, mb)
             if key not in self._masks:
-                self._masks[key] = packed_causal_mask(micro.segment_ids.to(self.device))
-            return {"mask": self._masks[key], "position_ids": positions}
+                self._masks[key] = packed_causal_mask(staged.segment_ids)
+            return {"mask": self._masks[key], "position_ids": staged.position_ids,
+                    "num_positions": staged.num_positions}
         if batch not in self._masks:
             seq_len = self.microbatches[batch][0].tokens.shape[1]
             self._masks[batch] = causal_mask(seq_len, device=self.device)
@@ -148,18 +205,26 @@ def transfer(ctx: StageContext, op: Op) -> None:
     mesh = ctx.mesh
     p2p_ops, received, words = [], [], []
     in_transit: dict[str, list[torch.Tensor]] = {}  # sent and received tensors, by memory category
+    riders = []  # (receive part, its rider's buffer)
     for part in parts:
         if part.kind in _SEND_TO_NEXT or part.kind is OpKind.SEND_GRAD:
             peer = mesh.next_rank if part.kind in _SEND_TO_NEXT else mesh.prev_rank
             tensor = _outgoing(ctx, part)
             in_transit.setdefault(_TRANSIT_CATEGORY[part.kind], []).append(tensor)
             p2p_ops.append(dist.P2POp(dist.isend, tensor, peer))
+            rider = ctx.riders.outgoing(part) if ctx.riders is not None else None
+            if rider is not None:
+                p2p_ops.append(dist.P2POp(dist.isend, rider, peer))
             words.append(f"{part.kind.value} of microbatch {part.microbatch} to rank {peer}")
         else:
             peer = mesh.prev_rank if part.kind in _RECV_FROM_PREV else mesh.next_rank
             buf = torch.empty(ctx.activation_shape(part.batch, part.microbatch), dtype=ctx.dtype, device=ctx.device)
             p2p_ops.append(dist.P2POp(dist.irecv, buf, peer))
             received.append((part, buf))
+            rider = ctx.riders.incoming(part) if ctx.riders is not None else None
+            if rider is not None:
+                p2p_ops.append(dist.P2POp(dist.irecv, rider, peer))
+                riders.append((part, rider))
             in_transit.setdefault(_TRANSIT_CATEGORY[part.kind], []).append(buf)
             words.append(f"{part.kind.value} of microbatch {part.microbatch} from rank {peer}")
     if ctx.memory is not None:
@@ -175,34 +240,59 @@ def transfer(ctx: StageContext, op: Op) -> None:
         ctx.wait_clock.stop()
     for part, buf in received:
         _store(ctx, part, buf)
+    for part, rider in riders:
+        ctx.riders.received(part, rider)
+
+
+def warm_up_links(mesh: Mesh, *, device: torch.device) -> None:
+    """Connect every pipeline link, both directions, before the first step: one small message
+    to and one from each neighbouring stage, all posted in one `batch_isend_irecv` on every
+    rank. NCCL connects a link direction on its first message, in a host call that waits until
+    the peer's host posts the partner; inside a step, that wait could meet a peer whose host
+    waits for its GPU (a sync in a forward), which waits for this host (see
+    `plan_check.validate_host_device`). Every rank calls it (the first `batch_isend_irecv` on a
+    group must involve all its ranks); at pp 1 there are no links."""
+    if mesh.layout.pp == 1:
+        return
+    ops, peers = [], [peer for peer in (mesh.prev_rank, mesh.next_rank) if peer is not None]
+    for peer in peers:
+        ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), peer))
+        ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=device), peer))
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    except RuntimeError as error:
+        raise PeerError(f"pipeline stage {mesh.pp_rank}: connecting the links to ranks "
+                        f"{' and '.join(map(str, peers))} failed: {_first_line(error)}") from None
 
 
 def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:
-    return ctx.microbatches[batch][mb].tokens.to(ctx.device, non_blocking=True)
+    return ctx._staged[(batch, mb)].tokens
 
 
 def _last_stage_logps(
     ctx: StageContext, output: torch.Tensor, batch: int, mb: int, *, policy: bool = True
 ) -> SequenceLogps:
-    micro = ctx.microbatches[batch][mb]
+    micro, staged = ctx.microbatches[batch][mb], ctx._staged[(batch, mb)]
     options = ctx.logps_options
     if not policy and options.wpo:  # WPO weights come from the policy only
         options = LogpsOptions(ld_alpha=options.ld_alpha)
     return sequence_logps(
         output,
-        micro.labels.to(ctx.device),
-        micro.loss_mask.to(ctx.device),
+        staged.labels,
+        staged.loss_mask,
         vocab_size=ctx.vocab_size,
         tp_rank=ctx.mesh.tp_rank,
         tp_group=ctx.mesh.tp_group,
         options=options,
-        segment_ids=None if micro.segment_ids is None else micro.segment_ids.to(ctx.device),
+        segment_ids=staged.segment_ids,
         num_sequences=micro.num_sequences,
     )
 
 
 def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
-    """Run one stage's ops in order."""
+    """Run one stage's ops in order (the microbatches' inputs go to the device first)."""
+    ctx.stage_inputs()
     for op in ops:
         kind, mb, batch = op.kind, op.microbatch, op.batch
         start = time.perf_counter() if ctx.trace is not None else 0.0

@@ -10,7 +10,9 @@ completes only once the peer has posted the matching receive, messages on one li
 direction are matched in order, and a rank runs its ops one after the other. Where two
 peers would each wait for the other, the plan pairs the crossing send and receive into one
 P2P op: its transfers are posted together (`torch.distributed.batch_isend_irecv`) and
-the op ends when all of them have completed.
+the op ends when all of them have completed. A message may carry riders (`pipeline.Riders`:
+the MoE aux-loss counts with a policy act or grad), posted in the same transfer right after
+its tensor, so they add no message that the checks would have to order.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@
   chains for evaluation and the reference precompute).
 - `simulate`: the plan in time under `Costs`: compute takes its cost and a receive waits for
   its message (the host view on NCCL: an isend returns at once).
+- `validate_host_device`: the two-level model of NCCL (`host_device_run`): each rank's host
+  enqueues the ops, its GPU runs them in order; the first message on each link direction
+  blocks both hosts until the peer's host posts its partner (NCCL connects lazily, in
+  `ncclGroupEnd`), and a compute op may sync the host with its GPU (a host read of a device
+  value). `validate_plan` runs it with warmed-up links and every compute op syncing.
 
 Rendezvous is the stricter model: a plan that passes it also never deadlocks when sends are
 buffered (gloo, small NCCL messages), and execution under it does not depend on timing, so
@@ -16,6 +21,7 @@ one order-only run decides it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from mcore_dpo.plan import (
     COMPUTE_KINDS,
@@ -337,18 +343,117 @@ def timeline(stages: Stages, costs: Costs) -> SimResult:
     return SimResult(makespan, busy, bubble, tuple(tuple(ts) for ts in times), worst)
 
 
+# Which compute ops sync the host with its GPU: syncs(stage, op) -> bool.
+Syncs = Callable[[int, Op], bool]
+
+
+def every_compute_op(stage: int, op: Op) -> bool:
+    """The worst case: every forward and backward waits for the GPU (what validate_plan assumes)."""
+    return True
+
+
+def every_forward(stage: int, op: Op) -> bool:
+    return op.kind in (OpKind.FWD, OpKind.REF_FWD)
+
+
+def _links(keys: list[list[list[Key]]]) -> set[tuple[int, int]]:
+    return {link for ops in keys for op_keys in ops for link, _ in op_keys}
+
+
+def host_device_run(stages: Stages, *, warmed_up: bool, syncs: Syncs) -> tuple[list[int], list[int], set]:
+    """Run the stages under the two-level model until nothing moves.
+
+    Each stage has a host that posts its ops in order and a GPU that runs what has been
+    posted, in order. A compute op that `syncs` keeps the host until its GPU has run every
+    op before it. A transfer op is posted at once, except that the first message on a link
+    direction (its message 0) first connects the link: both hosts wait in the ops holding it
+    until both have reached them (`warmed_up`: every link was connected at start-up). On the
+    GPUs the transfers are rendezvous (`advance`): a message is delivered once both GPUs are
+    at the ops holding it. Returns (host positions, GPU positions, connected links).
+    """
+    keys = message_keys(stages)
+    p = len(stages)
+    first = {(s, link): i for s in range(p) for i, op_keys in enumerate(keys[s]) for link, n in op_keys if n == 0}
+    connected = _links(keys) if warmed_up else set()
+    host, gpu, done = [0] * p, [0] * p, set()
+    moved = True
+    while moved:
+        moved = False
+        for s in range(p):
+            while host[s] < len(stages[s]):
+                i = host[s]
+                if stages[s][i].kind in COMPUTE_KINDS:
+                    if syncs(s, stages[s][i]) and gpu[s] < i:
+                        break
+                else:
+                    for link, _ in keys[s][i]:
+                        other = link[1] if link[0] == s else link[0]
+                        if link not in connected and host[other] == first[(other, link)]:
+                            connected.add(link)
+                    if any(link not in connected for link, _ in keys[s][i]):
+                        break
+                host[s] += 1
+                moved = True
+            while gpu[s] < host[s]:
+                for key in keys[s][gpu[s]]:
+                    (src, dst), _ = key
+                    other = dst if s == src else src
+                    if gpu[other] < host[other] and key in keys[other][gpu[other]]:
+                        done.add(key)
+                if not all(key in done for key in keys[s][gpu[s]]):
+                    break
+                gpu[s] += 1
+                moved = True
+    return host, gpu, connected
+
+
+def validate_host_device(stages: Stages, *, warmed_up: bool = True, syncs: Syncs = every_compute_op) -> None:
+    """Raise PlanError (one line) unless these per-stage op lists run to the end under the
+    two-level host/GPU model (`host_device_run`). A plan that passes `validate_stages` passes
+    this with `warmed_up` whatever syncs: once no host waits in a transfer, a sync only holds a
+    host until its GPU gets there, and the GPUs run the rendezvous model."""
+    keys = message_keys(stages)
+    host, gpu, connected = host_device_run(stages, warmed_up=warmed_up, syncs=syncs)
+    if all(host[s] == gpu[s] == len(ops) for s, ops in enumerate(stages)):
+        return
+
+    def op_at(s: int, i: int) -> str:
+        return f"op {i} ({op_word(stages[s][i])})"
+
+    def gpu_wait(s: int) -> str:
+        (src, dst), _ = keys[s][gpu[s]][0]
+        return f"GPU {s} waits at {op_at(s, gpu[s])} for stage {dst if s == src else src}"
+
+    waits = []
+    for s, ops in enumerate(stages):
+        if host[s] < len(ops) and ops[host[s]].kind in COMPUTE_KINDS:
+            waits.append(f"host {s} waits at {op_at(s, host[s])} for its GPU"
+                         + (f" ({gpu_wait(s)})" if gpu[s] < host[s] else ""))
+        elif host[s] < len(ops):
+            link = next(link for link, _ in keys[s][host[s]] if link not in connected)
+            waits.append(f"host {s} waits at {op_at(s, host[s])} to connect link {link[0]}->{link[1]}")
+        elif gpu[s] < len(ops):
+            waits.append(gpu_wait(s))
+    lazy = "" if warmed_up else " without warmed-up links"
+    raise PlanError(f"plan hangs under the host/GPU model{lazy}: " + "; ".join(waits))
+
+
 def validate_stages(stages: Stages) -> None:
     """Raise PlanError (one line) unless the transfers of these per-stage op lists pair up in
-    order on every link and run to the end under rendezvous semantics."""
+    order on every link and run to the end under rendezvous semantics, and under the
+    host/GPU model with warmed-up links whatever the compute ops sync."""
     _check_ops(stages)
     _check_rendezvous(stages)
+    validate_host_device(stages)
 
 
 def validate_plan(plan: Plan) -> None:
     """Raise PlanError (one line) unless every stage's op list is complete, ordered and
-    deadlock-free under rendezvous transfers."""
+    deadlock-free under rendezvous transfers, and under the host/GPU model with warmed-up
+    links (what the executor sets up: `pipeline.warm_up_links`) whatever the compute ops sync."""
     _check_structure(plan)
     _check_rendezvous(plan.stages)
+    validate_host_device(plan.stages)
 
 
 def simulate(plan: Plan, *, costs: Costs = Costs()) -> SimResult:

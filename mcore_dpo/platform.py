@@ -47,7 +47,10 @@ def fused_kernel_fields(*, requested: bool | None, use_te: bool, on_gpu: bool, m
     # megatron-core's own linears (the output layer, also on the TE spec) refuse this fusion
     # without apex's fused_weight_gradient_mlp_cuda extension.
     wgrad_fusion = on and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    fields = {"bias_activation_fusion": on, "bias_dropout_fusion": on, "apply_rope_fusion": on,
+    # Unfused, megatron-core's THD RoPE loops over a packed row's sequences in Python and reads
+    # their lengths off the device (`.tolist()`) in every layer: a host sync per layer.
+    rope_fusion = on and _te_rope_kernels()
+    fields = {"bias_activation_fusion": on, "bias_dropout_fusion": on, "apply_rope_fusion": rope_fusion,
               "gradient_accumulation_fusion": wgrad_fusion, "masked_softmax_fusion": False,
               "persist_layer_norm": False}
     if moe:
@@ -371,6 +374,25 @@ def transformer_engine_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def _te_rope_kernels() -> bool:
+    """megatron-core found both of Transformer Engine's fused RoPE kernels (padded rows and the
+    packed THD layout)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host: on a GPU, copied from pinned memory
+    with `non_blocking` (a copy from pageable memory waits for the GPU); already there (the
+    CPU), the tensor itself."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def te_grouped_linear_available() -> bool:

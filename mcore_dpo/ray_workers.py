@@ -4,8 +4,13 @@ worker group per role, rendezvous, and turning actor failures into one clear err
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +21,12 @@ from dataclasses import dataclass
 if not (sys.stdout.isatty() and sys.stderr.isatty()):
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A task or actor that asks for no GPU keeps the GPUs its node's processes see, as Ray 2.60 does by
+# default; older releases (2.50 among them) empty CUDA_VISIBLE_DEVICES for it instead and print a
+# FutureWarning at ray.init saying so. Every release in setup.py's range then behaves alike and
+# prints nothing. The ranks ask for a GPU whenever the cluster has one, so of this project's tasks
+# only the rendezvous one (bundle 0's address and a port) is affected.
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -23,6 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mcore_dpo import platform, reaper
+from mcore_dpo.ports import free_port
 
 # Ray's worker processes import this module before they unpickle a worker class (which imports
 # megatron-core), so the known-harmless warnings are filtered there in time.
@@ -33,41 +45,143 @@ class WorkerGroupError(RuntimeError):
     """A worker failed; str() names the role, the rank and the worker's error."""
 
 
-_reaper = None  # the local cluster's reaper (mcore_dpo/reaper.py): its processes die with this one
+HEAD_START_TIMEOUT_S = 180
+DEATH_GRACE_S = 5.0  # after a rank's error, how long a death of another rank may take to show
+HEAD_STOP_TIMEOUT_S = 15
+
+
+@dataclass
+class _LocalHead:
+    """A local Ray cluster this process started: `ray start --head --block` in a session of its
+    own, its temporary directory, and the reaper (mcore_dpo/reaper.py) that ends it with this
+    process, even after kill -9."""
+
+    process: subprocess.Popen
+    temp_dir: str
+    reaper: subprocess.Popen | None
+    address: str = ""  # the GCS address, once the head is up
+
+
+_local_head: _LocalHead | None = None
 
 
 def connect(*, address: str | None, num_cpus: int) -> bool:
-    """Join the Ray cluster at `address`, or start a local one (dashboard off, bound to
-    127.0.0.1) whose processes end with this process, even after kill -9. Returns True when
-    this process started Ray (and must stop it)."""
-    global _reaper
+    """Join the Ray cluster at `address`, or start a local one (dashboard off) whose processes
+    end with this process, even after kill -9. Returns True when this process started Ray (and
+    must stop it)."""
+    global _local_head
     if ray.is_initialized():
         return False
     env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
-    before = reaper.children_of(os.getpid())
-    ray.init(
-        address="local",  # a new instance, even when `ray start` left one running on this machine
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env=env,
-        log_to_driver=True,
-        configure_logging=False,
-    )
-    _reaper = reaper.start(roots=reaper.children_of(os.getpid()) - before)
+    head = _start_local_head(num_cpus=num_cpus)
+    try:
+        ray.init(address=head.address, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True,
+                 configure_logging=False)
+    except BaseException:
+        _stop_local_head(head)
+        raise
+    _local_head = head
     return True
 
 
 def disconnect(started: bool) -> None:
-    global _reaper
+    global _local_head
     if started and ray.is_initialized():
         ray.shutdown()
-    if started:
-        reaper.release(_reaper)
-        _reaper = None
+    if started and _local_head is not None:
+        _stop_local_head(_local_head)
+        _local_head = None
+
+
+def _start_local_head(*, num_cpus: int) -> _LocalHead:
+    """`ray start --head --block` in a new session: a signal to this process's group (Ctrl-C,
+    `timeout`, `kill -TERM -PGID`) reaches this process alone, which stops at a step boundary
+    while Ray keeps running; Ray's worker processes are the raylet's children, in its session.
+    Every port is a free one (two runs on one machine do not collide), and the temporary
+    directory is private, so `ray.init()` elsewhere on the machine never joins this cluster."""
+    _token_auth_as_ray_init_does()
+    temp_dir = tempfile.mkdtemp(prefix="mcore_dpo-ray-")
+    port = free_port(count=4, host="")  # GCS, dashboard, dashboard agent, Ray client server
+    command = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        f"--port={port}", f"--dashboard-port={port + 1}", f"--dashboard-agent-listen-port={port + 2}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}",
+    ]
+    if importlib.util.find_spec("grpc") is not None:  # `ray start` runs a client server then (default port 10001)
+        command.append(f"--ray-client-server-port={port + 3}")
+    # No draining on SIGTERM: the head stops its processes at once when this process stops it.
+    head_env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_USAGE_STATS_ENABLED="0")
+    log_path = os.path.join(temp_dir, "ray_start.log")
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=head_env, start_new_session=True, close_fds=True)
+    head = _LocalHead(process=process, temp_dir=temp_dir, reaper=reaper.start(roots={process.pid}))
+    address_file = os.path.join(temp_dir, "ray_current_cluster")  # `ray start` writes it once the head is up
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    try:
+        while not head.address:
+            if process.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with status {process.returncode}" if process.returncode is not None else \
+                    f"did not start within {HEAD_START_TIMEOUT_S} s"
+                raise WorkerGroupError(f"the local Ray head {why}: {_last_line(log_path)} (its log: {log_path})")
+            time.sleep(0.1)
+            head.address = _read_text(address_file).strip()
+    except BaseException:
+        _stop_local_head(head, keep_temp_dir=True)
+        raise
+    return head
+
+
+def _stop_local_head(head: _LocalHead, *, keep_temp_dir: bool = False) -> None:
+    """SIGTERM to `ray start`, which stops the processes it started; then SIGKILL to whatever
+    of its session is left (the raylet's workers and agents)."""
+    if head.process.poll() is None:
+        head.process.send_signal(signal.SIGTERM)
+        try:
+            head.process.wait(timeout=HEAD_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    # A session id is not reused while a process of the session lives, so this finds only Ray's.
+    reaper.kill(reaper.in_session(head.process.pid))
+    if head.process.poll() is None:
+        head.process.wait()
+    reaper.release(head.reaper)
+    if not keep_temp_dir:
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _token_auth_as_ray_init_does() -> None:
+    """What `ray.init()` does before it starts a new cluster: token authentication on unless
+    RAY_AUTH_MODE says otherwise (the cluster listens on every interface), a token in
+    ~/.ray/auth_token when there is none. `ray start` reads the same environment and file, and
+    this process, which connects to it, must agree. Releases without token authentication have
+    nothing to set."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            enable_token_auth_by_default,
+            ensure_token_if_auth_enabled,
+        )
+    except ImportError:
+        return
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled({}, create_token_if_missing=True)
+
+
+def _read_text(path: str) -> str:
+    """The file's text, "" while it does not exist."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _last_line(path: str) -> str:
+    lines = [line.strip() for line in _read_text(path).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
 
 
 def cluster_has_gpus() -> bool:
@@ -139,6 +253,8 @@ class WorkerGroup:
                 try:
                     results[i] = ray.get(ref)
                 except (RayTaskError, RayActorError, RayError) as error:
+                    if not isinstance(error, RayActorError):  # a peer's failure is often the first sign of a death
+                        i, error = _death_among(pending, grace_s=DEATH_GRACE_S) or (i, error)
                     self.stop()
                     raise WorkerGroupError(f"{self.names[i]} failed: {_first_line(error)}") from None
             if deadline is not None and time.monotonic() > deadline and pending:
@@ -157,6 +273,24 @@ class WorkerGroup:
             remove_placement_group(self.placement)
         except Exception:
             pass
+
+
+def _death_among(pending: dict, *, grace_s: float) -> tuple[int, RayActorError] | None:
+    """(rank, error) of a rank among `pending` (ref -> rank) whose process dies within `grace_s`.
+    When a rank dies, its peers' transfers fail at once, often before Ray reports the death: the
+    death, not a peer's error, is what the run reports then."""
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            i = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except RayActorError as error:
+                return i, error
+            except RayError:
+                pass
+    return None
 
 
 def ranks_not_seeing(group: WorkerGroup, *, path: str, text: str) -> list[tuple[str, str]]:

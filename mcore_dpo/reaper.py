@@ -1,13 +1,14 @@
 """The processes of a local Ray cluster end with the driver that started it, even after kill -9.
 
-Ray ties its head processes (GCS, raylet) to the driver with the kernel's parent-death signal,
-but the agents the raylet starts (dashboard agent, runtime-env agent) outlive a killed driver
-(seen with Ray 2.60: still running minutes later, their parent-death check stuck reporting to
-the dead GCS). The reaper is a small process the driver starts right after it starts Ray. It
-records, every `POLL_S`, the process tree under Ray's processes, and reads its stdin: a pipe
-from the driver. The pipe ends when the driver ends, however it ends; the reaper then kills
-every recorded process that is still the same process (pid and start time) and exits. A driver
-that shut Ray down itself says "done" first, and the reaper exits without killing anything.
+The driver starts its local Ray head (`ray start --head --block`) in a session of its own, so
+that a signal to the driver's process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) reaches the
+driver alone; nothing then ties the head to the driver. The reaper is a small process the
+driver starts right after the head, in a session of its own too (a group signal, kill -9 of the
+group included, does not reach it). It records, every `POLL_S`, the process tree under the
+head, and reads its stdin: a pipe from the driver. The pipe ends when the driver ends, however
+it ends; the reaper then kills every recorded process that is still the same process (pid and
+start time) and exits. A driver that shut Ray down itself says "done" first, and the reaper
+exits without killing anything.
 
 Linux only (/proc); elsewhere no reaper starts. It imports nothing of Ray or of this project.
 
@@ -21,7 +22,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 POLL_S = 0.5
 
@@ -47,13 +47,6 @@ def _processes() -> dict[int, tuple[int, int]]:
     return found
 
 
-def children_of(pid: int) -> set[int]:
-    """The direct children of `pid` now (empty where /proc does not exist)."""
-    if not os.path.isdir("/proc"):
-        return set()
-    return {child for child, (parent, _) in _processes().items() if parent == pid}
-
-
 def tree(roots: set[int]) -> dict[int, int]:
     """pid -> start time of `roots` and all their descendants alive now."""
     procs = _processes()
@@ -69,7 +62,25 @@ def tree(roots: set[int]) -> dict[int, int]:
     return found
 
 
-def _kill(recorded: dict[int, int]) -> None:
+def in_session(sid: int) -> dict[int, int]:
+    """pid -> start time of every process of session `sid` alive now (empty without /proc)."""
+    found = {}
+    if not os.path.isdir("/proc"):
+        return found
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found[int(name)] = int(fields[19])
+    return found
+
+
+def kill(recorded: dict[int, int]) -> None:
+    """SIGKILL each recorded process (pid -> start time) that is still that process."""
     for pid, start in recorded.items():
         stat = _stat(pid)
         if stat is not None and stat[1] == start:  # the same process, not a reused pid
@@ -90,7 +101,7 @@ def watch(roots: set[int], *, pipe) -> None:
                 return
             if not line:  # the driver is gone
                 recorded.update(tree(set(recorded)))
-                _kill(recorded)
+                kill(recorded)
                 return
         recorded = {pid: start for pid, start in recorded.items() if _stat(pid) is not None}
         recorded.update(tree(roots | set(recorded)))
@@ -102,7 +113,7 @@ def start(*, roots: set[int]) -> subprocess.Popen | None:
         return None
     return subprocess.Popen(
         [sys.executable, "-u", os.path.abspath(__file__), *map(str, sorted(roots))],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, close_fds=True,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, close_fds=True, start_new_session=True,
     )
 
 
@@ -122,7 +133,7 @@ def release(reaper: subprocess.Popen | None) -> None:
 
 
 if __name__ == "__main__":
-    # Ctrl-C and SLURM's SIGTERM reach the whole process group; the driver decides what they do.
+    # SLURM signals every process of a job, whatever its session; the driver decides what they do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch({int(a) for a in sys.argv[1:]}, pipe=sys.stdin)

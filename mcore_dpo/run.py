@@ -191,9 +191,12 @@ def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
 def train(config: TrainConfig, *, ray_address: str | None = None, log=print, announced: bool = False) -> Path:
     """Run DPO as configured; returns the output directory. `announced`: the caller already
     printed `starting_line` (the command line does, before the slow imports)."""
-    from mcore_dpo import ray_workers
+    from mcore_dpo import console, ray_workers
 
-    if not announced:
+    log = console.RunLog(log)  # also into OUTPUT/train.log, once that directory is claimed
+    if announced:
+        log.note(starting_line(config, ray_address=ray_address))
+    else:
         log(starting_line(config, ray_address=ray_address))
     prep = prepare(config)
     if prep.packing_note:
@@ -230,6 +233,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
                 "trains it again)")
             return out
     output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
+    log.open(out)
     write_resolved(config, str(out))
     data_stats = {name: stats for name, stats in (("data", prep.train_stats), ("eval_data", prep.eval_stats)) if stats}
     durable.replace_file(out / "data_stats.json", json.dumps(
@@ -251,8 +255,12 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
             try:
                 _attempt(prep, out=out, log=log)
                 break
+            except Stopped as stopped:
+                log.note(str(stopped))  # the command line shows it
+                raise
             except ray_workers.WorkerGroupError as error:
                 if restarts >= config.max_restarts:
+                    log.note(f"error: {error}")
                     raise
                 restarts += 1
                 log(f"restart {restarts}/{config.max_restarts} from the latest checkpoint after: {error}")
@@ -297,9 +305,9 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     steps = step_batches(config, len(prep.train_pairs))
     metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
-                             run_config=config.to_dict())
+                             run_config=config.to_dict(), note=getattr(log, "note", None))
     group = ref_group = None
-    stop = _StopRequest(before_print=metrics_log.end_line)
+    stop = _StopRequest(log, before_print=metrics_log.end_line)
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
@@ -373,8 +381,9 @@ class _StopRequest:
     """SIGINT and SIGTERM (as SLURM sends before a time limit) ask the training loop to write a
     checkpoint at the next step boundary and stop; a second signal interrupts at once."""
 
-    def __init__(self, *, before_print=lambda: None):
+    def __init__(self, log=print, *, before_print=lambda: None):
         self.requested = False
+        self._log = log
         self._before_print = before_print  # ends a terminal's progress line first
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -388,7 +397,7 @@ class _StopRequest:
             raise KeyboardInterrupt
         self.requested = True
         self._before_print()
-        print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)", flush=True)
+        self._log(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -7,6 +7,7 @@
 Bad input ends in one line on stderr and exit code 2, before any worker starts. SIGINT or
 SIGTERM writes a checkpoint at the next step boundary, prints "stopped at step N; rerun the
 same command to resume" and exits 0; rerunning a finished run says "already complete at step N".
+A closed stdout or terminal does not end a run; the driver's lines also go to OUTPUT/train.log.
 
 From Python (notebooks, other tools), the module itself is callable:
 
@@ -22,7 +23,10 @@ import types
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mcore_dpo import console
     from mcore_dpo.config import ConfigError, resolve, starting_line
+
+    console.install()  # a closed stdout (`| tee` killed by Ctrl-C, `| head`) never ends the run
 
     try:
         config, args = resolve(argv)

@@ -3,7 +3,8 @@ same layers, DDP, the optimizer, and the step.
 
 Ray-agnostic: `ray_workers.py` wraps this class in an actor; tests may drive it from plain
 processes. Build order matters and is fixed: device -> process group -> parallel state ->
-RNG -> models -> weights -> DDP (wraps the loaded policy) -> optimizer (sees DDP's params).
+pipeline links -> RNG -> models -> weights -> DDP (wraps the loaded policy) -> optimizer (sees
+DDP's params).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.mesh import Layout, Mesh, initialize
 from mcore_dpo.moe_step import MoeStep
 from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
-                             open_weights, shard_names)
+                             open_weights, place_on_device, shard_names)
 from mcore_dpo.optim import CpuOptimizer, lr_at
 from mcore_dpo.packing import collate_packed, plan_packed_step, step_token_stats
-from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops
+from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, warm_up_links
 from mcore_dpo.schedule import build_plan
 from mcore_dpo.worker_checkpoint import PolicyCheckpointing
 from mcore_dpo.worker_eval import PolicyEvaluation
@@ -55,6 +56,14 @@ class StepBatch:
 class _Rank:
     """What every rank of every role has: device, process group, parallel state, RNG, and
     models built and loaded for its (tp, pp) coordinates."""
+
+    @property
+    def packing(self) -> bool:
+        """Packed microbatches: --packing / --no-packing as given; an unset one that the driver
+        left open (no mode packing does not serve) is decided by the rank's attention."""
+        if self.config.packing is not None:
+            return self.config.packing
+        return self.config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd)
 
     def __init__(
         self,
@@ -87,6 +96,8 @@ class _Rank:
                 timeout_s=config.timeout_s or plat.default_timeout_s(self.platform),
             )
         self.mesh: Mesh = initialize(self.layout)
+        # Every pipeline link connected now, on every rank alike, not by a step's first messages.
+        warm_up_links(self.mesh, device=self.platform.device)
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
@@ -102,18 +113,15 @@ class _Rank:
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
         self.packed_thd = self.use_te and self.platform.is_cuda
-        # An unset --packing that the driver left open is decided by that attention.
-        self.packing = (config.packing if config.packing is not None
-                        else config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd))
         self.reference: torch.nn.Module | None = None
 
     def _build(self, weights_dir: str) -> torch.nn.Module:
         with plat.building_models(self.platform):
-            model = build_stage_model(
+            model = place_on_device(build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
                 deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
-            ).to(self.platform.device)
+            ), self.platform.device)
         weights = open_weights(weights_dir)
         shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
@@ -439,6 +447,7 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         ctx.loss_fn = loss_fn
         if self.moe is not None:  # the aux loss's gradient joins each stage's backward (moe_step.py)
             self.moe.begin(mbs, coef=config.moe_aux_loss_coef or 0.0)
+            ctx.riders = self.moe.riders()  # its counts ride on the plan's act and grad messages
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
         moe_metrics = self.moe.finish(mbs) if self.moe is not None else None

@@ -16,6 +16,9 @@
 #        the tp4 x pp2 run as 8 Ray actors (equal to one rank)
 #        exact resume after a killed rank (tp2 pp2, and dp2)
 #   and prints a summary (versions, each test's result, times). Not part of .ci/run.
+#   COMPAT_RAY=oldest|newest takes Ray at one end of setup.py's range (its oldest release, or the
+#   newest below its cap) and runs the Ray tests instead: launch, placement, restarts, a lost node
+#   and the local cluster's process lifetime (RAY_TESTS below), unless COMPAT_TESTS names others.
 #
 #   bash scripts/compat_check.sh          # first run: ~4 GB of CUDA wheels into pip's cache
 #   COMPAT_PYTHON=3.10 bash scripts/compat_check.sh   # Python 3.10: torch 2.14, megatron-core 0.16, transformers 5.20
@@ -23,6 +26,7 @@
 #   PYTHON=python3.11 COMPAT_PINS="megatron-core==0.16.1 torch==2.13.0" bash scripts/compat_check.sh
 #   COMPAT_REUSE=1 bash scripts/compat_check.sh   # keep an existing venv's stack (after a code change)
 #   COMPAT_TESTS="tests/test_x.py::test_y ..." bash scripts/compat_check.sh   # another set of tests
+#   PYTHON=python3.11 COMPAT_RAY=oldest COMPAT_PINS="torch==2.13.0 megatron-core==0.16.1" bash scripts/compat_check.sh
 #
 # The summary is also written to $COMPAT_VENV/summary.txt; docs/COMPATIBILITY.md records runs.
 set -euo pipefail
@@ -33,6 +37,11 @@ case "$WANT" in
   3.10|3.11|3.12) ;;
   *) echo "compat_check: COMPAT_PYTHON=$WANT: expected 3.10, 3.11 or 3.12" >&2; exit 2 ;;
 esac
+RAY_END=${COMPAT_RAY:-}
+case "$RAY_END" in
+  ""|oldest|newest) ;;
+  *) echo "compat_check: COMPAT_RAY=$RAY_END: expected oldest or newest" >&2; exit 2 ;;
+esac
 if [ -z "$PYTHON" ]; then
   for candidate in "python$WANT" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$WANT".*/bin/python; do
     if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, ${WANT#3.})" 2>/dev/null; then PYTHON=$candidate; break; fi
@@ -42,11 +51,26 @@ if [ -z "$PYTHON" ] || ! "$PYTHON" -c 'import sys; assert (3, 10) <= sys.version
   echo "compat_check: no Python 3.10-3.12 interpreter (default: python$WANT; set PYTHON=/path/to/python)" >&2
   exit 2
 fi
-VENV=${COMPAT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore_dpo/compat-venv$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')}
+VENV=${COMPAT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mcore_dpo/compat-venv$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')${RAY_END:+-ray-$RAY_END}}
 case "$(cd "$(dirname "$VENV")" 2>/dev/null && pwd || dirname "$VENV")/" in
   "$REPO"/*) echo "compat_check: COMPAT_VENV=$VENV is inside the repository; put it outside" >&2; exit 2 ;;
 esac
 PINS=${COMPAT_PINS:-}
+if [ -n "$RAY_END" ]; then
+  # setup.py's ray requirement, e.g. ray>=2.50,<2.61: the oldest end is ray==2.50 (2.50.0), the
+  # newest end the whole range (pip takes the newest release in it).
+  RAY_RANGE=$("$PYTHON" - "$REPO/setup.py" <<'EOF'
+import ast, sys
+tree = ast.parse(open(sys.argv[1]).read())
+call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+requires = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "install_requires")
+print(next(r for r in requires if r.startswith("ray>=")))
+EOF
+)
+  if [ "$RAY_END" = oldest ]; then RAY_PIN="ray==$(echo "$RAY_RANGE" | sed -E 's/^ray>=([^,]+),.*/\1/')"
+  else RAY_PIN=$RAY_RANGE; fi
+  PINS="$PINS $RAY_PIN"
+fi
 LOG="$VENV.log"
 CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc reports OMP_NUM_THREADS when set
 start=$(date +%s)
@@ -102,6 +126,16 @@ TESTS=(
   "tests/test_resume.py::test_kill_during_checkpoint_write"
   "scripts/compat_suite.py::test_parity_compat[tp2-pp2-dp1]"
 )
+# COMPAT_RAY: what goes through Ray (actors, placement groups, restarts, a lost node, the local
+# cluster's processes ending with the driver).
+RAY_TESTS=(
+  "tests/test_ray_placement.py"
+  "tests/test_ray_launch.py"
+  "tests/test_process_lifetime.py"
+  "tests/test_resume.py::test_restarts_after_three_kills"
+  "tests/test_resume.py::test_lost_node_restarts_on_the_remaining_node"
+)
+if [ -n "$RAY_END" ]; then TESTS=("${RAY_TESTS[@]}"); fi
 if [ -n "${COMPAT_TESTS:-}" ]; then read -r -a TESTS <<< "$COMPAT_TESTS"; fi  # a subset, space-separated
 cd "$REPO"
 set +e
@@ -113,6 +147,8 @@ end=$(date +%s)
 
 {
   echo "== compat_check summary ($(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $CORES cores)"
+  if [ -n "$RAY_END" ]; then echo "ray: the $RAY_END end of $RAY_RANGE ($RAY_PIN)"; fi
+  if [ -n "$PINS" ]; then echo "pins:$PINS"; fi
   "$PY" - <<'EOF'
 import platform
 from importlib.metadata import version

@@ -140,9 +140,14 @@ def test_fused_kernels_run_where_transformer_engine_provides_them():
 
     import importlib.util
 
-    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
+    from megatron.core.models.common.embeddings import rope_utils
+
+    names = ("bias_activation_fusion", "bias_dropout_fusion")
     on = fused_kernel_fields(requested=None, use_te=True, on_gpu=True, moe=True)
     assert all(on[n] for n in names) and on["moe_permute_fusion"] and not on["masked_softmax_fusion"]
+    # fused RoPE where megatron-core found Transformer Engine's two kernels (padded and THD)
+    te_rope = rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    assert on["apply_rope_fusion"] is te_rope
     # megatron-core's own linears need apex's extension for the weight-gradient fusion
     apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     assert on["gradient_accumulation_fusion"] is apex_wgrad

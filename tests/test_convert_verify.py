@@ -22,15 +22,16 @@ def test_verify_tp2_pp2_matches_hf_logits(factory, tmp_path, capsys):
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m"), "--tp", "2", "--pp", "2"]) == 0
     capsys.readouterr()
     code = verify(["--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m"), "--atol", "1e-4", "--seq-len", "48"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    lines = out.splitlines()
-    line = next(line for line in lines if line.startswith("verify tp=2 pp=2"))
-    # a line as each phase starts, in order, before the result
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    line = captured.out.strip()  # stdout: the result line alone
+    assert line.startswith("verify tp=2 pp=2") and "\n" not in line, captured.out
+    # stderr: a line as each phase starts, in order
+    lines = captured.err.splitlines()
     phases = ["verify: building the megatron model at tp=2 pp=2 from", "verify: megatron logits done (",
               "verify: HF logits done ("]
     found = [next(i for i, text in enumerate(lines) if text.startswith(phase)) for phase in phases]
-    assert found == sorted(found) and found[-1] < lines.index(line), out
+    assert found == sorted(found), captured.err
     assert "(4 CPU ranks) and running 2 x 48 random tokens" in lines[found[0]]
     assert f"loading the HF model from {hf_dir}" in lines[found[1]]
     max_diff = float(line.split("max |dlogit| ")[1].split(",")[0])

@@ -83,7 +83,7 @@ def test_missing_or_broken_packages():
     lines = doctor.diagnose(version_of=_fake_versions(ray=None, tensorboard=None),
                             import_check=lambda m: "ImportError: libcudart.so.13" if m == "megatron.core" else None)
     status = {line.name: (line.status, line.text) for line in lines}
-    assert status["ray"] == ("ERROR", "not installed (supported >=2.60,<2.61)")
+    assert status["ray"] == ("ERROR", "not installed (supported >=2.50,<2.61)")
     assert status["tensorboard"][0] == "WARN"  # a run skips its events and goes on
     assert status["megatron-core"][0] == "ERROR" and "does not import: ImportError: libcudart.so.13" in status["megatron-core"][1]
 
@@ -97,7 +97,7 @@ def test_range_edges_and_local_versions():
     assert doctor.range_line("torch", "2.13.0+cpu", ">=2.13.0,<2.16", breaks_below=True).status == "ok"
     assert doctor.range_line("torch", "2.16.0a0+nv25.01", ">=2.13.0,<2.16", breaks_below=True).status == "WARN"
     assert doctor.range_line("torch", "2.12.1", ">=2.13.0,<2.16", breaks_below=True).status == "ERROR"
-    assert doctor.range_line("ray", "2.50.0", ">=2.60,<2.61", breaks_below=False).status == "WARN"
+    assert doctor.range_line("ray", "2.49.2", ">=2.50,<2.61", breaks_below=False).status == "WARN"
     assert doctor.range_line("megatron-core", "0.19.0rc0", ">=0.16.1,<0.20", breaks_below=True).status == "ok"
 
 

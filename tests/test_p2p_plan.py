@@ -25,7 +25,7 @@ from mcore_dpo import schedule
 from mcore_dpo.mesh import Layout, Mesh
 from mcore_dpo.pipeline import PeerError, StageContext, transfer
 from mcore_dpo.plan import transfers
-from mcore_dpo.plan_check import timeline
+from mcore_dpo.plan_check import every_compute_op, every_forward, timeline, validate_host_device
 from mcore_dpo.schedule import (
     Costs,
     Op,
@@ -180,6 +180,69 @@ def test_validate_stages_rules():
         validate_stages(((f, sa), (f,)))
     with pytest.raises(PlanError, match="has no peer"):
         validate_stages(((ra, f),))
+
+
+# ----------------------------------------------------------------------------- host and GPU (NCCL's lazy connections)
+
+
+def _hangs(plan: Plan, *, warmed_up: bool, syncs) -> bool:
+    try:
+        validate_host_device(plan.stages, warmed_up=warmed_up, syncs=syncs)
+    except PlanError as error:
+        assert "hangs under the host/GPU model" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_with_warmed_up_links_every_plan_passes_the_host_device_model_whatever_syncs(p):
+    """Every kind of step, m <= 32, unequal next-batch counts, with every compute op syncing
+    the host (the worst case: a MoE forward syncs in megatron-core's token dispatcher; its aux
+    counts ride on the act and grad messages, `moe_step.py`) or none."""
+    for m in (1, 2, 3, 4, 7, 8, 16, 32):
+        for case in CASES:
+            plan = build_plan(**_kwargs(p, m, case))
+            for syncs in (every_compute_op, every_forward, lambda s, op: False):
+                assert not _hangs(plan, warmed_up=True, syncs=syncs), (p, m, case)
+    for m, m_next in ((1, 3), (2, 5), (5, 2), (8, 3), (3, 8), (32, 17)):
+        for current, carry_in, carry_out in ((True, False, True), (False, True, True), (False, True, False),
+                                             (False, False, False), (True, False, False)):
+            plan = build_plan(num_stages=p, num_microbatches=m, num_next_microbatches=m_next, ref_mode="interleaved",
+                              ref_current=current, ref_next=True, carry_in=carry_in, carry_out=carry_out)
+            validate_plan(plan)  # runs the host/GPU model with warmed-up links, every compute op syncing
+            assert not _hangs(plan, warmed_up=True, syncs=every_compute_op), (p, m, m_next)
+
+
+def test_without_warm_up_first_step_plans_hang_when_forwards_sync():
+    """The first step of a run (no carried reference), p in {2, 4, 8}, m in {1, 2, ..., 32}:
+    144 plans. Without warm-up, the first message on each link blocks both hosts until the
+    peer's host posts its partner; a forward that syncs holds its host until its GPU has
+    delivered an earlier message, which may wait for a peer host that waits in a handshake."""
+    first_step = [case for case in CASES if not case[3]]
+    plans = {(p, m, case): build_plan(**_kwargs(p, m, case)) for p in (2, 4, 8) for m in (1, 2, 4, 8, 16, 32)
+             for case in first_step}
+    assert len(plans) == 144
+    hanging = {key for key, plan in plans.items() if _hangs(plan, warmed_up=False, syncs=every_forward)}
+    assert len(hanging) == 37
+    # Only steps that run the next batch's reference in the bubbles hang: p 2 from m 2, p 4 from m 4, p 8 from m 4.
+    assert {(p, m) for p, m, _ in hanging} == {(2, m) for m in (2, 4, 8, 16, 32)} | {
+        (4, m) for m in (4, 8, 16, 32)} | {(8, m) for m in (4, 8, 16, 32)}
+    assert all(case[0] == "interleaved" and case[2] for _, _, case in hanging)
+    # None when only the last stage syncs (its log-probs), none when nothing syncs, none warmed up.
+    last_only = [key for key, plan in plans.items()
+                 if _hangs(plan, warmed_up=False, syncs=lambda s, op, p=key[0]: s == p - 1 and every_forward(s, op))]
+    assert last_only == []
+    assert not any(_hangs(plan, warmed_up=False, syncs=lambda s, op: False) for plan in plans.values())
+    assert not any(_hangs(plan, warmed_up=True, syncs=every_forward) for plan in plans.values())
+    plan = build_plan(num_stages=2, num_microbatches=2, ref_mode="interleaved")
+    assert format_plan(plan).splitlines() == ["stage 0: F0 sa0 F1 sa1 R0n sr0n rg0 B0 R1n sr1n rg1 B1",
+                                              "stage 1: ra0 F0 B0 [sg0+ra1+rr0n] F1 B1 [sg1+rr1n] R0n R1n"]
+    with pytest.raises(PlanError) as info:
+        validate_host_device(plan.stages, warmed_up=False, syncs=every_forward)
+    assert str(info.value) == (
+        "plan hangs under the host/GPU model without warmed-up links: host 0 waits at op 4 (R0n) for its GPU "
+        "(GPU 0 waits at op 3 (sa1) for stage 1); host 1 waits at op 3 ([sg0+ra1+rr0n]) to connect link 1->0")
+    validate_host_device(plan.stages, warmed_up=True, syncs=every_forward)
 
 
 # ----------------------------------------------------------------------------- the real transfer code on gloo

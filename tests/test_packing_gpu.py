@@ -61,7 +61,8 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                                        packed_params=packed_seq_params(micro.seq_lens, device=device))
             else:
                 packed = stage_forward(model, tokens=tokens, input_tensor=None,
-                                       mask=packed_causal_mask(micro.segment_ids.to(device)), position_ids=positions)
+                                       mask=packed_causal_mask(micro.segment_ids.to(device)), position_ids=positions,
+                                       num_positions=max(micro.seq_lens))
             alone = []
             at = 0
             for n in micro.seq_lens[: micro.num_sequences]:

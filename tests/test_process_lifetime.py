@@ -1,6 +1,8 @@
 """A run's processes and its work outlive nothing they should not, through the real command line:
-the default run (no --output-dir) killed mid-way resumes when the same command runs again, and no
-process of the driver's Ray cluster survives kill -9 of the driver."""
+the default run (no --output-dir) killed mid-way resumes when the same command runs again, no
+process of the driver's Ray cluster survives kill -9 of the driver, a signal to the whole process
+group (as `timeout`, `kill -TERM -PGID` and Ctrl-C send it) stops the run at a step boundary with
+a checkpoint and leaves no process behind, and a closed stdout (`| head -1`) never ends a run."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from mcore_dpo import output_dir, reaper
+from mcore_dpo import checkpoint, output_dir, reaper
+from tests.helpers import cli
 from tests.helpers.cli import REPO, command_env, run_train, start_train
 from tests.helpers.faults import with_fault
 
@@ -103,3 +106,128 @@ def _name(pid: int) -> str:
     except OSError:
         return ""
     return os.path.basename(text.split()[0]) if text.strip() else ""
+
+
+def test_sigterm_to_the_process_group_stops_at_a_step_with_a_checkpoint_and_leaves_nothing(tmp_path):
+    """SIGTERM to the driver's whole process group, as `timeout` and `kill -TERM -PGID` send it:
+    the run stops at a step boundary with a checkpoint of that step, prints the stop line and
+    exits 0; 10 s later no process of its group, its session or its Ray cluster is left."""
+    out = tmp_path / "run"
+    driver = start_train(["--max-steps", "500", "--save-interval", "1000", "--no-packing", *SMALL, "--output-dir", str(out)],
+                         env=_env(), stderr=subprocess.STDOUT, start_new_session=True)
+    recorded: dict[int, int] = {}
+    try:
+        _wait_for_step(out / "metrics.jsonl", step=1, driver=driver)
+        recorded = reaper.tree({driver.pid})  # the driver, its Ray head and everything under it
+        assert "raylet" in {_name(pid) for pid in recorded}
+        os.killpg(driver.pid, signal.SIGTERM)
+        printed, _ = driver.communicate(timeout=300)
+        time.sleep(10)
+        left = {pid: _name(pid) for pid in _alive(recorded)} | _group_or_session(driver.pid)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in _alive(recorded):
+            os.kill(pid, signal.SIGKILL)
+    assert driver.returncode == 0, printed[-3000:]
+    assert "SIGTERM: stopping after this step" in printed, printed[-3000:]
+    stopped = [line for line in printed.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1, printed[-3000:]
+    step = int(stopped[0].split()[3].rstrip(";"))
+    current = checkpoint.latest(out)
+    assert current is not None and checkpoint.read_state(current)["step"] == step < 500
+    assert not (out / output_dir.COMPLETE_FILE).exists()
+    assert not left, f"still running 10 s after the run stopped: {left}"
+    log = (out / "train.log").read_text()
+    assert "SIGTERM: stopping after this step" in log and stopped[0] in log.splitlines(), log[-2000:]
+
+
+def test_a_second_sigint_to_the_process_group_interrupts_at_once(tmp_path):
+    """Ctrl-C twice, as the terminal sends it (SIGINT to the foreground process group), while a
+    step cannot finish (rank 0 hangs in step 2): the first asks for a stop at the step boundary,
+    the second interrupts at once (exit 130), and nothing of the run is left 10 s later."""
+    out = tmp_path / "run"
+    stdout = tmp_path / "stdout.txt"
+    with open(stdout, "w") as sink:
+        driver = start_train(["--max-steps", "500", "--no-packing", *SMALL, "--output-dir", str(out)], env=_env("hang:2"),
+                             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    recorded: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / ".fault-hang-2").exists():  # rank 0 is stuck in step 2
+            assert driver.poll() is None, stdout.read_text()[-3000:]
+            assert time.monotonic() < deadline, "step 2 never started"
+            time.sleep(0.2)
+        recorded = reaper.tree({driver.pid})
+        os.killpg(driver.pid, signal.SIGINT)
+        while "SIGINT: stopping after this step" not in stdout.read_text():
+            assert driver.poll() is None, stdout.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no stop line after the first SIGINT"
+            time.sleep(0.2)
+        os.killpg(driver.pid, signal.SIGINT)
+        driver.wait(timeout=120)  # the hang lasts an hour: only the interrupt ends it
+        time.sleep(10)
+        left = {pid: _name(pid) for pid in _alive(recorded)} | _group_or_session(driver.pid)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in _alive(recorded):
+            os.kill(pid, signal.SIGKILL)
+    printed = stdout.read_text()
+    assert driver.returncode == 130 and printed.strip().splitlines()[-1] == "interrupted", printed[-3000:]
+    assert "stopped at step" not in printed
+    assert not left, f"still running 10 s after the interrupt: {left}"
+
+
+def test_a_closed_stdout_does_not_end_the_run(tmp_path):
+    """`python -m mcore_dpo.train ... | head -1`: head exits after the first line, every later
+    write to stdout meets a closed pipe (the driver's own lines and the workers' lines Ray shows
+    there, from the `say` fault hook). The run still finishes: exit 0, OUTPUT/hf, and
+    OUTPUT/train.log holds every line of the run."""
+    out = tmp_path / "run"
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        driver = start_train(["--max-steps", "3", "--global-batch-size", "8", "--micro-batch-size", "8", "--no-packing",
+                              "--output-dir", str(out)], env=_env("say:1,2,3"), stderr=err, text=False)
+        head = cli.start(["head", "-1"], stdin=driver.stdout, stderr=None)
+        driver.stdout.close()  # head alone holds the pipe's reading end
+        first, _ = head.communicate(timeout=300)
+        try:
+            driver.wait(timeout=600)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    assert head.returncode == 0 and first.startswith("starting a local Ray cluster"), first
+    assert driver.returncode == 0, stderr.read_text()[-3000:]
+    assert (out / "hf" / "config.json").is_file()
+    # The workers' stderr lines reached the driver's stderr: Ray did show worker output while
+    # stdout was closed.
+    assert "fault hook: rank 0 at step 3 on stderr" in stderr.read_text(), stderr.read_text()[-3000:]
+    log = (out / "train.log").read_text().splitlines()
+    assert log[0] == first.strip() and log[1] == f"output directory: {out}", log
+    assert [line.split()[1] for line in log if line.startswith("step ")] == ["1/3", "2/3", "3/3"], log
+    assert log[-1] == f"exported the policy to {out / 'hf'}", log
+
+
+def _wait_for_step(metrics, *, step: int, driver: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.is_file() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
+                                         if line.endswith("}"))):
+        assert driver.poll() is None, (driver.stdout.read() if driver.stdout else "")[-3000:]
+        assert time.monotonic() < deadline, f"no step {step} within {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
+def _group_or_session(pid: int) -> dict[int, str]:
+    """Processes alive in the process group or the session that `pid` leads."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and pid in (int(fields[2]), int(fields[3])):
+            found[int(proc.name)] = _name(int(proc.name))
+    return found

@@ -18,6 +18,8 @@ from mcore_dpo import checkpoint
 from tests.helpers.cli import start_train
 from tests.helpers.ray_runs import main_in_process
 
+STEPS = 40  # enough that the signal, sent once step 1 is logged, lands well before the end
+
 
 def _train_argv(out: Path, *, max_steps: int) -> list[str]:
     return ["--max-steps", str(max_steps), "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval", "0",
@@ -53,7 +55,7 @@ def _export(run_dir: Path, dest: Path) -> str:
 
 def test_interrupted_resumed_finished_run_exports_its_final_step_and_extends_from_it(tmp_path, ray_cluster):
     out = tmp_path / "run"
-    proc = start_train(_train_argv(out, max_steps=6), stderr=subprocess.STDOUT)
+    proc = start_train(_train_argv(out, max_steps=STEPS), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         metrics = out / "metrics.jsonl"
@@ -67,22 +69,23 @@ def test_interrupted_resumed_finished_run_exports_its_final_step_and_extends_fro
             proc.kill()
     assert proc.returncode == 0 and "stopped at step " in printed, printed[-3000:]
     interrupted = checkpoint.read_state(checkpoint.latest(out))["step"]
-    assert interrupted < 6
+    assert interrupted < STEPS
 
-    finished = main_in_process(_train_argv(out, max_steps=6), cluster=ray_cluster)
+    finished = main_in_process(_train_argv(out, max_steps=STEPS), cluster=ray_cluster)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert f"(step {interrupted})" in finished.stdout
     # `latest` is never stale: it names the final step's checkpoint
-    assert checkpoint.latest(out).name == checkpoint.name_of(6)
-    said = _export(out, tmp_path / "export-6")
-    assert f"the newest checkpoint is {out / 'checkpoints' / checkpoint.name_of(6)}" in said, said
-    _assert_bitwise_equal(_tensors(tmp_path / "export-6"), _tensors(out / "hf"))
+    assert checkpoint.latest(out).name == checkpoint.name_of(STEPS)
+    said = _export(out, tmp_path / "export-final")
+    assert f"the newest checkpoint is {out / 'checkpoints' / checkpoint.name_of(STEPS)}" in said, said
+    _assert_bitwise_equal(_tensors(tmp_path / "export-final"), _tensors(out / "hf"))
 
-    extended = main_in_process(_train_argv(out, max_steps=8), cluster=ray_cluster)
+    extended = main_in_process(_train_argv(out, max_steps=STEPS + 2), cluster=ray_cluster)
     assert extended.returncode == 0, extended.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoints' / checkpoint.name_of(6)} (step 6)" in extended.stdout, extended.stdout
-    assert checkpoint.latest(out).name == checkpoint.name_of(8)
-    _export(out, tmp_path / "export-8")
-    _assert_bitwise_equal(_tensors(tmp_path / "export-8"), _tensors(out / "hf"))
+    assert f"resuming from {out / 'checkpoints' / checkpoint.name_of(STEPS)} (step {STEPS})" in extended.stdout, \
+        extended.stdout
+    assert checkpoint.latest(out).name == checkpoint.name_of(STEPS + 2)
+    _export(out, tmp_path / "export-extended")
+    _assert_bitwise_equal(_tensors(tmp_path / "export-extended"), _tensors(out / "hf"))
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert len(steps) == 8  # each step once: nothing retrained
+    assert len(steps) == STEPS + 2  # each step once: nothing retrained

@@ -10,8 +10,13 @@ SLURM allows for emulating larger systems), so the script runs both as one node 
   MCORE_DPO_TEST_EXPECT_NODES, to wait for two nodes on a one-node allocation) fails the job
   fast with a message naming the problem, and again leaves nothing behind.
 
-SLURM and munge are installed with apt-get when missing; the tests skip, with the reason,
-only when that is impossible. "Left behind" is judged for this job only: a process whose
+- a run asked to stop through the batch shell, by `scancel --signal=TERM --batch` or by the
+  USR1 that the script's `#SBATCH --signal=B:USR1@120` has SLURM send before a real time
+  limit, stops at a step boundary with a checkpoint of that step, the driver exits 0, the job
+  completes, and no Ray process is left.
+
+The tests need slurm-wlm and munge installed (.ci/run installs them); without them they skip,
+naming the missing programs. "Left behind" is judged for this job only: a process whose
 environment carries this job's SLURM_JOB_ID, or a raylet/gcs_server of this job's Ray port
 (other Ray instances may run on this machine at the same time).
 """
@@ -34,7 +39,7 @@ from mcore_dpo.ports import free_port
 pytestmark = pytest.mark.slurm  # SLURM daemons (the suite's tiers: tests/helpers/tiers.py)
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
-SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 NODE_CPUS = 2  # logical CPUs per node SLURM and Ray hand out: two nodes of 2 on this 2-core box
 NODES = ("n1", "n2")
@@ -48,22 +53,11 @@ class SlurmCluster:
     env: dict[str, str]
 
 
-def _ensure_slurm_installed() -> None:
-    if all(shutil.which(b) for b in SLURM_BINARIES):
-        return
-    if os.geteuid() != 0:
-        pytest.skip("SLURM cannot be installed: slurm-wlm/munge are missing and apt-get needs root")
-    if shutil.which("apt-get") is None:
-        pytest.skip("SLURM cannot be installed: slurm-wlm/munge are missing and there is no apt-get")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if result.returncode != 0:
-            tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"SLURM cannot be installed: {' '.join(cmd)} failed ({tail})")
+def _require_slurm() -> None:
+    """The tests need SLURM and munge installed (.ci/run installs them); they never install."""
     missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
     if missing:
-        pytest.skip(f"SLURM cannot be installed: after apt-get, {', '.join(missing)} are still missing")
+        pytest.skip(f"SLURM is not installed here: {', '.join(missing)} not found (apt-get install slurm-wlm munge)")
 
 
 def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
@@ -138,7 +132,7 @@ def _stop_pid(pid: int | None, *, timeout_s: float = 15.0) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory) -> SlurmCluster:
-    _ensure_slurm_installed()
+    _require_slurm()
     root = tmp_path_factory.mktemp("slurm")
     for sub in ("munge", "state", "log", "jobs"):
         (root / sub).mkdir()
@@ -183,34 +177,44 @@ def _job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
+def _submit(cluster: SlurmCluster, *, name: str, num_nodes: int, script_args: list[str],
+            extra_env: dict[str, str], sbatch_args: list[str] = ()) -> tuple[str, Path]:
+    """sbatch the script; returns the job id and its output file."""
+    output = cluster.root / "jobs" / f"{name}.out"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={num_nodes}", f"--cpus-per-task={NODE_CPUS}", f"--output={output}",
+         f"--chdir={REPO}", *sbatch_args, str(SBATCH_SCRIPT), *script_args],
+        env=dict(cluster.env, **extra_env), capture_output=True, text=True, timeout=60,
+    )
+    assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr.strip()}"
+    return submitted.stdout.strip().split(";")[0], output
+
+
+def _wait_until_done(cluster: SlurmCluster, job_id: str, output: Path) -> tuple[dict[str, str], str]:
+    """Wait (bounded) for the job's terminal state; returns its fields and its output."""
+    fields: dict[str, str] = {}
+    deadline = time.monotonic() + JOB_WAIT_S
+    while time.monotonic() < deadline:
+        fields = _job_fields(job_id, cluster.env)
+        if fields.get("JobState") in TERMINAL_STATES:
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job_id], env=cluster.env, capture_output=True, timeout=30)
+        pytest.fail(f"job {job_id} did not finish within {JOB_WAIT_S} s; output:\n{output.read_text(errors='replace')[-4000:]}")
+    fields["JobId"] = job_id
+    return fields, output.read_text(errors="replace") if output.exists() else ""
+
+
 def _submit_and_wait(
     cluster: SlurmCluster, *, name: str, num_nodes: int, script_args: list[str], extra_env: dict[str, str]
 ) -> tuple[dict[str, str], str, float]:
     """sbatch the script, wait (bounded) for a terminal state; returns the job's fields, its
     output and the wall time in seconds."""
-    output = cluster.root / "jobs" / f"{name}.out"
-    env = dict(cluster.env, **extra_env)
     start = time.monotonic()
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={num_nodes}", f"--cpus-per-task={NODE_CPUS}", f"--output={output}",
-         f"--chdir={REPO}", str(SBATCH_SCRIPT), *script_args],
-        env=env, capture_output=True, text=True, timeout=60,
-    )
-    assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr.strip()}"
-    job_id = submitted.stdout.strip().split(";")[0]
-    fields: dict[str, str] = {}
-    deadline = start + JOB_WAIT_S
-    while time.monotonic() < deadline:
-        fields = _job_fields(job_id, env)
-        if fields.get("JobState") in TERMINAL_STATES:
-            break
-        time.sleep(1)
-    else:
-        subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=30)
-        pytest.fail(f"job {job_id} did not finish within {JOB_WAIT_S} s; output:\n{output.read_text(errors='replace')[-4000:]}")
-    wall_s = time.monotonic() - start
-    fields["JobId"] = job_id
-    return fields, output.read_text(errors="replace") if output.exists() else "", wall_s
+    job_id, output = _submit(cluster, name=name, num_nodes=num_nodes, script_args=script_args, extra_env=extra_env)
+    fields, text = _wait_until_done(cluster, job_id, output)
+    return fields, text, time.monotonic() - start
 
 
 def _leftover_processes(job_id: str, ray_port: int) -> list[str]:
@@ -303,3 +307,70 @@ def test_sbatch_two_nodes_tp2_pp2(slurm_cluster: SlurmCluster, tmp_path: Path):
     assert (run_dir / "hf" / "config.json").is_file()
     assert _leftover_processes(fields["JobId"], ray_port) == []
     print(f"slurm two-node run: {wall_s:.0f} s")
+
+
+def test_scancel_signal_term_batch_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmCluster, tmp_path: Path):
+    """`scancel --signal=TERM --batch JOBID` once the first step is logged: the batch shell
+    forwards SIGTERM to the driver alone, which stops at the next step boundary with a
+    checkpoint of that step and exits 0 while Ray still runs; then Ray is stopped."""
+    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="stop-term")
+    _wait_for_first_step(slurm_cluster, job_id, output, run_dir)
+    cancelled = subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=slurm_cluster.env,
+                               capture_output=True, text=True, timeout=30)
+    assert cancelled.returncode == 0, cancelled.stderr
+    fields, text = _wait_until_done(slurm_cluster, job_id, output)
+    _assert_stopped_with_a_checkpoint(fields, text, run_dir=run_dir, ray_port=ray_port, signal_name="TERM")
+
+
+def test_the_time_limit_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmCluster, tmp_path: Path):
+    """A job whose run outlasts its time limit (--time=5): the script's `--signal=B:USR1@120`
+    makes SLURM send USR1 to the batch shell 120 s before the limit (SLURM may send it up to 60 s
+    earlier: 2 to 3 minutes in, well after the first step), the driver stops with a checkpoint
+    and the job completes before the limit."""
+    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="time-limit", time_limit="5")
+    fields, text = _wait_until_done(slurm_cluster, job_id, output)
+    _assert_stopped_with_a_checkpoint(fields, text, run_dir=run_dir, ray_port=ray_port, signal_name="USR1")
+
+
+LONG_RUN_STEPS = 100000
+
+
+def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str,
+                     time_limit: str | None = None) -> tuple[str, Path, Path, int]:
+    run_dir = tmp_path / "run"
+    ray_port = free_port(count=RAY_PORTS, host="")
+    job_id, output = _submit(
+        cluster, name=name, num_nodes=1,
+        script_args=["--max-steps", str(LONG_RUN_STEPS), "--save-interval", str(LONG_RUN_STEPS), "--save-interval-min", "0",
+                     "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval", "0", "--no-packing",
+                     "--output-dir", str(run_dir)],
+        extra_env={"MCORE_DPO_CACHE": str(cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+        sbatch_args=[f"--time={time_limit}"] if time_limit else [],
+    )
+    return job_id, output, run_dir, ray_port
+
+
+def _wait_for_first_step(cluster: SlurmCluster, job_id: str, output: Path, run_dir: Path) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_WAIT_S
+    while not (metrics.is_file() and '"step": 1' in metrics.read_text()):
+        state = _job_fields(job_id, cluster.env).get("JobState")
+        assert state not in TERMINAL_STATES, f"{state} before step 1:\n{output.read_text(errors='replace')[-4000:]}"
+        assert time.monotonic() < deadline, f"no step 1 within {JOB_WAIT_S} s"
+        time.sleep(0.5)
+
+
+def _assert_stopped_with_a_checkpoint(fields: dict[str, str], text: str, *, run_dir: Path, ray_port: int,
+                                      signal_name: str) -> None:
+    from mcore_dpo import checkpoint
+
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{text[-4000:]}"
+    assert f"{signal_name}: asking the train driver to stop" in text, text[-4000:]
+    assert "SIGTERM: stopping after this step" in text, text[-4000:]
+    stopped = [line for line in text.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1, text[-4000:]
+    step = int(stopped[0].split()[3].rstrip(";"))
+    assert "train exited with status 0" in text, text[-4000:]
+    current = checkpoint.latest(run_dir)
+    assert current is not None and checkpoint.read_state(current)["step"] == step < LONG_RUN_STEPS
+    assert _leftover_processes(fields["JobId"], ray_port) == []

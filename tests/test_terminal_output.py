@@ -1,7 +1,7 @@
 """What a run prints and plots: a first line that says what starts, megatron-core's known-harmless
 warnings filtered (and only those), one number format, an ETA without the first step's warm-up,
-`verify` printing its result line only, and plots that show evaluations as markers and leave out
-the last step's uneven throughput."""
+`verify` printing its result line only, plots that show evaluations as markers and leave out
+the last step's uneven throughput, and output streams whose reader went away (console.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo import metrics_log, platform, ray_workers, run
+from mcore_dpo import console, metrics_log, platform, ray_workers, run
 from mcore_dpo.train import main
 from tests.helpers.cli import REPO, command_env, run_python
 
@@ -107,6 +107,8 @@ def test_verify_prints_its_result_and_nothing_else(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [done.stdout.strip()] and done.stdout.startswith("verify tp=1 pp=1: max |dlogit| ")
     assert "Warning" not in done.stderr and "\r" not in done.stderr, done.stderr[-3000:]
+    # its progress goes to stderr, one line per phase
+    assert [line.split(" ")[1] for line in done.stderr.splitlines()] == ["building", "megatron", "HF"], done.stderr
 
 
 def _run_dir(tmp_path: Path, *, ref_mode: str) -> Path:
@@ -158,3 +160,44 @@ def test_the_first_line_comes_before_the_slow_imports(tmp_path):
     assert first.startswith("preparing 2 workers (tp 2 x pp 1 x dp 1) on a local Ray cluster"), first
     assert loaded == "loaded: ", loaded
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stream_whose_reader_went_away_takes_every_write_and_other_errors_still_raise(tmp_path):
+    """The wrapped stream of a pipe whose reading end is closed: the write that meets EPIPE, the
+    text buffered before it and every later write succeed (the descriptor now points at
+    /dev/null); an error that is not EPIPE or EIO (a full disk) still raises."""
+    import errno
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream = console._Survivor(os.fdopen(write_end, "w", encoding="utf-8", buffering=1))
+    try:
+        assert stream.write("buffered, then the pipe breaks\n") > 0
+        stream.flush()
+        assert os.path.samefile(f"/proc/self/fd/{write_end}", os.devnull)
+        print("a later line", file=stream, flush=True)
+    finally:
+        stream.close()
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as caught:
+        console._Survivor(FullDisk()).write("x")
+    assert caught.value.errno == errno.ENOSPC
+
+
+def test_the_run_log_keeps_the_lines_before_the_run_directory_and_appends(tmp_path):
+    shown = []
+    log = console.RunLog(shown.append)
+    log("first")
+    log.note("the file only")
+    log.open(tmp_path)
+    log("after")
+    assert shown == ["first", "after"]
+    assert (tmp_path / console.LOG_FILE).read_text() == "first\nthe file only\nafter\n"
+    again = console.RunLog(shown.append)  # a resumed run adds to the same file
+    again.open(tmp_path)
+    again("resumed")
+    assert (tmp_path / console.LOG_FILE).read_text().splitlines()[-2:] == ["after", "resumed"]

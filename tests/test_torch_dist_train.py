@@ -102,7 +102,8 @@ def _hf_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
-    """--save-format torch_dist through the command line (in this process) at tp1 pp2: rotation and both pointers; a run
+    """--save-format torch_dist through the command line (in this process) at tp1 pp2: rotation and
+    both pointers (the last step is saved too, so both name it); a run
     killed at step 3 resumes from iter_0000002 bit-exactly; megatron-core's own
     dist_checkpointing.load reads model and optimizer state at tp2 pp1 and gets what this
     project's restricted reader gets; mcore-to-hf converts the save directory."""
@@ -117,13 +118,13 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
     result = _train(["--save-interval", "1", "--keep-last", "2"], base, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpts = base / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["final", "iter_0000002", "iter_0000003"]
-    assert (ckpts / "latest").read_text().strip() == "iter_0000003"
-    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    iter_dir = ckpts / "iter_0000003"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["final", "iter_0000003", "iter_0000004"]
+    assert (ckpts / "latest").read_text().strip() == "iter_0000004"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    iter_dir = ckpts / "iter_0000004"
     assert json.loads((iter_dir / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     common = torch_load_file(iter_dir / "common.pt")
-    assert common["iteration"] == 3 and common["checkpoint_version"] == 3.0
+    assert common["iteration"] == 4 and common["checkpoint_version"] == 3.0
     assert common["args"].pipeline_model_parallel_size == 2 and common["args"].num_layers == 4
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_sharded_model_space"
 
@@ -165,7 +166,7 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
         assert loaded["exp_avg_sq/decoder.final_layernorm.weight"].abs().sum() > 0  # trained state, not zeros
 
     # mcore-to-hf reads the save directory (Megatron-LM's pointer) and its logits are Megatron's.
-    hf_out = tmp_path / "hf_step3"
+    hf_out = tmp_path / "hf_step4"
     from checkpoint_convert.__main__ import main as convert
 
     assert convert(["mcore-to-hf", "--mcore-dir", str(ckpts), "--out", str(hf_out)]) == 0

@@ -5,6 +5,8 @@ Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_
     "step:3,7"  kills rank 0's process at the start of steps 3 and 7
     "save:4"    kills rank 0's process in the middle of the step-4 checkpoint write
     "hang:2"    makes rank 0 stop responding at the start of step 2 (its peers time out)
+    "say:1,2"   makes rank 0 print a line to its stdout and one to its stderr at the start of
+                steps 1 and 2 (Ray shows them on the driver's stdout and stderr)
 
 Each fault fires once per run directory (a marker file remembers it).
 
@@ -22,7 +24,7 @@ def _install(spec: str) -> None:
     from mcore_dpo import hooks
 
     kind, _, steps = spec.partition(":")
-    point = {"step": "train_step", "hang": "train_step", "save": "save_checkpoint"}[kind]
+    point = {"step": "train_step", "hang": "train_step", "say": "train_step", "save": "save_checkpoint"}[kind]
 
     def fault(*, step: int, rank: int, output_dir: str) -> None:
         if rank != 0 or str(step) not in steps.split(","):
@@ -31,6 +33,12 @@ def _install(spec: str) -> None:
         if marker.exists():
             return
         marker.write_text("fired\n")
+        if kind == "say":
+            import sys
+
+            print(f"fault hook: rank 0 at step {step} on stdout", flush=True)
+            print(f"fault hook: rank 0 at step {step} on stderr", file=sys.stderr, flush=True)
+            return
         if kind == "hang":
             time.sleep(3600)
         if kind == "save":

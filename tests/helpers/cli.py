@@ -38,9 +38,10 @@ def run(argv: list[str], *, env: dict | None = None, cwd: Path = REPO, timeout: 
 
 @launches("cli")
 def start(argv: list[str], *, env: dict | None = None, cwd: Path = REPO, stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE) -> subprocess.Popen:
-    """Start argv and return at once (the caller waits for it, or kills it)."""
-    return subprocess.Popen(argv, cwd=cwd, env=command_env(env), stdout=stdout, stderr=stderr, text=True)
+          stderr=subprocess.PIPE, **popen) -> subprocess.Popen:
+    """Start argv and return at once (the caller waits for it, or kills it); text pipes unless
+    `popen` (more subprocess.Popen arguments: stdin, start_new_session, ...) says text=False."""
+    return subprocess.Popen(argv, cwd=cwd, env=command_env(env), stdout=stdout, stderr=stderr, **{"text": True, **popen})
 
 
 @launches("cli")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import traceback
@@ -79,6 +80,11 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
         for j, job in enumerate(jobs):
             config = TrainConfig(**job["config"])
             spec = open_weights(config.model).spec
+            # A test's own instruments in the rank (a module with install(job, rank, out_dir) and
+            # report(job_index, rank, out_dir)), e.g. tests/helpers/host_sync_guard.py.
+            instruments = importlib.import_module(job["setup"]) if job.get("setup") else None
+            if instruments is not None:
+                instruments.install(job, rank, out_dir)
             if worker is not None and worker.layout != _policy_layout(config):  # another layout, the same world
                 from mcore_dpo.mesh import release_layout
 
@@ -104,6 +110,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
                 metrics.append(worker.evaluate(eval_pairs, ref_eval))
             if metrics[0] is not None:
                 Path(out_dir, f"job{j}_metrics.json").write_text(json.dumps(metrics))
+            if instruments is not None:
+                instruments.report(j, rank, out_dir)
         worker.shutdown()
     except BaseException:
         Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
