@@ -52,13 +52,13 @@ def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node
     from mcore_dpo import reaper
 
     environ = dict(os.environ)
-    before = reaper.children_of(os.getpid())
+    before = set(reaper.tree({os.getpid()}))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False})
     added = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(nodes)]
     if added:
         cluster.wait_for_nodes()
-    return LocalCluster(cluster=cluster, nodes=added, reaper=reaper.start(roots=reaper.children_of(os.getpid()) - before),
-                        environ=environ)
+    started = set(reaper.tree({os.getpid()})) - before  # the cluster's processes
+    return LocalCluster(cluster=cluster, nodes=added, reaper=reaper.start(roots=started), environ=environ)
 
 
 def _runtime_env(cluster: LocalCluster, env: dict | None) -> dict | None:
