@@ -11,6 +11,7 @@
     cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
     ray_runs.py          the session's Ray cluster and in-process training runs on it
     faults.py            environments that inject faults (tests/fault_hooks) into a run
+    host_sync_guard.py   instruments for parity ranks: host reads and messages outside the plan fail
     config_arithmetic.py the arithmetic of configs/'s header comments
     tiers.py             how each test gets its tier (`launches`, read by conftest.py)
 
