@@ -306,7 +306,7 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
     their global expert axis, written from expert-data-parallel rank 0 of each ep rank), without
     TR-DPO (torch_dist does not store a moving reference): it trains identically up to step 2,
     where the fixture's reference moves; its step-2 checkpoint's fp32 masters and AdamW moments equal the safetensors
-    checkpoint's bit for bit (`checkpoint_convert mcore-to-hf` of the save directory too);
+    checkpoint's bit for bit (`checkpoint_convert mcore-to-hf` of its iteration directory too);
     resumed from it at the same layout it is bit-identical, at (1, 1, 2, 1) within 1e-5."""
     from checkpoint_convert.__main__ import main as convert
     from checkpoint_convert.dcp import DcpReader
@@ -339,7 +339,8 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
         assert ours.names == theirs.names
         for name in theirs.names:
             assert torch.equal(ours.get(name), theirs.get(name)), (kind, name)
-    assert convert(["mcore-to-hf", "--mcore-dir", str(out / "checkpoints"), "--out", str(tmp_path / "hf_td")]) == 0
+    # (the save directory's pointer names the final step now; its conversion: tests/test_torch_dist_train.py)
+    assert convert(["mcore-to-hf", "--mcore-dir", str(iter_dir), "--out", str(tmp_path / "hf_td")]) == 0
     assert convert(["mcore-to-hf", "--mcore-dir", str(safetensors / "model"), "--out", str(tmp_path / "hf_st")]) == 0
     converted, reference = _tensors(tmp_path / "hf_td"), _tensors(tmp_path / "hf_st")
     assert converted.keys() == reference.keys()

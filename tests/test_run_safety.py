@@ -196,5 +196,7 @@ def test_help_documents_the_new_flags():
     assert "--wandb, --no-wandb Also log metrics to Weights & Biases" in text
     assert "--wandb-project WANDB_PROJECT Weights & Biases project" in text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for flag in ("--resume-with-changes", "--wandb", "--wandb-project"):
+    assert "--deterministic, --no-deterministic Deterministic GPU kernels" in text
+    assert "--fused-kernels, --no-fused-kernels megatron-core's and Transformer Engine's fused kernels" in text
+    for flag in ("--resume-with-changes", "--wandb", "--wandb-project", "--deterministic", "--fused-kernels"):
         assert flag in readme, flag
