@@ -132,7 +132,7 @@ def test_sigterm_to_the_process_group_stops_at_a_step_with_a_checkpoint_and_leav
     assert driver.returncode == 0, printed[-3000:]
     assert "SIGTERM: stopping after this step" in printed, printed[-3000:]
     stopped = [line for line in printed.splitlines() if line.startswith("stopped at step ")]
-    assert len(stopped) == 1, printed[-3000:]
+    assert len(stopped) == 1 and stopped[0].endswith("; rerun the same command to resume"), printed[-3000:]
     step = int(stopped[0].split()[3].rstrip(";"))
     current = checkpoint.latest(out)
     assert current is not None and checkpoint.read_state(current)["step"] == step < 500

@@ -10,7 +10,6 @@ import pytest
 
 from mcore_dpo import output_dir, ray_workers, run
 from mcore_dpo.train import main
-from tests.helpers.cli import start_train
 
 
 @pytest.fixture
@@ -181,36 +180,9 @@ def test_checkpointing_is_on_by_default():
     assert config.save_interval_min == 0.5 and config.save_interval == 0
 
 
-def test_sigterm_writes_a_checkpoint_and_the_stop_line(tmp_path):
-    """Through the real CLI: SIGTERM after the first step shows in metrics.jsonl ends the run at
-    a step boundary with a checkpoint of that step and the stop line, exit 0; the rerun resumes."""
-    import signal
-    import subprocess
-    import time
-
-    from mcore_dpo import checkpoint
-
-    out = tmp_path / "run"
-    proc = start_train(["--max-steps", "200", "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval",
-                        "0", "--no-export-hf", "--output-dir", str(out)], stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        metrics = out / "metrics.jsonl"
-        while not (metrics.is_file() and '"step": 1' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        printed, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, printed
-    stopped = [line for line in printed.splitlines() if line.startswith("stopped at step ")]
-    assert len(stopped) == 1 and stopped[0].endswith("; rerun the same command to resume"), printed
-    step = int(stopped[0].split()[3].rstrip(";"))
-    current = checkpoint.latest(out)
-    assert current is not None and checkpoint.read_state(current)["step"] == step < 200
-    assert not (out / output_dir.COMPLETE_FILE).exists()
+# SIGTERM through the real command line: tests/test_process_lifetime.py (to the process group: the
+# stop line, the checkpoint of that step, no completion mark) and tests/test_run_directory.py (to
+# the driver, then the run resumed and finished).
 
 
 def test_help_gives_every_option_a_description_default_and_group(capsys):
