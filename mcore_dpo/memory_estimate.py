@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcore_dpo.optim import NORM_CHUNK
+
 ATTENTION_IMPLS = ("flash", "local")
 FP32_BYTES = 4
 
@@ -205,13 +207,23 @@ def bytes_per_param(*, ref_mode: str, optimizer_shards: int) -> float:
             + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards)
 
 
+def optimizer_step_bytes() -> float:
+    """What the optimizer step allocates beyond the state counted per parameter. It runs after
+    the last backward, when the activations are gone, so a rank's peak is the larger of the
+    two. Clipping scales the gradients in place and a GPU's fused AdamW keeps no per-tensor
+    temporaries (`optim.clip_in_place`, `platform.fused_adamw`); what is left is the gradient
+    norm's fp64 copy of one chunk and its square (`optim.squared_sum`)."""
+    return 2 * 8 * NORM_CHUNK
+
+
 def per_gpu_bytes(
     shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
     attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
-    (averaged over the tp x pp shards), plus the worst stage's activations under the plan.
+    (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
+    the optimizer step's temporaries, whichever is larger (`optimizer_step_bytes`).
 
     MoE: `params` counts the parameters outside the routed experts (split over tp x pp, the
     optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
@@ -230,4 +242,4 @@ def per_gpu_bytes(
         rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
         dtype_bytes=dtype_bytes, expert_tp=expert_tp,
     )  # fmt: skip
-    return dense + experts + activations
+    return dense + experts + max(activations, optimizer_step_bytes())

@@ -41,10 +41,38 @@ def global_grad_norm(params_once: Iterable[torch.nn.Parameter], *, group: object
     device = params_once[0].main_grad.device if params_once else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for param in params_once:
-        total += param.main_grad.detach().double().pow(2).sum()
+        total += squared_sum(param.main_grad)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.sqrt())
+
+
+# Elements squared in fp64 at once by `squared_sum`: the norm's temporaries (an fp64 copy and
+# its square) stay at 16 MiB whatever the size of a gradient, instead of 16 B per element of
+# the largest one.
+NORM_CHUNK = 1 << 20
+
+
+def squared_sum(grad: torch.Tensor) -> torch.Tensor:
+    """Sum of the squares of `grad`'s elements in fp64 (a 0-dim tensor on its device), a chunk of
+    NORM_CHUNK elements at a time (one chunk: the whole sum of a smaller tensor, bit for bit)."""
+    flat = grad.detach().reshape(-1)
+    if flat.numel() <= NORM_CHUNK:
+        return flat.double().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), NORM_CHUNK):
+        total += flat[start : start + NORM_CHUNK].double().pow(2).sum()
+    return total
+
+
+def clip_in_place(grad: torch.Tensor, clip: float, *, dtype: torch.dtype) -> torch.Tensor:
+    """`grad` scaled by the clip coefficient in place, as the optimizer's gradient of `dtype`:
+    no copy when it is already of that dtype (DDP's fp32 main grads for fp32 masters), so the
+    step allocates no second gradient (`clip_grad_norm_` clips in place too). The caller's
+    gradient buffer then holds the clipped gradient, which the next step's zeroing clears."""
+    if clip != 1.0:
+        grad.mul_(clip)
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 def clip_coefficient(grad_norm: float, *, max_norm: float) -> float:
@@ -61,8 +89,18 @@ def decay_groups(params: list[torch.nn.Parameter], *, weight_decay: float) -> li
     ]
 
 
-def build_adamw(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
-    return torch.optim.AdamW(decay_groups(params, weight_decay=weight_decay), lr=lr, betas=betas, eps=eps)
+def build_adamw(param_groups: list[dict], *, betas: tuple[float, float], eps: float, fused: bool) -> torch.optim.AdamW:
+    """torch's AdamW over `param_groups` (learning rate set per step). `fused`: one kernel over
+    all parameters, without the per-tensor temporaries of the other implementations (what a GPU
+    runs, `platform.fused_adamw`); otherwise torch's default, which the CPU parity tests compare
+    bit for bit with a single-process torch AdamW."""
+    return torch.optim.AdamW(param_groups, lr=0.0, betas=betas, eps=eps, **({"fused": True} if fused else {}))
+
+
+def step_count(step: int, *, like: torch.Tensor, fused: bool) -> torch.Tensor:
+    """AdamW's `step` state after `step` steps, as torch's AdamW makes it: fp32, on the
+    parameter's device for the fused kernel, on the CPU otherwise."""
+    return torch.tensor(float(step), dtype=torch.float32, device=like.device if fused else "cpu")
 
 
 class CpuOptimizer:
@@ -71,7 +109,8 @@ class CpuOptimizer:
     fp32 parameters are updated in place."""
 
     def __init__(self, *, named_params: list[tuple[str, torch.nn.Parameter]], params_once: list[torch.nn.Parameter],
-                 group: object, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
+                 group: object, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float,
+                 fused: bool = False):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.masters = [
@@ -80,7 +119,10 @@ class CpuOptimizer:
         self.params_once = params_once
         self.group = group
         self.clip_grad = clip_grad
-        self.optimizer = build_adamw(self.masters, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.fused = fused
+        self.last_clip = 1.0  # the clip coefficient of the last step (its gradients are scaled by it)
+        self.optimizer = build_adamw(decay_groups(self.masters, weight_decay=weight_decay), betas=betas, eps=eps,
+                                     fused=fused)
 
     def step(self, *, lr: float) -> float:
         grad_norm = global_grad_norm(self.params_once, group=self.group)
@@ -88,8 +130,8 @@ class CpuOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for param, master in zip(self.params, self.masters):
-            grad = param.main_grad
-            master.grad = (grad * clip if clip != 1.0 else grad).to(master.dtype)
+            master.grad = clip_in_place(param.main_grad, clip, dtype=master.dtype)
+        self.last_clip = clip
         self.optimizer.step()
         with torch.no_grad():
             for param, master in zip(self.params, self.masters):
@@ -144,7 +186,7 @@ class CpuOptimizer:
             if master is not param:
                 master.data.copy_(masters[name].to(master.device, torch.float32))
             self.optimizer.state[master] = {
-                "step": torch.tensor(float(step)),
+                "step": step_count(step, like=master, fused=self.fused),
                 "exp_avg": moments["exp_avg"][name].to(master.device, master.dtype).clone(),
                 "exp_avg_sq": moments["exp_avg_sq"][name].to(master.device, master.dtype).clone(),
             }

@@ -31,10 +31,21 @@ _ADAPTED = False
 
 def detect(*, local_rank: int = 0) -> Platform:
     """The device this process computes on and the matching process-group backend."""
-    if torch.cuda.is_available() and os.environ.get("MCORE_DPO_FORCE_CPU") != "1":
+    # MCORE_DPO_FORCE_CPU is read first: a process told to stay on the CPU (the CPU test suite
+    # on a GPU machine, verify) never asks the CUDA driver anything, so it can run forked from a
+    # parent that initialised CUDA.
+    if os.environ.get("MCORE_DPO_FORCE_CPU") != "1" and torch.cuda.is_available():
         index = local_rank % torch.cuda.device_count()
         return Platform(device=torch.device("cuda", index), backend="nccl")
     return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def fused_adamw(device: torch.device) -> bool:
+    """Whether the optimizer runs torch's fused AdamW: on a GPU, one kernel over all parameters
+    with no temporaries (the multi-tensor implementation allocates about 4 B per parameter of
+    the shard for the step). On the CPU, torch's default AdamW, which the parity tests compare
+    bit for bit with a one-process torch AdamW."""
+    return device.type == "cuda"
 
 
 def fused_kernel_fields(*, requested: bool | None, use_te: bool, on_gpu: bool, moe: bool) -> dict[str, bool]:

@@ -262,7 +262,8 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         # The optimizer comes after DDP: it works on DDP's parameters and gradient buffers.
         named_params = [(n, p) for n, p in self.policy.module.named_parameters() if p.requires_grad]
         common = dict(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                      weight_decay=config.weight_decay, clip_grad=config.clip_grad)
+                      weight_decay=config.weight_decay, clip_grad=config.clip_grad,
+                      fused=plat.fused_adamw(self.platform.device))
         if sharded:
             self.optimizer = ShardedOptimizer(
                 ddp_model=self.policy, named_params=named_params, params_once=self._unique_params(sharded=True),
@@ -613,9 +614,13 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         gc.collect()
 
     def grad_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's gradients of the last step (summed over microbatches, reduced over dp)."""
+        """This rank's gradients of the last step (summed over microbatches, reduced over dp),
+        before clipping: the optimizer clipped them in place, and its coefficient is divided
+        out again (to within an ulp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
-        return shard_names({n: p.main_grad.detach().to("cpu", copy=True)
+        clip = self.optimizer.last_clip
+        return shard_names({n: (p.main_grad.detach().to("cpu", copy=True) / clip if clip != 1.0
+                                else p.main_grad.detach().to("cpu", copy=True))
                             for n, p in self.policy.module.named_parameters() if p.requires_grad})
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_dpo.optim import clip_coefficient
+from mcore_dpo.optim import build_adamw, clip_coefficient, clip_in_place, squared_sum, step_count
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -100,7 +100,7 @@ class ShardedOptimizer:
 
     def __init__(self, *, ddp_model: torch.nn.Module, named_params: list[tuple[str, torch.nn.Parameter]],
                  params_once: list[torch.nn.Parameter], dp_group: object, dp_rank: int, dp_size: int,
-                 betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float):
+                 betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float, fused: bool = False):
         self.ddp_model = ddp_model
         self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
         groups = data_parallel_groups(ddp_model)
@@ -122,9 +122,11 @@ class ShardedOptimizer:
         # Decay follows the shape of the whole parameter, not of its 1-D piece.
         decayed = [m for pc, m in zip(self.pieces, self.masters) if self.params[pc.name].dim() >= 2]
         plain = [m for pc, m in zip(self.pieces, self.masters) if self.params[pc.name].dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        self.fused = fused
+        self.last_clip = 1.0  # the clip coefficient of the last step (its gradients are scaled by it)
+        self.optimizer = build_adamw(
             [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}],
-            lr=0.0, betas=betas, eps=eps,
+            betas=betas, eps=eps, fused=fused,
         )  # fmt: skip
 
     def _param_piece(self, pc: Piece) -> torch.Tensor:
@@ -139,7 +141,7 @@ class ShardedOptimizer:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for pc, counts in zip(self.pieces, self.counts_in_norm):
             if counts:
-                total += self._grad_piece(pc).double().pow(2).sum()
+                total += squared_sum(self._grad_piece(pc))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)  # every rank of the group: dp slices x model-parallel pieces
         return float(total.sqrt())
@@ -150,8 +152,8 @@ class ShardedOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for pc, master in zip(self.pieces, self.masters):
-            grad = self._grad_piece(pc)
-            master.grad = (grad * clip if clip != 1.0 else grad).to(master.dtype)
+            master.grad = clip_in_place(self._grad_piece(pc), clip, dtype=master.dtype)
+        self.last_clip = clip
         self.optimizer.step()
         with torch.no_grad():
             for pc, master in zip(self.pieces, self.masters):
@@ -242,7 +244,7 @@ class ShardedOptimizer:
             for pc, master in zip(self.pieces, self.masters):
                 master.data.copy_(masters[pc.name].reshape(-1)[pc.lo : pc.hi].to(master.device, torch.float32))
                 self.optimizer.state[master] = {
-                    "step": torch.tensor(float(step)),
+                    "step": step_count(step, like=master, fused=self.fused),
                     **{k: moments[k][pc.name].reshape(-1)[pc.lo : pc.hi].to(master.device, torch.float32).clone()
                        for k in MOMENT_KEYS},
                 }

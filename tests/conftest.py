@@ -18,12 +18,16 @@ import subprocess
 
 import pytest
 
-from tests.helpers import tiers
+from tests.helpers import devices, tiers
 
 # One torch thread per process: the suite spawns many ranks on a 2-core machine. Tokenizers without
 # their thread pool, as the trainer's Ray workers run them (and the session's cluster inherits both).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU suite on the CPU, also on a GPU machine; asking whether CUDA is there initialises none
+# (tests/helpers/devices.py). A `gpu` test gets the GPU back (`_device_of_the_test`).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+os.environ[devices.FORCE_CPU] = "1"
 
 
 def _has_cuda() -> bool:
@@ -173,3 +177,12 @@ def hf_llama(tmp_path_factory):
     from tests.helpers.models import llama_gqa_untied, save_hf
 
     return save_hf(llama_gqa_untied(), tmp_path_factory.mktemp("hf_llama") / "llama")
+
+
+@pytest.fixture(autouse=True)
+def _device_of_the_test(request, monkeypatch):
+    """MCORE_DPO_FORCE_CPU=1 for the CPU suite, removed for a `gpu` test (tests/helpers/devices.py)."""
+    if devices.forces_cpu(gpu_test="gpu" in request.keywords):
+        monkeypatch.setenv(devices.FORCE_CPU, "1")
+    else:
+        monkeypatch.delenv(devices.FORCE_CPU, raising=False)

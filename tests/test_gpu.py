@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from mcore_dpo.ports import free_port
+from tests.helpers import devices
 from tests.helpers.cli import run_train
 from tests.helpers.faults import with_fault
 from tests.helpers.models import make_model, qwen3_moe, save_hf
@@ -38,7 +39,7 @@ from tests.helpers.ranks import run_ranks, spawn_processes
 
 pytestmark = pytest.mark.gpu
 GPU_RTOL = 1e-4
-ON_GPU = torch.cuda.is_available() and os.environ.get("MCORE_DPO_FORCE_CPU") != "1"
+ON_GPU = torch.cuda.is_available() and not devices.USER_FORCED_CPU
 # The dry run on the CPU keeps two jobs (both families, two reference modes) of each parity run.
 QUICK = os.environ.get("MCORE_DPO_GPU_CHECKS_ON_CPU") == "1"
 QUICK_KEYS = {("llama", "interleaved", "sigmoid"), ("qwen2", "sequential", "ipo")}

@@ -11,7 +11,6 @@ rejects them and that the real transfer code hangs on them over gloo.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import traceback
 from functools import lru_cache
 from types import SimpleNamespace
@@ -39,7 +38,7 @@ from mcore_dpo.schedule import (
     validate_plan,
     validate_stages,
 )
-from tests.helpers.ranks import start_forked
+from tests.helpers.ranks import rank_context, start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.
 CASES = [
@@ -306,7 +305,7 @@ def _stage_process(rank: int, stages, port: int, timeout_s: float, results) -> N
 
 
 def _run_stages(stages, *, timeout_s: float) -> dict[int, tuple[str, object]]:
-    results = multiprocessing.get_context("fork").Queue()
+    results = rank_context("fork").Queue()
     port = free_port()
     procs = start_forked(_stage_process, nprocs=len(stages), args_of=lambda r: (r, stages, port, timeout_s, results))
     out = {}

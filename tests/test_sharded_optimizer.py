@@ -347,3 +347,112 @@ def test_the_flag_reaches_the_config_from_the_command_line():
 
     assert resolve(["--dp", "2"])[0].distributed_optimizer is True
     assert resolve(["--dp", "2", "--no-distributed-optimizer"])[0].distributed_optimizer is False
+
+
+# --------------------------------------------------------------------------- the step's memory
+# Clipping scales the gradient buffers in place, the norm squares one fp64 chunk at a time, and a
+# GPU runs torch's fused AdamW (which also runs on the CPU, so its plumbing is tested here).
+
+
+def test_clipping_scales_the_gradient_buffer_in_place_without_a_copy():
+    from mcore_dpo.optim import clip_in_place
+
+    grad = torch.randn(64, 32)
+    before = grad.clone()
+    out = clip_in_place(grad, 0.25, dtype=torch.float32)
+    assert out.data_ptr() == grad.data_ptr()  # the optimizer's gradient is the buffer itself
+    assert torch.equal(out, before * 0.25)
+    assert clip_in_place(grad, 1.0, dtype=torch.float32).data_ptr() == grad.data_ptr()
+    half = torch.randn(8).bfloat16()
+    assert clip_in_place(half, 0.5, dtype=torch.float32).dtype == torch.float32  # a cast needs its copy
+
+
+def test_the_norm_in_fp64_chunks_equals_the_whole_fp64_sum():
+    from mcore_dpo.optim import NORM_CHUNK, squared_sum
+
+    small = torch.randn(1000)
+    assert torch.equal(squared_sum(small), small.double().pow(2).sum())  # one chunk: bit for bit
+    big = torch.randn(3 * NORM_CHUNK + 7)
+    whole = big.double().pow(2).sum().item()
+    assert squared_sum(big).item() == pytest.approx(whole, rel=1e-13)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if owned:
+        dist.destroy_process_group()
+
+
+def _replicated_run(*, fused: bool, steps: int, group, start=None) -> tuple[dict, object, list]:
+    """CpuOptimizer over three parameters (two decayed matrices, one vector) whose main_grad is
+    a fixed gradient per step, large enough that clipping at 0.5 scales it; `start`: resume from
+    (masters, moments, step) instead of step 0."""
+    from mcore_dpo.optim import CpuOptimizer
+
+    gen = torch.Generator().manual_seed(0)
+    named = [(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
+             for name, shape in (("a.weight", (48, 16)), ("b.weight", (16, 48)), ("norm.weight", (16,)))]
+    opt = CpuOptimizer(named_params=named, params_once=[p for _, p in named], group=group, betas=(0.9, 0.999),
+                       eps=1e-8, weight_decay=0.1, clip_grad=0.5, fused=fused)
+    first = 0
+    if start is not None:
+        masters, moments, first = start
+        opt.load_moments(moments, masters=masters, step=first)
+        with torch.no_grad():
+            for name, p in named:
+                p.copy_(masters[name])
+    grads_seen = []
+    for step in range(steps):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + first + step)) * 3
+                 for _, p in named]
+        for (_, p), g in zip(named, grads):
+            p.main_grad = g.clone()
+        opt.step(lr=1e-2)
+        assert opt.last_clip < 1.0
+        grads_seen.append([(p.main_grad, g) for (_, p), g in zip(named, grads)])
+    return {n: p.detach().clone() for n, p in named}, opt, grads_seen
+
+
+def test_fused_adamw_matches_the_default_one_and_resumes_bit_for_bit(one_rank_group):
+    plain, _, _ = _replicated_run(fused=False, steps=3, group=one_rank_group)
+    fused, _, grads_seen = _replicated_run(fused=True, steps=3, group=one_rank_group)
+    for name in plain:
+        assert_close(fused[name], plain[name], what=f"fused AdamW {name}", rtol=1e-6)
+    for step in grads_seen:  # each buffer holds its gradient times the step's clip coefficient
+        for held, given in step:
+            ratio = (held / given).flatten()
+            assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-6) and ratio[0] < 1
+    # Two fused steps, then a fused optimizer rebuilt from their state: the third step is the
+    # uninterrupted third step bit for bit (AdamW's step count must sit where the fused kernel reads it).
+    _, two, _ = _replicated_run(fused=True, steps=2, group=one_rank_group)
+    resumed, _, _ = _replicated_run(fused=True, steps=1, group=one_rank_group,
+                                    start=(two.master_weights(), two.moments(), 2))
+    for name in fused:
+        assert torch.equal(resumed[name], fused[name]), name
+
+
+def test_the_estimate_counts_the_step_where_it_outgrows_the_activations():
+    """A rank's peak is its held state plus the larger of the activations and the optimizer
+    step's temporaries (the step runs after the last backward has freed the activations)."""
+    from mcore_dpo.memory_estimate import LayerShape, optimizer_step_bytes, per_gpu_bytes, plan_activation_bytes
+    from mcore_dpo.optim import NORM_CHUNK
+
+    assert optimizer_step_bytes() == 16 * NORM_CHUNK  # an fp64 chunk and its square
+    shape = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=172, vocab=128)
+    act = dict(layers=4, pp=1, num_microbatches=2, ref_mode="interleaved", seq_len=32, rows=2, tp=1,
+               sequence_parallel=False, attention="local", dtype_bytes=2)
+    kw = dict(params=10_000, layers=4, tp=1, pp=1, dp=1, distributed_optimizer=True, micro_batch_size=1,
+              num_microbatches=2, seq_len=32, ref_mode="interleaved", sequence_parallel=False, attention="local")
+    static = per_gpu_bytes(shape, **kw) - max(plan_activation_bytes(shape, **act), optimizer_step_bytes())
+    assert plan_activation_bytes(shape, **act) < optimizer_step_bytes()  # tiny: the step is the peak
+    assert static == pytest.approx(10_000 * (2 + 4 + 2 + 12), rel=1e-12)
+    long = dict(kw, seq_len=4096, micro_batch_size=4)
+    long_act = plan_activation_bytes(shape, **dict(act, seq_len=4096, rows=8))
+    assert long_act > optimizer_step_bytes()
+    assert per_gpu_bytes(shape, **long) == pytest.approx(static + long_act, rel=1e-12)

@@ -7,6 +7,8 @@
 - `spawn_ranks(target, ...)`: the same forked ranks running a rank function of the caller's.
 - `spawn_processes(fn, nprocs=, args=)`: `fn(rank, *args)` on forked (or spawned) processes;
   `start_forked(target, nprocs=, args_of=)`: forked processes the caller joins.
+- `rank_context()`: where all of them come from: forked on a CPU-only machine, spawned where
+  CUDA is visible (the CPU suite on a GPU machine).
 - `verify(argv)`, `run_benchmark(function, ...)`: product entry points that spawn their own ranks.
 """
 
@@ -136,10 +138,23 @@ def _with_environment(environ: dict, target, *args) -> None:
     target(*args)
 
 
-def _forkserver():
-    """The forkserver context, its server started (once per pytest run) with _PRELOAD imported."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+def cuda_visible() -> bool:
+    """Whether this machine shows a CUDA device. torch asks NVML (conftest sets
+    PYTORCH_NVML_BASED_CUDA_CHECK=1), so the asking initialises no CUDA in this process."""
+    return torch.cuda.device_count() > 0
+
+
+def rank_context(preferred: str = "forkserver"):
+    """Where rank processes come from. On a CPU-only machine: forked, from the server that
+    preloaded _PRELOAD ("forkserver", once per pytest run) or from this process ("fork").
+    Wherever CUDA may be initialised, fresh interpreters ("spawn"): a process forked from one
+    that touched CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess"), and
+    megatron-core's import of Transformer Engine queries the device in the preloading server."""
+    if cuda_visible():
+        return mp.get_context("spawn")
+    ctx = mp.get_context(preferred)
+    if preferred == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
@@ -147,7 +162,7 @@ def _forkserver():
 def spawn_ranks(target, *, world_size: int, jobs: list[dict], out_dir: Path) -> None:
     """`target(rank, world_size, port, jobs, out_dir)` on world_size forked ranks; the first
     rank error file (error_*rank*.txt in out_dir) or a non-zero exit fails the caller."""
-    ctx = _forkserver()
+    ctx = rank_context()
     port = free_port()
     environ = dict(os.environ)
     procs = [ctx.Process(target=_with_environment, args=(environ, target, r, world_size, port, jobs, str(out_dir)))
@@ -219,13 +234,14 @@ def _rank_of_processes(environ: dict, fn, rank: int, args: tuple, error_file: st
 def spawn_processes(fn, *, nprocs: int, args: tuple, start_method: str = "forkserver") -> None:
     """`fn(rank, *args)` in nprocs processes, joined; a rank's exception fails the caller with its
     traceback. "forkserver": forked from the preloaded server, with the caller's environment (as
-    spawn_ranks); "spawn": fresh interpreters (the GPU checks, which keep CUDA out of any server)."""
+    spawn_ranks; fresh interpreters where CUDA is visible, `rank_context`); "spawn": fresh
+    interpreters always (the GPU checks, which keep CUDA out of any server)."""
     if start_method == "spawn":
         mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
         return
     import tempfile
 
-    ctx, environ = _forkserver(), dict(os.environ)
+    ctx, environ = rank_context(), dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="ranks-") as errors:
         procs = [ctx.Process(target=_rank_of_processes, args=(environ, fn, r, args, f"{errors}/rank{r}.txt"))
                  for r in range(nprocs)]
@@ -247,10 +263,9 @@ def spawn_processes(fn, *, nprocs: int, args: tuple, start_method: str = "forkse
 
 @launches("ranks")
 def start_forked(target, *, nprocs: int, args_of) -> list:
-    """`target(*args_of(rank))` in nprocs forked processes, started; the caller joins them."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    """`target(*args_of(rank))` in nprocs processes of `rank_context("fork")`, started; the
+    caller joins them (and makes any queue they share from the same context)."""
+    ctx = rank_context("fork")
     procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(nprocs)]
     for proc in procs:
         proc.start()
