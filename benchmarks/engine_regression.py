@@ -6,7 +6,10 @@ The job is the README's first command, `python -m mcore_dpo.train` on its embedd
 a fresh interpreter with its own output directory and its own model cache, the order swapped on
 odd rounds; one untimed run per tree first builds that tree's default model. The figures are
 the ranks' tokens/s per step (metrics.jsonl, step 1 left out as warm-up) and each run's wall
-time; the ratio after/before is paired per round, and its median is the headline.
+time. Both trees train the same batches in the same order, so step k of one run pairs with step
+k of the other in the same round: the headline is the median over every such pair of the
+step-time ratio before/after (how much faster "after" is on the same batch; per-batch length
+differences cancel). The ratio of each round's median tokens/s is kept beside it.
 
 `--floor` adds the compute a step cannot avoid, timed in one process with no engine: the same
 padded microbatches of the default job through the Hugging Face model, policy forward and
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", required=True, help="commit to compare against (e.g. b707565, HEAD)")
     parser.add_argument("--after", default=None, help="commit of the second tree (default: this working tree)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both trees (default: 3)")
-    parser.add_argument("--steps", type=int, default=8, help="steps of each run; step 1 is warm-up (default: 8)")
+    parser.add_argument("--steps", type=int, default=16, help="steps of each run; step 1 is warm-up (default: 16)")
     parser.add_argument("--floor", action="store_true", help="also time the one-process compute floor")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     opts = parser.parse_args(argv)
@@ -151,10 +154,13 @@ def main(argv: list[str] | None = None) -> dict:
                       f"load {loads[-1]:.1f}", flush=True)
             ratios = [statistics.median(a["tokens_per_s"]) / statistics.median(b["tokens_per_s"])
                       for a, b in zip(runs["after"], runs["before"])]
+            step_ratios = [tb / ta for a, b in zip(runs["after"], runs["before"])
+                           for ta, tb in zip(a["step_time_s"], b["step_time_s"])]
             for name in ("before", "after"):
                 result[name + "_tokens_per_s"] = common.summary([t for run in runs[name] for t in run["tokens_per_s"]])
                 result[name + "_step_time_s"] = common.summary([t for run in runs[name] for t in run["step_time_s"]])
                 result[name + "_wall_s"] = common.summary([run["wall_s"] for run in runs[name]])
+            result["step_paired_speed_ratio"] = common.summary(step_ratios)
             result["ratio_after_over_before"] = common.summary(ratios)
             result["ratios_per_round"] = ratios
             result["loadavg_1min_per_round"] = loads
@@ -171,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("before", "after"):
         print(f"  {name:6s} {result[name]:>28s}: {common.fmt(result[name + '_tokens_per_s'], digits=0)} tokens/s, "
               f"step {common.fmt(result[name + '_step_time_s'])} s, run {common.fmt(result[name + '_wall_s'], digits=1)} s")
-    print(f"  ratio after/before (tokens/s, paired per round): {common.fmt(result['ratio_after_over_before'])}")
+    print(f"  speed after/before, step by step on the same batch (before's step time / after's): "
+          f"{common.fmt(result['step_paired_speed_ratio'])}")
+    print(f"  ratio after/before (median tokens/s of each round's runs): {common.fmt(result['ratio_after_over_before'])}")
     if opts.floor:
         print(f"  one-process compute floor: {common.fmt(result['floor_step_time_s'])} s per step; "
               f"the engine's step is {result['after_step_over_floor']:.2f}x it")

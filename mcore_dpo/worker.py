@@ -291,7 +291,8 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         self.last_trace: list[tuple[str, int, int, float, float]] = []
         self._ref_by_pair: torch.Tensor | None = None  # [num_pairs, 2] on the last stage
         self._ref_eval: torch.Tensor | None = None  # the same for the held-out pairs
-        # Exact tensor bytes by category (memory_account.py); memory_report: the last step's peaks.
+        # Exact tensor bytes by category (memory_account.py); memory_report: the peaks of the last
+        # step that counted them (--memory-interval).
         self.memory = MemoryAccount(tables=lambda: (self._ref_by_pair, self._ref_eval))
         self.memory_report: dict[str, int] = {}
         self.last_plan = None  # the plan of the last step
@@ -423,15 +424,18 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         chosen_tokens_global = sum(len(p.chosen_ids) for p in pairs)
         # Metric sums stay on the device until the step's end: one read per step, not per microbatch.
         sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=self.platform.device)
+        # Exact memory by category on the steps --memory-interval picks (the same on every rank).
+        account = config.accounts_memory(batch.step)
         ctx = self._context(microbatches, trace=[] if self.trace_ops else None, kept_in=self._kept_ref_acts,
-                            memory=self.memory)
+                            memory=self.memory if account else None)
         self._kept_ref_acts = {}
         # Reference log-probs computed for this batch in the previous step arrive as offset 0.
         ctx.ref_logps.update({(0, mb): v for mb, v in self._ref_next.items()})
         ctx.ref_logps.update(sorted_refs)
         self._ref_next = {}
-        self.memory.start_step(exclude=self._all_params())
-        self.memory.observe(ctx)
+        if account:
+            self.memory.start_step(exclude=self._all_params())
+            self.memory.observe(ctx)
 
         def loss_fn(mb: int, logps: SequenceLogps) -> torch.Tensor:
             positions = groups[mb]
@@ -470,11 +474,12 @@ class PolicyWorker(PolicyCheckpointing, PolicyEvaluation, _Rank):
         grad_norm = self.optimizer.step(lr=lr)
         if sync_now and self.reference is not None:
             self._sync_reference()
-        # Read after the optimizer step: AdamW allocates its moments in the first one.
-        self.memory.static = static_bytes(policy=self.policy.module, reference=self.reference,
-                                          optimizer_state_bytes=self.optimizer.state_bytes())
-        self.memory_report = {**self.memory.report(), **device_figures(self.platform.device)}
-        memory = self._max_over_ranks(self.memory_report)
+        memory = {}
+        if account:  # read after the optimizer step: AdamW allocates its moments in the first one
+            self.memory.static = static_bytes(policy=self.policy.module, reference=self.reference,
+                                              optimizer_state_bytes=self.optimizer.state_bytes())
+            self.memory_report = {**self.memory.report(), **device_figures(self.platform.device)}
+            memory = self._max_over_ranks(self.memory_report)
         if ctx.trace is not None:
             ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
             self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]

@@ -166,6 +166,14 @@ def test_boolean_flags_parse_in_both_polarities(name, tmp_path):
         assert getattr(resolve(["--config", str(yaml_file), flag])[0], name) is expected
 
 
+def test_memory_interval_picks_the_counted_steps_from_the_command_line(capsys):
+    config = resolve(["--memory-interval", "3"])[0]
+    assert [s for s in range(1, 10) if config.accounts_memory(s)] == [1, 2, 3, 6, 9]
+    assert [s for s in range(1, 10) if resolve(["--memory-interval", "0"])[0].accounts_memory(s)] == [1, 2]
+    assert all(resolve(["--memory-interval", "1"])[0].accounts_memory(s) for s in range(1, 10))
+    assert "memory_interval" in _run_bad(capsys, ["--memory-interval", "-1"])
+
+
 @pytest.mark.parametrize("argv", [["--no-no-shuffle"], ["--no-shuf"], ["--max-step", "3"]],
                          ids=["double-negation", "abbreviated-bool", "abbreviated-int"])
 def test_double_negations_and_abbreviations_are_errors(argv):
@@ -189,6 +197,8 @@ def test_default_run_learns_and_writes_everything(tmp_path):
                 "bubble_fraction", "memory/peak_gib"):
         assert key in steps[0], key
     assert all(0.0 <= r["bubble_fraction"] < 1.0 for r in steps)
+    # The exact memory count runs on steps 1, 2 and every --memory-interval (50) steps only.
+    assert [r["step"] for r in steps if "memory/total_peak_bytes" in r] == [1, 2, 50, 100]
     assert abs(steps[0]["loss"] - 0.6931) < 1e-3  # step 1 is measured at the initial weights
     evals = [r for r in records if "eval/rewards/accuracies" in r]
     assert evals[0]["step"] == 0 and evals[0]["eval/rewards/accuracies"] <= 0.6
