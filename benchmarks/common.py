@@ -241,8 +241,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
             worker = PolicyWorker(config=config, spec=spec, pad_token_id=PAD_ID, rank=rank,
                                   master_addr="127.0.0.1", master_port=port)
             ref_bytes = 0
-            if worker.reference is not None:
-                ref_bytes = sum(p.numel() * p.element_size() for p in worker.reference.parameters())
+            if worker.reference.model is not None:
+                ref_bytes = sum(p.numel() * p.element_size() for p in worker.reference.model.parameters())
             pairs = make_pairs(**data)
             gbs = config.global_batch_size
             num_batches = job["warmup_steps"] + job["num_steps"] + 1  # +1: the last step also has a next batch

@@ -61,14 +61,15 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
             config = TrainConfig(**fields)
             worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=common.PAD_ID,
                                   rank=rank, master_addr="127.0.0.1", master_port=port)
-            ref_bytes = sum(p.numel() * p.element_size() for p in worker.reference.parameters()) if worker.reference else 0
+            ref_bytes = (sum(p.numel() * p.element_size() for p in worker.reference.model.parameters())
+                         if worker.reference.model is not None else 0)
             policy_numel = sum(p.numel() for p in worker.policy.module.parameters())
             policy_buffer_bytes = storage_bytes(list(worker.policy.module.buffers()))
             gbs = config.global_batch_size
             batches = [[(k * gbs + i) % len(pairs) for i in range(gbs)] for k in range(num_steps + 1)]
             if config.ref_mode == "precomputed":
                 worker.precompute_reference(pairs)
-            rows, seq_len = worker._local_microbatches([pairs[i] for i in batches[0]])[0][0].tokens.shape
+            rows, seq_len = worker.local_microbatches([pairs[i] for i in batches[0]])[0][0].tokens.shape
             steps = []
             for k in range(num_steps):
                 metrics = worker.train_step(StepBatch(step=k + 1, pairs=[pairs[i] for i in batches[k]],

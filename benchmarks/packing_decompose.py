@@ -90,11 +90,11 @@ def _setup(shape: common.LlamaShape, lengths: bench.Lengths, *, gbs: int, mbs: i
 
 def _microbatches(worker, config, batch):
     worker.config = config
-    return worker._local_microbatches(batch)[0]
+    return worker.local_microbatches(batch)[0]
 
 
 def _context(worker, mbs):
-    ctx = worker._context({0: mbs, 1: mbs})
+    ctx = worker.stage_context({0: mbs, 1: mbs}, policy=worker.policy, reference=worker.reference.model)
     ctx.loss_fn = lambda mb, logps: logps.logp_sum.sum()
     ctx.stage_inputs()  # what run_ops does before the first op
     return ctx

@@ -32,3 +32,12 @@ def even_passes(all_passes: Sequence[Sequence[Pass]], *, dp_rank: int) -> list[t
         else:
             out.append((range(0, 1), [[0]] * width, 0))
     return out
+
+
+def rank_passes(passes_of, *, dp: int, dp_rank: int, even: bool) -> list[tuple[range | None, list[list[int]], int]]:
+    """This dp rank's forward-only passes as (chunk, microbatches, number of real microbatches):
+    `passes_of(r)` are dp rank r's; `even` (expert parallelism) pads them to the same count and
+    width on every rank (`even_passes`), whose dummies' results the caller drops."""
+    if even:
+        return even_passes([passes_of(r) for r in range(dp)], dp_rank=dp_rank)
+    return [(chunk, groups, len(groups)) for chunk, groups in passes_of(dp_rank)]
