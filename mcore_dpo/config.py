@@ -17,7 +17,7 @@ import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
 from mcore_dpo.loss_spec import LOSS_TYPES, LossSpec
-from mcore_dpo.schedule import REF_MODES
+from mcore_dpo.plan import REF_MODES
 
 # The plan's modes, plus the reference on a worker group of its own.
 RUN_REF_MODES = REF_MODES + ("separate",)

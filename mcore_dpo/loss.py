@@ -84,9 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mcore_dpo.loss_spec import (  # noqa: F401  (re-exported: the loss names live with the math)
-    F_DIVERGENCE_TYPES,
-    LOSS_TYPES,
+from mcore_dpo.loss_spec import (
     SORTED_TYPES,
     LossSpec,
 )

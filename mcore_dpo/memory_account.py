@@ -131,20 +131,16 @@ class MemoryAccount:
 
     # ---------------------------------------------------------------- observation
     def observe(self, ctx: Any, *, in_transit: dict[str, list[torch.Tensor]] | None = None) -> None:
-        """Count the executor's live tensors (`pipeline.StageContext`), plus tensors that are
-        between a transfer's post and its end (`in_transit`, by category)."""
+        """Count the executor's live tensors (`pipeline.StageContext.held_tensors`), plus tensors
+        that are between a transfer's post and its end (`in_transit`, by category)."""
         in_transit = in_transit or {}
         stash = {key: size for saved in self._stash.values() for key, size in saved.items()}
         seen = set(stash) | self._exclude
-        now = {
-            "policy_stash": sum(stash.values()),
-            "reference_in_flight": storage_bytes([ctx._ref_in, ctx._ref_out, in_transit.get("reference_in_flight")],
-                                                 seen=seen),
-            "carried": storage_bytes([ctx.kept_in, ctx.kept_out, in_transit.get("carried")], seen=seen),
-            "log_prob_tables": storage_bytes([ctx.ref_logps, *self._tables()], seen=seen),
-            "comm_buffers": storage_bytes([ctx._policy_in, ctx._policy_out, ctx._grad_in, ctx._grad_out,
-                                           in_transit.get("comm_buffers")], seen=seen),
-        }
+        held = ctx.held_tensors()
+        held["log_prob_tables"] = [*held["log_prob_tables"], *self._tables()]
+        now = {"policy_stash": sum(stash.values())}
+        for name in ("reference_in_flight", "carried", "log_prob_tables", "comm_buffers"):  # in this order: `seen`
+            now[name] = storage_bytes([*held[name], in_transit.get(name)], seen=seen)
         self.current = now
         for name, value in now.items():
             self.peak[name] = max(self.peak[name], value)

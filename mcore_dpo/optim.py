@@ -75,6 +75,31 @@ def clip_in_place(grad: torch.Tensor, clip: float, *, dtype: torch.dtype) -> tor
     return grad if grad.dtype == dtype else grad.to(dtype)
 
 
+def params_once(module: torch.nn.Module, *, spec, mesh, sharded: bool = False) -> list[torch.nn.Parameter]:
+    """The trainable parameters of `module` (one stage of one model replica) that this rank
+    counts in the global gradient norm, so that each logical parameter counts once:
+    tp-replicated ones (norms) on tp rank 0 only; the last stage's copy of a tied embedding
+    not at all. With ep > 1 the replicated optimizer counts a parameter on one of its dp (expert
+    dp) copies; the sharded one (`sharded`) on every rank (its slices over those groups are
+    disjoint)."""
+    layout = mesh.layout
+    tied_copy = spec.tie_word_embeddings and layout.pp > 1 and mesh.is_last_stage
+    once = []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:  # the frozen base of a LoRA run
+            continue
+        if tied_copy and name == "output_layer.weight" and not mesh.is_first_stage:
+            continue
+        expert = not getattr(param, "allreduce", True)
+        whole_expert = expert and layout.etp == 1  # not split over tp, nor repeated on its tp ranks
+        if not getattr(param, "tensor_model_parallel", False) and mesh.tp_rank != 0 and not whole_expert:
+            continue
+        if not sharded and not mesh.counts_in_grad_norm(expert=expert):  # repeats over dp / expert dp (ep > 1)
+            continue
+        once.append(param)
+    return once
+
+
 def clip_coefficient(grad_norm: float, *, max_norm: float) -> float:
     if max_norm <= 0 or not math.isfinite(grad_norm):
         return 1.0

@@ -143,17 +143,6 @@ def collate_packed(pairs: Sequence[TokenizedPair], *, pad_token_id: int, multipl
                       segment_ids=segment_ids, num_sequences=2 * b, seq_lens=tuple(seq_lens))
 
 
-def padded_tokens(microbatches: Sequence[Microbatch]) -> int:
-    """Token positions the model computes over (real and padding)."""
-    return sum(mb.tokens.numel() for mb in microbatches)
-
-
-def min_max_tokens_per_microbatch(*, max_length: int) -> int:
-    """The smallest budget that holds any pair the data can produce: two sequences of at most
-    max_length tokens each (a pair's two sequences always share a microbatch)."""
-    return 2 * max_length
-
-
 def step_token_stats(
     pairs: Sequence[TokenizedPair], *, packing: bool, dp: int, max_tokens: int | None, micro_batch_size: int,
     multiple: int,

@@ -36,9 +36,9 @@ from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.memory_account import MemoryAccount
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.model import causal_mask, packed_causal_mask, packed_seq_params, stage_forward
-from mcore_dpo.plan import RECV_KINDS, SEND_KINDS
+from mcore_dpo.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
 from mcore_dpo.platform import IntervalClock, to_device
-from mcore_dpo.schedule import Op, OpKind, forward_only_stages
+from mcore_dpo.schedule import forward_only_stages
 
 # loss_fn(microbatch_index, policy_logps) -> scalar loss to back-propagate (last stage only)
 LossFn = Callable[[int, SequenceLogps], torch.Tensor]
@@ -119,6 +119,16 @@ class StageContext:
         if self.sequence_parallel:  # each tp rank holds its slice of the sequence
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
+
+    def held_tensors(self) -> dict[str, list]:
+        """What this context holds between ops, by memory category (memory_account.py): the
+        tensors (in dicts) that the exact memory count reads after each op."""
+        return {
+            "reference_in_flight": [self._ref_in, self._ref_out],
+            "carried": [self.kept_in, self.kept_out],
+            "log_prob_tables": [self.ref_logps],
+            "comm_buffers": [self._policy_in, self._policy_out, self._grad_in, self._grad_out],
+        }
 
     def stage_inputs(self) -> None:
         """Put every microbatch's inputs on the device (non-blocking copies from pinned memory

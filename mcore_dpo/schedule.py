@@ -47,32 +47,21 @@ from mcore_dpo.plan import (
     OpKind,
     Plan,
     PlanError,
-    SimResult,
     carried,
     check_costs,
     cost_of,
-    format_plan,
     kept,
     p2p,
     transfers,
 )
 from mcore_dpo.plan_check import (
+    Key,
     Stages,
-    closed_form_makespans,
     advance,
     message_keys,
-    simulate,
     timeline,
-    validate_plan,
-    validate_stages,
     waits_for,
 )
-
-__all__ = [
-    "MAX_REF_ACTS_IN_FLIGHT", "REF_MODES", "Costs", "Op", "OpKind", "Plan", "PlanError", "SimResult", "build_plan",
-    "carried", "closed_form_makespans", "format_plan", "forward_only_stages", "pair_crossing_transfers", "simulate",
-    "validate_plan", "validate_stages",
-]
 
 
 def _expected_ref_batches(ref_mode: str, ref_current: bool, ref_next: bool) -> tuple[int, ...]:

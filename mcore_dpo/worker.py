@@ -1,7 +1,5 @@
-"""The ranks of the worker groups: `Rank`, what every rank of every role has (device, process
-group, parallel state, RNG, models built and loaded for its coordinates, stage contexts and
-forward-only reference passes), `PolicyWorker` (role "policy", composed of the parts that own
-the step's state) and `ReferenceWorker` (role "ref", --ref-mode separate).
+"""The ranks of the worker groups (`rank.Rank` each): `PolicyWorker` (role "policy", composed of
+the parts that own the step's state) and `ReferenceWorker` (role "ref", --ref-mode separate).
 
 Ray-agnostic: `ray_workers.py` wraps these classes in actors; tests may drive them from plain
 processes. Build order matters and is fixed: device -> process group -> parallel state ->
@@ -19,27 +17,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
-from mcore_dpo import checkpoint_torch_dist, hooks, lora
-from mcore_dpo import platform as plat
+from mcore_dpo import checkpoint_torch_dist, hooks, lora, platform as plat
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.data import Microbatch, TokenizedPair, seq_len_multiple
-from mcore_dpo.even_passes import rank_passes
-from mcore_dpo.logprobs import LogpsOptions, SequenceLogps, pair_logps
-from mcore_dpo.loss import BatchSort
+from mcore_dpo.data import Microbatch, TokenizedPair
 from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes
-from mcore_dpo.mesh import Layout, Mesh, initialize
+from mcore_dpo.mesh import Layout
 from mcore_dpo.microbatches import microbatches
 from mcore_dpo.moe_step import MoeStep
-from mcore_dpo.model import (allreduce_sequence_parallel_grads, build_stage_model, freeze, layer_spec_name, load_shard,
-                             open_weights, place_on_device, shard_names)
-from mcore_dpo.optim import CpuOptimizer, lr_at
+from mcore_dpo.model import allreduce_sequence_parallel_grads, freeze, shard_names
+from mcore_dpo.optim import CpuOptimizer, lr_at, params_once
 from mcore_dpo.packing import plan_packed_step, step_token_stats
-from mcore_dpo.pipeline import StageContext, forward_only_ops, run_ops, warm_up_links
-from mcore_dpo.rank_metrics import global_sort, max_over_ranks, mean_and_max_over_ranks, reduce_metrics
-from mcore_dpo.reference_source import ReferenceSource, StepReference
+from mcore_dpo.pipeline import run_ops
+from mcore_dpo.rank import Rank
+from mcore_dpo.rank_metrics import max_over_ranks, mean_and_max_over_ranks, reduce_metrics
+from mcore_dpo.reference_source import ReferenceSource
 from mcore_dpo.schedule import build_plan
-from mcore_dpo.step_loss import StepLoss
+from mcore_dpo.step_loss import StepLoss, sort_batch
 from mcore_dpo.worker_checkpoint import Checkpointer, adapter_shard
 from mcore_dpo.worker_eval import Evaluator
 from mcore_dpo.zero import ShardedOptimizer
@@ -55,170 +48,6 @@ class StepBatch:
     next_pairs: Sequence[TokenizedPair] | None = None
     pair_ids: Sequence[int] = ()  # indices into the data set (precomputed reference lookup)
     ref_logps: torch.Tensor | None = None  # [pairs, 2] from the "ref" worker group (--ref-mode separate)
-
-
-class Rank:
-    """What every rank of every role has: device, process group, parallel state, RNG, and
-    models built and loaded for its (tp, pp) coordinates."""
-
-    @property
-    def packing(self) -> bool:
-        """Packed microbatches: --packing / --no-packing as given; an unset one that the driver
-        left open (no mode packing does not serve) is decided by the rank's attention."""
-        if self.config.packing is not None:
-            return self.config.packing
-        return self.config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd)
-
-    def __init__(
-        self,
-        *,
-        config: TrainConfig,
-        spec: ModelSpec,
-        layout: Layout,
-        pad_token_id: int,
-        rank: int,
-        master_addr: str,
-        master_port: int,
-        local_rank: int = 0,
-    ):
-        self.config = config
-        self.rank = rank
-        self.spec = spec
-        self.pad_token_id = pad_token_id
-        self.layout = layout
-        # device -> process group -> parallel state
-        self.platform = plat.detect(local_rank=local_rank)
-        plat.make_deterministic(config.deterministic)
-        plat.activate(self.platform)
-        if not dist.is_initialized():  # a process may build several workers (tests do)
-            plat.init_process_group(
-                self.platform,
-                rank=rank,
-                world_size=self.layout.world_size,
-                master_addr=master_addr,
-                master_port=master_port,
-                timeout_s=config.timeout_s or plat.default_timeout_s(self.platform),
-            )
-        self.mesh: Mesh = initialize(self.layout)
-        # Every pipeline link connected now, on every rank alike, not by a step's first messages.
-        warm_up_links(self.mesh, device=self.platform.device)
-        plat.init_model_rng(self.platform, config.seed)
-        self.dtype = DTYPES[config.dtype]
-        # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
-        self.use_te = plat.transformer_engine_available() and not config.lora
-        # MoE experts: grouped GEMMs on the Transformer Engine spec, else sequential. Their live
-        # parameter names differ; shards and checkpoints keep the sequential ones (model.shard_names).
-        self.grouped_experts, self.experts_note = plat.use_grouped_experts(
-            requested=config.moe_grouped_gemm, num_experts=spec.num_experts, use_te=self.use_te,
-            grouped_linear=self.use_te and plat.te_grouped_linear_available())
-        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
-        requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
-        self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
-        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
-        # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
-        self.packed_thd = self.use_te and self.platform.is_cuda
-
-    def build(self, weights_dir: str) -> torch.nn.Module:
-        """This rank's stage of the model in `weights_dir`, on its device, loaded."""
-        with plat.building_models(self.platform):
-            model = place_on_device(build_stage_model(
-                self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
-                sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
-                deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
-            ), self.platform.device)
-        weights = open_weights(weights_dir)
-        shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
-            self.spec,
-            tp=self.layout.tp,
-            tp_rank=self.mesh.tp_rank,
-            pp=self.layout.pp,
-            pp_rank=self.mesh.pp_rank,
-            get=weights.get,
-            get_part=weights.get_part,
-            layer_spec=layer_spec_name(use_te=self.use_te),
-            ep=self.layout.ep,
-            ep_rank=self.mesh.ep_rank,
-        )
-        load_shard(model, shard)
-        return model
-
-    def stage_context(self, microbatches_of: dict[int, list[Microbatch]], *, policy: torch.nn.Module | None = None,
-                      reference: torch.nn.Module | None = None, **kwargs) -> StageContext:
-        """The executor's context for running a plan of this stage over `microbatches_of` (batch
-        offset -> microbatches) with these models."""
-        return StageContext(
-            mesh=self.mesh,
-            policy=policy,
-            reference=reference,
-            microbatches=microbatches_of,
-            hidden_size=self.spec.hidden_size,
-            dtype=self.dtype,
-            device=self.platform.device,
-            vocab_size=self.spec.vocab_size,
-            wait_clock=plat.IntervalClock(self.platform),
-            sequence_parallel=self.sequence_parallel,
-            packed_thd=self.packed_thd,
-            logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
-            **kwargs,
-        )
-
-    @torch.no_grad()
-    def reference_table(self, pairs: Sequence[TokenizedPair], *, model: torch.nn.Module) -> torch.Tensor | None:
-        """Forward-only passes of `model` (a reference) over `pairs` (dp ranks take them round-robin):
-        on the last stage, [pairs, 2] summed log-probs of chosen and rejected; None elsewhere.
-
-        Chunks hold this group's share of a global batch (its own dp, which for the "ref" group
-        need not be the policy's), in whole padded microbatches; a chunk's last microbatch may be
-        smaller."""
-        dp, mesh = self.layout.dp, self.mesh
-        b = self.config.micro_batch_size
-        rows_per_chunk = max(1, self.config.global_batch_size // dp // b) * b
-
-        def passes_of(dp_rank: int) -> list:
-            mine = list(range(dp_rank, len(pairs), dp))
-            chunks = [mine[lo : lo + rows_per_chunk] for lo in range(0, len(mine), rows_per_chunk)]
-            return [(None, [ids[k : k + b] for k in range(0, len(ids), b)]) for ids in chunks]
-
-        # ep > 1: the same forwards on every rank (expert all-to-all); the dummies' results are dropped.
-        passes = rank_passes(passes_of, dp=dp, dp_rank=mesh.dp_rank, even=self.layout.ep > 1)
-        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
-        for _, groups, num_real in passes:
-            mbs = microbatches(pairs, groups, packing=False, pad_token_id=self.pad_token_id, multiple=self.seq_multiple)
-            ctx = self.stage_context({0: mbs}, reference=model, forward_only=True)
-            run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
-            if mesh.is_last_stage:
-                for mb, ids in enumerate(groups[:num_real]):
-                    logps = ctx.ref_logps.pop((0, mb))
-                    table[ids, 0] = logps.logp_sum[: len(ids)].double()
-                    table[ids, 1] = logps.logp_sum[len(ids) :].double()
-        if not mesh.is_last_stage:
-            return None
-        if dp > 1:
-            dist.all_reduce(table, group=mesh.dp_group)
-        return table.to(torch.float32)
-
-    def layer_spec(self) -> str:
-        """The layer spec this rank built its models with; it names the tensors of its shards."""
-        return layer_spec_name(use_te=self.use_te)
-
-    def packs(self) -> bool:
-        """Whether this rank runs packed microbatches (an unset --packing decided here)."""
-        return self.packing
-
-    def experts(self) -> tuple[str | None, str | None]:
-        """How this rank's MoE experts run ("grouped", "sequential"; None for a dense model) and
-        the note to show when grouped GEMM was expected but is not possible here."""
-        if not self.spec.num_experts:
-            return None, None
-        return ("grouped" if self.grouped_experts else "sequential"), self.experts_note
-
-    def coordinates(self) -> tuple[int, int, int]:
-        return (self.mesh.tp_rank, self.mesh.pp_rank, self.mesh.dp_rank)
-
-    def shutdown(self) -> None:
-        from mcore_dpo.mesh import destroy
-
-        destroy()
 
 
 class ReferenceWorker(Rank):
@@ -317,36 +146,16 @@ class PolicyWorker(Rank):
                       fused=plat.fused_adamw(self.platform.device))
         if config.distributed_optimizer:
             return ShardedOptimizer(
-                ddp_model=self.policy, named_params=named_params, params_once=self._unique_params(sharded=True),
+                ddp_model=self.policy, named_params=named_params, params_once=params_once(self.policy.module, spec=self.spec, mesh=self.mesh, sharded=True),
                 dp_group=self.mesh.dp_group, dp_rank=self.mesh.dp_rank, dp_size=self.layout.dp, **common,
             )  # fmt: skip
-        return CpuOptimizer(named_params=named_params, params_once=self._unique_params(), group=self.mesh.grad_norm_group,
+        return CpuOptimizer(named_params=named_params, params_once=params_once(self.policy.module, spec=self.spec, mesh=self.mesh),
+                            group=self.mesh.grad_norm_group,
                             **common)
 
     def _all_params(self) -> list[torch.Tensor]:
         models = [self.policy.module] + ([self.reference.model] if self.reference.model is not None else [])
         return [t for m in models for t in (*m.parameters(), *m.buffers())]
-
-    def _unique_params(self, *, sharded: bool = False) -> list[torch.nn.Parameter]:
-        """Each logical parameter once per model replica: tp-replicated ones (norms) count on tp
-        rank 0 only; the last stage's copy of a tied embedding is skipped. With ep > 1 the
-        replicated optimizer counts a parameter on one of its dp (expert dp) copies; the sharded
-        one on every rank (its slices over those groups are disjoint)."""
-        tied_copy = self.spec.tie_word_embeddings and self.layout.pp > 1 and self.mesh.is_last_stage
-        once = []
-        for name, param in self.policy.module.named_parameters():
-            if not param.requires_grad:  # the frozen base of a LoRA run
-                continue
-            if tied_copy and name == "output_layer.weight" and not self.mesh.is_first_stage:
-                continue
-            expert = not getattr(param, "allreduce", True)
-            whole_expert = expert and self.layout.etp == 1  # not split over tp, nor repeated on its tp ranks
-            if not getattr(param, "tensor_model_parallel", False) and self.mesh.tp_rank != 0 and not whole_expert:
-                continue
-            if not sharded and not self.mesh.counts_in_grad_norm(expert=expert):  # repeats over dp / expert dp (ep > 1)
-                continue
-            once.append(param)
-        return once
 
     # ------------------------------------------------------------------ data
     def local_microbatches(self, pairs: Sequence[TokenizedPair]) -> tuple[list[Microbatch], list[list[int]]]:
@@ -380,7 +189,8 @@ class PolicyWorker(Rank):
             microbatches_of[1] = self.local_microbatches(batch.next_pairs)[0]
         sort, computed = None, {}
         if spec.needs_batch_sort:  # aot: the whole batch's order first (a forward-only pass)
-            sort, computed, ref = self._sort_pass(batch, mbs, groups, spec=spec, ref=ref)
+            sort, computed, ref = sort_batch(self, policy=self.policy, reference=self.reference, batch=batch, mbs=mbs,
+                                             groups=groups, spec=spec, ref=ref)
         plan = build_plan(  # the same on every stage, so that all stages build the same plan
             num_stages=self.layout.pp, num_microbatches=len(mbs),
             num_next_microbatches=len(microbatches_of[1]) if ref.next else None,
@@ -454,34 +264,6 @@ class PolicyWorker(Rank):
         self.memory_report = {**self.memory.report(), **device_figures(self.platform.device)}
         return max_over_ranks(self.memory_report, world_size=self.layout.world_size, device=self.platform.device)
 
-    @torch.no_grad()
-    def _sort_pass(self, batch: StepBatch, mbs: list[Microbatch], groups: list[list[int]], *, spec,
-                   ref: StepReference) -> tuple[BatchSort | None, dict, StepReference]:
-        """aot/aot_unpaired: a forward-only policy pass (with the reference's, when it is not at
-        hand already) over this rank's microbatches, then the BatchSort of the whole global batch
-        on the last stage. Returns it, the reference log-probs the pass computed (keyed like
-        ctx.ref_logps), and what the plan still computes of the reference."""
-        with_reference = self.reference.model is not None and (self.config.ref_mode == "sequential" or ref.current)
-        ctx = self.stage_context({0: mbs}, policy=self.policy, reference=self.reference.model, forward_only=True)
-        policy_rows: dict[int, SequenceLogps] = {}
-        ctx.loss_fn = _Record(policy_rows)
-        run_ops(forward_only_ops(mesh=self.mesh, num_microbatches=len(mbs), policy=True, reference=with_reference),
-                ctx)
-        if with_reference:  # then the plan has no reference forward of this batch
-            ref = StepReference(plan_mode="none" if self.config.ref_mode == "sequential" else ref.plan_mode,
-                                current=False, next=ref.next)
-        if not self.mesh.is_last_stage:
-            return None, {}, ref
-        computed = dict(ctx.ref_logps)
-        parts = {}
-        for mb, logps in policy_rows.items():
-            positions = groups[mb]
-            stored = computed.get((0, mb)) if with_reference else self.reference.stored(mb)
-            rows = self.reference.rows(positions=positions, pair_ids=batch.pair_ids, given=batch.ref_logps, stored=stored)
-            parts[mb] = pair_logps(logps, rows, b=len(positions), positions=positions)
-        sort = global_sort(parts, num_pairs=len(batch.pairs), spec=spec, mesh=self.mesh, device=self.platform.device)
-        return sort, computed, ref
-
     # ------------------------------------------------------------------ the driver's other calls
     def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
         return self.evaluator.evaluate(pairs, ref_logps)
@@ -519,17 +301,6 @@ class PolicyWorker(Rank):
         return shard_names({n: (p.main_grad.detach().to("cpu", copy=True) / clip if clip != 1.0
                                 else p.main_grad.detach().to("cpu", copy=True))
                             for n, p in self.policy.module.named_parameters() if p.requires_grad})
-
-
-class _Record:
-    """The "loss" of the sort pass: each microbatch's policy log-probs, kept."""
-
-    def __init__(self, rows: dict[int, SequenceLogps]):
-        self.rows = rows
-
-    def __call__(self, mb: int, logps: SequenceLogps) -> torch.Tensor:
-        self.rows[mb] = logps
-        return torch.zeros(())
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool) -> torch.nn.Module:

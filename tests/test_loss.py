@@ -7,16 +7,8 @@ import math
 import pytest
 import torch
 
-from mcore_dpo.loss import (
-    LOSS_TYPES,
-    SORTED_TYPES,
-    METRIC_SUM_KEYS,
-    LossSpec,
-    PairLogps,
-    finalize_metrics,
-    metric_sums,
-    pair_losses,
-)
+from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.loss_spec import LOSS_TYPES, SORTED_TYPES, LossSpec
 
 # Types with a per-pair formula; aot and aot_unpaired sort over the batch (tests/test_loss_options.py).
 PER_PAIR_TYPES = tuple(t for t in LOSS_TYPES if t not in SORTED_TYPES)

@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_dpo.logprobs import ld_weights, log_sum_sq_probs
-from mcore_dpo.loss import (
-    METRIC_SUM_KEYS,
-    LossSpec,
-    PairLogps,
-    batch_sort,
-    finalize_metrics,
-    metric_sums,
-    pair_losses,
-)
+from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, batch_sort, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.loss_spec import LossSpec
 
 
 def _logps(n: int, *, seed: int, scale: float = 5.0) -> PairLogps:

@@ -21,7 +21,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 from benchmarks import common, memory
 from mcore_dpo.memory_account import CATEGORIES, storage_bytes
 from mcore_dpo.plan_memory import StageMemory, plan_memory
-from mcore_dpo.schedule import REF_MODES, build_plan
+from mcore_dpo.plan import REF_MODES
+from mcore_dpo.schedule import build_plan
 from tests.helpers.ranks import run_benchmark
 
 MODES = ("interleaved", "sequential", "precomputed", "none")

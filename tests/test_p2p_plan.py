@@ -23,21 +23,16 @@ from mcore_dpo.ports import free_port
 from mcore_dpo import schedule
 from mcore_dpo.mesh import Layout, Mesh
 from mcore_dpo.pipeline import PeerError, StageContext, transfer
-from mcore_dpo.plan import transfers
-from mcore_dpo.plan_check import every_compute_op, every_forward, timeline, validate_host_device
-from mcore_dpo.schedule import (
-    Costs,
-    Op,
-    OpKind,
-    Plan,
-    PlanError,
-    build_plan,
-    forward_only_stages,
-    format_plan,
-    pair_crossing_transfers,
+from mcore_dpo.plan import Costs, Op, OpKind, Plan, PlanError, format_plan, transfers
+from mcore_dpo.plan_check import (
+    every_compute_op,
+    every_forward,
+    timeline,
+    validate_host_device,
     validate_plan,
     validate_stages,
 )
+from mcore_dpo.schedule import build_plan, forward_only_stages, pair_crossing_transfers
 from tests.helpers.ranks import rank_context, start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.
@@ -132,7 +127,7 @@ def test_pairing_keeps_what_the_old_plan_did():
             assert [op for op in old.stages[s] if not transfers(op)] == [op for op in new.stages[s] if not transfers(op)]
             flat = [part for op in new.stages[s] for part in transfers(op)]
             assert sorted(flat, key=repr) == sorted([op for op in old.stages[s] if transfers(op)], key=repr)
-            for link_kind in (schedule.OpKind.SEND_ACT, schedule.OpKind.RECV_GRAD, schedule.OpKind.RECV_REF_ACT):
+            for link_kind in (OpKind.SEND_ACT, OpKind.RECV_GRAD, OpKind.RECV_REF_ACT):
                 assert ([op for op in flat if op.kind == link_kind]
                         == [op for op in old.stages[s] if op.kind == link_kind])
     assert format_plan(build_plan(num_stages=2, num_microbatches=3, ref_mode="none")).splitlines() == [
@@ -166,7 +161,7 @@ def test_validate_stages_rules():
     crossing = ((f, sa, f1, sa1, rg, b), (ra, f, b, sg, ra1, f1))
     with pytest.raises(PlanError, match="deadlock under rendezvous"):
         validate_stages(crossing)
-    paired = ((f, sa, f1, schedule.Op(OpKind.P2P, -1, 0, (sa1, rg)), b), (ra, f, b, Op(OpKind.P2P, -1, 0, (sg, ra1)), f1))
+    paired = ((f, sa, f1, Op(OpKind.P2P, -1, 0, (sa1, rg)), b), (ra, f, b, Op(OpKind.P2P, -1, 0, (sg, ra1)), f1))
     validate_stages(paired)
     assert pair_crossing_transfers(crossing) in {paired, ((f, sa, f1, sa1, rg, b), (ra, f, b, paired[1][3], f1))}
     with pytest.raises(PlanError, match="two or more"):

@@ -16,7 +16,8 @@ from mcore_dpo.model import causal_mask, packed_causal_mask
 from mcore_dpo.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches,
                                step_token_stats)
 from mcore_dpo.plan import OpKind
-from mcore_dpo.schedule import build_plan, validate_plan
+from mcore_dpo.plan_check import validate_plan
+from mcore_dpo.schedule import build_plan
 from mcore_dpo.train import main
 
 

@@ -144,7 +144,7 @@ def _patch_tensor_methods(guard: Guard) -> None:
 def _patch_p2p(guard: Guard) -> None:
     """Point-to-point messages only in the executor's transfers (one batch_isend_irecv per plan
     transfer op, holding its parts and their riders) and in the start-up warm-up."""
-    from mcore_dpo import pipeline, worker
+    from mcore_dpo import pipeline, rank
     from mcore_dpo.plan import OpKind
 
     policy_kinds = (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
@@ -169,7 +169,7 @@ def _patch_p2p(guard: Guard) -> None:
             guard.channel = None
 
     pipeline.transfer, pipeline.warm_up_links = guarded_transfer, guarded_warm_up
-    worker.warm_up_links = guarded_warm_up  # imported by name there
+    rank.warm_up_links = guarded_warm_up  # imported by name there
     for name in _P2P:
         original = getattr(dist, name)
 
