@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.durable import fsync_dir, fsync_tree
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.mapping import (
@@ -58,7 +59,6 @@ from checkpoint_convert.mapping import (
     stored_pieces,
     unfuse_groups,
 )
-from mcore_dpo.durable import fsync_dir, fsync_tree
 
 META_FILE = "mcore_checkpoint.json"
 HF_FILES_DIR = "hf_files"

@@ -17,8 +17,9 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from checkpoint_convert import durable
 from checkpoint_convert.mapping import check_layout
-from mcore_dpo import checkpoint, durable, output_dir
+from mcore_dpo import checkpoint, output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
