@@ -113,7 +113,7 @@ def _weights_dir(path: str, *, log=print) -> str:
     newest checkpoint (said in one line). Any other path is returned as given."""
     from pathlib import Path
 
-    from checkpoint_convert.io import is_mcore_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir
 
     given = Path(path)
     if is_mcore_dir(given):

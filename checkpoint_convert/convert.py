@@ -32,7 +32,6 @@ from checkpoint_convert.io import (
     expert_rank_name,
     meta_json,
     open_hf_dir,
-    open_mcore_dir,
     shard_relpath,
 )
 from checkpoint_convert.mapping import (
@@ -49,6 +48,7 @@ from checkpoint_convert.mapping import (
     padded_vocab_size,
     split_entry,
 )
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.names import DTYPE_HELP, canonical_dtype
 from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 

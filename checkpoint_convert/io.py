@@ -626,23 +626,6 @@ class HFView:
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
 
-def open_mcore_dir(directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None):
-    """This package's format, or a torch_dist checkpoint (checkpoint_convert.torch_dist); both
-    offer meta, shard_view, hf_view and hf_files_dir. hf_config_dir only matters for a
-    torch_dist checkpoint that carries no HF config of its own."""
-    from checkpoint_convert import torch_dist
-
-    if not (Path(directory) / META_FILE).is_file() and torch_dist.is_torch_dist_dir(directory):
-        return torch_dist.open_torch_dist(directory, hf_config_dir=hf_config_dir)
-    return McoreCheckpoint(directory)
-
-
-def is_mcore_dir(directory: str | os.PathLike) -> bool:
-    from checkpoint_convert import torch_dist
-
-    return (Path(directory) / META_FILE).is_file() or torch_dist.is_torch_dist_dir(directory)
-
-
 # ---------------------------------------------------------------------------------------
 # Atomic output
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.mapping import ConversionError
 from mcore_dpo.ports import free_port
 

@@ -462,7 +462,8 @@ def _layer_spec_of(group) -> str:
 def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
     """checkpoint_convert metadata for shards of this run's layout, plus the source's
     config/tokenizer files to carry along (custom *.py code only with --trust-remote-code)."""
-    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, is_mcore_dir, open_hf_dir, open_mcore_dir
+    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, open_hf_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert import convert
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.mapping import (
     ConversionError,
     hf_tensor_shapes,

@@ -18,7 +18,8 @@ import torch
 
 from checkpoint_convert import convert
 from checkpoint_convert.dcp import DcpReader
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.mapping import ConversionError
 from checkpoint_convert.safe_pickle import RefusedPickle, load_pickle, torch_load, torch_load_file
 from tests.helpers.cli import REPO, command_env, run_python
