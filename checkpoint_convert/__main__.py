@@ -21,7 +21,8 @@ import argparse
 import signal
 import sys
 
-from checkpoint_convert.mapping import LAYER_SPECS, ConversionError
+from checkpoint_convert.families.base import ConversionError
+from checkpoint_convert.mapping import LAYER_SPECS
 from checkpoint_convert.names import DTYPE_HELP, DTYPE_NAMES, canonical_dtype
 
 # Kept in step with checkpoint_convert.convert.FORMATS (not imported here: it pulls in torch).

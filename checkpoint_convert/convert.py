@@ -34,10 +34,8 @@ from checkpoint_convert.io import (
     open_hf_dir,
     shard_relpath,
 )
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
-    DTYPES,
-    ConversionError,
-    ModelSpec,
     hf_entry_index,
     mcore_entries,
     mcore_name,

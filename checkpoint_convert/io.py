@@ -37,11 +37,10 @@ import torch
 from checkpoint_convert.durable import fsync_dir, fsync_tree
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
-    DTYPES,
     LAYER_SPECS,
-    ConversionError,
-    ModelSpec,
     check_layout,
     fused_hf_sources,
     hf_tensor_shapes,
@@ -54,7 +53,6 @@ from checkpoint_convert.mapping import (
     tp_part_of_whole_expert,
     padded_vocab_size,
     qkv_group_rows,
-    spec_from_hf_config,
     stored_group_pieces,
     stored_pieces,
     unfuse_groups,

@@ -18,10 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-
-# ModelSpec, the error type and the config reader are the families' own; callers import them from here too.
-from checkpoint_convert.families import family_of, spec_from_hf_config  # noqa: F401
-from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec  # noqa: F401
+from checkpoint_convert.families import family_of
+from checkpoint_convert.families.base import ConversionError, ModelSpec
 
 LAYER_SPECS = ("local", "te")
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mcore_dir import open_mcore_dir
-from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.families.base import ConversionError
 from mcore_dpo.ports import free_port
 
 _RENDEZVOUS_TIMEOUT_S = 120.0

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_convert.families import family_of
-from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, sequential_expert_name, stage_layers
+from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.mapping import padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.platform import fused_kernel_fields
 

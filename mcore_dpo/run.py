@@ -162,7 +162,7 @@ def _use_chat_template(tokenizer, path: str) -> None:
 def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
     """LoRA's rank, alpha and targets, from --init-adapter where not given; the adapter checked
     against them and against the base."""
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
     from mcore_dpo import lora
 
     try:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
+from checkpoint_convert.families.base import DTYPES, ModelSpec
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo import checkpoint_torch_dist, hooks, lora
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig
