@@ -57,7 +57,6 @@ FORMATS = ("safetensors", "torch_dist")
 DEFAULT_FORMAT = "safetensors"
 # Vocabulary-sized tensors are copied in row blocks of at most this many bytes.
 ROW_BLOCK_BYTES = 4 * 2**20
-_VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 GetTensor = Callable[[str], torch.Tensor]
 GetRows = Callable[[str, int, int], torch.Tensor]  # (HF name, first row, row after the last)
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

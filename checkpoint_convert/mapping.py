@@ -76,14 +76,6 @@ def stage_layers(num_layers: int, *, pp: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def _stage_of_layer(num_layers: int, *, pp: int, layer: int) -> tuple[int, int]:
-    for pp_rank in range(pp):
-        layers = stage_layers(num_layers, pp=pp, pp_rank=pp_rank)
-        if layer in layers:
-            return pp_rank, layer - layers.start
-    raise ValueError(f"layer {layer} out of range")
-
-
 def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: bool = False) -> str:
     """The parameter name of an entry in a model of `layer_spec` (local layer number `layer`;
     `moe_layer`: the layer's MLP is a mixture of experts)."""
