@@ -39,6 +39,11 @@ setup(
         "console_scripts": [
             "mcore-dpo-train=mcore_dpo.train:main",
             "mcore-convert=checkpoint_convert.__main__:main",
-        ]
+        ],
+        # `checkpoint_convert verify` builds the Megatron model with the trainer's builder, found here
+        # (checkpoint_convert imports nothing from mcore_dpo; checkpoint_convert/verify.py).
+        "checkpoint_convert.megatron_runners": [
+            "mcore_dpo=mcore_dpo.verify_runner:megatron_logits",
+        ],
     },
 )

@@ -25,7 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from checkpoint_convert.mapping import hf_tensor_shapes, spec_from_hf_config  # noqa: E402
+from checkpoint_convert.families import spec_from_hf_config  # noqa: E402
+from checkpoint_convert.mapping import hf_tensor_shapes  # noqa: E402
 from mcore_dpo.data import TokenizedPair  # noqa: E402
 from mcore_dpo.ports import free_port  # noqa: E402
 

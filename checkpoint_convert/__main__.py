@@ -11,8 +11,11 @@ ms-swift or this package). --hf-config DIR names a directory whose config.json d
 model when a torch_dist checkpoint has no HF config of its own and its args do not say enough.
 --ep N splits the experts of a MoE model over N expert-parallel ranks (one file per tp, pp and
 ep rank; default 1: every rank file holds all experts). reshard reads any ep and writes --ep.
+verify builds the Megatron model with a trainer's runner (mcore_dpo's, found through an entry
+point: checkpoint_convert/verify.py); the other commands need no trainer.
 
-(also installed as `mcore-convert`). Bad input prints one line and exits with code 2.
+(also installed as `mcore-convert`). Bad input, or verify without a runner, prints one line and
+exits with code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import argparse
 import signal
 import sys
 
-from checkpoint_convert.mapping import LAYER_SPECS, ConversionError
+from checkpoint_convert.families.base import ConversionError
+from checkpoint_convert.mapping import LAYER_SPECS
 from checkpoint_convert.names import DTYPE_HELP, DTYPE_NAMES, canonical_dtype
 
 # Kept in step with checkpoint_convert.convert.FORMATS (not imported here: it pulls in torch).
@@ -113,7 +117,7 @@ def _weights_dir(path: str, *, log=print) -> str:
     newest checkpoint (said in one line). Any other path is returned as given."""
     from pathlib import Path
 
-    from checkpoint_convert.io import is_mcore_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir
 
     given = Path(path)
     if is_mcore_dir(given):
@@ -136,9 +140,6 @@ def _weights_dir(path: str, *, log=print) -> str:
 
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from mcore_dpo.platform import quiet_known_warnings  # imports torch: after the arguments parse
-
-    quiet_known_warnings()  # megatron-core's known-harmless import-time warnings
     if getattr(args, "mcore_dir", None):
         args.mcore_dir = _weights_dir(args.mcore_dir)
     if args.command == "hf-to-mcore":

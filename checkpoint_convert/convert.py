@@ -32,13 +32,10 @@ from checkpoint_convert.io import (
     expert_rank_name,
     meta_json,
     open_hf_dir,
-    open_mcore_dir,
     shard_relpath,
 )
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
-    DTYPES,
-    ConversionError,
-    ModelSpec,
     hf_entry_index,
     mcore_entries,
     mcore_name,
@@ -49,6 +46,7 @@ from checkpoint_convert.mapping import (
     padded_vocab_size,
     split_entry,
 )
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.names import DTYPE_HELP, canonical_dtype
 from checkpoint_convert.safetensors_stream import SafetensorsWriter, write_tensors
 
@@ -59,7 +57,6 @@ FORMATS = ("safetensors", "torch_dist")
 DEFAULT_FORMAT = "safetensors"
 # Vocabulary-sized tensors are copied in row blocks of at most this many bytes.
 ROW_BLOCK_BYTES = 4 * 2**20
-_VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 GetTensor = Callable[[str], torch.Tensor]
 GetRows = Callable[[str, int, int], torch.Tensor]  # (HF name, first row, row after the last)
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.safe_pickle import load_pickle_file, torch_load
 
 METADATA_JSON = "metadata.json"

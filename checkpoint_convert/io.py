@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.durable import fsync_dir, fsync_tree
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
-    DTYPES,
     LAYER_SPECS,
-    ConversionError,
-    ModelSpec,
     check_layout,
     fused_hf_sources,
     hf_tensor_shapes,
@@ -53,12 +53,10 @@ from checkpoint_convert.mapping import (
     tp_part_of_whole_expert,
     padded_vocab_size,
     qkv_group_rows,
-    spec_from_hf_config,
     stored_group_pieces,
     stored_pieces,
     unfuse_groups,
 )
-from mcore_dpo.durable import fsync_dir, fsync_tree
 
 META_FILE = "mcore_checkpoint.json"
 HF_FILES_DIR = "hf_files"
@@ -624,23 +622,6 @@ class HFView:
         if not blocks:
             return torch.empty(sizes, dtype=dtype)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
-
-
-def open_mcore_dir(directory: str | os.PathLike, *, hf_config_dir: str | os.PathLike | None = None):
-    """This package's format, or a torch_dist checkpoint (checkpoint_convert.torch_dist); both
-    offer meta, shard_view, hf_view and hf_files_dir. hf_config_dir only matters for a
-    torch_dist checkpoint that carries no HF config of its own."""
-    from checkpoint_convert import torch_dist
-
-    if not (Path(directory) / META_FILE).is_file() and torch_dist.is_torch_dist_dir(directory):
-        return torch_dist.open_torch_dist(directory, hf_config_dir=hf_config_dir)
-    return McoreCheckpoint(directory)
-
-
-def is_mcore_dir(directory: str | os.PathLike) -> bool:
-    from checkpoint_convert import torch_dist
-
-    return (Path(directory) / META_FILE).is_file() or torch_dist.is_torch_dist_dir(directory)
 
 
 # ---------------------------------------------------------------------------------------

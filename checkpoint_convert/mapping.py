@@ -18,10 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-
-# ModelSpec, the error type and the config reader are the families' own; callers import them from here too.
-from checkpoint_convert.families import family_of, spec_from_hf_config  # noqa: F401
-from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec  # noqa: F401
+from checkpoint_convert.families import family_of
+from checkpoint_convert.families.base import ConversionError, ModelSpec
 
 LAYER_SPECS = ("local", "te")
 
@@ -76,14 +74,6 @@ def stage_layers(num_layers: int, *, pp: int, pp_rank: int) -> range:
     base, extra = divmod(num_layers, pp)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (1 if pp_rank < extra else 0))
-
-
-def _stage_of_layer(num_layers: int, *, pp: int, layer: int) -> tuple[int, int]:
-    for pp_rank in range(pp):
-        layers = stage_layers(num_layers, pp=pp, pp_rank=pp_rank)
-        if layer in layers:
-            return pp_rank, layer - layers.start
-    raise ValueError(f"layer {layer} out of range")
 
 
 def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: bool = False) -> str:

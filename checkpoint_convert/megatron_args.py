@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from checkpoint_convert.families.base import moe_layer_freq
-from checkpoint_convert.mapping import DTYPES, ConversionError, ModelSpec, expert_tp_size
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec, moe_layer_freq
+from checkpoint_convert.mapping import expert_tp_size
 
 # megatron-core's llama3.1 RoPE scaling hard-codes these three of its four parameters.
 MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.mapping import ConversionError, ModelSpec, stage_layers
+from checkpoint_convert.families.base import ConversionError, ModelSpec
+from checkpoint_convert.mapping import stage_layers
 
 TARGETS = ("qkv", "proj", "fc1", "fc2")  # the dense linears (fc1/fc2: the dense MLP layers only)
 EXPERT_TARGETS = ("expert_fc1", "expert_fc2")  # every expert's linear_fc1 / linear_fc2 on the MoE layers

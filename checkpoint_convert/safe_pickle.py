@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.families.base import ConversionError
 
 _DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",

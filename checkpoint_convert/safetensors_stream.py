@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.families.base import ConversionError
 
 # Safetensors dtype code -> torch dtype (and back).
 DTYPE_CODES: dict[str, torch.dtype] = {

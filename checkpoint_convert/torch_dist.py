@@ -57,17 +57,14 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
-from checkpoint_convert.families.base import moe_layer_freq
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec, moe_layer_freq
 from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, narrowed_box, read_json
 from checkpoint_convert.mapping import (
-    DTYPES,
-    ConversionError,
-    ModelSpec,
     expert_tp_size,
     is_expert_entry,
     mcore_entries,
     padded_vocab_size,
-    spec_from_hf_config,
     split_entry,
     stage_layers,
 )

@@ -1,28 +1,71 @@
 """`verify`: run the HF model and the Megatron checkpoint on the same token ids and compare logits.
 
-The Megatron side runs at the checkpoint's own tp x pp as real gloo ranks on this machine
-(torch.multiprocessing spawn, rendezvous on 127.0.0.1), built by the trainer's own model
-builder; pipeline stages pass hidden states [s, b, h] with blocking send/recv. Everything is
-computed in fp32 on the CPU, so the comparison measures the conversion, not the precision.
+This module is the converter's side: the random token batch, the HF logits, the comparison and
+the report. The Megatron side, building the checkpoint's model at its own tp x pp, loading its
+shards and running the forward, belongs to a trainer, so it is a *runner* that this package
+finds and never imports by name. A runner is a callable
+
+    runner(mcore_dir: Path, tokens: torch.Tensor, *, hf_config_dir: Path) -> torch.Tensor
+
+given the checkpoint directory (either format), the token ids [batch, seq] (int64) and the HF
+directory whose config.json reads a torch_dist checkpoint that carries none of its own; it
+returns fp32 logits [batch, seq, vocab_size] (the unpadded vocabulary), computed on the CPU so
+that the comparison measures the conversion, not the precision. `find_runner` takes, in order:
+
+1. the runner registered in this process with `register_runner` (in-process callers, tests);
+2. the first entry point, by name, of the group `checkpoint_convert.megatron_runners` that
+   loads (mcore_dpo registers `mcore_dpo.verify_runner:megatron_logits` there, setup.py);
+
+and without one, verify stops with one line that says to install mcore_dpo.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
-from checkpoint_convert.mapping import ConversionError
-from mcore_dpo.ports import free_port
+from checkpoint_convert.families.base import ConversionError
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 
-_RENDEZVOUS_TIMEOUT_S = 120.0
+RUNNER_GROUP = "checkpoint_convert.megatron_runners"
+NO_RUNNER = "verify needs a Megatron model runner; install mcore_dpo alongside checkpoint_convert"
+
+
+class MegatronRunner(Protocol):
+    def __call__(self, mcore_dir: Path, tokens: torch.Tensor, *, hf_config_dir: Path) -> torch.Tensor: ...
+
+
+_registered: MegatronRunner | None = None
+
+
+def register_runner(runner: MegatronRunner | None) -> MegatronRunner | None:
+    """Make `runner` the one verify uses in this process, ahead of any entry point (None: back to
+    the entry points). Returns the runner registered before, so a caller can put it back."""
+    global _registered
+    previous, _registered = _registered, runner
+    return previous
+
+
+def find_runner() -> MegatronRunner:
+    """The registered runner, else the first entry point of RUNNER_GROUP (by name) that loads;
+    raises ConversionError (one line, NO_RUNNER) when there is none."""
+    if _registered is not None:
+        return _registered
+    failed = []
+    for entry in sorted(entry_points(group=RUNNER_GROUP), key=lambda e: e.name):
+        try:
+            return entry.load()
+        except ImportError as error:  # installed metadata, but the package is not importable here
+            failed.append(f"{entry.value}: {error}")
+    raise ConversionError(NO_RUNNER + (f" (could not import {'; '.join(failed)})" if failed else ""))
 
 
 @dataclass(frozen=True)
@@ -41,55 +84,6 @@ class VerifyReport:
             f"verify tp={self.tp} pp={self.pp}: max |dlogit| {self.max_abs_diff:.3e}, "
             f"argmax agreement {self.argmax_agreement:.2%} over {self.num_positions} positions"
         )
-
-
-def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: str, hf_dir: str) -> None:
-    """One Megatron rank: build its stage, load its shard, run the forward, pass activations on."""
-    os.environ["MCORE_DPO_FORCE_CPU"] = "1"  # verify compares on the CPU, whatever the machine has
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    from mcore_dpo import platform as platform_lib
-
-    platform_lib.quiet_known_warnings()  # a spawned process: before megatron-core is imported
-    from mcore_dpo import mesh as mesh_lib
-    from mcore_dpo.model import build_stage_model, causal_mask, load_shard, stage_forward
-
-    checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf_dir)
-    meta = checkpoint.meta
-    platform = platform_lib.detect(local_rank=rank)
-    platform_lib.activate(platform)
-    platform_lib.init_process_group(
-        platform, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-        timeout_s=_RENDEZVOUS_TIMEOUT_S,
-    )  # fmt: skip
-    try:
-        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=meta.tp, pp=meta.pp, dp=1))
-        platform_lib.init_model_rng(platform, 0)
-        with platform_lib.building_models(platform):
-            model = build_stage_model(
-                meta.spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=meta.layer_spec == "te"
-            )
-        load_shard(model, checkpoint.shard(mesh.tp_rank, mesh.pp_rank))
-        model.eval()
-        tokens = load_file(str(Path(work_dir) / "tokens.safetensors"))["tokens"]
-        batch, seq_len = tokens.shape
-        with torch.no_grad():
-            hidden = None
-            if not mesh.is_first_stage:
-                hidden = torch.empty(seq_len, batch, meta.spec.hidden_size, dtype=torch.float32)
-                dist.recv(hidden, src=mesh.prev_rank)
-            output = stage_forward(model, tokens=tokens, input_tensor=hidden, mask=causal_mask(seq_len, device=tokens.device))
-            if not mesh.is_last_stage:
-                dist.send(output.contiguous(), dst=mesh.next_rank)
-            else:
-                parts = [torch.empty_like(output) for _ in range(meta.tp)]
-                dist.all_gather(parts, output.contiguous(), group=mesh.tp_group)
-                if mesh.tp_rank == 0:
-                    logits = torch.cat(parts, dim=-1)[..., : meta.spec.vocab_size]
-                    save_file({"logits": logits.contiguous()}, str(Path(work_dir) / "mcore_logits.safetensors"))
-    finally:
-        mesh_lib.destroy()
 
 
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -113,7 +107,7 @@ def verify(
     log: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Compare HF logits with Megatron logits on one random batch of token ids; `log` gets a
-    line as each phase starts (the inputs are checked before the first)."""
+    line as each phase starts (the inputs are checked, and a runner found, before the first)."""
     hf = open_hf_dir(hf_dir)
     # A torch_dist checkpoint without an HF config of its own is read with the HF model's.
     checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf.dir)
@@ -124,22 +118,14 @@ def verify(
         raise ConversionError(
             f"verify: --seq-len must be in [1, {meta.spec.max_position_embeddings}] and --batch-size >= 1"
         )
+    runner = find_runner()
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, meta.spec.vocab_size, (batch_size, seq_len), generator=generator)
     world_size = meta.tp * meta.pp
     started = time.monotonic()
     log(f"verify: building the megatron model at tp={meta.tp} pp={meta.pp} from {checkpoint.dir} "
         f"({world_size} CPU rank{'s' if world_size > 1 else ''}) and running {batch_size} x {seq_len} random tokens")
-    with tempfile.TemporaryDirectory(prefix="mcore-verify-") as work_dir:
-        save_file({"tokens": tokens}, str(Path(work_dir) / "tokens.safetensors"))
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torch.multiprocessing.spawn(
-            _rank_main,
-            args=(world_size, free_port(), str(checkpoint.dir), work_dir, str(hf.dir)),
-            nprocs=world_size,
-            join=True,
-        )
-        mcore_logits = load_file(str(Path(work_dir) / "mcore_logits.safetensors"))["logits"]
+    mcore_logits = runner(Path(checkpoint.dir), tokens, hf_config_dir=Path(hf.dir))
     log(f"verify: megatron logits done ({time.monotonic() - started:.1f} s); loading the HF model from {hf.dir}")
     started = time.monotonic()
     hf_logits = _hf_logits(hf.dir, tokens)

@@ -34,7 +34,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from mcore_dpo import durable
+from checkpoint_convert import durable
 
 FORMAT = "mcore_dpo.trainer_checkpoint"
 FORMAT_VERSION = 1

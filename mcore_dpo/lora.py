@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from checkpoint_convert.mapping import ModelSpec
+from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGET_MAP, TARGETS,
                                              LoraShape, part_features, target_layout, target_names, targets_present)
 
@@ -251,7 +251,7 @@ def check_targets(config, *, spec: ModelSpec, where: str) -> None:
     """Raise ConversionError (one line) when a target has no linear in this base, or the run asks
     for what PEFT's adapters on the experts cannot be (dropout) or the engine does not build
     (experts at tp > 1)."""
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
 
     targets = shape_of(config).targets
     present = targets_present(spec)
@@ -276,7 +276,7 @@ def resolve(config, *, spec: ModelSpec):
     checkpoint_convert's ConversionError (one line naming the file) on a mismatch."""
     from dataclasses import replace
 
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
     from checkpoint_convert.peft_adapter import ADAPTER_CONFIG, lora_shape_of, read_adapter
 
     if config.init_adapter is None:

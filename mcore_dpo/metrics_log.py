@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mcore_dpo import durable
+from checkpoint_convert import durable
 
 
 class MetricsLog:

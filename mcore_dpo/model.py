@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_convert.families import family_of
-from checkpoint_convert.mapping import ModelSpec, padded_vocab_size, sequential_expert_name, stage_layers
+from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.mapping import padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.mesh import Mesh
 from mcore_dpo.platform import fused_kernel_fields
 
@@ -289,14 +290,15 @@ def open_weights(path: str):
     (any tp/pp: the latter is read through HF names). Has `.spec`, `.get(name)` and
     `.get_part(name, dim, start, stop)`, which reads only that part's bytes (a rank's own rows
     or columns, see mapping.hf_to_mcore_shard)."""
-    from checkpoint_convert.io import is_mcore_dir, open_hf_dir, open_mcore_dir
+    from checkpoint_convert.io import open_hf_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
     return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)
 
 
 def tokenizer_dir(path: str) -> str:
     """Where the tokenizer files of a model directory live."""
-    from checkpoint_convert.io import is_mcore_dir, open_mcore_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
     return str(open_mcore_dir(path).hf_files_dir) if is_mcore_dir(path) else path
 

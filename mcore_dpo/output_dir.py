@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from mcore_dpo import durable
+from checkpoint_convert import durable
 
 RUN_FILE = "run.json"  # the run identity of the run that owns the directory
 

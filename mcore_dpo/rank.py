@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.mapping import DTYPES, ModelSpec, hf_to_mcore_shard
+from checkpoint_convert.families.base import DTYPES, ModelSpec
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair, seq_len_multiple

@@ -17,8 +17,9 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from checkpoint_convert import durable
 from checkpoint_convert.mapping import check_layout
-from mcore_dpo import checkpoint, durable, output_dir
+from mcore_dpo import checkpoint, output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
 from mcore_dpo.metrics_log import MetricsLog
@@ -161,7 +162,7 @@ def _use_chat_template(tokenizer, path: str) -> None:
 def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
     """LoRA's rank, alpha and targets, from --init-adapter where not given; the adapter checked
     against them and against the base."""
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
     from mcore_dpo import lora
 
     try:
@@ -461,7 +462,8 @@ def _layer_spec_of(group) -> str:
 def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
     """checkpoint_convert metadata for shards of this run's layout, plus the source's
     config/tokenizer files to carry along (custom *.py code only with --trust-remote-code)."""
-    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, is_mcore_dir, open_hf_dir, open_mcore_dir
+    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, open_hf_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)

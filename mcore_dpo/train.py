@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     # Say what starts before the slow imports (torch, megatron-core, transformers, Ray).
     print(starting_line(config, ray_address=args.ray_address), flush=True)
 
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
     from mcore_dpo.checkpoint import CheckpointError
     from mcore_dpo.data import DataError
     from mcore_dpo.run import InputError, Stopped, train

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_dpo import checkpoint_torch_dist, hooks, lora, platform as plat
+from mcore_dpo import checkpoint_torch_dist, hooks, lora
+from mcore_dpo import platform as plat
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data import Microbatch, TokenizedPair
 from mcore_dpo.memory_account import MemoryAccount, device_figures, static_bytes

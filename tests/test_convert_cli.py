@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.__main__ import main
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from tests.helpers.cli import run_python
 from tests.helpers.models import llama_gqa_untied, qwen2_bias_tied, save_hf
 

@@ -7,15 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.mapping import (
-    ConversionError,
     check_layout,
     hf_tensor_names,
     hf_to_mcore_shard,
     mcore_shard_shapes,
     mcore_to_hf,
     padded_vocab_size,
-    spec_from_hf_config,
     stage_layers,
 )
 from tests.helpers.models import FAMILY_VARIANTS, VOCAB_SIZE, hf_state

@@ -18,9 +18,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from checkpoint_convert import convert
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
+from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import (
-    ModelSpec,
     entry_slices,
     hf_tensor_shapes,
     hf_to_mcore_shard,

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config
+from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config, spec_from_hf_config
+from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.io import ep_shard_shapes
 from checkpoint_convert.mapping import (
-    ConversionError, fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes,
-    mcore_to_hf, spec_from_hf_config, stage_layers,
+    fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes, mcore_to_hf,
+    stage_layers,
 )  # fmt: skip
 from tests.helpers.models import TINY_FAMILIES, hub_tensors
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint_convert.mapping import grouped_expert_name, hf_to_mcore_shard, spec_from_hf_config
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.mapping import grouped_expert_name, hf_to_mcore_shard
 from mcore_dpo.model import live_names, load_shard, shard_names
 from mcore_dpo.platform import use_grouped_experts
 from tests.helpers.models import TINY_FAMILIES, hub_tensors

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from checkpoint_convert.mapping import ModelSpec, split_entry
+from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.mapping import split_entry
 from checkpoint_convert.peft_adapter import (TARGET_MAP, TARGETS, LoraShape, adapter_entries, initial_adapter,
                                              peft_to_shard, shards_to_peft)
 from mcore_dpo.lora import Adapter

@@ -130,7 +130,7 @@ def test_targets_checked_against_the_base(setup):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from checkpoint_convert.mapping import ConversionError
+    from checkpoint_convert.families.base import ConversionError
     from mcore_dpo.lora import check_targets, shape_of
 
     spec = setup["spec"]

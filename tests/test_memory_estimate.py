@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_flatten
 
 from mcore_dpo.ports import free_port
 
-from checkpoint_convert.mapping import ModelSpec, padded_vocab_size
+from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.mapping import padded_vocab_size
 from mcore_dpo.memory_estimate import LayerShape, activation_bytes
 from tests.helpers.ranks import spawn_processes
 
@@ -153,7 +154,7 @@ def test_flash_estimate_would_miss_the_local_scores(measured):
 def _tiny_moe_spec(*, mlp_only_layers: list[int]) -> ModelSpec:
     from transformers import Qwen3MoeConfig
 
-    from checkpoint_convert.mapping import spec_from_hf_config
+    from checkpoint_convert.families import spec_from_hf_config
 
     config = Qwen3MoeConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=24,
@@ -255,7 +256,7 @@ MOE_SEQ_LEN, MOE_ROWS = 64, 2
 def _moe_measure_spec() -> ModelSpec:
     from transformers import MixtralConfig
 
-    from checkpoint_convert.mapping import spec_from_hf_config
+    from checkpoint_convert.families import spec_from_hf_config
 
     config = MixtralConfig(vocab_size=120, hidden_size=64, intermediate_size=192, num_hidden_layers=LAYERS,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

@@ -191,7 +191,7 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     _assert_close_rows(_metrics(other_out), [by_step[3], by_step[4]])
     # Read at ep 1 from the ep files and written again at step 3 in the ep-1 layout: the same
     # tensors under the same HF names (the evaluation after the step-4 sync is among the metrics).
-    from checkpoint_convert.io import open_mcore_dir
+    from checkpoint_convert.mcore_dir import open_mcore_dir
 
     at_ep1 = open_mcore_dir(other_out / "checkpoints" / "step_00000003" / "reference")
     assert at_ep1.meta.ep == 1
@@ -265,7 +265,8 @@ def _check_reference_mixed_at_step2(checkpoint: Path, source_ref: Path, *, names
     """The reference of a checkpoint written right after the step-2 sync, in the ep layout, is
     TRL's mix of the source reference with the checkpoint's own policy (fp32 masters), tensor by
     tensor through HF names."""
-    from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+    from checkpoint_convert.io import open_hf_dir
+    from checkpoint_convert.mcore_dir import open_mcore_dir
 
     assert sorted(p.name for p in (checkpoint / "reference").glob("tp*")) == [
         "tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"]

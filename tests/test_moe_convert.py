@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert.__main__ import main
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers.models import assert_export_generates_like, save_hf
 from tests.helpers.models import mixtral, qwen3_moe

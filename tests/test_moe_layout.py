@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint_convert.mapping import (expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf,
-                                        spec_from_hf_config)
+from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.mapping import expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf
 from mcore_dpo.mesh import Layout
 from tests.helpers.models import hub_tensors, mixtral, qwen3_moe
 

@@ -141,7 +141,7 @@ def test_restarts_after_three_kills(baselines, ray_cluster, tmp_path):
 def test_kill_during_checkpoint_write(baselines, ray_cluster, tmp_path):
     """A kill in the middle of writing step 4's checkpoint leaves step 2's current and loadable;
     the next run resumes from it and ends identical to the uninterrupted run."""
-    from checkpoint_convert.io import open_mcore_dir
+    from checkpoint_convert.mcore_dir import open_mcore_dir
 
     base, layout = baselines["dp2"]
     out = tmp_path / "run"

@@ -139,7 +139,7 @@ def _job(name: str, models, *, dp: int, sharded: bool, dtype: str = "float32", c
 def _state(directory: Path, *, tp_rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
     """{kind: {name: tensor}} of tp rank `tp_rank`'s shard of a checkpoint written at pp 1 (at
     ep > 1 every expert under its global index, read from the ep files)."""
-    from checkpoint_convert.io import open_mcore_dir
+    from checkpoint_convert.mcore_dir import open_mcore_dir
 
     return {kind: open_mcore_dir(directory / kind).shard(tp_rank, 0)
             for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq")}

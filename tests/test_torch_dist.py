@@ -18,8 +18,9 @@ import torch
 
 from checkpoint_convert import convert
 from checkpoint_convert.dcp import DcpReader
-from checkpoint_convert.io import open_hf_dir, open_mcore_dir
-from checkpoint_convert.mapping import ConversionError
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mcore_dir import open_mcore_dir
+from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.safe_pickle import RefusedPickle, load_pickle, torch_load, torch_load_file
 from tests.helpers.cli import REPO, command_env, run_python
 from tests.helpers.models import FAMILY_VARIANTS, llama_gqa_untied, llama3_rope_scaled, qwen2_bias_tied, save_hf
@@ -124,7 +125,7 @@ def _moe_args(**overrides):
 
 
 def test_megatron_lm_moe_args_map_to_qwen3_moe_and_mixtral_configs():
-    from checkpoint_convert.mapping import spec_from_hf_config
+    from checkpoint_convert.families import spec_from_hf_config
     from checkpoint_convert.megatron_args import hf_config_from_args
 
     mixtral = hf_config_from_args(_moe_args(), source="common.pt", padded_vocab_size=128)
@@ -509,7 +510,8 @@ print(json.dumps({"baseline": baseline, "forward": after_forward, "back": peak_b
 
 
 def test_torch_dist_round_trip_peak_rss_is_a_fraction_of_the_checkpoint(tmp_path):
-    from checkpoint_convert.mapping import hf_tensor_shapes, spec_from_hf_config
+    from checkpoint_convert.families import spec_from_hf_config
+    from checkpoint_convert.mapping import hf_tensor_shapes
     from checkpoint_convert.safetensors_stream import SafetensorsWriter
 
     # ~200 MB fp32, written tensor by tensor: the vocabulary tensors (33 MB each) and the MLPs dominate.

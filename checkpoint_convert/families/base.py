@@ -162,7 +162,6 @@ def decoder_fields(config: dict, *, source: str, intermediate_size: bool = True)
 #   row         split on dim 1 (row-parallel linear input dim)
 # A key map: megatron-core name template -> (split kind, Hugging Face name templates).
 # `{layer}` is the local layer number on the megatron side and the global one on the HF side.
-SPLIT_KINDS = ("replicated", "vocab", "qkv", "fc1", "row")
 
 
 def expert_keys(keys: dict, *, num_experts: int) -> dict:

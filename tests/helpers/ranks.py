@@ -274,13 +274,17 @@ def start_forked(target, *, nprocs: int, args_of) -> list:
 
 @launches("ranks")
 def verify(argv: list[str]) -> int:
-    """`checkpoint_convert verify ARGV` in this process. Its ranks (torch.multiprocessing.spawn's
-    fresh interpreters in the command line) fork from the preloaded server here, which saves each
-    rank the imports of torch and megatron-core; they run the same rank function. The command
-    line's own spawn runs in tests/test_terminal_output.py and scripts/gpu_checks.sh's wiring."""
+    """`checkpoint_convert verify ARGV` in this process, with mcore_dpo's runner registered (not
+    looked up in the installed entry points). Its ranks (torch.multiprocessing.spawn's fresh
+    interpreters in the command line) fork from the preloaded server here, which saves each rank
+    the imports of torch and megatron-core; they run the same rank function. The command line's
+    own spawn, and its entry point lookup, run in tests/test_terminal_output.py and
+    scripts/gpu_checks.sh's wiring."""
     import torch.multiprocessing
 
     from checkpoint_convert.__main__ import main
+    from checkpoint_convert.verify import register_runner
+    from mcore_dpo.verify_runner import megatron_logits
 
     def forked_spawn(fn, args=(), nprocs=1, join=True, **_):
         assert join, "verify joins its ranks"
@@ -288,9 +292,11 @@ def verify(argv: list[str]) -> int:
 
     spawn = torch.multiprocessing.spawn
     torch.multiprocessing.spawn = forked_spawn
+    previous = register_runner(megatron_logits)
     try:
         return main(["verify", *argv])
     finally:
+        register_runner(previous)
         torch.multiprocessing.spawn = spawn
 
 

@@ -1,6 +1,9 @@
 """Writes that leave the previous state readable when the process is killed (or the machine
 loses power) at any moment: data is fsynced before a rename makes it visible, and the
-directory is fsynced after the rename so the new name itself is on disk."""
+directory is fsynced after the rename so the new name itself is on disk.
+
+The converter's atomic output uses it, and so do the trainer's checkpoints, metrics log and run
+files (mcore_dpo depends on checkpoint_convert, never the reverse)."""
 
 from __future__ import annotations
 
