@@ -28,7 +28,8 @@
 #   COMPAT_TESTS="tests/test_x.py::test_y ..." bash scripts/compat_check.sh   # another set of tests
 #   PYTHON=python3.11 COMPAT_RAY=oldest COMPAT_PINS="torch==2.13.0 megatron-core==0.16.1" bash scripts/compat_check.sh
 #
-# The summary is also written to $COMPAT_VENV/summary.txt; docs/COMPATIBILITY.md records runs.
+# The summary is also written to $COMPAT_VENV/summary.txt; docs/results/compatibility_runs.md records runs
+# (docs/COMPATIBILITY.md sums them up).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-}
