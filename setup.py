@@ -43,7 +43,7 @@ setup(
         # `checkpoint_convert verify` builds the Megatron model with the trainer's builder, found here
         # (checkpoint_convert imports nothing from mcore_dpo; checkpoint_convert/verify.py).
         "checkpoint_convert.megatron_runners": [
-            "mcore_dpo=mcore_dpo.verify_runner:megatron_logits",
+            "mcore_dpo=mcore_dpo.tools.verify_runner:megatron_logits",
         ],
     },
 )

@@ -31,7 +31,7 @@ from benchmarks import common
 # tp x dp x ep (pp 1; world 2). ep 1: every rank holds every expert and the sharded optimizer
 # gathers each kind of the state to dp rank 0, which writes the file. ep 2 at dp 2: each rank
 # writes its own ep file. ep 2 at tp 2: the ep group is the tp group, so two of the four files
-# get their experts from the other rank, one tensor at a time (mcore_dpo/expert_files.py).
+# get their experts from the other rank, one tensor at a time (mcore_dpo/checkpoint/expert_files.py).
 LAYOUTS = ("1x2x1", "1x2x2", "2x1x2")
 # Experts dominate: 4 layers x 8 experts x 3 x 256 x 512 = 12.6 M of the 13.6 M parameters.
 SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -62,8 +62,8 @@ def _rank(rank: int, world: int, port: int, config: dict, steps: int, data: dict
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights, shard_names
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights, shard_names
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         cfg = TrainConfig(**config)
         worker = PolicyWorker(config=cfg, spec=open_weights(cfg.model).spec, pad_token_id=common.PAD_ID, rank=rank,

@@ -27,8 +27,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from checkpoint_convert.families import spec_from_hf_config  # noqa: E402
 from checkpoint_convert.mapping import hf_tensor_shapes  # noqa: E402
-from mcore_dpo.data import TokenizedPair  # noqa: E402
-from mcore_dpo.ports import free_port  # noqa: E402
+from mcore_dpo.data.pairs import TokenizedPair  # noqa: E402
+from mcore_dpo.parallel.ports import free_port  # noqa: E402
 
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 0
 FIRST_WORD_ID = 3  # ids below are special tokens
@@ -231,8 +231,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         baseline_rss = peak_rss_bytes()  # interpreter + torch + megatron-core imports
         results = []

@@ -86,8 +86,8 @@ def compute_floor(*, steps: int, cache_dir: Path) -> dict:
     os.environ["MCORE_DPO_CACHE"] = str(cache_dir)
     torch.set_num_threads(1)
     from mcore_dpo.config import TrainConfig
-    from mcore_dpo.data import collate, padded_seq_len
-    from mcore_dpo.run import prepare, step_batches
+    from mcore_dpo.data.pairs import collate, padded_seq_len
+    from mcore_dpo.driver.run import prepare, step_batches
 
     prep = prepare(TrainConfig(max_steps=steps))
     config = prep.config

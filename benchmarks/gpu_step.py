@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from mcore_dpo.ports import free_port  # noqa: E402
+from mcore_dpo.parallel.ports import free_port  # noqa: E402
 
 ONE_B = common.LlamaShape(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                           intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
@@ -66,8 +66,8 @@ def _rank(rank: int, world_size: int, port: int, settings: dict, out_dir: str) -
         import torch
 
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         config = TrainConfig(**settings["config"])
         spec = open_weights(config.model).spec

@@ -1,7 +1,7 @@
 """Benchmark 2: memory per rank with the reference colocated, against policy-only.
 
 Two figures per rank and mode:
-- exact tensor bytes by category (`mcore_dpo/memory_account.py`): run-long categories
+- exact tensor bytes by category (`mcore_dpo/pipeline/account.py`): run-long categories
   (parameters, grads, optimizer state, reference) plus the step's peak of the activation
   side, the largest over the measured steps. Deterministic: one repeat says it all.
 - peak RSS (VmHWM of /proc/self/status) at the end of the run, the old figure: it includes
@@ -50,9 +50,9 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
 
         torch.set_num_threads(1)
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.memory_account import storage_bytes
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.pipeline.account import storage_bytes
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         baseline_rss = common.peak_rss_bytes()
         pairs = common.make_pairs(**data)
@@ -216,8 +216,8 @@ TABLE_PLANS = {
 
 def stash_over_activation(*, layers_per_stage: float) -> float:
     """One microbatch's policy stash on a stage over one stage-boundary activation, for the
-    Llama-3-8B layer of configs/llama3_8b.yaml (mcore_dpo/memory_estimate.py)."""
-    from mcore_dpo.memory_estimate import LayerShape, layer_activation_bytes
+    Llama-3-8B layer of configs/llama3_8b.yaml (mcore_dpo/tools/memory_estimate.py)."""
+    from mcore_dpo.tools.memory_estimate import LayerShape, layer_activation_bytes
 
     shape = LayerShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
     kw = dict(seq_len=2048, rows=2, tp=4, sequence_parallel=True, attention="flash", dtype_bytes=2)
@@ -228,8 +228,8 @@ def stash_over_activation(*, layers_per_stage: float) -> float:
 def model_table() -> list[dict]:
     """Per (stages, microbatches) and plan: the worst stage's reference activations in flight +
     carried, in stage activations, and the peak-activation overhead over policy-only 1F1B."""
-    from mcore_dpo.plan_memory import plan_memory
-    from mcore_dpo.schedule import build_plan
+    from mcore_dpo.pipeline.memory import plan_memory
+    from mcore_dpo.pipeline.schedule import build_plan
 
     rows = []
     for p in TABLE_STAGES:

@@ -40,8 +40,8 @@ def _rank(rank: int, world: int, port: int, config: dict, steps: int, out_dir: s
         import torch.distributed as dist
 
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         spent = [0.0]
         inner = dist.all_to_all_single

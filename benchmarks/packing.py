@@ -94,7 +94,7 @@ def draw_lengths(num_pairs: int, *, lengths: Lengths, seed: int) -> list[tuple[i
 def make_pairs(lengths: list[tuple[int, int, int]], *, vocab_size: int, seed: int):
     import torch
 
-    from mcore_dpo.data import TokenizedPair
+    from mcore_dpo.data.pairs import TokenizedPair
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -129,8 +129,8 @@ def row_flops(widths: list[int], segments: list[list[int]], *, shape: common.Lla
 
 def layout_stats(pairs, *, packing: bool, micro_batch_size: int, max_tokens: int, shape: common.LlamaShape) -> dict:
     """Rows the engine builds for one global batch (dp 1) and their FLOPs."""
-    from mcore_dpo.data import padded_seq_len
-    from mcore_dpo.packing import pair_tokens, plan_packed_step
+    from mcore_dpo.data.pairs import padded_seq_len
+    from mcore_dpo.data.packing import pair_tokens, plan_packed_step
 
     if packing:
         groups = plan_packed_step(pairs, dp=1, max_tokens=max_tokens)[0]
@@ -171,13 +171,13 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict, out_dir: str) -
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         config = TrainConfig(**job["config"])
         if job.get("row_width"):  # packed_fixed_width: every packed row padded to one width
-            import mcore_dpo.worker as worker_module
-            from mcore_dpo.packing import collate_packed
+            import mcore_dpo.rank.worker as worker_module
+            from mcore_dpo.data.packing import collate_packed
 
             width = job["row_width"]
             worker_module.collate_packed = lambda pairs, *, pad_token_id, multiple: collate_packed(
@@ -221,7 +221,7 @@ def run_job(job: dict, *, out_dir: Path, world_size: int = 2, timeout_s: float =
     """One mode in `world_size` fresh spawned rank processes; each rank's result."""
     import torch.multiprocessing as mp
 
-    from mcore_dpo.ports import free_port
+    from mcore_dpo.parallel.ports import free_port
 
     os.environ["OMP_NUM_THREADS"] = "1"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -72,9 +72,9 @@ def _setup(shape: common.LlamaShape, lengths: bench.Lengths, *, gbs: int, mbs: i
 
     torch.set_num_threads(1)
     from mcore_dpo.config import TrainConfig
-    from mcore_dpo.model import open_weights
-    from mcore_dpo.ports import free_port
-    from mcore_dpo.worker import PolicyWorker
+    from mcore_dpo.model.builder import open_weights
+    from mcore_dpo.parallel.ports import free_port
+    from mcore_dpo.rank.worker import PolicyWorker
 
     model = common.write_random_llama(work / "model", shape=shape)
     drawn = bench.draw_lengths(gbs * (steps + 2), lengths=lengths, seed=11)
@@ -103,7 +103,7 @@ def _context(worker, mbs):
 def step_compute(worker, mbs) -> None:
     """A step's compute on one rank: every microbatch's policy forward and backward and its
     reference forward (what the pipeline's fwd, bwd and ref_fwd ops run, without transfers)."""
-    from mcore_dpo import pipeline
+    from mcore_dpo.pipeline import executor as pipeline
 
     ctx = _context(worker, mbs)
     for mb in range(len(mbs)):
@@ -119,7 +119,7 @@ def microbatch_memory(worker, mb) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from mcore_dpo import pipeline
+    from mcore_dpo.pipeline import executor as pipeline
 
     ctx = _context(worker, [mb])
     params = {p.untyped_storage().data_ptr() for p in worker.policy.module.parameters()}

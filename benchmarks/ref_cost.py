@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from mcore_dpo.plan import Costs
-from mcore_dpo.plan_check import closed_form_makespans, simulate
-from mcore_dpo.schedule import build_plan  # noqa: E402
+from mcore_dpo.pipeline.plan import Costs
+from mcore_dpo.pipeline.check import closed_form_makespans, simulate
+from mcore_dpo.pipeline.schedule import build_plan  # noqa: E402
 
 MODES = ("interleaved", "sequential", "precomputed", "none")
 SIM_STAGES = (2, 4, 8)

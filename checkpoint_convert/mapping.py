@@ -95,7 +95,7 @@ def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: 
 # shape and layout as the sequential experts' `local_experts.{i}.linear_fc*.weight` (fc1
 # [gate_i; up_i] rows of this expert-tp rank, fc2 split on its input dim). Shards, checkpoints and
 # optimizer state always use the sequential names; these two functions translate at the live
-# model's boundary (`mcore_dpo.model`).
+# model's boundary (`mcore_dpo.model.builder`).
 _SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 

@@ -2,7 +2,7 @@
 
 PEFT puts one adapter (A: [r, in], B: [out, r]) on each Hugging Face projection. megatron-core
 fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`; the engine keeps one A/B pair per
-HF projection on those fused linears (`mcore_dpo.lora`), so the mapping is exact: no A is shared
+HF projection on those fused linears (`mcore_dpo.model.lora`), so the mapping is exact: no A is shared
 between projections. Tensor-parallel splits:
 
     column-parallel (qkv, fc1): A whole on every tp rank, B split on its output dim (dim 0);

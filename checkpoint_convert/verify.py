@@ -14,7 +14,7 @@ that the comparison measures the conversion, not the precision. `find_runner` ta
 
 1. the runner registered in this process with `register_runner` (in-process callers, tests);
 2. the first entry point, by name, of the group `checkpoint_convert.megatron_runners` that
-   loads (mcore_dpo registers `mcore_dpo.verify_runner:megatron_logits` there, setup.py);
+   loads (mcore_dpo registers `mcore_dpo.tools.verify_runner:megatron_logits` there, setup.py);
 
 and without one, verify stops with one line that says to install mcore_dpo.
 """

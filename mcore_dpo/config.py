@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
-from mcore_dpo.loss_spec import LOSS_TYPES, LossSpec
-from mcore_dpo.plan import REF_MODES
+from mcore_dpo.objective.loss_spec import LOSS_TYPES, LossSpec
+from mcore_dpo.pipeline.plan import REF_MODES
 
 # The plan's modes, plus the reference on a worker group of its own.
 RUN_REF_MODES = REF_MODES + ("separate",)
@@ -575,7 +575,7 @@ HELP_GROUPS = {
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of the fields that take one of a fixed set, as --help lists them."""
-    from mcore_dpo.loss_spec import F_DIVERGENCE_TYPES
+    from mcore_dpo.objective.loss_spec import F_DIVERGENCE_TYPES
 
     return {
         "ref_mode": RUN_REF_MODES,

@@ -23,7 +23,7 @@ import types
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mcore_dpo import console
+    from mcore_dpo.driver import console
     from mcore_dpo.config import ConfigError, resolve, starting_line
 
     console.install()  # a closed stdout (`| tee` killed by Ctrl-C, `| head`) never ends the run
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     print(starting_line(config, ray_address=args.ray_address), flush=True)
 
     from checkpoint_convert.families.base import ConversionError
-    from mcore_dpo.checkpoint import CheckpointError
-    from mcore_dpo.data import DataError
-    from mcore_dpo.run import InputError, Stopped, train
+    from mcore_dpo.checkpoint.layout import CheckpointError
+    from mcore_dpo.data.pairs import DataError
+    from mcore_dpo.driver.run import InputError, Stopped, train
 
     try:
         out = train(config, ray_address=args.ray_address, announced=True)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as error:
-        from mcore_dpo.ray_workers import WorkerGroupError
+        from mcore_dpo.driver.ray_workers import WorkerGroupError
 
         if isinstance(error, WorkerGroupError):
             print(f"error: {error}", file=sys.stderr)
@@ -67,7 +67,7 @@ class _CallableModule(types.ModuleType):
     """`mcore_dpo.train(config)` runs training; `python -m mcore_dpo.train` runs the CLI."""
 
     def __call__(self, config, *, ray_address: str | None = None):
-        from mcore_dpo.run import train
+        from mcore_dpo.driver.run import train
 
         return train(config, ray_address=ray_address)
 

@@ -152,7 +152,7 @@ pytest_check() {
 
 convert_verify() {
   local hf
-  hf=$($PY -c "from mcore_dpo.defaults import ensure_default_model; print(ensure_default_model())") || return 1
+  hf=$($PY -c "from mcore_dpo.driver.defaults import ensure_default_model; print(ensure_default_model())") || return 1
   rm -rf "$OUT/convert_mcore"
   $PY -m checkpoint_convert hf-to-mcore --hf-dir "$hf" --out "$OUT/convert_mcore" --tp 1 --pp 1 || return 1
   $PY -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$OUT/convert_mcore"

@@ -18,8 +18,8 @@ import stat
 
 import pytest
 
-from mcore_dpo import checkpoint
-from mcore_dpo.metrics_log import MetricsLog
+from mcore_dpo.checkpoint import layout as checkpoint
+from mcore_dpo.driver.metrics_log import MetricsLog
 
 
 class Killed(Exception):

@@ -395,7 +395,7 @@ SOME_BAD_LINES = (3, 7, 8, 20)  # missing key, broken JSON, identical pair, empt
 
 def test_on_bad_row_skip_counts_and_records_the_first_lines(paths):
     from mcore_dpo.config import TrainConfig
-    from mcore_dpo.run import prepare
+    from mcore_dpo.driver.run import prepare
 
     config = TrainConfig(model=paths["model"], data=str(SOME_BAD_ROWS), on_bad_row="skip",
                          global_batch_size=8, micro_batch_size=8)  # fmt: skip

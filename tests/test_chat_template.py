@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mcore_dpo import defaults, run
+from mcore_dpo.driver import defaults, run
 from mcore_dpo.config import resolve
 from mcore_dpo.train import main
 
@@ -67,7 +67,7 @@ def test_a_template_that_does_not_render_is_one_line(setup, tmp_path, capsys):
 
 
 def test_the_template_is_kept_with_the_run_and_travels_with_the_weights(setup, tmp_path, monkeypatch):
-    from mcore_dpo import ray_workers
+    from mcore_dpo.driver import ray_workers
 
     bare, template, _, argv = setup
     monkeypatch.setattr(ray_workers, "connect", lambda **_: False)
@@ -85,7 +85,7 @@ def test_the_template_is_kept_with_the_run_and_travels_with_the_weights(setup, t
 
 
 def test_a_resume_with_another_template_is_named_as_a_change(setup):
-    from mcore_dpo.resume_check import changes, run_identity
+    from mcore_dpo.driver.resume_check import changes, run_identity
 
     bare, template, _, argv = setup
     config, _ = resolve([*argv, "--tokenizer", str(bare), "--chat-template", str(template)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_dpo import checkpoint
+from mcore_dpo.checkpoint import layout as checkpoint
 
 
 def _save(out, step: int, *, keep_last: int = 0):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo import platform as plat
+from mcore_dpo.parallel import platform as plat
 from mcore_dpo.config import TrainConfig, load_yaml
 from tests.helpers.config_arithmetic import (CONFIG_DIR, GPU, expert_params, header_values, is_moe, key_values,
                                              memory_gb_per_gpu, param_count)
@@ -121,7 +121,7 @@ def test_the_collectives_timeout_defaults_by_platform_and_a_flag_sets_it():
     GPUs (a large model's first step fits), 300 s on the CPU. NCCL is set to raise, not abort."""
     import torch
 
-    from mcore_dpo import platform
+    from mcore_dpo.parallel import platform
     from mcore_dpo.config import resolve
 
     assert resolve([])[0].timeout_s is None
@@ -136,7 +136,7 @@ def test_fused_kernels_run_where_transformer_engine_provides_them():
     """On a GPU with the Transformer Engine spec every fusion is on unless --no-fused-kernels;
     elsewhere (the CPU, the local spec) none is, as the CPU parity tests check."""
     from mcore_dpo.config import resolve
-    from mcore_dpo.platform import fused_kernel_fields
+    from mcore_dpo.parallel.platform import fused_kernel_fields
 
     import importlib.util
 

@@ -124,7 +124,7 @@ def test_each_rank_reads_its_own_part_hf_and_mcore(even_dirs, monkeypatch):
 
     monkeypatch.setattr(os, "preadv", counting_preadv)
     table = {}
-    from mcore_dpo.model import open_weights as trainer_open  # what the trainer's ranks open
+    from mcore_dpo.model.builder import open_weights as trainer_open  # what the trainer's ranks open
 
     for fmt, open_weights in (("hf", lambda: trainer_open(str(even_dirs["hf"]))),
                               ("mcore tp2 pp2", lambda: trainer_open(str(even_dirs["mcore"])))):
@@ -150,7 +150,7 @@ def test_torch_dist_ranks_load_only_the_chunks_they_need(even_dirs):
     extra rank, and each rank (B1 - R) / k + R."""
     spec = open_hf_dir(even_dirs["hf"]).spec
 
-    from mcore_dpo.model import open_weights as trainer_open
+    from mcore_dpo.model.builder import open_weights as trainer_open
 
     def open_weights():
         return trainer_open(str(even_dirs["torch_dist"]))

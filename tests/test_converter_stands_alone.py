@@ -170,10 +170,10 @@ def test_find_runner_takes_the_registered_one_then_an_entry_point_else_says_what
     assert str(caught.value) == verify_lib.NO_RUNNER and found["group"] == "checkpoint_convert.megatron_runners"
 
     # metadata installed, package not importable: the one line says which entry point failed
-    found["entries"] = [Entry("mcore_dpo", "mcore_dpo.verify_runner:megatron_logits")]
+    found["entries"] = [Entry("mcore_dpo", "mcore_dpo.tools.verify_runner:megatron_logits")]
     with pytest.raises(ConversionError) as caught:
         verify_lib.find_runner()
-    assert str(caught.value).startswith(verify_lib.NO_RUNNER + " (could not import mcore_dpo.verify_runner")
+    assert str(caught.value).startswith(verify_lib.NO_RUNNER + " (could not import mcore_dpo.tools.verify_runner")
     assert "\n" not in str(caught.value)
 
     # the first entry point by name that loads
@@ -281,7 +281,7 @@ def test_the_cycle_finder_names_a_cycle():
 
 def test_no_import_cycle_between_modules_or_packages():
     graph = _import_graph()
-    assert {"checkpoint_convert.io", "checkpoint_convert.torch_dist", "mcore_dpo.run"} <= graph.keys()
+    assert {"checkpoint_convert.io", "checkpoint_convert.torch_dist", "mcore_dpo.driver.run"} <= graph.keys()
     assert "checkpoint_convert.io" in graph["checkpoint_convert.torch_dist"]  # edges are found
     cycle = _a_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

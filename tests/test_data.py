@@ -1,4 +1,4 @@
-"""Tests for mcore_dpo.data: formats, file types, truncation, bad rows, batching, collate."""
+"""Tests for mcore_dpo.data.pairs: formats, file types, truncation, bad rows, batching, collate."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mcore_dpo.data import (
+from mcore_dpo.data.pairs import (
     DataError,
     DataStats,
     TokenizedPair,
@@ -23,7 +23,7 @@ from mcore_dpo.data import (
     padded_seq_len,
     split_at_prompt,
 )
-from mcore_dpo.defaults import DEFAULT_TOKENIZER_DIR
+from mcore_dpo.driver.defaults import DEFAULT_TOKENIZER_DIR
 from tests.helpers.ray_runs import main_in_process
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mcore_dpo import defaults, run
-from mcore_dpo.data import load_pairs
+from mcore_dpo.driver import defaults, run
+from mcore_dpo.data.pairs import load_pairs
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "DATA.md").read_text(encoding="utf-8")
 

@@ -1,4 +1,4 @@
-"""Tests for mcore_dpo.defaults and the shipped assets: reproducible, small, and learnable by DPO
+"""Tests for mcore_dpo.driver.defaults and the shipped assets: reproducible, small, and learnable by DPO
 (where it starts here; the learning itself in tests/test_train_cli.py's default run)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from mcore_dpo import defaults
-from mcore_dpo.data import Microbatch, collate, load_pairs, padded_seq_len
+from mcore_dpo.driver import defaults
+from mcore_dpo.data.pairs import Microbatch, collate, load_pairs, padded_seq_len
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_dpo import platform as plat
+from mcore_dpo.parallel import platform as plat
 from tests.helpers import devices
 from tests.helpers import ranks
 

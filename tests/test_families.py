@@ -204,7 +204,7 @@ def test_te_layer_spec_with_grouped_experts_round_trips_a_tp2_pp2_shard():
     `linear_fc*.weight{i}`, same shapes) and back to the shard names give the hub tensors back
     bit for bit."""
     from checkpoint_convert.mapping import grouped_expert_name
-    from mcore_dpo.model import shard_names
+    from mcore_dpo.model.builder import shard_names
 
     model = TINY_FAMILIES["qwen3_moe"]()
     spec = spec_from_hf_config(model.config.to_dict())

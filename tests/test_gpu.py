@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_dpo.ports import free_port
+from mcore_dpo.parallel.ports import free_port
 from tests.helpers import devices
 from tests.helpers.cli import run_train
 from tests.helpers.faults import with_fault
@@ -69,8 +69,8 @@ def test_parity_on_gpu(parity_models, tmp_path, monkeypatch, distributed_optimiz
 
 def _world_size_one(port: int):
     """One rank's process group, mesh (tp = pp = dp = 1) and model RNG: (platform, mesh)."""
-    from mcore_dpo import mesh as mesh_lib
-    from mcore_dpo import platform as plat
+    from mcore_dpo.parallel import mesh as mesh_lib
+    from mcore_dpo.parallel import platform as plat
 
     platform = plat.detect()
     plat.activate(platform)
@@ -84,9 +84,9 @@ def _spec_logits_rank(rank: int, port: int, model_dir: str, out_dir: str) -> Non
     """World size 1: the same HF weights in the local spec and (when TE imports) the TE spec."""
     try:
         from checkpoint_convert.mapping import hf_to_mcore_shard
-        from mcore_dpo import mesh as mesh_lib
-        from mcore_dpo import platform as plat
-        from mcore_dpo.model import build_stage_model, causal_mask, load_shard, open_weights, stage_forward
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, load_shard, open_weights, stage_forward
 
         platform, mesh = _world_size_one(port)
         weights = open_weights(model_dir)
@@ -145,7 +145,7 @@ def test_transformer_engine_spec_matches_local_spec(tmp_path, family):
 def _te_grouped_linear() -> bool:
     if not ON_GPU:
         return False
-    from mcore_dpo.platform import te_grouped_linear_available
+    from mcore_dpo.parallel.platform import te_grouped_linear_available
 
     return te_grouped_linear_available()
 
@@ -156,9 +156,9 @@ def _experts_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     of one backward."""
     try:
         from checkpoint_convert.mapping import hf_to_mcore_shard
-        from mcore_dpo import mesh as mesh_lib
-        from mcore_dpo import platform as plat
-        from mcore_dpo.model import build_stage_model, causal_mask, load_shard, open_weights, shard_names, stage_forward
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, load_shard, open_weights, shard_names, stage_forward
 
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

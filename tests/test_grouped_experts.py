@@ -10,8 +10,8 @@ import torch
 
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.mapping import grouped_expert_name, hf_to_mcore_shard
-from mcore_dpo.model import live_names, load_shard, shard_names
-from mcore_dpo.platform import use_grouped_experts
+from mcore_dpo.model.builder import live_names, load_shard, shard_names
+from mcore_dpo.parallel.platform import use_grouped_experts
 from tests.helpers.models import TINY_FAMILIES, hub_tensors
 
 
@@ -110,7 +110,7 @@ def test_lora_refuses_grouped_experts_in_one_line():
     """LoRA hooks each expert's linear; a MoE layer with grouped experts has none."""
     from types import SimpleNamespace
 
-    from mcore_dpo import lora
+    from mcore_dpo.model import lora
 
     grouped = torch.nn.Module()  # TEGroupedMLP keeps linear_fc1/fc2 and no local_experts
     grouped.add_module("linear_fc1", torch.nn.Module())

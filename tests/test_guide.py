@@ -1,5 +1,5 @@
 """docs/GUIDE.md's layout table is the configs' arithmetic: every row's GB per GPU is recomputed
-with mcore_dpo.memory_estimate (tests/helpers/config_arithmetic.py, as tests/test_configs.py
+with mcore_dpo.tools.memory_estimate (tests/helpers/config_arithmetic.py, as tests/test_configs.py
 recomputes the config headers), and its "fits" column agrees with 80 GB GPUs."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from mcore_dpo import platform as plat
+from mcore_dpo.parallel import platform as plat
 
 
 def test_cpu_clock_adds_closed_intervals_only():

@@ -63,7 +63,7 @@ def baseline(tmp_path_factory, ray_cluster) -> Path:
 
 
 def _base_dir(cache: Path) -> Path:
-    from mcore_dpo.defaults import DEFAULT_MODEL_NAME
+    from mcore_dpo.driver.defaults import DEFAULT_MODEL_NAME
 
     return cache / DEFAULT_MODEL_NAME
 
@@ -71,7 +71,7 @@ def _base_dir(cache: Path) -> Path:
 def test_checkpoint_holds_adapters_and_points_at_the_base(baseline, cache):
     from checkpoint_convert.peft_adapter import adapter_entries, lora_shape_of
     from checkpoint_convert.io import open_hf_dir
-    from mcore_dpo.resume_check import model_fingerprint
+    from mcore_dpo.driver.resume_check import model_fingerprint
 
     ckpt = baseline / "checkpoints" / "step_00000002"
     assert not (ckpt / "model").exists()  # no copy of the base
@@ -166,7 +166,7 @@ def test_init_adapter_through_the_command_line(baseline, cache, monkeypatch):
     """--init-adapter alone: the parser takes it and `prepare` reads rank, alpha and targets from
     the adapter (here the baseline's export)."""
     from mcore_dpo.config import resolve
-    from mcore_dpo.run import prepare
+    from mcore_dpo.driver.run import prepare
 
     monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))
     config, _ = resolve(["--init-adapter", str(baseline / "adapter")])

@@ -13,7 +13,7 @@ from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import split_entry
 from checkpoint_convert.peft_adapter import (TARGET_MAP, TARGETS, LoraShape, adapter_entries, initial_adapter,
                                              peft_to_shard, shards_to_peft)
-from mcore_dpo.lora import Adapter
+from mcore_dpo.model.lora import Adapter
 
 SPEC = ModelSpec(architecture="LlamaForCausalLM", family="llama", vocab_size=100, hidden_size=32, intermediate_size=64,
                  num_layers=4, num_heads=8, num_query_groups=4, head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0,

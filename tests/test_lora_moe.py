@@ -131,7 +131,7 @@ def test_targets_checked_against_the_base(setup):
     from types import SimpleNamespace
 
     from checkpoint_convert.families.base import ConversionError
-    from mcore_dpo.lora import check_targets, shape_of
+    from mcore_dpo.model.lora import check_targets, shape_of
 
     spec = setup["spec"]
 

@@ -1,4 +1,4 @@
-"""Tests for mcore_dpo.loss: each loss type against a scalar re-implementation, gradients, split invariance."""
+"""Tests for mcore_dpo.objective.loss: each loss type against a scalar re-implementation, gradients, split invariance."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
-from mcore_dpo.loss_spec import LOSS_TYPES, SORTED_TYPES, LossSpec
+from mcore_dpo.objective.loss import METRIC_SUM_KEYS, PairLogps, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.objective.loss_spec import LOSS_TYPES, SORTED_TYPES, LossSpec
 
 # Types with a per-pair formula; aot and aot_unpaired sort over the batch (tests/test_loss_options.py).
 PER_PAIR_TYPES = tuple(t for t in LOSS_TYPES if t not in SORTED_TYPES)

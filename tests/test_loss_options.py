@@ -1,4 +1,4 @@
-"""Formula parity of the TRL 1.16 loss types and options added to mcore_dpo.loss / logprobs:
+"""Formula parity of the TRL 1.16 loss types and options added to mcore_dpo.objective.loss / logprobs:
 aot, aot_unpaired (sorted over the global batch, for any split), f-divergences, WPO weights,
 LD-DPO weights, and the reward metrics of reference-free runs.
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_dpo.logprobs import ld_weights, log_sum_sq_probs
-from mcore_dpo.loss import METRIC_SUM_KEYS, PairLogps, batch_sort, finalize_metrics, metric_sums, pair_losses
-from mcore_dpo.loss_spec import LossSpec
+from mcore_dpo.objective.logprobs import ld_weights, log_sum_sq_probs
+from mcore_dpo.objective.loss import METRIC_SUM_KEYS, PairLogps, batch_sort, finalize_metrics, metric_sums, pair_losses
+from mcore_dpo.objective.loss_spec import LossSpec
 
 
 def _logps(n: int, *, seed: int, scale: float = 5.0) -> PairLogps:

@@ -1,5 +1,5 @@
-"""Exact tensor memory by category (mcore_dpo/memory_account.py) and the memory model of a
-plan (mcore_dpo/plan_memory.py), against each other on real ranks.
+"""Exact tensor memory by category (mcore_dpo/pipeline/account.py) and the memory model of a
+plan (mcore_dpo/pipeline/memory.py), against each other on real ranks.
 
 One launch per pipeline size runs every reference mode for two steps (the first interleaved
 step computes this batch's reference and carries out, the second carries in):
@@ -19,10 +19,10 @@ import torch
 os.environ["OMP_NUM_THREADS"] = "1"
 
 from benchmarks import common, memory
-from mcore_dpo.memory_account import CATEGORIES, storage_bytes
-from mcore_dpo.plan_memory import StageMemory, plan_memory
-from mcore_dpo.plan import REF_MODES
-from mcore_dpo.schedule import build_plan
+from mcore_dpo.pipeline.account import CATEGORIES, storage_bytes
+from mcore_dpo.pipeline.memory import StageMemory, plan_memory
+from mcore_dpo.pipeline.plan import REF_MODES
+from mcore_dpo.pipeline.schedule import build_plan
 from tests.helpers.ranks import run_benchmark
 
 MODES = ("interleaved", "sequential", "precomputed", "none")
@@ -149,7 +149,7 @@ def test_colocated_reference_costs_at_most_1_1_times_its_bytes(runs):
 
 
 def test_config_model_reduces_to_one_microbatch_at_pp1_and_sees_the_stage_split():
-    from mcore_dpo.memory_estimate import LayerShape, activation_bytes, boundary_bytes, plan_activation_bytes
+    from mcore_dpo.tools.memory_estimate import LayerShape, activation_bytes, boundary_bytes, plan_activation_bytes
 
     shape = LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024)
     kw = dict(seq_len=128, rows=2, tp=2, sequence_parallel=True, attention="flash", dtype_bytes=2)
@@ -165,14 +165,14 @@ def test_config_model_reduces_to_one_microbatch_at_pp1_and_sees_the_stage_split(
 
 
 def test_device_figures_are_gpu_only():
-    from mcore_dpo.memory_account import device_figures
+    from mcore_dpo.pipeline.account import device_figures
 
     assert device_figures(torch.device("cpu")) == {}
 
 
 @pytest.mark.gpu
 def test_device_figures_read_the_cuda_allocator():
-    from mcore_dpo.memory_account import device_figures, reset_device_peaks
+    from mcore_dpo.pipeline.account import device_figures, reset_device_peaks
 
     device = torch.device("cuda", 0)
     reset_device_peaks(device)

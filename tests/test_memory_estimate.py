@@ -1,4 +1,4 @@
-"""mcore_dpo.memory_estimate (the config headers' activation arithmetic) against the tensor
+"""mcore_dpo.tools.memory_estimate (the config headers' activation arithmetic) against the tensor
 bytes a real forward + backward holds at its peak.
 
 Measured on the CPU with megatron-core's local layer spec, where the s x s attention
@@ -24,11 +24,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mcore_dpo.ports import free_port
+from mcore_dpo.parallel.ports import free_port
 
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import padded_vocab_size
-from mcore_dpo.memory_estimate import LayerShape, activation_bytes
+from mcore_dpo.tools.memory_estimate import LayerShape, activation_bytes
 from tests.helpers.ranks import spawn_processes
 
 TOLERANCE = 0.20
@@ -73,10 +73,10 @@ class PeakTensorBytes(TorchDispatchMode):
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
     try:
-        from mcore_dpo import mesh as mesh_lib
-        from mcore_dpo import platform as plat
-        from mcore_dpo.logprobs import sequence_logps
-        from mcore_dpo.model import build_stage_model, causal_mask, stage_forward
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.objective.logprobs import sequence_logps
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
         platform = plat.detect()
         plat.activate(platform)
@@ -186,7 +186,7 @@ def test_expert_params_per_rank_is_the_exact_count(layout):
     (mapping.expert_tp_size: 1 at ep > 1, whole experts): exactly expert_params_per_rank; over
     all (tp, ep) ranks, each expert parameter once per tp rank that repeats its slice."""
     from checkpoint_convert.mapping import expert_tp_size, stage_layers
-    from mcore_dpo.memory_estimate import expert_param_count, expert_params_per_rank
+    from mcore_dpo.tools.memory_estimate import expert_param_count, expert_params_per_rank
 
     tp, pp, ep = layout
     etp = expert_tp_size(tp=tp, ep=ep)
@@ -209,7 +209,7 @@ def test_per_gpu_bytes_expert_term_is_the_held_experts_times_their_bytes():
     exact count on each rank times its bytes per parameter, the optimizer state sharded over
     the ranks holding the same experts (counted here from the layout: the rank at tp rank t, dp
     rank d has ep rank (t + tp·d) mod ep, its experts whole)."""
-    from mcore_dpo.memory_estimate import bytes_per_param, expert_data_parallel_size, expert_param_count, per_gpu_bytes
+    from mcore_dpo.tools.memory_estimate import bytes_per_param, expert_data_parallel_size, expert_param_count, per_gpu_bytes
 
     spec = _tiny_moe_spec(mlp_only_layers=[])
     shape = _moe_shape(spec)
@@ -238,7 +238,7 @@ def test_per_gpu_bytes_expert_term_is_the_held_experts_times_their_bytes():
 def test_moe_activations_count_the_routed_copies():
     """The MoE layer's MLP term: router 2E fp32 + 2kh routed copies + 5k f_moe / expert tp per
     token; a dense shape keeps 5f / tp."""
-    from mcore_dpo.memory_estimate import mlp_activation_bytes_per_token
+    from mcore_dpo.tools.memory_estimate import mlp_activation_bytes_per_token
 
     shape = _moe_shape(_tiny_moe_spec(mlp_only_layers=[]))
     h, k, f, e = shape.hidden, shape.topk, shape.moe_ffn, shape.experts
@@ -267,10 +267,10 @@ def _moe_measure_spec() -> ModelSpec:
 def _moe_rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
     try:
-        from mcore_dpo import mesh as mesh_lib
-        from mcore_dpo import platform as plat
-        from mcore_dpo.logprobs import sequence_logps
-        from mcore_dpo.model import build_stage_model, causal_mask, stage_forward
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.objective.logprobs import sequence_logps
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
         spec = _moe_measure_spec()
         platform = plat.detect()

@@ -1,4 +1,4 @@
-"""--moe-aux-loss-coef: the routers' load-balancing loss (mcore_dpo/moe_aux.py) against
+"""--moe-aux-loss-coef: the routers' load-balancing loss (mcore_dpo/model/moe_aux.py) against
 transformers' own `load_balancing_loss_func`, and on real ranks against HF
 AutoModelForCausalLM(output_router_logits=True) + TRL's sum `loss + coef * aux_loss`, one
 microbatch at a time; the load metrics against the HF routers' top-k counts."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from mcore_dpo import moe_aux
-from mcore_dpo.data import collate
+from mcore_dpo.model import moe_aux
+from mcore_dpo.data.pairs import collate
 from tests.helpers.data import make_pairs, write_prefs
 from tests.helpers.models import PAD, qwen3_moe, save_hf
 from tests.helpers.moe_parity import aux_job, check_aux_parity
@@ -48,7 +48,7 @@ def test_parts_over_stages_and_tp_slices_add_up_to_the_aux_gradient():
     """moe_step's decomposition: layers split over 2 stages, the sequence over 2 tp ranks
     (router_token_mask's order); each part E/(L R)^2 sum_e C[e] S_part[e], with the total C,
     has gradients that add up to aux's; and the _AuxGradient hook hands S_part exactly that."""
-    from mcore_dpo.moe_step import _AuxGradient, router_token_mask
+    from mcore_dpo.rank.moe_step import _AuxGradient, router_token_mask
 
     torch.manual_seed(1)
     layers, rows, seq, experts, topk, tp = 4, 3, 8, 4, 2, 2

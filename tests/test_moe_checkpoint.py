@@ -8,7 +8,7 @@ steps 2 and 4, evaluates 7 held-out pairs (dp rank 1 has a microbatch and a pass
 dp rank 0: the expert all-to-all needs dummies there) and exports hf/. The ep groups run along
 tp, so tp rank 0 holds only ep rank 0's experts: the files `tp0_pp0_ep1` and `tp1_pp0_ep0` of
 the converter's ep layout are written by the dp-1 ranks from experts sent to them
-(mcore_dpo/expert_files.py). Then:
+(mcore_dpo/checkpoint/expert_files.py). Then:
 
 - its evaluation at step 0 and after the last step equals HF AutoModelForCausalLM + TRL's
   formulas on the same pairs within 1e-5 relative (the dummies count nowhere);
@@ -46,7 +46,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mcore_dpo.even_passes import even_passes
+from mcore_dpo.data.even_passes import even_passes
 from tests.helpers import parity
 from tests.helpers.faults import grouped_standin_env
 from tests.helpers.models import qwen3_moe, save_hf
@@ -117,7 +117,7 @@ def _hf_eval(policy_dir: Path, ref_dir: Path, eval_file: Path) -> dict[str, floa
     """TRL's metrics of every held-out pair, from HF models (tests/helpers/reference.py's formulas)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mcore_dpo.data import load_pairs
+    from mcore_dpo.data.pairs import load_pairs
 
     pairs, _ = load_pairs(str(eval_file), tokenizer=AutoTokenizer.from_pretrained(str(policy_dir)), max_length=64,
                           on_bad_row="error")
@@ -311,8 +311,8 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
     resumed from it at the same layout it is bit-identical, at (1, 1, 2, 1) within 1e-5."""
     from checkpoint_convert.__main__ import main as convert
     from checkpoint_convert.dcp import DcpReader
-    from mcore_dpo.checkpoint_torch_dist import open_part
-    from mcore_dpo.model import open_weights
+    from mcore_dpo.checkpoint.torch_dist import open_part
+    from mcore_dpo.model.builder import open_weights
 
     out = tmp_path / "td"
     torch_dist = ["--save-format", "torch_dist"]

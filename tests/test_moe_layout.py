@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.mapping import expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf
-from mcore_dpo.mesh import Layout
+from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.models import hub_tensors, mixtral, qwen3_moe
 
 
@@ -51,7 +51,7 @@ def test_round_trip_at_expert_parallel_layouts_is_bit_exact(family, tp, pp, ep):
 
 
 def _files_by_rank(layout: Layout) -> tuple[dict, dict]:
-    from mcore_dpo.expert_files import file_jobs
+    from mcore_dpo.checkpoint.expert_files import file_jobs
 
     jobs = file_jobs(layout)
     writes, sends = {}, {}
@@ -66,7 +66,7 @@ def _files_by_rank(layout: Layout) -> tuple[dict, dict]:
 def test_every_ep_file_has_one_writer_holding_its_dense_part_and_a_holder_of_its_experts(tp, dp, ep):
     """Each (tp rank, ep rank) file of a stage is written once, by a rank of that tp rank; its
     experts come from the writer itself or from a rank of that ep rank; writes are spread."""
-    from mcore_dpo.expert_files import file_jobs
+    from mcore_dpo.checkpoint.expert_files import file_jobs
 
     layout = Layout(tp=tp, pp=1, dp=dp, ep=ep)
     jobs = file_jobs(layout)

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_dpo.ports import free_port
-from mcore_dpo import schedule
-from mcore_dpo.mesh import Layout, Mesh
-from mcore_dpo.pipeline import PeerError, StageContext, transfer
-from mcore_dpo.plan import Costs, Op, OpKind, Plan, PlanError, format_plan, transfers
-from mcore_dpo.plan_check import (
+from mcore_dpo.parallel.ports import free_port
+from mcore_dpo.pipeline import schedule
+from mcore_dpo.parallel.mesh import Layout, Mesh
+from mcore_dpo.pipeline.executor import PeerError, StageContext, transfer
+from mcore_dpo.pipeline.plan import Costs, Op, OpKind, Plan, PlanError, format_plan, transfers
+from mcore_dpo.pipeline.check import (
     every_compute_op,
     every_forward,
     timeline,
@@ -32,7 +32,7 @@ from mcore_dpo.plan_check import (
     validate_plan,
     validate_stages,
 )
-from mcore_dpo.schedule import build_plan, forward_only_stages, pair_crossing_transfers
+from mcore_dpo.pipeline.schedule import build_plan, forward_only_stages, pair_crossing_transfers
 from tests.helpers.ranks import rank_context, start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from mcore_dpo.config import ConfigError
-from mcore_dpo.data import TokenizedPair, collate
-from mcore_dpo.logprobs import ld_weights, segment_sums
-from mcore_dpo.model import causal_mask, packed_causal_mask
-from mcore_dpo.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches,
+from mcore_dpo.data.pairs import TokenizedPair, collate
+from mcore_dpo.objective.logprobs import ld_weights, segment_sums
+from mcore_dpo.model.builder import causal_mask, packed_causal_mask
+from mcore_dpo.data.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches,
                                step_token_stats)
-from mcore_dpo.plan import OpKind
-from mcore_dpo.plan_check import validate_plan
-from mcore_dpo.schedule import build_plan
+from mcore_dpo.pipeline.plan import OpKind
+from mcore_dpo.pipeline.check import validate_plan
+from mcore_dpo.pipeline.schedule import build_plan
 from mcore_dpo.train import main
 
 
@@ -264,7 +264,7 @@ def test_packing_flags_parse_from_the_command_line():
 
 def test_unset_packing_is_left_to_the_ranks_attention_with_the_padded_microbatch_as_its_budget():
     from mcore_dpo.config import resolve
-    from mcore_dpo.platform import default_packing
+    from mcore_dpo.parallel.platform import default_packing
 
     config, _ = resolve(["--micro-batch-size", "4", "--max-length", "100"])
     assert config.packing is None and config.packed  # may pack: the ranks decide
@@ -311,8 +311,8 @@ def test_modes_packing_does_not_serve_fall_back_to_padded_in_one_line(argv, unse
 
 
 def test_eval_microbatches_pack_each_chunk_share_by_tokens():
-    from mcore_dpo.data import eval_passes
-    from mcore_dpo.packing import eval_microbatches
+    from mcore_dpo.data.pairs import eval_passes
+    from mcore_dpo.data.packing import eval_microbatches
 
     costs = [10, 30, 12, 8, 20, 6, 14]  # 7 held-out pairs, global batch 4, dp 2
     for dp_rank in (0, 1):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_dpo.ports import free_port
+from mcore_dpo.parallel.ports import free_port
 from tests.helpers.models import make_model, save_hf
 from tests.helpers.ranks import spawn_processes
 
@@ -27,12 +27,12 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         from checkpoint_convert.mapping import hf_to_mcore_shard
-        from mcore_dpo import mesh as mesh_lib
-        from mcore_dpo import platform as plat
-        from mcore_dpo.data import TokenizedPair
-        from mcore_dpo.model import (build_stage_model, causal_mask, load_shard, open_weights, packed_causal_mask,
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.data.pairs import TokenizedPair
+        from mcore_dpo.model.builder import (build_stage_model, causal_mask, load_shard, open_weights, packed_causal_mask,
                                      packed_seq_params, stage_forward)
-        from mcore_dpo.packing import collate_packed
+        from mcore_dpo.data.packing import collate_packed
 
         platform = plat.detect()
         plat.activate(platform)

@@ -23,8 +23,8 @@ import json
 import pytest
 import torch
 
-from mcore_dpo.data import TokenizedPair
-from mcore_dpo.packing import pair_tokens, plan_packed_step
+from mcore_dpo.data.pairs import TokenizedPair
+from mcore_dpo.data.packing import pair_tokens, plan_packed_step
 from tests.helpers import reference as hf_reference
 from tests.helpers.models import VOCAB_SIZE
 from tests.helpers.parity import ADAM_EPS, BETA, CLIP, LR, METRICS, WD, check_metrics, check_tensors

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mcore_dpo import defaults
+from mcore_dpo.driver import defaults
 from tests.helpers.ray_runs import main_in_process
 
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")

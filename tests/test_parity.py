@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_dpo.loss_spec import LOSS_TYPES
-from mcore_dpo.plan import OpKind
-from mcore_dpo.schedule import build_plan
+from mcore_dpo.objective.loss_spec import LOSS_TYPES
+from mcore_dpo.pipeline.plan import OpKind
+from mcore_dpo.pipeline.schedule import build_plan
 from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, PP4, PP4_STEPS, check_job, jobs_for, layout_jobs
 from tests.helpers.ranks import run_ranks
 from tests.helpers.reference import REFERENCE_LOSS_TYPES

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from mcore_dpo.data import collate, padded_seq_len
+from mcore_dpo.data.pairs import collate, padded_seq_len
 from tests.helpers.data import PACKED, make_pairs
 from tests.helpers.models import PAD
 from tests.helpers.ranks import check_ran_packed, load_rank_tensors, run_ranks

@@ -34,8 +34,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         worker = None
         for job in jobs:

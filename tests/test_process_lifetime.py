@@ -13,7 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from mcore_dpo import checkpoint, output_dir, reaper
+from mcore_dpo.checkpoint import layout as checkpoint
+from mcore_dpo.driver import output_dir, reaper
 from tests.helpers import cli
 from tests.helpers.cli import REPO, command_env, run_train, start_train
 from tests.helpers.faults import with_fault

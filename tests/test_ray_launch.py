@@ -102,7 +102,7 @@ def test_dead_worker_stops_the_run(tmp_path, ray_cluster):
 def test_impossible_resources_fail_within_a_bounded_wait():
     """A placement group the cluster cannot meet fails within the bound and says what was
     needed and what is available."""
-    from mcore_dpo import ray_workers
+    from mcore_dpo.driver import ray_workers
 
     cluster = start_cluster(num_cpus=2)
     try:
@@ -125,7 +125,7 @@ def test_impossible_resources_fail_within_a_bounded_wait():
 def test_tensor_parallel_groups_stay_on_one_node():
     """A simulated 2-node cluster (two raylets on this machine): ranks are laid out so that
     every tp group shares a node, and rendezvous uses bundle 0's node."""
-    from mcore_dpo import ray_workers
+    from mcore_dpo.driver import ray_workers
 
     cluster = start_cluster(num_cpus=4, nodes=1, cpus_per_node=4)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_dpo.ray_workers import WorkerGroupError, bundle_order, coordinates_of
+from mcore_dpo.driver.ray_workers import WorkerGroupError, bundle_order, coordinates_of
 
 
 def _nodes_of_groups(order: list[int], node_of: list[str], *, size: int) -> list[set[str]]:

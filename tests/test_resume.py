@@ -165,7 +165,7 @@ def test_lost_node_restarts_on_the_remaining_node(tmp_path, monkeypatch):
     import time
 
     from mcore_dpo.config import TrainConfig
-    from mcore_dpo.run import train
+    from mcore_dpo.driver.run import train
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     local = start_cluster(num_cpus=0, nodes=2, cpus_per_node=2)

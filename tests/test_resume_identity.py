@@ -52,7 +52,7 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path, ray_cluster):
     """The first run through `python -m mcore_dpo.train` (wandb's offline service stays in its
     process); the later ones through the command line in this process, on the session's cluster."""
     pytest.importorskip("wandb")
-    from mcore_dpo import defaults
+    from mcore_dpo.driver import defaults
 
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_API_KEY", None)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from mcore_dpo import checkpoint
+from mcore_dpo.checkpoint import layout as checkpoint
 from tests.helpers.cli import start_train
 from tests.helpers.ray_runs import main_in_process
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo import hooks, resume_check
+from mcore_dpo import hooks
+from mcore_dpo.driver import resume_check
 from mcore_dpo.config import ConfigError, TrainConfig, resolve
-from mcore_dpo.data import global_batch_order
+from mcore_dpo.data.pairs import global_batch_order
 from tests.helpers.models import llama_gqa_untied, save_hf
 
 
@@ -85,8 +86,8 @@ class _FakeGroup:
 
 def _save_with_fake_group(tmp_path, model_dir, **config_changes):
     from checkpoint_convert.io import open_hf_dir
-    from mcore_dpo import checkpoint
-    from mcore_dpo.run import save_checkpoint
+    from mcore_dpo.checkpoint import layout as checkpoint
+    from mcore_dpo.driver.run import save_checkpoint
 
     config = _config(tmp_path, model_dir, **config_changes)
     spec = open_hf_dir(model_dir).spec
@@ -97,9 +98,9 @@ def _save_with_fake_group(tmp_path, model_dir, **config_changes):
 
 def test_checkpoint_layer_spec_comes_from_the_workers(tmp_path, hf_llama, monkeypatch):
     """A driver that sees Transformer Engine (the workers do not) still writes the workers' spec."""
-    import mcore_dpo.platform
+    import mcore_dpo.parallel.platform
 
-    monkeypatch.setattr(mcore_dpo.platform, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(mcore_dpo.parallel.platform, "transformer_engine_available", lambda: True)
     final = _save_with_fake_group(tmp_path, hf_llama)
     for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
         assert json.loads((final / kind / "mcore_checkpoint.json").read_text())["layer_spec"] == "local"
@@ -121,7 +122,7 @@ def test_custom_code_is_carried_only_with_trust_remote_code(tmp_path, hf_llama, 
 
 
 def test_wandb_is_off_without_the_flag_even_with_an_api_key(tmp_path, monkeypatch):
-    from mcore_dpo.metrics_log import MetricsLog
+    from mcore_dpo.driver.metrics_log import MetricsLog
 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -171,7 +172,7 @@ def test_no_fault_injection_in_the_package():
 
 
 def test_an_output_dir_a_node_cannot_see_is_one_line_naming_the_node(tmp_path, monkeypatch):
-    from mcore_dpo import ray_workers, run
+    from mcore_dpo.driver import ray_workers, run
 
     seen = {}
 

@@ -6,9 +6,9 @@ from functools import lru_cache
 
 import pytest
 
-from mcore_dpo.plan import MAX_REF_ACTS_IN_FLIGHT, REF_MODES, Costs, Op, OpKind, Plan, PlanError, carried, format_plan
-from mcore_dpo.plan_check import closed_form_makespans, simulate, validate_plan
-from mcore_dpo.schedule import build_plan
+from mcore_dpo.pipeline.plan import MAX_REF_ACTS_IN_FLIGHT, REF_MODES, Costs, Op, OpKind, Plan, PlanError, carried, format_plan
+from mcore_dpo.pipeline.check import closed_form_makespans, simulate, validate_plan
+from mcore_dpo.pipeline.schedule import build_plan
 
 COMPUTE = {OpKind.FWD, OpKind.BWD, OpKind.REF_FWD}
 # (ref_mode, ref_current, ref_next) -> global batches whose reference the plan must compute

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_dpo import platform as plat
+from mcore_dpo.parallel import platform as plat
 from mcore_dpo.config import ConfigError, resolve
-from mcore_dpo.data import collate, padded_seq_len, seq_len_multiple
+from mcore_dpo.data.pairs import collate, padded_seq_len, seq_len_multiple
 from tests.helpers.data import make_pairs
 
 

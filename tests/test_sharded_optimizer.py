@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mcore_dpo.zero import owned_range
+from mcore_dpo.optim.zero import owned_range
 from tests.helpers.data import make_pairs
 from tests.helpers.models import PAD
 from tests.helpers.ranks import spawn_ranks
@@ -60,13 +60,13 @@ def test_a_bucket_not_divisible_by_dp_is_refused():
 
 # --------------------------------------------------------------------------- rank harness
 def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
-    """What the driver's save does (mcore_dpo/run.py), without the rename: shards from every
+    """What the driver's save does (mcore_dpo/driver/run.py), without the rename: shards from every
     rank, then the metadata and the state file."""
     import json
 
     from checkpoint_convert.convert import write_mcore_meta
-    from mcore_dpo import checkpoint
-    from mcore_dpo.run import _model_meta
+    from mcore_dpo.checkpoint import layout as checkpoint
+    from mcore_dpo.driver.run import _model_meta
 
     worker.save_checkpoint(directory, step=step)
     if rank == 0:
@@ -82,8 +82,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         worker = None
         for job in jobs:
@@ -355,7 +355,7 @@ def test_the_flag_reaches_the_config_from_the_command_line():
 
 
 def test_clipping_scales_the_gradient_buffer_in_place_without_a_copy():
-    from mcore_dpo.optim import clip_in_place
+    from mcore_dpo.optim.adamw import clip_in_place
 
     grad = torch.randn(64, 32)
     before = grad.clone()
@@ -368,7 +368,7 @@ def test_clipping_scales_the_gradient_buffer_in_place_without_a_copy():
 
 
 def test_the_norm_in_fp64_chunks_equals_the_whole_fp64_sum():
-    from mcore_dpo.optim import NORM_CHUNK, squared_sum
+    from mcore_dpo.optim.adamw import NORM_CHUNK, squared_sum
 
     small = torch.randn(1000)
     assert torch.equal(squared_sum(small), small.double().pow(2).sum())  # one chunk: bit for bit
@@ -393,7 +393,7 @@ def _replicated_run(*, fused: bool, steps: int, group, start=None) -> tuple[dict
     """CpuOptimizer over three parameters (two decayed matrices, one vector) whose main_grad is
     a fixed gradient per step, large enough that clipping at 0.5 scales it; `start`: resume from
     (masters, moments, step) instead of step 0."""
-    from mcore_dpo.optim import CpuOptimizer
+    from mcore_dpo.optim.adamw import CpuOptimizer
 
     gen = torch.Generator().manual_seed(0)
     named = [(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
@@ -440,8 +440,8 @@ def test_fused_adamw_matches_the_default_one_and_resumes_bit_for_bit(one_rank_gr
 def test_the_estimate_counts_the_step_where_it_outgrows_the_activations():
     """A rank's peak is its held state plus the larger of the activations and the optimizer
     step's temporaries (the step runs after the last backward has freed the activations)."""
-    from mcore_dpo.memory_estimate import LayerShape, optimizer_step_bytes, per_gpu_bytes, plan_activation_bytes
-    from mcore_dpo.optim import NORM_CHUNK
+    from mcore_dpo.tools.memory_estimate import LayerShape, optimizer_step_bytes, per_gpu_bytes, plan_activation_bytes
+    from mcore_dpo.optim.adamw import NORM_CHUNK
 
     assert optimizer_step_bytes() == 16 * NORM_CHUNK  # an fp64 chunk and its square
     shape = LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=172, vocab=128)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo.ports import free_port
+from mcore_dpo.parallel.ports import free_port
 
 pytestmark = pytest.mark.slurm  # SLURM daemons (the suite's tiers: tests/helpers/tiers.py)
 REPO = Path(__file__).resolve().parent.parent
@@ -362,7 +362,7 @@ def _wait_for_first_step(cluster: SlurmCluster, job_id: str, output: Path, run_d
 
 def _assert_stopped_with_a_checkpoint(fields: dict[str, str], text: str, *, run_dir: Path, ray_port: int,
                                       signal_name: str) -> None:
-    from mcore_dpo import checkpoint
+    from mcore_dpo.checkpoint import layout as checkpoint
 
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{text[-4000:]}"
     assert f"{signal_name}: asking the train driver to stop" in text, text[-4000:]

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo import console, metrics_log, platform, ray_workers, run
+from mcore_dpo.driver import console, metrics_log, ray_workers, run
+from mcore_dpo.parallel import platform
 from mcore_dpo.train import main
 from tests.helpers.cli import REPO, command_env, run_python
 
@@ -97,7 +98,7 @@ def test_the_first_line_says_what_starts_and_what_is_loaded(tmp_path, monkeypatc
 
 def test_verify_prints_its_result_and_nothing_else(tmp_path):
     from checkpoint_convert.__main__ import main as convert
-    from mcore_dpo import defaults
+    from mcore_dpo.driver import defaults
 
     model = defaults.ensure_default_model()
     assert convert(["hf-to-mcore", "--hf-dir", model, "--out", str(tmp_path / "m")]) == 0

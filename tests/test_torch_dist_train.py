@@ -15,8 +15,8 @@ import torch
 from checkpoint_convert.convert import hf_to_mcore
 from checkpoint_convert.safe_pickle import torch_load_file
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.model import open_weights
-from mcore_dpo.run import InputError, prepare
+from mcore_dpo.model.builder import open_weights
+from mcore_dpo.driver.run import InputError, prepare
 from tests.helpers.faults import fault_env
 from tests.helpers.models import llama_gqa_untied, save_hf
 from tests.helpers.ray_runs import main_in_process
@@ -112,7 +112,7 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
     from transformers import AutoModelForCausalLM
 
     from checkpoint_convert.mapping import hf_to_mcore_shard
-    from mcore_dpo.checkpoint_torch_dist import open_part
+    from mcore_dpo.checkpoint.torch_dist import open_part
 
     base = tmp_path / "base"
     result = _train(["--save-interval", "1", "--keep-last", "2"], base, cluster=ray_cluster)

@@ -15,7 +15,7 @@ import torch
 
 from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve
 from mcore_dpo.train import main
-from mcore_dpo import output_dir
+from mcore_dpo.driver import output_dir
 from tests.helpers.cli import command_env, run_train
 from tests.helpers.models import save_hf
 from tests.helpers.ray_runs import main_in_process
@@ -222,7 +222,7 @@ def test_bf16_run_exports_a_bf16_checkpoint(tmp_path, ray_cluster):
     and --no-shuffle reach the written config.yaml, --no-packing as packing: false and
     padded microbatches (16 pairs in 2 of 8), and a held-out set of 5 pairs (fewer than the
     global batch of 16) is evaluated at the start and the end."""
-    from mcore_dpo.defaults import DEFAULT_EVAL_DATA
+    from mcore_dpo.driver.defaults import DEFAULT_EVAL_DATA
 
     out = tmp_path / "run"
     small_eval = tmp_path / "eval5.jsonl"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_dpo import output_dir, ray_workers, run
+from mcore_dpo.driver import output_dir, ray_workers, run
 from mcore_dpo.train import main
 
 
@@ -77,7 +77,7 @@ def test_an_explicit_output_dir_of_another_run_is_refused_unless_overwrite(tmp_p
 
 
 def _default_data() -> str:
-    from mcore_dpo import defaults
+    from mcore_dpo.driver import defaults
 
     return defaults.DEFAULT_TRAIN_DATA
 
@@ -90,7 +90,7 @@ def _copy_default_model_with_other_weights(target: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from mcore_dpo import defaults
+    from mcore_dpo.driver import defaults
 
     shutil.copytree(defaults.ensure_default_model(), target)
     for path in target.glob("*.safetensors"):
@@ -136,7 +136,8 @@ def test_mcore_to_hf_accepts_a_trainer_step_dir_and_latest(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from checkpoint_convert.__main__ import main as convert
-    from mcore_dpo import checkpoint, defaults
+    from mcore_dpo.checkpoint import layout as checkpoint
+    from mcore_dpo.driver import defaults
 
     model = defaults.ensure_default_model()
     out = tmp_path / "run"

@@ -31,9 +31,9 @@ NUM_PAIRS = 41
 def prepared(tmp_path_factory):
     """The driver's preparation of a pp-2 run on 41 pairs (the default model comes from the
     session's MCORE_DPO_CACHE)."""
-    from mcore_dpo import defaults
+    from mcore_dpo.driver import defaults
     from mcore_dpo.config import TrainConfig
-    from mcore_dpo.run import prepare
+    from mcore_dpo.driver.run import prepare
 
     root = tmp_path_factory.mktemp("unaligned")
     data = root / "prefs41.jsonl"
@@ -69,7 +69,7 @@ def _worker_rank(rank: int, world_size: int, port: int, jobs: list[dict], out_di
     try:
         from safetensors.torch import save_file
 
-        from mcore_dpo.worker import PolicyWorker, ReferenceWorker
+        from mcore_dpo.rank.worker import PolicyWorker, ReferenceWorker
 
         factory = {"ref": ReferenceWorker, "policy": PolicyWorker}[job["role"]]
         worker = factory(config=job["config"], spec=job["spec"], pad_token_id=job["pad_token_id"], rank=rank,
@@ -105,7 +105,7 @@ def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp, tmp
 
     from safetensors.torch import load_file
 
-    from mcore_dpo.run import Prepared
+    from mcore_dpo.driver.run import Prepared
 
     config = replace(prepared.config, ref_dp=ref_dp)
     prep = Prepared(**{**prepared.__dict__, "config": config})
@@ -122,7 +122,7 @@ def test_precomputed_reference_at_pp2_on_unaligned_data(prepared, tmp_path):
     the precomputed table is zero: a row of the table that belonged to another pair would not be."""
     from dataclasses import replace
 
-    from mcore_dpo.run import Prepared
+    from mcore_dpo.driver.run import Prepared
 
     config = replace(prepared.config, ref_mode="precomputed")
     prep = Prepared(**{**prepared.__dict__, "config": config})
@@ -133,7 +133,7 @@ def test_precomputed_reference_at_pp2_on_unaligned_data(prepared, tmp_path):
 
 
 def test_ranks_read_the_drivers_token_file(ray_cluster, tmp_path):
-    from mcore_dpo import ray_workers
+    from mcore_dpo.driver import ray_workers
 
     with joined(ray_cluster):
         group = ray_workers.create_group(role="probe", world_size=2, tp=1, pp=1, dp=2, factory=dict,

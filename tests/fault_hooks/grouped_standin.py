@@ -84,7 +84,8 @@ class GroupedStandin(torch.nn.Module):
 def install() -> None:
     """Grouped experts wherever a MoE run would get them on a GPU with Transformer Engine, built
     as `GroupedStandin` around the local spec's sequential experts."""
-    from mcore_dpo import model, platform
+    from mcore_dpo.model import builder as model
+    from mcore_dpo.parallel import platform
 
     use_grouped_experts, build_stage_model = platform.use_grouped_experts, model.build_stage_model
 

@@ -1,6 +1,6 @@
 """The arithmetic of configs/'s header comments (`# key: value` lines before the first YAML key):
 parameter counts and memory per GPU recomputed from the architecture numbers a header states,
-with mcore_dpo.memory_estimate (tests/test_configs.py, tests/test_guide.py)."""
+with mcore_dpo.tools.memory_estimate (tests/test_configs.py, tests/test_guide.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.mapping import padded_vocab_size
-from mcore_dpo import platform as plat
+from mcore_dpo.parallel import platform as plat
 from mcore_dpo.config import TrainConfig
-from mcore_dpo.memory_estimate import LayerShape, expert_param_count, per_gpu_bytes
+from mcore_dpo.tools.memory_estimate import LayerShape, expert_param_count, per_gpu_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
-# Memory per GPU: mcore_dpo.memory_estimate.per_gpu_bytes, the same model the headers are
+# Memory per GPU: mcore_dpo.tools.memory_estimate.per_gpu_bytes, the same model the headers are
 # computed with (per-parameter bytes, and activations from the plan memory model with
 # per-layer coefficients checked against measured tensors in tests/test_memory_estimate.py),
 # with the attention implementation the header names.

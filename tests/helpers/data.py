@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_dpo.data import TokenizedPair
+from mcore_dpo.data.pairs import TokenizedPair
 from tests.helpers.models import VOCAB_SIZE
 
 # Packed microbatches (--packing) for make_pairs' data: the smallest budget --max-length 20

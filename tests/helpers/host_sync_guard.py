@@ -144,8 +144,9 @@ def _patch_tensor_methods(guard: Guard) -> None:
 def _patch_p2p(guard: Guard) -> None:
     """Point-to-point messages only in the executor's transfers (one batch_isend_irecv per plan
     transfer op, holding its parts and their riders) and in the start-up warm-up."""
-    from mcore_dpo import pipeline, rank
-    from mcore_dpo.plan import OpKind
+    from mcore_dpo.pipeline import executor as pipeline
+    from mcore_dpo.rank import base as rank
+    from mcore_dpo.pipeline.plan import OpKind
 
     policy_kinds = (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
     transfer, warm_up = pipeline.transfer, pipeline.warm_up_links
@@ -202,7 +203,8 @@ def _patch_p2p(guard: Guard) -> None:
 
 
 def _wrap_compute_ops(guard: Guard, *, inject_item: bool) -> None:
-    from mcore_dpo import model, pipeline
+    from mcore_dpo.model import builder as model
+    from mcore_dpo.pipeline import executor as pipeline
 
     for name in ("_policy_forward", "_policy_backward", "_reference_forward"):
         original = getattr(pipeline, name)

@@ -26,7 +26,7 @@ def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int =
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mcore_dpo import platform as platform_lib  # device adaptation only (CPU stand-ins)
+    from mcore_dpo.parallel import platform as platform_lib
 
     platform = platform_lib.detect(local_rank=rank)
     platform_lib.activate(platform)
@@ -79,7 +79,7 @@ def build_gpt(args: Namespace, *, vocab_size: int, platform):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from mcore_dpo import platform as platform_lib
+    from mcore_dpo.parallel import platform as platform_lib
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -294,7 +294,7 @@ def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        from mcore_dpo import platform as platform_lib
+        from mcore_dpo.parallel import platform as platform_lib
 
         args = Namespace(**job["args"])
         hf = load_file(job["hf_weights"])
@@ -330,7 +330,7 @@ def producer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
 def spawn(fn, *, world_size: int, job: dict) -> None:
     """`fn(rank, world_size, port, job)` on world_size ranks (one of the rank functions above),
     forked from tests/helpers/ranks.py's preloaded server."""
-    from mcore_dpo.ports import free_port
+    from mcore_dpo.parallel.ports import free_port
     from tests.helpers.ranks import spawn_processes
 
     spawn_processes(fn, nprocs=world_size, args=(world_size, free_port(), job))

@@ -42,7 +42,7 @@ def check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, i
     """parity.check_job's checks with the experts of each rank's ep share: experts whole on their
     rank (expert tp 1), the expert-parallel rank of the rank at (tp rank t, dp rank d) of a stage
     is (t + tp d) % ep (megatron-core's tp-ep-dp order; `Layout.ep_rank_of`); no evaluation."""
-    from mcore_dpo.mesh import Layout
+    from mcore_dpo.parallel.mesh import Layout
 
     tp, pp, dp, ep = layout
     ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
@@ -152,7 +152,7 @@ def aux_job(layout: tuple[int, int, int, int], policy_dir: Path, ref_dir: Path) 
 def check_aux_parity(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int], *,
                      router_effect: bool = False) -> None:
     """Job j's gradients, metrics and router metrics against HF + TRL's sum with COEF x aux."""
-    from mcore_dpo.mesh import Layout
+    from mcore_dpo.parallel.mesh import Layout
 
     tp, pp, dp, ep = layout
     groups = engine_groups(dp=dp)

@@ -18,7 +18,7 @@ import torch
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from mcore_dpo.loss_spec import LOSS_TYPES
+from mcore_dpo.objective.loss_spec import LOSS_TYPES
 from tests.helpers.data import PACKED, make_pairs
 from tests.helpers.ranks import load_rank_tensors
 from tests.helpers.reference import RTOL, assert_close, reference_run

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from mcore_dpo.ports import free_port
+from mcore_dpo.parallel.ports import free_port
 from tests.helpers.models import PAD
 from tests.helpers.tiers import launches
 
@@ -43,8 +43,8 @@ def _ref_rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import ReferenceWorker
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import ReferenceWorker
 
         worker = None
         for j, job in enumerate(jobs):
@@ -75,8 +75,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     torch.backends.cudnn.allow_tf32 = False
     try:
         from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model import open_weights
-        from mcore_dpo.worker import PolicyWorker, StepBatch
+        from mcore_dpo.model.builder import open_weights
+        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
 
         worker = None
         for j, job in enumerate(jobs):
@@ -88,7 +88,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
             if instruments is not None:
                 instruments.install(job, rank, out_dir)
             if worker is not None and worker.layout != _policy_layout(config):  # another layout, the same world
-                from mcore_dpo.mesh import release_layout
+                from mcore_dpo.parallel.mesh import release_layout
 
                 release_layout()
             worker = PolicyWorker(config=config, spec=spec, pad_token_id=PAD, rank=rank,
@@ -121,7 +121,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 
 
 def _policy_layout(config):
-    from mcore_dpo.mesh import Layout
+    from mcore_dpo.parallel.mesh import Layout
 
     return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep)
 
@@ -129,7 +129,7 @@ def _policy_layout(config):
 # Rank processes fork from a server that has imported torch, megatron-core and the worker once
 # (about 10 s of CPU per process otherwise, paid by every rank of every launch); each still
 # starts with a fresh interpreter state of its own and the caller's environment at launch time.
-_PRELOAD = ["torch", "megatron.core", "mcore_dpo.worker", "tests.helpers.ranks"]
+_PRELOAD = ["torch", "megatron.core", "mcore_dpo.rank.worker", "tests.helpers.ranks"]
 
 
 def _with_environment(environ: dict, target, *args) -> None:
@@ -284,7 +284,7 @@ def verify(argv: list[str]) -> int:
 
     from checkpoint_convert.__main__ import main
     from checkpoint_convert.verify import register_runner
-    from mcore_dpo.verify_runner import megatron_logits
+    from mcore_dpo.tools.verify_runner import megatron_logits
 
     def forked_spawn(fn, args=(), nprocs=1, join=True, **_):
         assert join, "verify joins its ranks"

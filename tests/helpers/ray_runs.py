@@ -3,7 +3,7 @@
 
 An in-process run joins the session's cluster for the length of the run (`ray.init(address=)`,
 then `ray.shutdown()`), so between runs this process is not connected to Ray, as the bad-input
-tests check. `mcore_dpo.ray_workers.connect` sees Ray initialised and leaves the connection to
+tests check. `mcore_dpo.driver.ray_workers.connect` sees Ray initialised and leaves the connection to
 the caller. The workers of a run get `env` through the job's runtime environment, on top of the
 cluster's environment (this process's at the session's start); the driver side is this process.
 """
@@ -37,7 +37,7 @@ class LocalCluster:
         return self.cluster.address
 
     def shutdown(self) -> None:
-        from mcore_dpo import reaper
+        from mcore_dpo.driver import reaper
 
         self.cluster.shutdown()
         reaper.release(self.reaper)
@@ -49,7 +49,7 @@ def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node
     of cpus_per_node each. The caller shuts it down."""
     from ray.cluster_utils import Cluster
 
-    from mcore_dpo import reaper
+    from mcore_dpo.driver import reaper
 
     environ = dict(os.environ)
     before = set(reaper.tree({os.getpid()}))
@@ -63,7 +63,7 @@ def start_cluster(*, num_cpus: int = SESSION_CPUS, nodes: int = 0, cpus_per_node
 
 def _runtime_env(cluster: LocalCluster, env: dict | None) -> dict | None:
     """The job's runtime environment: the variables a run's workers need (what
-    mcore_dpo.ray_workers.connect gives a local cluster's, this process's MCORE_DPO_CACHE, and
+    mcore_dpo.driver.ray_workers.connect gives a local cluster's, this process's MCORE_DPO_CACHE, and
     `env`) where the cluster's own environment differs; None when it already holds them all (a
     runtime environment costs every worker group a second or so to set up)."""
     wanted = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
@@ -92,7 +92,7 @@ def joined(cluster: LocalCluster, env: dict | None = None):
 def train_in_process(config, *, cluster: LocalCluster, env: dict | None = None, log=lambda _line: None) -> Path:
     """`mcore_dpo.train(config)` on the session's cluster, with `env` for the driver and the
     workers; returns the run directory."""
-    from mcore_dpo.run import train
+    from mcore_dpo.driver.run import train
 
     with _driver_environment(env), joined(cluster, env):
         return train(config, log=log)

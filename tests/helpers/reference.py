@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from mcore_dpo.data import TokenizedPair
+from mcore_dpo.data.pairs import TokenizedPair
 from tests.helpers.models import PAD
 
 RTOL = 1e-5

@@ -1,0 +1,580 @@
+"""The driver: check everything that can be checked before any process starts, start the
+worker group, feed it global batches, log metrics, export the policy.
+
+    from mcore_dpo.driver.run import train
+    train(TrainConfig(tp=2, pp=2, max_steps=10))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from checkpoint_convert import durable
+from checkpoint_convert.mapping import check_layout
+from mcore_dpo.checkpoint import layout as checkpoint
+from mcore_dpo.driver import output_dir
+from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
+from mcore_dpo.data.pairs import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
+from mcore_dpo.driver.metrics_log import MetricsLog
+from mcore_dpo.driver.resume_check import run_identity
+
+
+class InputError(ValueError):
+    """Bad input found before any worker started; str() is one line."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step}; rerun the same command to resume")
+        self.step = step
+
+
+@dataclass
+class Prepared:
+    config: TrainConfig
+    spec: object
+    pad_token_id: int
+    train_pairs: list[TokenizedPair]
+    train_stats: DataStats
+    eval_pairs: list[TokenizedPair]
+    eval_stats: DataStats | None = None
+    identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
+    packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Resolve the defaults and validate model, layout, tokenizer and data."""
+    from transformers import AutoTokenizer
+
+    from mcore_dpo.driver import defaults
+    from mcore_dpo.model.builder import open_weights, tokenizer_dir
+
+    if config.model is None:
+        config = replace(config, model=defaults.ensure_default_model())
+        if config.data is None:
+            config = replace(config, data=defaults.DEFAULT_TRAIN_DATA)
+            if config.eval_data is None:
+                config = replace(config, eval_data=defaults.DEFAULT_EVAL_DATA)
+    if config.data is None:
+        raise InputError("data: --data is required when --model is given")
+    config.validate()
+    if config.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
+    spec = open_weights(config.model).spec
+    check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
+    config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
+    config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
+        num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
+    config, packing_note = config.decide_packing()  # off for a mode it does not serve; else the ranks decide
+    if config.lora:
+        config = _resolve_lora(config, spec)
+    if config.ref_model and config.ref_mode != "none":
+        ref_spec = open_weights(config.ref_model).spec
+        if replace(ref_spec, torch_dtype=spec.torch_dtype) != spec:
+            raise InputError(f"ref_model: {config.ref_model} has a different architecture than {config.model}")
+    tok_dir = config.tokenizer or tokenizer_dir(config.model)
+    if not os.path.isdir(tok_dir):
+        raise InputError(f"{config.model}: holds no tokenizer files; pass --tokenizer DIR")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=config.trust_remote_code)
+    except Exception as error:  # transformers raises many types here
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        raise InputError(f"{tok_dir}: cannot load the tokenizer ({detail})") from None
+    if config.chat_template:
+        _use_chat_template(tokenizer, config.chat_template)
+    if len(tokenizer) > spec.vocab_size:
+        raise InputError(
+            f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise InputError(f"{tok_dir}: tokenizer has neither a pad nor an eos token")
+    train_pairs, stats = load_pairs(config.data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row)
+    if len(train_pairs) < config.global_batch_size:
+        raise InputError(
+            f"{config.data}: {len(train_pairs)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
+        )
+    eval_pairs: list[TokenizedPair] = []
+    eval_stats = None
+    if config.eval_data:
+        eval_pairs, eval_stats = load_pairs(
+            config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row
+        )
+        # Any number of held-out pairs evaluates (the last chunk may be partial), but not none.
+        if not eval_pairs:
+            raise InputError(
+                f"{config.eval_data}: no usable pairs to evaluate ({eval_stats.num_dropped_prompt_too_long} with a "
+                f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
+            )
+    return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
+                    eval_pairs=eval_pairs, eval_stats=eval_stats, packing_note=packing_note)
+
+
+def _adapter_shape_change(saved: dict, current: dict) -> str | None:
+    """Why a checkpoint's trained tensors cannot load into this run, even with
+    --resume-with-changes: LoRA on vs off, or another adapter rank or target set."""
+    if not saved or "lora" not in saved:  # no record (an older checkpoint): the workers check shapes
+        return None
+    old, new = saved["lora"], current.get("lora")
+    if (old is None) != (new is None):
+        held, wanted = ("LoRA adapters", "full weights") if new is None else ("full weights", "LoRA adapters")
+        return f"the checkpoint holds {held} but this run trains {wanted}; a resume cannot switch, choose another --output-dir"
+    if old is not None and (old["rank"], old["targets"]) != (new["rank"], new["targets"]):
+        return (f"the checkpoint's adapters have rank {old['rank']} on {old['targets']}, this run asks for rank "
+                f"{new['rank']} on {new['targets']}; a resume cannot change the adapters' shape (start a new run "
+                "with --init-adapter from an exported OUTPUT/adapter instead)")
+    return None
+
+
+def _command_of(config: TrainConfig) -> dict:
+    """What makes two invocations the same command: the resolved configuration, where the
+    outputs go, --overwrite and --max-steps aside (a larger --max-steps continues the run)."""
+    return {k: v for k, v in config.to_dict().items() if k not in ("output_dir", "overwrite", "max_steps")}
+
+
+def _use_chat_template(tokenizer, path: str) -> None:
+    """Give `tokenizer` the Jinja template in `path`, checked on a one-turn conversation now."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tokenizer.chat_template = fh.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"chat_template: cannot read {path} ({error})") from None
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # jinja's syntax and undefined-name errors
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise InputError(f"chat_template: {path} does not render a conversation ({detail})") from None
+
+
+def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
+    """LoRA's rank, alpha and targets, from --init-adapter where not given; the adapter checked
+    against them and against the base."""
+    from checkpoint_convert.families.base import ConversionError
+    from mcore_dpo.model import lora
+
+    try:
+        return lora.resolve(config, spec=spec)
+    except ConversionError as error:
+        raise InputError(str(error)) from None
+
+
+def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
+    """Pair indices of every step's global batch, epoch after epoch: the same for any layout."""
+    steps: list[list[int]] = []
+    epoch = 0
+    while len(steps) < config.max_steps:
+        steps.extend(
+            global_batch_order(
+                num_pairs=num_pairs,
+                global_batch_size=config.global_batch_size,
+                seed=config.seed,
+                shuffle=not config.no_shuffle,
+                epoch=epoch,
+            )
+        )
+        epoch += 1
+    return steps[: config.max_steps]
+
+
+def train(config: TrainConfig, *, ray_address: str | None = None, log=print, announced: bool = False) -> Path:
+    """Run DPO as configured; returns the output directory. `announced`: the caller already
+    printed `starting_line` (the command line does, before the slow imports)."""
+    from mcore_dpo.driver import console, ray_workers
+
+    log = console.RunLog(log)  # also into OUTPUT/train.log, once that directory is claimed
+    if announced:
+        log.note(starting_line(config, ray_address=ray_address))
+    else:
+        log(starting_line(config, ray_address=ray_address))
+    prep = prepare(config)
+    if prep.packing_note:
+        log(prep.packing_note)
+    command = _command_of(prep.config)
+    if prep.config.output_dir is None:  # a fresh directory per run, but the same command continues its own
+        earlier = None
+        if prep.config.resume and not prep.config.overwrite:
+            earlier = output_dir.same_command_dir(command=command)
+        prep.config = replace(prep.config, output_dir=str(earlier or output_dir.fresh_dir(model=config.model)))
+        if earlier:
+            log(f"the same command ran in {earlier} before: continuing there (--no-resume for a separate run)")
+    config = prep.config
+    out = Path(config.output_dir)
+    log(f"output directory: {out}")
+    prep.identity = run_identity(config)
+    # a broken pointer or state file is reported now, before any worker
+    current = None if config.overwrite else checkpoint.latest(out)
+    if not config.overwrite:
+        saved = checkpoint.read_state(current).get("run", {}) if current is not None else None
+        problem, changed = output_dir.door_problem(
+            out, identity=prep.identity, checkpoint_identity=saved or None, has_checkpoint=current is not None,
+            resume=config.resume, resume_with_changes=config.resume_with_changes)
+        if problem:
+            raise InputError(problem)
+        shape_problem = _adapter_shape_change(saved, prep.identity) if current is not None else None
+        if shape_problem:
+            raise InputError(f"{current / 'trainer_state.json'}: {shape_problem}")
+        if changed:
+            log(f"resuming despite changes (--resume-with-changes): {'; '.join(changed)}")
+        done_step = output_dir.completed_step(out)
+        if done_step is not None and done_step >= config.max_steps:
+            log(f"already complete at step {done_step}: {out} (a larger --max-steps continues it; --overwrite "
+                "trains it again)")
+            return out
+    output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
+    log.open(out)
+    write_resolved(config, str(out))
+    data_stats = {name: stats for name, stats in (("data", prep.train_stats), ("eval_data", prep.eval_stats)) if stats}
+    durable.replace_file(out / "data_stats.json", json.dumps(
+        {name: {"path": getattr(config, name), **dataclasses.asdict(stats)} for name, stats in data_stats.items()},
+        indent=2) + "\n")
+    if config.chat_template:
+        durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
+    for name, stats in data_stats.items():  # unused columns; truncated, dropped and skipped pairs
+        for note in data_notes(getattr(config, name), stats, max_length=config.max_length):
+            log(note)
+    world = world_size(config)
+    num_cpus = max(world, os.cpu_count() or 1)
+    log(f"connecting to the Ray cluster at {ray_address}" if ray_address else
+        f"starting a local Ray cluster ({num_cpus} logical CPUs)")
+    started = ray_workers.connect(address=ray_address, num_cpus=num_cpus)
+    try:
+        restarts = 0
+        while True:
+            try:
+                _attempt(prep, out=out, log=log)
+                break
+            except Stopped as stopped:
+                log.note(str(stopped))  # the command line shows it
+                raise
+            except ray_workers.WorkerGroupError as error:
+                if restarts >= config.max_restarts:
+                    log.note(f"error: {error}")
+                    raise
+                restarts += 1
+                log(f"restart {restarts}/{config.max_restarts} from the latest checkpoint after: {error}")
+    finally:
+        ray_workers.disconnect(started)
+    output_dir.mark_complete(out, identity=prep.identity, step=config.max_steps)
+    return out
+
+
+def _record_experts(prep: Prepared, kinds: set[str | None], *, out: Path) -> None:
+    """config.yaml says which experts ran (the ranks decide: Transformer Engine is theirs), as it
+    says whether packing ran: moe_grouped_gemm true or false for a MoE model whatever was asked
+    (the note the ranks sent says why a request was not met); a dense model's stays unset."""
+    if kinds == {None}:
+        return
+    ran = kinds == {"grouped"}
+    if prep.config.moe_grouped_gemm is not ran:
+        prep.config = replace(prep.config, moe_grouped_gemm=ran)
+        write_resolved(prep.config, str(out))
+
+
+def _record_packing(prep: Prepared, decided: set[bool], *, out: Path) -> None:
+    """config.yaml says whether packing ran: an unset --packing is decided by the ranks'
+    attention (`platform.default_packing`), as they decide which experts run."""
+    assert len(decided) == 1, f"ranks disagree on packing: {sorted(decided)}"
+    ran = decided.pop()
+    if prep.config.packing is not ran:
+        prep.config = replace(prep.config, packing=ran)
+        write_resolved(prep.config, str(out))
+
+
+def _attempt(prep: Prepared, *, out: Path, log) -> None:
+    """Build the worker group, resume from the latest checkpoint if any, train to the end."""
+    from mcore_dpo.rank.worker import PolicyWorker, ReferenceWorker, StepBatch
+
+    config = prep.config
+    checkpoint.remove_partials(out)
+    resume_dir = checkpoint.latest(out) if config.resume else None
+    start_step = int(checkpoint.read_state(resume_dir)["step"]) if resume_dir else 0
+    if resume_dir:
+        log(f"resuming from {resume_dir} (step {start_step})")
+    steps = step_batches(config, len(prep.train_pairs))
+    metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,
+                             wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
+                             run_config=config.to_dict(), note=getattr(log, "note", None))
+    group = ref_group = None
+    stop = _StopRequest(log, before_print=metrics_log.end_line)
+    try:
+        if config.ref_mode == "separate":
+            ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
+        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep,
+                             resume_dir=str(resume_dir) if resume_dir else None)
+        experts = group.call("experts")
+        for note in sorted({note for _, note in experts if note}):
+            log(note)  # grouped GEMM experts expected but not possible on the ranks
+        _record_experts(prep, {kind for kind, _ in experts}, out=out)
+        _record_packing(prep, set(group.call("packs")), out=out)
+        workers = {}
+        for g in (ref_group, group):
+            if g is not None:
+                check_shared_output_dir(g, out)
+                workers.update(zip(g.names, g.processes))
+        durable.replace_file(out / "workers.json", json.dumps(workers, indent=2) + "\n")
+        pairs = prep.train_pairs
+        if config.ref_mode == "precomputed":
+            group.call("precompute_reference", pairs, prep.eval_pairs)
+        eval_ref = _one(ref_group.call("reference_logps", prep.eval_pairs)) if ref_group and prep.eval_pairs else None
+        if prep.eval_pairs and start_step == 0:
+            metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs, eval_ref)))
+        # Separate reference group: batch k+1's reference runs on its own devices while the
+        # policy group trains on batch k.
+        ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[start_step]]) if ref_group else None
+        last_save = time.monotonic()
+        for k in range(start_step, len(steps)):
+            step = k + 1
+            last = step == len(steps)
+            ref_logps = _one(ref_group.gather(ref_pending)) if ref_group else None
+            if ref_group and not last:
+                ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[k + 1]])
+            batch = StepBatch(
+                step=step,
+                pairs=[pairs[i] for i in steps[k]],
+                next_pairs=None if last else [pairs[i] for i in steps[k + 1]],
+                pair_ids=steps[k],
+                ref_logps=ref_logps,
+            )
+            metrics = _one(group.call("train_step", batch))
+            if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
+                metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
+            metrics_log.write(step, metrics)
+            by_step = config.save_interval and step % config.save_interval == 0
+            by_time = config.save_interval_min and time.monotonic() - last_save >= 60 * config.save_interval_min
+            # The last step is always saved: `latest` names the newest checkpoint at every moment, a
+            # finished run exports from it, and a larger --max-steps continues from it.
+            if by_step or by_time or stop.requested or last:
+                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity)
+                last_save = time.monotonic()
+                if stop.requested and not last:
+                    raise Stopped(step)
+        if config.lora:
+            export_adapter(group, config=config, spec=prep.spec, out=out)
+            log(f"exported the adapter to {out / 'adapter'}")
+        if config.export_hf and (config.merge_lora or not config.lora):
+            export_policy(group, config=config, spec=prep.spec, out=out)
+            log(f"exported the policy to {out / 'hf'}")
+    finally:
+        stop.restore()
+        metrics_log.close()
+        for g in (group, ref_group):
+            if g is not None:
+                g.stop()
+    from mcore_dpo.plot import plot_run
+
+    plot_run(str(out))
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM (as SLURM sends before a time limit) ask the training loop to write a
+    checkpoint at the next step boundary and stop; a second signal interrupts at once."""
+
+    def __init__(self, log=print, *, before_print=lambda: None):
+        self.requested = False
+        self._log = log
+        self._before_print = before_print  # ends a terminal's progress line first
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers, the loop runs to the end
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._before_print()
+        self._log(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is written first)")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, ep: int = 1, **worker_kwargs):
+    """One worker group for a role: an actor per rank, each building `factory(...)`."""
+    from mcore_dpo.driver import ray_workers
+
+    config = prep.config
+    return ray_workers.create_group(
+        role=role,
+        world_size=tp * pp * dp,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        factory=factory,
+        kwargs_of_rank=lambda rank, addr, port: dict(
+            config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
+            master_port=port, **worker_kwargs,
+        ),
+        use_gpus=ray_workers.cluster_has_gpus(),
+        placement_timeout_s=config.placement_timeout_s,
+    )
+
+
+def _one(results: list) -> dict:
+    """The one result a group returns (tp rank 0 of the last stage)."""
+    found = [r for r in results if r is not None]
+    assert len(found) == 1, f"expected one reporting rank, got {len(found)}"
+    return found[0]
+
+
+def check_shared_output_dir(group, out: Path) -> None:
+    """Every rank must see the output directory the driver writes (checkpoints are written by
+    the ranks and read by the driver): each rank reads a token the driver just wrote there."""
+    from mcore_dpo.driver import ray_workers
+
+    token_file = out / ".output-dir-token"
+    token = uuid.uuid4().hex
+    durable.replace_file(token_file, token + "\n")
+    missing = ray_workers.ranks_not_seeing(group, path=str(token_file), text=token + "\n")
+    if missing:
+        name, node = missing[0]
+        raise InputError(
+            f"output_dir: {out} on node {node} ({name}) is not the directory the driver wrote; "
+            "a multi-node run needs --output-dir on a file system every node shares"
+        )
+
+
+def _layer_spec_of(group) -> str:
+    """The layer spec the workers built their models with (Transformer Engine or local), which
+    names the tensors in their shards; the driver's own environment does not decide it."""
+    specs = {s for s in group.call("layer_spec") if s is not None}
+    assert len(specs) == 1, f"workers disagree on the layer spec: {sorted(specs)}"
+    return specs.pop()
+
+
+def _model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
+    """checkpoint_convert metadata for shards of this run's layout, plus the source's
+    config/tokenizer files to carry along (custom *.py code only with --trust-remote-code)."""
+    from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, open_hf_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
+
+    if is_mcore_dir(config.model):
+        src = open_mcore_dir(config.model)
+        hf_config = src.meta.hf_config
+        aux = sorted(p for p in src.hf_files_dir.iterdir() if p.is_file()) if src.hf_files_dir.is_dir() else []
+    else:
+        src = open_hf_dir(config.model)
+        hf_config, aux = src.config, src.aux_files()
+    if config.tokenizer:  # --tokenizer's files travel with the checkpoints, in place of the model's
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
+        given = [p for p in Path(config.tokenizer).iterdir() if p.is_file() and p.name != "config.json" and p.suffix not in weights]
+        aux = [p for p in aux if p.name not in {g.name for g in given}] + given
+    if config.chat_template:  # the template the data was rendered with travels with the weights
+        template = Path(config.output_dir) / "chat_template.jinja"
+        aux = [p for p in aux if p.name != template.name] + [template]
+    if not config.trust_remote_code:
+        aux = [p for p in aux if p.suffix != ".py"]
+    meta = McoreMeta(
+        spec=spec,
+        tp=config.tp,
+        pp=config.pp,
+        dtype=dtype,
+        layer_spec=layer_spec,
+        vocab_divisor=128,
+        hf_config=hf_config,
+        format_version=FORMAT_VERSION,
+        ep=config.ep,  # at ep > 1 the workers write the converter's ep layout
+    )
+    return meta, aux
+
+
+def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, identity: dict | None = None) -> Path:
+    """Workers write their shards into a partial directory; the driver adds the metadata and
+    makes it current atomically."""
+    from checkpoint_convert.convert import write_mcore_meta
+
+    tmp = checkpoint.begin(out, step=step, fmt=config.save_format)
+    group.call("save_checkpoint", str(tmp), step=step)
+    # fp32 master weights and moments
+    meta, aux = _model_meta(config, spec, dtype="float32", layer_spec=_layer_spec_of(group))
+    synced = ("reference",) if config.sync_ref_model else ()  # TR-DPO's moving reference
+    kinds = ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS) + synced
+    if config.lora:  # PEFT-named adapter files; the base is pointed at, not copied
+        _join_lora_checkpoint(tmp, config=config, spec=spec)
+        kinds = ()
+    elif config.save_format == "torch_dist":  # one Megatron-LM iteration directory; the family is in hf_files/
+        from mcore_dpo.checkpoint.torch_dist import write_hf_files
+
+        write_hf_files(tmp, hf_config=meta.hf_config, aux_files=aux)
+        kinds = ()
+    for kind in kinds:
+        write_mcore_meta(tmp / kind, meta=meta, aux_files=aux)
+    state = {
+        "step": step,
+        "consumed_pairs": step * config.global_batch_size,
+        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep},
+        "config": config.to_dict(),
+        "run": identity if identity is not None else run_identity(config),  # what a resume must agree on
+    }
+    return checkpoint.commit(out, tmp, step=step, trainer_state=state, keep_last=config.keep_last)
+
+
+def _join_lora_checkpoint(tmp: Path, *, config: TrainConfig, spec) -> None:
+    """A LoRA checkpoint: the ranks' adapter shards joined into whole PEFT-named files (any
+    layout resumes from them), and the base's path and fingerprint."""
+    from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
+    from mcore_dpo.model import lora
+    from mcore_dpo.driver.resume_check import model_fingerprint
+
+    shape = lora.shape_of(config)
+    for kind, directory in checkpoint.ADAPTER_DIRS.items():
+        tensors = join_shard_files(tmp / checkpoint.LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+        write_adapter_dir(tmp / directory, tensors,
+                          adapter_config(shape, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
+    shutil.rmtree(tmp / checkpoint.LORA_SHARDS)
+    base = {"model": os.path.abspath(config.model), "fingerprint": model_fingerprint(config.model)}
+    durable.write_file(tmp / checkpoint.BASE_FILE, json.dumps(base, indent=2) + "\n")
+
+
+def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
+    """OUT/adapter: the trained adapter as a PEFT adapter directory (replaced atomically)."""
+    from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
+    from mcore_dpo.model import lora
+
+    shards = out / "checkpoints" / "final_adapter"
+    if shards.exists():
+        shutil.rmtree(shards)
+    group.call("write_adapter", str(shards))
+    shape = lora.shape_of(config)
+    tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+    tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
+    write_adapter_dir(tmp, tensors, adapter_config(shape, dropout=config.lora_dropout,
+                                                   base_model=os.path.abspath(config.model)))
+    durable.fsync_tree(tmp)
+    if (out / "adapter").exists():
+        shutil.rmtree(out / "adapter")
+    durable.move(tmp, out / "adapter")
+    shutil.rmtree(shards)
+
+
+def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
+    """Workers write the policy shards (LoRA: merged with the adapters); the driver converts
+    them to OUT/hf (atomic)."""
+    from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta
+
+    final = out / "checkpoints" / "final"
+    if final.exists():
+        shutil.rmtree(final)
+    final.mkdir(parents=True)
+    group.call("write_policy", str(final))
+    meta, aux = _model_meta(config, spec, dtype=config.dtype, layer_spec=_layer_spec_of(group))
+    write_mcore_meta(final, meta=meta, aux_files=aux)
+    mcore_to_hf_dir(final, out / "hf", overwrite=True, log=lambda _msg: None)

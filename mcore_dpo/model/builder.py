@@ -1,0 +1,425 @@
+"""Model builder: an HF config (as a ModelSpec) -> megatron-core GPTModel chunk for this stage.
+
+The key map between Hugging Face and megatron-core names lives in
+`checkpoint_convert.mapping`; this module builds the modules and fills them from it,
+so training and conversion share one source of truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint_convert.families import family_of
+from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.mapping import padded_vocab_size, sequential_expert_name, stage_layers
+from mcore_dpo.parallel.mesh import Mesh
+from mcore_dpo.parallel.platform import fused_kernel_fields
+
+
+def layer_spec_name(*, use_te: bool) -> str:
+    return "te" if use_te else "local"
+
+
+def transformer_config(
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused: dict[str, bool] | None = None,
+):
+    """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
+    are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only).
+    `fused`: the fused kernels' fields (`platform.fused_kernel_fields` decides; none by default)."""
+    from megatron.core.transformer import TransformerConfig
+
+    layout = mesh.layout
+    # One explicit per-stage layout so that uneven layer splits match checkpoint_convert's.
+    stages = []
+    for pp_rank in range(layout.pp):
+        n = len(stage_layers(spec.num_layers, pp=layout.pp, pp_rank=pp_rank))
+        row = ["decoder"] * n
+        if pp_rank == 0:
+            row = ["embedding"] + row
+        if pp_rank == layout.pp - 1:
+            row = row + ["loss"]
+        stages.append(row)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        # Activations outside the tensor-parallel linears are split over tp along the sequence.
+        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=layout.pp,
+        # Experts split over ep ranks: their parameters are then reduced over the
+        # expert-data-parallel group (allreduce=False), not over dp.
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        pipeline_model_parallel_layout=stages if layout.pp > 1 else None,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        # Weights always come from a checkpoint, but megatron-core only marks tensor-parallel
+        # parameters (which the gradient norm relies on) when it initialises them.
+        perform_initialization=True,
+        attention_softmax_in_fp32=True,
+        deterministic_mode=deterministic,  # --deterministic (platform.make_deterministic)
+        # What differs by family (qkv bias, qk norms, experts): the family module says; then the
+        # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
+        **{**_family_fields(spec, grouped_experts=grouped_experts),
+           **(fused or fused_kernel_fields(requested=False, use_te=False, on_gpu=False, moe=bool(spec.num_experts)))},
+    )
+
+
+def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
+    fields = family_of(spec).transformer_fields(spec)
+    if grouped_experts:
+        if not spec.num_experts:
+            raise ValueError(f"grouped_experts: {spec.architecture} has no experts")
+        fields["moe_grouped_gemm"] = True
+    return fields
+
+
+def build_stage_model(
+    spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
+    grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
+):
+    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
+    With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
+    between pipeline stages) are [s/tp, b, h]. `grouped_experts` (Transformer Engine spec, MoE
+    models): megatron-core's TEGroupedMLP experts instead of its SequentialMLP; their parameters
+    are named differently (`shard_names` translates)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if grouped_experts and not use_te:
+        # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
+        raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
+    config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
+                                grouped_experts=grouped_experts, deterministic=deterministic,
+                                fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
+                                                          moe=bool(spec.num_experts)))
+    if config.num_moe_experts:
+        # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
+        layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank
+        )
+        if sequence_parallel and not use_te:
+            layer_spec = _block_spec_with_sp_norms(layer_spec)
+    elif use_te:
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        if sequence_parallel:
+            layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, tp=mesh.layout.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=mesh.is_first_stage,
+        post_process=mesh.is_last_stage,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+    )
+    if mesh.is_first_stage:
+        model.embedding.register_forward_hook(_canonical_strides)
+    if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
+        # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
+        # inverse frequencies from the checkpoint's own values instead.
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(
+            head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
+        ).to(model.rotary_pos_emb.inv_freq.device)
+    return model
+
+
+def _canonical_strides(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the embedding: its [s, b, h] output with the strides of a fresh tensor.
+
+    megatron-core turns [b, s, h] into [s, b, h] by `transpose(0, 1).contiguous()`, which for a
+    packed row (b = 1) copies nothing and keeps the batch stride s*h. torch.matmul then folds
+    such an input into one matrix product only when the weight requires grad, and otherwise
+    runs a batched product of s one-row products, which rounds differently: with identical
+    weights, the policy (trainable) and the frozen reference would give different log-probs.
+    A view with canonical strides (free: no copy) makes both fold."""
+    return output.contiguous().view(output.shape)
+
+
+def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on `device`, its RoPE frequencies too: megatron-core keeps them in a plain
+    attribute that `Module.to` does not move, and copies them over in the first forward, a
+    host->device copy that waits for the GPU."""
+    model = model.to(device)
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is not None:
+        rope.inv_freq = rope.inv_freq.to(device)
+    return model
+
+
+class SequenceParallelRMSNorm:
+    """torch RMSNorm whose weight is marked `sequence_parallel` (megatron-core's torch-norm
+    wrapper refuses sequence parallelism, and its apex norm needs CUDA). An RMSNorm acts on each
+    token alone, so it runs unchanged on [s/tp, b, h]; only its weight gradient, which then
+    covers this rank's tokens, must be summed over tp (`allreduce_sequence_parallel_grads`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
+    """The local layer spec for one stage, every norm (the final one too) sequence-parallel."""
+    import copy
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def _block_spec_with_sp_norms(block_spec):
+    """A local block spec (MoE and dense layers mixed) with every norm sequence-parallel: the
+    layers' pre-attention and pre-MLP norms, the q/k norms (which megatron-core's torch-norm
+    wrapper refuses under sequence parallelism too) and the final norm."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    block_spec = copy.deepcopy(block_spec)
+    for layer_spec in block_spec.layer_specs:
+        layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layer_spec.submodules.self_attention.submodules
+        for name in ("q_layernorm", "k_layernorm"):
+            if getattr(attention, name, IdentityOp) not in (None, IdentityOp):
+                setattr(attention, name, SequenceParallelRMSNorm)
+    block_spec.layer_norm = SequenceParallelRMSNorm
+    return block_spec
+
+
+def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> None:
+    """Sum the gradients (`main_grad`) of sequence-parallel parameters over the tp group: each
+    tp rank saw only its share of the sequence. The per-head q/k norms (qk_layernorm) are
+    replicated over tp but each rank normalises only its own heads, so their gradients are
+    summed too. What megatron-core's finalize_model_grads does for these parameters; the tp
+    copies are then equal, so the gradient norm counts them once."""
+    import torch.distributed as dist
+
+    grads = [
+        p.main_grad
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and (getattr(p, "sequence_parallel", False) or name.endswith(("q_layernorm.weight", "k_layernorm.weight")))
+    ]
+    if not grads or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
+
+
+def llama3_inv_freq(*, head_dim: int, rope_theta: float, rope_scaling: dict) -> torch.Tensor:
+    """RoPE inverse frequencies with llama3-style scaling (the HF `rope_type: llama3` rule)."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factor = float(rope_scaling["factor"])
+    low = float(rope_scaling["low_freq_factor"])
+    high = float(rope_scaling["high_freq_factor"])
+    old_len = float(rope_scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def shard_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors keyed by a live model's parameter names -> keyed by the names shards, checkpoints
+    and optimizer files use, whatever experts ran: grouped GEMM experts' `...experts.linear_fc1.
+    weight{i}` become `...experts.local_experts.{i}.linear_fc1.weight`; every other name is kept."""
+    return {sequential_expert_name(name): tensor for name, tensor in tensors.items()}
+
+
+def live_names(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `shard_names` for `model`: tensors keyed by shard names -> keyed by the
+    model's own parameter names (a name the model does not have is kept as it is)."""
+    live = {sequential_expert_name(name): name for name, _ in model.named_parameters()}
+    return {live.get(name, name): tensor for name, tensor in tensors.items()}
+
+
+def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
+    """Copy a stage shard (megatron-core parameter names, experts as `local_experts.{i}` whatever
+    the model's experts are) into the model; key sets must match."""
+    params = shard_names(dict(model.named_parameters()))  # reported by the shard's (file) names
+    missing = sorted(set(params) - set(shard))
+    extra = sorted(set(shard) - set(params))
+    if missing or extra:
+        raise ValueError(f"shard does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            value = shard[name]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"shard tensor {name}: shape {tuple(value.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+
+def open_weights(path: str):
+    """HF-named lazy tensors of an HF directory or of a checkpoint_convert Megatron directory
+    (any tp/pp: the latter is read through HF names). Has `.spec`, `.get(name)` and
+    `.get_part(name, dim, start, stop)`, which reads only that part's bytes (a rank's own rows
+    or columns, see mapping.hf_to_mcore_shard)."""
+    from checkpoint_convert.io import open_hf_dir
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
+
+    return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)
+
+
+def tokenizer_dir(path: str) -> str:
+    """Where the tokenizer files of a model directory live."""
+    from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
+
+    return str(open_mcore_dir(path).hf_files_dir) if is_mcore_dir(path) else path
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference: no grads, no DDP, no optimizer state; eval mode."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def causal_mask(seq_len: int, *, device: torch.device) -> torch.Tensor:
+    """[1, 1, s, s] bool, True where attention is not allowed. Right padding needs nothing more:
+    real tokens come first and never attend to the pads behind them."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, W, W] bool for one packed row (`segment_ids` [1, W]), True where attention is not
+    allowed: a token sees only the earlier tokens of its own sequence (block-diagonal causal)."""
+    seg = segment_ids[0]
+    width = seg.shape[0]
+    blocked = seg[:, None] != seg[None, :]
+    blocked |= torch.triu(torch.ones(width, width, dtype=torch.bool, device=seg.device), diagonal=1)
+    return blocked[None, None]
+
+
+@contextlib.contextmanager
+def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, num_positions: int):
+    """RoPE at `position_ids` [1, W] instead of 0..W-1 (a packed row restarts at 0 in each
+    sequence). megatron-core's rotary embedding takes a length, not positions: its table up to
+    the largest position (`num_positions` = that + 1, known on the host: the longest segment)
+    is computed by its own code and indexed per token, for this forward."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        yield
+        return
+    table = rope.get_emb(num_positions)  # [L, 1, 1, d]
+    emb = table[position_ids[0]]
+
+    def forward(*_args, **_kwargs):
+        return emb
+
+    rope.forward = forward
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's (cached) forward
+
+
+def packed_seq_params(seq_lens: tuple[int, ...], *, device: torch.device):
+    """megatron-core's PackedSeqParams for one packed row in the THD layout (Transformer Engine);
+    cu_seqlens built on the host and copied without blocking it."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_dpo.parallel.platform import to_device
+
+    cu = to_device(torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32), device)
+    longest = max(seq_lens)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def stage_forward(
+    model: torch.nn.Module,
+    *,
+    tokens: torch.Tensor,
+    input_tensor: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    packed_params=None,
+    num_positions: int | None = None,
+) -> torch.Tensor:
+    """One stage's forward. First stage reads tokens [b, s]; later stages read the previous
+    stage's hidden states [s, b, h]. Returns hidden states [s, b, h], or on the last stage the
+    vocab-parallel logits [b, s, v/tp].
+
+    Packed rows (b = 1): either the THD layout (`packed_params`, attention over cu_seqlens, no
+    mask) or the local spec's block-diagonal `mask` with RoPE at `position_ids` (then
+    `num_positions`: the largest position + 1, a host-side fact of the row)."""
+    unwrapped = model.module if hasattr(model, "module") else model
+    unwrapped.set_input_tensor(input_tensor)
+    if packed_params is not None:
+        return model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
+                     packed_seq_params=packed_params)
+    if position_ids is not None:
+        if num_positions is None:
+            raise ValueError("stage_forward: position_ids with a mask need num_positions (the largest position + 1)")
+        with _rope_at_positions(unwrapped, position_ids, num_positions=num_positions):
+            return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+    seq_len = tokens.shape[1]
+    position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+
+
+class RouterTap:
+    """Records the router logits of a model's MoE layers while `active`, in forward order, as
+    (global layer index from 0, logits [s, b, E] or [s*b, E] in the graph). The routers' own
+    gating runs unchanged: this wraps it on each router instance."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.active = False
+        self.records: list[tuple[int, torch.Tensor]] = []
+        self.num_layers = 0
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                self.num_layers += 1
+                module.gating = self._wrap(module, module.gating)
+
+    def _wrap(self, router, gating):
+        def tapped(input: torch.Tensor) -> torch.Tensor:
+            logits = gating(input)
+            if self.active:
+                self.records.append((router.layer_number - 1, logits))
+            return logits
+
+        return tapped
+
+    def take(self) -> list[tuple[int, torch.Tensor]]:
+        records, self.records = self.records, []
+        return records

@@ -1,0 +1,210 @@
+"""Checkpoints and the policy export of a policy rank: what each rank writes into a checkpoint
+directory (weights and AdamW moments through the optimizer, the moving reference, RNG states),
+how a resume reads them back (resharded through HF names when the layout changed), and the
+shards of the final export. The directory layout and its atomic commit are checkpoint.py's.
+
+`Checkpointer` is given the rank, the policy, its optimizer and the reference source at
+construction; the worker calls it. `adapter_shard` cuts this rank's LoRA adapters out of whole
+PEFT tensors (the start of a LoRA run and its resume alike).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from checkpoint_convert.convert import write_mcore_shard
+from checkpoint_convert.io import shard_relpath
+from checkpoint_convert.mapping import hf_to_mcore_shard
+from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS, peft_to_shard
+from checkpoint_convert.safetensors_stream import SafetensorsWriter
+from mcore_dpo import hooks
+from mcore_dpo.checkpoint import torch_dist as checkpoint_torch_dist
+from mcore_dpo.model import lora
+from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
+from mcore_dpo.checkpoint.expert_files import file_jobs
+from mcore_dpo.model.builder import layer_spec_name, live_names, open_weights, shard_names
+
+
+class Checkpointer:
+    """Checkpoint save and load, and the export shards, of one policy rank. `rank`: the
+    worker's rank (`worker.Rank`: config, spec, layout, mesh, platform, dtype); `policy`: the
+    DDP-wrapped policy; `optimizer`: its optimizer; `reference`: the reference source (TR-DPO's
+    moving reference is saved)."""
+
+    def __init__(self, *, rank, policy: torch.nn.Module, optimizer, reference):
+        self.rank, self.policy, self.optimizer, self.reference = rank, policy, optimizer, reference
+        self._stage_rank_map: dict[tuple[int, int], int] | None = None
+
+    def policy_shard(self) -> dict[str, torch.Tensor] | None:
+        """This rank's policy parameters on the CPU in the run's dtype (megatron-core keeps some
+        norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
+        if self.rank.mesh.dp_rank != 0:
+            return None
+        if self.rank.config.lora:  # the base with the adapters merged in
+            return lora.merged_weights(self.policy.module, dtype=self.rank.dtype)
+        return shard_names({n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in self.policy.module.named_parameters()})
+
+    def adapter_shard(self) -> dict[str, torch.Tensor] | None:
+        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
+        if self.rank.mesh.dp_rank != 0:
+            return None
+        return {n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
+
+    def write_adapter(self, directory: str) -> None:
+        """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
+        shard = self.adapter_shard()
+        if shard is not None:
+            _write_adapter_shard(Path(directory), shard, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank)
+
+    def write_policy(self, directory: str) -> None:
+        """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
+        format; with ep > 1 its ep layout, each file written where its experts are: see
+        `_write_expert_parallel`)."""
+        if self.rank.layout.ep > 1:
+            params = shard_names({n: p.detach() for n, p in self.policy.module.named_parameters()})
+            self._write_expert_parallel(Path(directory), params, dtype=self.rank.dtype)
+            return
+        shard = self.policy_shard()
+        if shard is not None:
+            write_mcore_shard(Path(directory), tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+
+    def save_checkpoint(self, directory: str, *, step: int) -> None:
+        """Weights and AdamW moments (dp rank 0 of each (tp, pp); with ep > 1 the ep layout, each
+        file written where its experts are), and every rank's RNG states."""
+        hooks.fire("save_checkpoint", step=step, rank=self.rank.rank, output_dir=self.rank.config.output_dir)
+        root = Path(directory)
+        if self.rank.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
+            checkpoint_torch_dist.save(root, config=self.rank.config, spec=self.rank.spec, layout=self.rank.layout,
+                                       model=self.policy.module, optimizer=self.optimizer, dp_rank=self.rank.mesh.dp_rank,
+                                       step=step, platform=self.rank.platform)  # fmt: skip
+        # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
+        # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
+        # its slices to dp rank 0); dp rank 0 writes (at ep > 1: the ranks file_jobs names).
+        kinds = () if self.rank.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
+        for kind in kinds:
+            moment = kind.removeprefix("optim/")
+            if self.rank.layout.ep > 1:
+                # Every rank's whole state of its own parameters, its ep rank's experts among them
+                # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
+                self._write_expert_parallel(root / kind, shard_names(self.optimizer.whole_state(moment)),
+                                            dtype=torch.float32)
+                continue
+            shard = self.optimizer.checkpoint_tensors(moment, dp_rank=self.rank.mesh.dp_rank)
+            shard = shard_names(shard) if shard is not None else None
+            if shard is not None and self.rank.config.lora:  # the driver joins them into PEFT files
+                _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank)
+            elif shard is not None:
+                write_mcore_shard(root / kind, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+            del shard
+        if self.rank.config.sync_ref_model and self.reference.model is not None:
+            # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
+            params = shard_names({n: p.detach() for n, p in self.reference.model.named_parameters()})
+            if self.rank.layout.ep > 1:
+                self._write_expert_parallel(root / "reference", params, dtype=torch.float32)
+            elif self.rank.mesh.dp_rank == 0:
+                shard = {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()}
+                write_mcore_shard(root / "reference", tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+        rng = {"torch": torch.get_rng_state()}
+        if self.rank.platform.is_cuda:
+            rng["cuda"] = torch.cuda.get_rng_state(self.rank.platform.device)
+        (root / "rng").mkdir(parents=True, exist_ok=True)
+        save_file(rng, str(root / "rng" / f"rank{self.rank.rank}.safetensors"))
+
+    def load(self, directory: str) -> None:
+        """Master weights and AdamW moments (resharded through HF names when the layout changed)
+        and RNG states."""
+        state = read_state(Path(directory))
+        torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(directory)
+        shards = {}
+        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
+            if self.rank.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
+                shards[kind] = adapter_shard(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)),
+                                             rank=self.rank)
+                continue
+            source = (checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
+                      else open_weights(os.path.join(directory, kind)))
+            shards[kind] = hf_to_mcore_shard(
+                self.rank.spec,
+                tp=self.rank.layout.tp,
+                tp_rank=self.rank.mesh.tp_rank,
+                pp=self.rank.layout.pp,
+                pp_rank=self.rank.mesh.pp_rank,
+                get=source.get,
+                get_part=source.get_part,
+                layer_spec=layer_spec_name(use_te=self.rank.use_te),
+                ep=self.rank.layout.ep,
+                ep_rank=self.rank.mesh.ep_rank,
+            )
+        if self.rank.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
+            lora.load_shard(self.policy.module, shards["model"])
+        # The optimizer keys its state by the live parameter names (grouped experts' differ).
+        live = {kind: live_names(self.policy.module, shard) for kind, shard in shards.items()}
+        moments = {m: live[f"optim/{m}"] for m in MOMENTS}
+        self.optimizer.load_moments(moments, masters=live["model"], step=int(state["step"]))
+        rng_file = Path(directory) / "rng" / f"rank{self.rank.rank}.safetensors"
+        if rng_file.is_file():  # absent when the layout changed: fresh RNG is fine (no dropout)
+            rng = load_file(str(rng_file))
+            torch.set_rng_state(rng["torch"])
+            if self.rank.platform.is_cuda and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.rank.platform.device)
+
+    def _write_expert_parallel(self, directory: Path, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> None:
+        """Expert parallelism: this stage's files of checkpoint_convert's ep layout
+        (`tp{t}_pp{p}_ep{e}`), as `expert_files.file_jobs` assigns them, each tensor stored in
+        `dtype`. `tensors` are this rank's own, where they live (its dense part and its ep rank's
+        experts under their local index; the same names, shapes and order on every rank of the
+        stage but for the dense parts' tp split). Each is copied to the CPU only when written. A
+        writer that does not hold the file's experts receives them from their sender one tensor
+        at a time, in that order, and streams each into the file: no rank holds more than its
+        own tensors and one other. A collective over the world: every rank goes through the same
+        jobs in the same order, so the sends and receives pair up."""
+        mesh, device = self.rank.mesh, self.rank.platform.device
+        me = (mesh.tp_rank, mesh.dp_rank)
+        world = self._stage_ranks()
+        for job in file_jobs(self.rank.layout):
+            if job.writer == me:
+                path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep=self.rank.layout.ep,
+                                                 ep_rank=job.ep_rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
+                with SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"}) as writer:
+                    for name, tensor in tensors.items():
+                        if job.source is not None and _EXPERT.search(name):
+                            tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
+                            dist.recv(tensor, src=world[job.source])
+                        writer.write(name, tensor.to("cpu", dtype, copy=True))
+            elif job.source == me:
+                for name, tensor in tensors.items():
+                    if _EXPERT.search(name):
+                        dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
+
+    def _stage_ranks(self) -> dict[tuple[int, int], int]:
+        """(tp rank, dp rank) -> global rank of this rank's pipeline stage; a collective over
+        the world the first time."""
+        if self._stage_rank_map is None:
+            mesh = self.rank.mesh
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (mesh.pp_rank, mesh.tp_rank, mesh.dp_rank, mesh.rank))
+            self._stage_rank_map = {(t, d): r for p, t, d, r in every if p == mesh.pp_rank}
+        return self._stage_rank_map
+
+
+_EXPERT = re.compile(r"\.local_experts\.\d+\.")
+
+
+def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in shard.items()}, str(directory / f"tp{tp_rank}_pp{pp_rank}.safetensors"))
+
+
+def adapter_shard(whole: dict[str, torch.Tensor], *, rank) -> dict[str, torch.Tensor]:
+    """This rank's part of whole PEFT-named adapter tensors, under megatron names."""
+    return peft_to_shard(whole.__getitem__, spec=rank.spec, lora=lora.shape_of(rank.config), tp=rank.layout.tp,
+                         tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp, pp_rank=rank.mesh.pp_rank,
+                         ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank)

@@ -1,0 +1,245 @@
+"""Memory per device of a training rank, as arithmetic: what the config headers state and
+what `tests/test_memory_estimate.py` checks against tensors measured on the CPU.
+
+Activations are the tensors one microbatch keeps for its backward, counted per token (one
+token = one position of one row; a DPO microbatch of b pairs has 2b rows) and per layer,
+for the Llama/Qwen2 layer this project builds (RMSNorm, GQA attention with RoPE, SwiGLU MLP).
+Two attention implementations:
+
+- `local`: megatron-core's local layer spec (what runs on the CPU, and on GPUs without
+  Transformer Engine). torch's RMSNorm keeps its input, the normalised input and its output
+  (3h per norm); attention keeps q, k and v repeated to every head, the context, and the
+  full s x s softmax probabilities (fp32, plus a copy in the parameter dtype when that is
+  narrower); the scores are formed in one persistent s x s workspace.
+- `flash`: Transformer Engine with flash/fused attention (GPU): each norm keeps its input
+  and output (2h); attention keeps q, k, v (grouped heads, not repeated), the output and
+  the fp32 log-sum-exp per head; no s x s tensor.
+
+Both: the MLP keeps fc1's output (2f), silu(gate) (f), the linear half (f) and their product
+(f), all divided by tp. With sequence parallelism the norm-side tensors ([s, b, h] outside the
+tensor-parallel linears) are divided by tp too, and the linears gather their input into one
+persistent [s, b, h] workspace. The last stage adds the final norm and the vocab-parallel
+logits, which the log-prob kernel keeps in fp32 together with their gradient during the
+backward (2 fp32 copies of tokens x vocab/tp).
+
+Mixture-of-experts layers (a shape with `experts` > 0; every layer is then a MoE layer, as in
+Qwen3-30B-A3B and Mixtral): the MLP term becomes the routed one. Each token goes to its top k
+experts, so with balanced routing a rank's experts see k copies of each of its tokens (the
+all-to-all brings as many in as it sends out; routing skewed towards one ep rank's experts
+raises that rank's share, up to ep x k copies with a dropless dispatcher). Per token: the router's
+fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 keeps (kh) and the
+k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
+by the expert tensor-parallel size.
+
+1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
+layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
+given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
+memory model instead (`plan_memory.py`: per stage, the policy stash in microbatches and the
+reference activations in flight and carried), and `per_gpu_bytes` adds the per-parameter
+bytes: the configs' headers are computed with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore_dpo.optim.adamw import NORM_CHUNK
+
+ATTENTION_IMPLS = ("flash", "local")
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    experts: int = 0  # routed experts per layer; 0: a dense model
+    topk: int = 0  # experts each token is routed to
+    moe_ffn: int = 0  # one expert's FFN size
+
+
+def expert_param_count(shape: LayerShape, *, moe_layers: int) -> int:
+    """Parameters of the routed experts (SwiGLU: gate, up, down) of `moe_layers` MoE layers;
+    the routers ([E, h] each) are replicated like the dense parameters."""
+    return moe_layers * shape.experts * 3 * shape.hidden * shape.moe_ffn
+
+
+def expert_params_per_rank(shape: LayerShape, *, moe_layers: int, ep: int, expert_tp: int) -> float:
+    """Expert parameters one rank of a stage holding `moe_layers` MoE layers keeps: E/ep experts
+    of each layer, each split over the expert tensor-parallel ranks."""
+    if shape.experts % ep:
+        raise ValueError(f"ep {ep} does not divide the expert count {shape.experts}")
+    return expert_param_count(shape, moe_layers=moe_layers) / (ep * expert_tp)
+
+
+def expert_data_parallel_size(*, tp: int, dp: int, ep: int, expert_tp: int) -> int:
+    """Ranks holding the same experts (megatron-core's expert-data-parallel group of one stage)."""
+    ranks, rest = divmod(tp * dp, ep * expert_tp)
+    if rest or not ranks:
+        raise ValueError(f"ep {ep} x expert tp {expert_tp} does not divide tp {tp} x dp {dp}")
+    return ranks
+
+
+def _norm_elems(attention: str) -> int:
+    """Elements per token (in units of hidden) one norm keeps."""
+    return 3 if attention == "local" else 2
+
+
+def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: int, expert_tp: int | None = None) -> float:
+    """Bytes per token the MLP block keeps: dense SwiGLU 5f / tp; MoE: router 2E fp32, the k
+    routed copies in and out (2kh) and k expert MLPs 5 f_moe / expert tp (balanced routing)."""
+    if not shape.experts:
+        return 5 * shape.ffn * dtype_bytes / tp
+    expert_tp = tp if expert_tp is None else expert_tp
+    router = 2 * shape.experts * FP32_BYTES
+    routed = 2 * shape.topk * shape.hidden * dtype_bytes
+    experts = 5 * shape.topk * shape.moe_ffn * dtype_bytes / expert_tp
+    return router + routed + experts
+
+
+def layer_activation_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    expert_tp: int | None = None,
+) -> float:
+    """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len])."""
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    tokens = seq_len * rows
+    sp = tp if sequence_parallel else 1
+    q_width = shape.heads * shape.head_dim
+    kv_width = shape.kv_heads * shape.head_dim
+    norms = 2 * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    if attention == "local":
+        scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
+        attn = (4 * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
+    else:
+        attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + shape.heads * FP32_BYTES) / tp
+    mlp = mlp_activation_bytes_per_token(shape, tp=tp, dtype_bytes=dtype_bytes, expert_tp=expert_tp)
+    return tokens * (norms + attn + mlp)
+
+
+def workspace_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+) -> float:
+    """megatron-core's persistent buffer (one per dtype, shared by its users): the local
+    spec's s x s score matrix and the sequence-parallel gather of [s, b, h]."""
+    scores = rows * (shape.heads // tp) * seq_len * seq_len if attention == "local" else 0
+    gather = seq_len * rows * shape.hidden if sequence_parallel else 0
+    return max(scores, gather) * dtype_bytes
+
+
+def head_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+) -> float:
+    """Last stage: the final norm and the fp32 vocab-parallel logits with their gradient."""
+    tokens = seq_len * rows
+    sp = tp if sequence_parallel else 1
+    final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    logits = 2 * FP32_BYTES * shape.vocab / tp
+    return tokens * (final_norm + logits)
+
+
+def activation_bytes(
+    shape: LayerShape, *, layers: int, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str,
+    dtype_bytes: int, expert_tp: int | None = None,
+) -> float:
+    """Peak activation bytes of one microbatch's forward + backward through `layers` layers
+    and the last stage's head (the peak is where the backward starts)."""
+    kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+              dtype_bytes=dtype_bytes)
+    return (layers * layer_activation_bytes(shape, **kw, expert_tp=expert_tp) + workspace_bytes(shape, **kw)
+            + head_bytes(shape, **kw))
+
+
+def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool,
+                   dtype_bytes: int) -> float:
+    """One stage-boundary activation ([s, b, h], or [s/tp, b, h] with sequence parallelism):
+    the unit of the reference activations in flight and carried (`plan_memory`)."""
+    return seq_len * rows * shape.hidden * dtype_bytes / (tp if sequence_parallel else 1)
+
+
+def plan_activation_bytes(
+    shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
+    tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int, expert_tp: int | None = None,
+) -> float:
+    """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
+    (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
+    is one microbatch through its layers/pp layers; the last stage adds the head; every stage
+    the workspace. Interleaved: the larger of the first step's plan and the carrying one."""
+    from mcore_dpo.pipeline.memory import plan_memory
+    from mcore_dpo.pipeline.schedule import build_plan
+
+    kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+              dtype_bytes=dtype_bytes)
+    stash_unit = layers / pp * layer_activation_bytes(shape, **kw, expert_tp=expert_tp)
+    boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
+                              dtype_bytes=dtype_bytes)
+    plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
+    variants = [dict()]
+    if plan_mode == "interleaved":
+        variants = [dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)]
+    peak = 0.0
+    for extra in variants:
+        plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, **extra)
+        for stage, units in enumerate(plan_memory(plan)):
+            stage_bytes = (units.policy_stash * stash_unit + (units.reference_in_flight + units.carried) * boundary
+                           + workspace_bytes(shape, **kw) + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0))
+            peak = max(peak, stage_bytes)
+    return peak
+
+
+# Bytes per parameter a training rank holds (megatron-core mixed precision, bf16 weights):
+# policy weights, fp32 main grads, frozen reference (colocated modes) ...
+POLICY_BYTES_PER_PARAM = 2 + 4
+REFERENCE_BYTES_PER_PARAM = 2
+OPTIMIZER_BYTES_PER_PARAM = 12  # ... and fp32 masters + AdamW m, v, sharded over dp by the distributed optimizer
+
+
+def bytes_per_param(*, ref_mode: str, optimizer_shards: int) -> float:
+    """Bytes a rank keeps per parameter it holds: weights and main grads, the frozen reference
+    when colocated, the optimizer state over its `optimizer_shards` ranks."""
+    colocated = ref_mode in ("interleaved", "sequential")
+    return (POLICY_BYTES_PER_PARAM + (REFERENCE_BYTES_PER_PARAM if colocated else 0)
+            + OPTIMIZER_BYTES_PER_PARAM / optimizer_shards)
+
+
+def optimizer_step_bytes() -> float:
+    """What the optimizer step allocates beyond the state counted per parameter. It runs after
+    the last backward, when the activations are gone, so a rank's peak is the larger of the
+    two. Clipping scales the gradients in place and a GPU's fused AdamW keeps no per-tensor
+    temporaries (`optim.clip_in_place`, `platform.fused_adamw`); what is left is the gradient
+    norm's fp64 copy of one chunk and its square (`optim.squared_sum`)."""
+    return 2 * 8 * NORM_CHUNK
+
+
+def per_gpu_bytes(
+    shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
+    micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
+    attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
+) -> float:
+    """Memory of one training rank: parameters, grads and optimizer state per parameter
+    (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
+    the optimizer step's temporaries, whichever is larger (`optimizer_step_bytes`).
+
+    MoE: `params` counts the parameters outside the routed experts (split over tp x pp, the
+    optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
+    pp, the optimizer state over the expert-data-parallel group); expert tp defaults to the
+    trainer's rule (checkpoint_convert.mapping.expert_tp_size): 1 at ep > 1, else tp."""
+    if expert_tp is None:
+        expert_tp = 1 if ep > 1 else tp
+    dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
+    experts = 0.0
+    if expert_params:
+        edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=expert_tp)
+        per_param = bytes_per_param(ref_mode=ref_mode, optimizer_shards=edp if distributed_optimizer else 1)
+        experts = expert_params * per_param / (ep * expert_tp * pp)
+    activations = plan_activation_bytes(
+        shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=seq_len,
+        rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+        dtype_bytes=dtype_bytes, expert_tp=expert_tp,
+    )  # fmt: skip
+    return dense + experts + max(activations, optimizer_step_bytes())
