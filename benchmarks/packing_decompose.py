@@ -2,7 +2,7 @@
 a packed row holds in memory against a padded microbatch.
 
 One process, one thread, the whole model on one rank (tp 1, pp 1, dp 1) and benchmark 11's
-batches (`packing.py`: the same model, lengths, seeds and budget). Three parts:
+batches (`benchmarks/packing.py`: the same model, lengths, seeds and budget). Three parts:
 
 - `exact` (no timing): per step and layout, token positions, microbatches, forward FLOPs by
   kind (linear layers, attention products as the CPU computes them and as THD would), the

@@ -28,7 +28,7 @@ CORPUS = Path(__file__).resolve().parent / "bad_inputs"
 REMOTE_CODE_MARKER = "remote_code_ran"  # written (beside the models) by the custom tokenizer's code if it ever runs
 
 # Assistant turns start with a marker token, and the generation prompt is that marker, so a
-# rendered prompt is a prefix of the rendered conversation (what data.py requires).
+# rendered prompt is a prefix of the rendered conversation (what data/pairs.py requires).
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}w50 {% endif %}{{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}w50 {% endif %}"

@@ -192,7 +192,7 @@ def _hangs(plan: Plan, *, warmed_up: bool, syncs) -> bool:
 def test_with_warmed_up_links_every_plan_passes_the_host_device_model_whatever_syncs(p):
     """Every kind of step, m <= 32, unequal next-batch counts, with every compute op syncing
     the host (the worst case: a MoE forward syncs in megatron-core's token dispatcher; its aux
-    counts ride on the act and grad messages, `moe_step.py`) or none."""
+    counts ride on the act and grad messages, `rank/moe_step.py`) or none."""
     for m in (1, 2, 3, 4, 7, 8, 16, 32):
         for case in CASES:
             plan = build_plan(**_kwargs(p, m, case))

@@ -1,7 +1,7 @@
 """What a run prints and plots: a first line that says what starts, megatron-core's known-harmless
 warnings filtered (and only those), one number format, an ETA without the first step's warm-up,
 `verify` printing its result line only, plots that show evaluations as markers and leave out
-the last step's uneven throughput, and output streams whose reader went away (console.py)."""
+the last step's uneven throughput, and output streams whose reader went away (driver/console.py)."""
 
 from __future__ import annotations
 

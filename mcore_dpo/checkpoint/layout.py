@@ -17,7 +17,7 @@
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)
 
 With --save-format torch_dist a checkpoint is a Megatron-LM iteration directory instead
-(`iter_0000010/`, see checkpoint_torch_dist.py), and `latest_checkpointed_iteration.txt`, Megatron-LM's
+(`iter_0000010/`, see checkpoint/torch_dist.py), and `latest_checkpointed_iteration.txt`, Megatron-LM's
 own pointer, is replaced right after `latest`: OUTPUT/checkpoints is then a Megatron-LM save directory.
 Both kinds go through the same begin/commit/prune below; a run may mix them.
 

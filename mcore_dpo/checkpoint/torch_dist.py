@@ -2,7 +2,7 @@
 
     OUTPUT/checkpoints/                   a Megatron-LM save directory (`--load OUTPUT/checkpoints`)
       latest                              this project's pointer: iter_0000010
-      latest_checkpointed_iteration.txt   Megatron-LM's pointer: 10 (follows `latest`, see checkpoint.py)
+      latest_checkpointed_iteration.txt   Megatron-LM's pointer: 10 (follows `latest`, see checkpoint/layout.py)
       iter_0000010/
         metadata.json .metadata __*_0.distcp   megatron-core dist_checkpointing, torch_dist backend
         common.pt           args (Namespace), checkpoint_version 3.0, iteration, opt_param_scheduler,
@@ -16,7 +16,7 @@ Transformer Engine norm names) plus the optimizer state in megatron-core's model
 the one its DistributedOptimizer writes as `fully_sharded_model_space`:
 `optimizer.state.fp32_param.<key>` (the fp32 masters), `optimizer.state.exp_avg.<key>`,
 `optimizer.state.exp_avg_sq.<key>`, each sharded exactly like the model tensor `<key>`.
-This project's optimizers (optim.py, zero.py) are not megatron-core's (those do not run on a
+This project's optimizers (optim/adamw.py, optim/zero.py) are not megatron-core's (those do not run on a
 CPU), so their state is put into that layout here: whole tensors per parameter, gathered over
 dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's sharded tensors.
 With experts the same holds, the experts under megatron-core's global expert axis: at ep > 1

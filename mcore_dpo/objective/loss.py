@@ -48,7 +48,7 @@ Options (TRL 1.16 `DPOConfig` fields, applied as TRL 1.16's `DPOTrainer._compute
 - use_weighting (WPO): every per-pair loss is multiplied by w+·w-, where
   w = exp(mean over the completion tokens of log p(token) - log Σ_v p_v²) under the policy,
   without gradient.
-- ld_alpha (LD-DPO) changes the log-probs themselves (logprobs.py), not the formulas.
+- ld_alpha (LD-DPO) changes the log-probs themselves (objective/logprobs.py), not the formulas.
 
 aot and aot_unpaired sort over the whole global batch. A microbatch alone cannot know the
 rank of its pairs, so the caller passes a `BatchSort` made by `batch_sort` from the

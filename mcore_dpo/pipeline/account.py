@@ -7,7 +7,7 @@ by tens of MiB between identical runs. Categories (`CATEGORIES`):
 - held for the whole run, counted from the tensors themselves: `policy_params`, `grads`
   (megatron-core's fp32 main-grad buffers and any .grad), `optimizer_state` (fp32 masters
   that are copies, and the AdamW moments), `reference_params`;
-- activations, counted where the executor (`pipeline.py`) creates and frees them:
+- activations, counted where the executor (`pipeline/executor.py`) creates and frees them:
   `policy_stash` (tensors autograd saves in a policy forward for its backward, minus
   parameters: recorded by a saved-tensors hook, freed at the microbatch's backward),
   `reference_in_flight` (reference stage activations received and not yet consumed, or

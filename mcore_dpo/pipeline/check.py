@@ -1,7 +1,7 @@
 """Checking and timing plans, without any process.
 
 - `validate_plan`: every op once, dependencies in order, messages matched in order on each
-  link, and no deadlock under rendezvous transfers (see `plan.py`): a send waits for the
+  link, and no deadlock under rendezvous transfers (see `pipeline/plan.py`): a send waits for the
   peer's matching receive, a receive for the peer's send, and a rank runs its ops in order.
 - `validate_stages`: the transfer rules alone, for any per-stage op lists (forward-only
   chains for evaluation and the reference precompute).

@@ -3,7 +3,7 @@
 Device-agnostic: gloo on the CPU, NCCL on GPUs, the same code on both. Each transfer op of
 the plan (a lone send or receive, or a P2P op of several) is posted as one
 `batch_isend_irecv` and waited for before the next op: a send ends once the peer has
-received it, which is the rendezvous semantics the plan is checked under (`plan_check.py`),
+received it, which is the rendezvous semantics the plan is checked under (`pipeline/check.py`),
 so a plan that would hang on NCCL also hangs here. gloo itself holds a send until the
 peer's receive is posted, once the send is waited for.
 
@@ -108,7 +108,7 @@ class StageContext:
     trace: list[tuple[str, int, int, float, float]] | None = None
     sequence_parallel: bool = False  # stages exchange [s/tp, b, h] instead of [s, b, h]
     packed_thd: bool = False  # packed rows run in the THD layout (Transformer Engine) rather than with a mask
-    memory: MemoryAccount | None = None  # exact tensor bytes by category (memory_account.py)
+    memory: MemoryAccount | None = None  # exact tensor bytes by category (pipeline/account.py)
     riders: Riders | None = None  # tensors that ride with policy messages (the MoE aux counts)
     _staged: dict[tuple[int, int], StagedInputs] = field(default_factory=dict)
 
@@ -121,7 +121,7 @@ class StageContext:
         return (seq_len, rows, self.hidden_size)
 
     def held_tensors(self) -> dict[str, list]:
-        """What this context holds between ops, by memory category (memory_account.py): the
+        """What this context holds between ops, by memory category (pipeline/account.py): the
         tensors (in dicts) that the exact memory count reads after each op."""
         return {
             "reference_in_flight": [self._ref_in, self._ref_out],

@@ -1,6 +1,6 @@
 """The memory model of a plan: how many activations each stage holds at its peak, by category.
 
-Walks each stage's op list in order, as the executor (`pipeline.py`) runs it, and counts:
+Walks each stage's op list in order, as the executor (`pipeline/executor.py`) runs it, and counts:
 
 - `policy_stash`: microbatches whose policy forward has run and whose backward has not
   (unit: what one microbatch's forward through the stage saves for its backward);

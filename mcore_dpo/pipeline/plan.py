@@ -2,7 +2,7 @@
 
 A plan is, for each pipeline stage, the ordered list of ops the executor runs top to
 bottom: compute (policy forward, policy backward, reference forward) and point-to-point
-transfers between neighbouring stages. `schedule.py` builds plans, `plan_check.py` checks
+transfers between neighbouring stages. `pipeline/schedule.py` builds plans, `pipeline/check.py` checks
 and times them; this module only defines them.
 
 Transfers follow rendezvous semantics (what NCCL does with a large message): a send

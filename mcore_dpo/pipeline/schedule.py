@@ -1,8 +1,8 @@
-"""Building the pipeline schedule of one training step, as a plan (see `plan.py`).
+"""Building the pipeline schedule of one training step, as a plan (see `pipeline/plan.py`).
 
 The point of building the schedule as data: the frozen reference forward can be placed
 into the bubbles of the policy 1F1B schedule, and the result can be checked
-(`validate_plan`) and timed (`simulate`, both in `plan_check.py`) without any process.
+(`validate_plan`) and timed (`simulate`, both in `pipeline/check.py`) without any process.
 
 Reference modes (`REF_MODES`):
 - "none" / "precomputed": policy-only 1F1B.

@@ -1,7 +1,7 @@
 """Checkpoints and the policy export of a policy rank: what each rank writes into a checkpoint
 directory (weights and AdamW moments through the optimizer, the moving reference, RNG states),
 how a resume reads them back (resharded through HF names when the layout changed), and the
-shards of the final export. The directory layout and its atomic commit are checkpoint.py's.
+shards of the final export. The directory layout and its atomic commit are checkpoint/layout.py's.
 
 `Checkpointer` is given the rank, the policy, its optimizer and the reference source at
 construction; the worker calls it. `adapter_shard` cuts this rank's LoRA adapters out of whole

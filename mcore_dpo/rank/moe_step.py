@@ -1,5 +1,5 @@
 """One train step's router bookkeeping on a MoE policy: the load-balancing loss's gradient
-(`moe_aux.py` has the formula) and the metrics `aux_loss`, `moe/load_min`, `moe/load_max` and,
+(`model/moe_aux.py` has the formula) and the metrics `aux_loss`, `moe/load_min`, `moe/load_max` and,
 per MoE layer i (HF numbering), `moe/load_min/layer{i}` and `moe/load_max/layer{i}`.
 
 The aux of one forward couples all MoE layers and, at tp > 1 (sequence parallel), all tokens:

@@ -1,7 +1,7 @@
 """The ranks of the worker groups (`rank.Rank` each): `PolicyWorker` (role "policy", composed of
 the parts that own the step's state) and `ReferenceWorker` (role "ref", --ref-mode separate).
 
-Ray-agnostic: `ray_workers.py` wraps these classes in actors; tests may drive them from plain
+Ray-agnostic: `driver/ray_workers.py` wraps these classes in actors; tests may drive them from plain
 processes. Build order matters and is fixed: device -> process group -> parallel state ->
 pipeline links -> RNG -> models -> weights -> DDP (wraps the loaded policy) -> optimizer (sees
 DDP's params) -> evaluator and checkpointer (see both).
@@ -69,7 +69,7 @@ class ReferenceWorker(Rank):
 
 class PolicyWorker(Rank):
     """Role "policy": one rank of the trained model, composed of parts that each own their state:
-    the reference source (reference.py), the MoE step (moe_step.py), the optimizer, the memory
+    the reference source (reference.py), the MoE step (rank/moe_step.py), the optimizer, the memory
     count, the evaluator and the checkpointer. `train_step` runs one optimizer step."""
 
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
@@ -85,7 +85,7 @@ class PolicyWorker(Rank):
             self._attach_adapters(policy)  # before DDP: only the adapters require gradients
         self.reference = ReferenceSource(model=self._reference_model(policy, resume_dir=resume_dir),
                                          ref_mode=config.ref_mode, device=self.platform.device)
-        # MoE: the routers' load-balancing loss and load metrics (moe_step.py).
+        # MoE: the routers' load-balancing loss and load metrics (rank/moe_step.py).
         self.moe = None
         if self.spec.num_experts:
             self.moe = MoeStep(policy, moe_layers=self.spec.moe_layers, num_experts=self.spec.num_experts,
@@ -101,7 +101,7 @@ class PolicyWorker(Rank):
                                          reference=self.reference)
         if resume_dir:
             self.checkpointer.load(resume_dir)
-        # Exact tensor bytes by category (memory_account.py); memory_report: the peaks of the last
+        # Exact tensor bytes by category (pipeline/account.py); memory_report: the peaks of the last
         # step that counted them (--memory-interval).
         self.memory = MemoryAccount(tables=self.reference.tables)
         self.memory_report: dict[str, int] = {}
@@ -212,7 +212,7 @@ class PolicyWorker(Rank):
                         computed=ctx.ref_logps, pair_ids=batch.pair_ids, given=batch.ref_logps, sort=sort,
                         device=self.platform.device)
         ctx.loss_fn = loss
-        if self.moe is not None:  # the aux loss's gradient joins each stage's backward (moe_step.py)
+        if self.moe is not None:  # the aux loss's gradient joins each stage's backward (rank/moe_step.py)
             self.moe.begin(mbs, coef=config.moe_aux_loss_coef or 0.0)
             ctx.riders = self.moe.riders()  # its counts ride on the plan's act and grad messages
         self.policy.zero_grad_buffer()

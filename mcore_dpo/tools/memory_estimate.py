@@ -34,7 +34,7 @@ by the expert tensor-parallel size.
 1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
 layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
 given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
-memory model instead (`plan_memory.py`: per stage, the policy stash in microbatches and the
+memory model instead (`pipeline/memory.py`: per stage, the policy stash in microbatches and the
 reference activations in flight and carried), and `per_gpu_bytes` adds the per-parameter
 bytes: the configs' headers are computed with it.
 """

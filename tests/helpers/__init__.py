@@ -2,7 +2,7 @@
 (pytest.ini puts the repository root on sys.path; no test imports another test module).
 
     models.py            tiny Hugging Face models and the HF directories they are saved as
-    data.py              tokenized preference pairs (`make_pairs`), packing settings, JSONL files
+    data/pairs.py              tokenized preference pairs (`make_pairs`), packing settings, JSONL files
     reference.py         the independent reference: HF forward + TRL's loss and metric formulas
     parity.py            parity jobs (`jobs_for`, `parity_job`) and their checks (`check_job`)
     moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss
