@@ -8,6 +8,10 @@ Each family (`checkpoint_convert/families/`) has one literal, templated key map:
 name template -> (how the tensor is split across tensor-parallel ranks, Hugging Face name
 templates). This module holds what all families share: the split and gather primitives,
 stage layout, shapes, and the walk over a stage's entries.
+
+Over 500 lines: the single source of truth of every parameter's name, split and shape
+in both directions (dense, GQA, MoE at any ep, tied or not); one table read by every
+converter, the trainer and the tests.
 """
 
 from __future__ import annotations

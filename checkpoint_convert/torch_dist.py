@@ -42,6 +42,9 @@ Reading presents the checkpoint as one tp1 pp1 shard (`shard_view(0, 0)`, local-
 so the converter's HF view, mcore-to-hf and reshard need nothing format-specific. Writing
 streams: one mapping entry at a time, each tp rank's part stored as its own chunk (vocabulary
 tensors in row blocks), so memory holds one entry, never a stage.
+
+Over 500 lines: the whole torch_dist format in both directions (the common.pt fields,
+the sharded tensors' layout and its metadata), which the converter and the trainer share.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Every field has a flag of the same name with dashes (`global_batch_size` -> `--global-batch-size`).
 Unknown keys and wrong types are errors. `validate()` checks everything that can be checked
 without starting a process; its errors are one line naming the field.
+
+Over 500 lines by design: one field per flag, each documented under it (that text is
+--help), with the checks of each value beside the fields; splitting would part a flag from
+its checks.
 """
 
 from __future__ import annotations

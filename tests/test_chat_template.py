@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mcore_dpo.driver import defaults, run
+from mcore_dpo.driver import defaults, outputs, run
 from mcore_dpo.config import resolve
 from mcore_dpo.train import main
 
@@ -79,7 +79,7 @@ def test_the_template_is_kept_with_the_run_and_travels_with_the_weights(setup, t
                  "--max-steps", "1"]) == 0
     assert (out / "chat_template.jinja").read_text() == template.read_text()
     (prep,) = seen
-    _, aux = run._model_meta(prep.config, prep.spec, dtype="float32", layer_spec="local")
+    _, aux = outputs.model_meta(prep.config, prep.spec, dtype="float32", layer_spec="local")
     templates = [p for p in aux if p.name == "chat_template.jinja"]
     assert templates == [out / "chat_template.jinja"]  # what checkpoints and hf/ carry
 

@@ -65,3 +65,28 @@ def test_the_cli_reports_a_broken_checkpoint_pointer_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "latest" in err, err
     assert not ray.is_initialized()
+
+
+def test_a_run_writes_its_checkpoints_in_one_format_and_reads_them_by_what_is_on_disk(tmp_path):
+    """checkpoint.formats: the run's config picks the format it writes (adapters for LoRA,
+    torch_dist when asked, shards otherwise); a resume reads a checkpoint by its own layout on
+    disk. Every format answers the same calls."""
+    from mcore_dpo.checkpoint import formats
+    from mcore_dpo.checkpoint.adapter import Adapter
+    from mcore_dpo.checkpoint.shards import Shards
+    from mcore_dpo.checkpoint.torch_dist import TorchDist
+    from mcore_dpo.config import TrainConfig
+
+    assert isinstance(formats.for_run(TrainConfig()), Shards)
+    assert isinstance(formats.for_run(TrainConfig(save_format="torch_dist")), TorchDist)
+    assert isinstance(formats.for_run(TrainConfig(lora_rank=4)), Adapter)
+    plain = tmp_path / "step"
+    (plain / "model").mkdir(parents=True)
+    assert isinstance(formats.of_checkpoint(plain, TrainConfig(save_format="torch_dist")), Shards)
+    for fmt in (Shards(), Adapter(), TorchDist()):
+        for call in ("write", "finish", "policy_weights", "moving_reference", "read"):
+            assert callable(getattr(fmt, call)), (fmt, call)
+    assert Shards().policy_weights(plain) == str(plain / "model") and Adapter().policy_weights(plain) is None
+    assert Shards().moving_reference(plain) is None  # no reference/ directory: the source
+    (plain / "reference").mkdir()
+    assert Shards().moving_reference(plain) == str(plain / "reference")

@@ -87,7 +87,7 @@ class _FakeGroup:
 def _save_with_fake_group(tmp_path, model_dir, **config_changes):
     from checkpoint_convert.io import open_hf_dir
     from mcore_dpo.checkpoint import layout as checkpoint
-    from mcore_dpo.driver.run import save_checkpoint
+    from mcore_dpo.driver.outputs import save_checkpoint
 
     config = _config(tmp_path, model_dir, **config_changes)
     spec = open_hf_dir(model_dir).spec

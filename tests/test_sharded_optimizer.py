@@ -66,11 +66,11 @@ def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
 
     from checkpoint_convert.convert import write_mcore_meta
     from mcore_dpo.checkpoint import layout as checkpoint
-    from mcore_dpo.driver.run import _model_meta
+    from mcore_dpo.driver.outputs import model_meta
 
     worker.save_checkpoint(directory, step=step)
     if rank == 0:
-        meta, aux = _model_meta(config, worker.spec, dtype="float32", layer_spec=worker.layer_spec())
+        meta, aux = model_meta(config, worker.spec, dtype="float32", layer_spec=worker.layer_spec())
         for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
             write_mcore_meta(Path(directory) / kind, meta=meta, aux_files=aux)
         state = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "step": step}

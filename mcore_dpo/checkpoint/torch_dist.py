@@ -171,3 +171,27 @@ def write_hf_files(directory: str | Path, *, hf_config: dict, aux_files: Sequenc
     for path in aux_files:
         if Path(path).name != "config.json":
             shutil.copy2(path, out / Path(path).name)
+
+
+class TorchDist:
+    """The checkpoint format of --save-format torch_dist: one Megatron-LM iteration directory,
+    model and optimizer (`save`), the model family's HF files beside it (`write_hf_files`)."""
+
+    name = "torch_dist"
+
+    def write(self, part, root: Path, *, step: int) -> None:
+        rank = part.rank
+        save(root, config=rank.config, spec=rank.spec, layout=rank.layout, model=part.policy.module,
+             optimizer=part.optimizer, dp_rank=rank.mesh.dp_rank, step=step, platform=rank.platform)
+
+    def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
+        write_hf_files(tmp, hf_config=meta.hf_config, aux_files=aux)
+
+    def policy_weights(self, directory: str | Path) -> str | None:
+        return str(directory)
+
+    def moving_reference(self, directory: str | Path) -> str | None:
+        return None  # --sync-ref-model is refused with torch_dist
+
+    def read(self, directory: str | Path, kind: str, *, part) -> dict[str, torch.Tensor]:
+        return part.rank_shard(open_part(directory, kind.removeprefix("optim/")))

@@ -30,6 +30,10 @@ need no pairing.
 
 Look at a plan:  python -c "from mcore_dpo.pipeline.schedule import *;
 print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interleaved')))"
+
+Over 500 lines: one algorithm (1F1B order, reference forwards placed in the bubbles,
+carrying across steps, transfers paired so that no plan deadlocks) whose steps share their
+intermediate lists; the op types are in plan.py and the checks in check.py.
 """
 
 from __future__ import annotations

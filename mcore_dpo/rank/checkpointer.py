@@ -1,7 +1,8 @@
-"""Checkpoints and the policy export of a policy rank: what each rank writes into a checkpoint
-directory (weights and AdamW moments through the optimizer, the moving reference, RNG states),
-how a resume reads them back (resharded through HF names when the layout changed), and the
-shards of the final export. The directory layout and its atomic commit are checkpoint/layout.py's.
+"""Checkpoints and the policy export of a policy rank: its part of a checkpoint in the run's
+format (`checkpoint.formats`: what each format writes and reads), the services the formats use
+(one kind of optimizer state as shards, the ep layout's files, this rank's shard of whole
+tensors), the RNG states every format keeps, and the shards of the final export. The directory
+layout and its atomic commit are checkpoint/layout.py's.
 
 `Checkpointer` is given the rank, the policy, its optimizer and the reference source at
 construction; the worker calls it. `adapter_shard` cuts this rank's LoRA adapters out of whole
@@ -10,7 +11,6 @@ PEFT tensors (the start of a LoRA run and its resume alike).
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.io import shard_relpath
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS, peft_to_shard
+from checkpoint_convert.peft_adapter import peft_to_shard
 from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import hooks
-from mcore_dpo.checkpoint import torch_dist as checkpoint_torch_dist
-from mcore_dpo.model import lora
-from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, LORA_SHARDS, MOMENTS, read_state
+from mcore_dpo.checkpoint import formats
 from mcore_dpo.checkpoint.expert_files import file_jobs
-from mcore_dpo.model.builder import layer_spec_name, live_names, open_weights, shard_names
+from mcore_dpo.checkpoint.layout import MOMENTS, read_state
+from mcore_dpo.model import lora
+from mcore_dpo.model.builder import layer_spec_name, live_names, shard_names
 
 
 class Checkpointer:
@@ -65,82 +65,62 @@ class Checkpointer:
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
         format; with ep > 1 its ep layout, each file written where its experts are: see
-        `_write_expert_parallel`)."""
+        `write_expert_parallel`)."""
         if self.rank.layout.ep > 1:
             params = shard_names({n: p.detach() for n, p in self.policy.module.named_parameters()})
-            self._write_expert_parallel(Path(directory), params, dtype=self.rank.dtype)
+            self.write_expert_parallel(Path(directory), params, dtype=self.rank.dtype)
             return
         shard = self.policy_shard()
         if shard is not None:
             write_mcore_shard(Path(directory), tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
-        """Weights and AdamW moments (dp rank 0 of each (tp, pp); with ep > 1 the ep layout, each
-        file written where its experts are), and every rank's RNG states."""
+        """This rank's part of the checkpoint of `step` in the run's format (`checkpoint.formats`),
+        and its RNG states."""
         hooks.fire("save_checkpoint", step=step, rank=self.rank.rank, output_dir=self.rank.config.output_dir)
         root = Path(directory)
-        if self.rank.config.save_format == "torch_dist":  # model and optimizer in Megatron-LM's format
-            checkpoint_torch_dist.save(root, config=self.rank.config, spec=self.rank.spec, layout=self.rank.layout,
-                                       model=self.policy.module, optimizer=self.optimizer, dp_rank=self.rank.mesh.dp_rank,
-                                       step=step, platform=self.rank.platform)  # fmt: skip
-        # The optimizer's fp32 master weights (exact resume also for bf16/fp16 parameters) and
-        # moments, one kind at a time. Every dp rank takes part (the sharded optimizer gathers
-        # its slices to dp rank 0); dp rank 0 writes (at ep > 1: the ranks file_jobs names).
-        kinds = () if self.rank.config.save_format == "torch_dist" else ("model",) + tuple(f"optim/{m}" for m in MOMENTS)
-        for kind in kinds:
-            moment = kind.removeprefix("optim/")
-            if self.rank.layout.ep > 1:
-                # Every rank's whole state of its own parameters, its ep rank's experts among them
-                # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
-                self._write_expert_parallel(root / kind, shard_names(self.optimizer.whole_state(moment)),
-                                            dtype=torch.float32)
-                continue
-            shard = self.optimizer.checkpoint_tensors(moment, dp_rank=self.rank.mesh.dp_rank)
-            shard = shard_names(shard) if shard is not None else None
-            if shard is not None and self.rank.config.lora:  # the driver joins them into PEFT files
-                _write_adapter_shard(root / LORA_SHARDS / kind, shard, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank)
-            elif shard is not None:
-                write_mcore_shard(root / kind, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
-            del shard
-        if self.rank.config.sync_ref_model and self.reference.model is not None:
-            # TR-DPO has moved the reference away from its source; fp32 holds any dtype exactly.
-            params = shard_names({n: p.detach() for n, p in self.reference.model.named_parameters()})
-            if self.rank.layout.ep > 1:
-                self._write_expert_parallel(root / "reference", params, dtype=torch.float32)
-            elif self.rank.mesh.dp_rank == 0:
-                shard = {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()}
-                write_mcore_shard(root / "reference", tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+        formats.for_run(self.rank.config).write(self, root, step=step)
         rng = {"torch": torch.get_rng_state()}
         if self.rank.platform.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.rank.platform.device)
         (root / "rng").mkdir(parents=True, exist_ok=True)
         save_file(rng, str(root / "rng" / f"rank{self.rank.rank}.safetensors"))
 
+    def write_state(self, directory: Path, kind: str, *, adapter: bool = False) -> None:
+        """One kind of the optimizer's state ("model": the fp32 masters, or a moment) as shards
+        under `directory`: dp rank 0 of each (tp, pp) writes (every dp rank takes part: the
+        sharded optimizer gathers its slices); with ep > 1 the ep layout, each file written where
+        its experts are. `adapter`: LoRA shards named as the driver joins them into PEFT files."""
+        rank = self.rank
+        if rank.layout.ep > 1:
+            # Every rank's whole state of its own parameters, its ep rank's experts among them
+            # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
+            self.write_expert_parallel(directory, shard_names(self.optimizer.whole_state(kind)), dtype=torch.float32)
+            return
+        shard = self.optimizer.checkpoint_tensors(kind, dp_rank=rank.mesh.dp_rank)
+        if shard is None:
+            return
+        shard = shard_names(shard)
+        if adapter:
+            _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
+        else:
+            write_mcore_shard(directory, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
+
+    def rank_shard(self, source) -> dict[str, torch.Tensor]:
+        """This rank's shard, under megatron names, of whole HF-named tensors in `source` (its
+        `get` and `get_part`: only this rank's rows and columns are read)."""
+        rank = self.rank
+        return hf_to_mcore_shard(rank.spec, tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp,
+                                 pp_rank=rank.mesh.pp_rank, get=source.get, get_part=source.get_part,
+                                 layer_spec=layer_spec_name(use_te=rank.use_te), ep=rank.layout.ep,
+                                 ep_rank=rank.mesh.ep_rank)
+
     def load(self, directory: str) -> None:
-        """Master weights and AdamW moments (resharded through HF names when the layout changed)
-        and RNG states."""
+        """Master weights and AdamW moments, in the checkpoint's own format (resharded when the
+        layout changed), and RNG states."""
         state = read_state(Path(directory))
-        torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(directory)
-        shards = {}
-        for kind in ("model",) + tuple(f"optim/{m}" for m in MOMENTS):
-            if self.rank.config.lora:  # whole PEFT-named tensors: any layout takes its pieces
-                shards[kind] = adapter_shard(load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS)),
-                                             rank=self.rank)
-                continue
-            source = (checkpoint_torch_dist.open_part(directory, kind.removeprefix("optim/")) if torch_dist
-                      else open_weights(os.path.join(directory, kind)))
-            shards[kind] = hf_to_mcore_shard(
-                self.rank.spec,
-                tp=self.rank.layout.tp,
-                tp_rank=self.rank.mesh.tp_rank,
-                pp=self.rank.layout.pp,
-                pp_rank=self.rank.mesh.pp_rank,
-                get=source.get,
-                get_part=source.get_part,
-                layer_spec=layer_spec_name(use_te=self.rank.use_te),
-                ep=self.rank.layout.ep,
-                ep_rank=self.rank.mesh.ep_rank,
-            )
+        fmt = formats.of_checkpoint(directory, self.rank.config)
+        shards = {kind: fmt.read(directory, kind, part=self) for kind in formats.KINDS}
         if self.rank.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
             lora.load_shard(self.policy.module, shards["model"])
         # The optimizer keys its state by the live parameter names (grouped experts' differ).
@@ -154,7 +134,7 @@ class Checkpointer:
             if self.rank.platform.is_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.rank.platform.device)
 
-    def _write_expert_parallel(self, directory: Path, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> None:
+    def write_expert_parallel(self, directory: Path, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> None:
         """Expert parallelism: this stage's files of checkpoint_convert's ep layout
         (`tp{t}_pp{p}_ep{e}`), as `expert_files.file_jobs` assigns them, each tensor stored in
         `dtype`. `tensors` are this rank's own, where they live (its dense part and its ep rank's

@@ -9,7 +9,6 @@ DDP's params) -> evaluator and checkpointer (see both).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_dpo import hooks
-from mcore_dpo.checkpoint import torch_dist as checkpoint_torch_dist
+from mcore_dpo.checkpoint import formats
 from mcore_dpo.model import lora
 from mcore_dpo.parallel import platform as plat
 from mcore_dpo.config import TrainConfig
@@ -76,14 +75,12 @@ class PolicyWorker(Rank):
         super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         # With LoRA the base never changes: the checkpoint holds the adapters only.
-        source = config.model
-        if resume_dir and not config.lora:
-            torch_dist = checkpoint_torch_dist.is_torch_dist_checkpoint(resume_dir)
-            source = resume_dir if torch_dist else os.path.join(resume_dir, "model")
-        policy = self.build(source)
+        saved = formats.of_checkpoint(resume_dir, config) if resume_dir else None
+        policy = self.build((saved.policy_weights(resume_dir) if saved else None) or config.model)
         if config.lora:
             self._attach_adapters(policy)  # before DDP: only the adapters require gradients
-        self.reference = ReferenceSource(model=self._reference_model(policy, resume_dir=resume_dir),
+        moved = saved.moving_reference(resume_dir) if saved and config.sync_ref_model else None  # TR-DPO
+        self.reference = ReferenceSource(model=self._reference_model(policy, moved=moved),
                                          ref_mode=config.ref_mode, device=self.platform.device)
         # MoE: the routers' load-balancing loss and load metrics (rank/moe_step.py).
         self.moe = None
@@ -130,16 +127,16 @@ class PolicyWorker(Rank):
             for adapter in lora.adapters_of(policy):
                 adapter.keep_frozen_copy()
 
-    def _reference_model(self, policy: torch.nn.Module, *, resume_dir: str | None) -> torch.nn.Module | None:
+    def _reference_model(self, policy: torch.nn.Module, *, moved: str | None) -> torch.nn.Module | None:
         """The colocated reference: LoRA's adapter-off view of the policy, else a frozen shard
-        (TR-DPO's moved one when resuming); none for a reference group of its own or none at all."""
+        (`moved`: TR-DPO's, as a resumed checkpoint keeps it); none for a reference group of its
+        own or none at all."""
         config = self.config
         if not config.loss_spec().needs_reference or config.ref_mode == "separate":
             return None
         if config.lora and not config.ref_model:
             return lora.ReferenceView(policy, frozen=config.init_adapter is not None)
-        synced = os.path.join(resume_dir, "reference") if resume_dir and config.sync_ref_model else None
-        return freeze(self.build(synced if synced and os.path.isdir(synced) else config.ref_model or config.model))
+        return freeze(self.build(moved or config.ref_model or config.model))
 
     def _optimizer(self):
         config = self.config

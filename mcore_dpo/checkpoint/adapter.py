@@ -1,0 +1,54 @@
+"""The checkpoint format of LoRA runs: the adapters' fp32 masters and AdamW moments as whole
+PEFT-named adapter directories (`adapter/`, `optim/exp_avg/`, `optim/exp_avg_sq/`: any layout
+resumes from them), and
+the base model's path and fingerprint (`base.json`); the base itself is not copied. The ranks
+write their shards under `lora_shards/`, which the driver joins and removes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from checkpoint_convert import durable
+from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
+from mcore_dpo.checkpoint.formats import KINDS
+from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, BASE_FILE, LORA_SHARDS
+
+
+class Adapter:
+    name = "adapter"
+
+    def write(self, part, root: Path, *, step: int) -> None:
+        for kind in KINDS:
+            part.write_state(root / LORA_SHARDS / kind, kind.removeprefix("optim/"), adapter=True)
+
+    def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
+        from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
+        from mcore_dpo.driver.resume_check import model_fingerprint
+        from mcore_dpo.model import lora
+
+        shape = lora.shape_of(config)
+        for kind, directory in ADAPTER_DIRS.items():
+            tensors = join_shard_files(tmp / LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+            write_adapter_dir(tmp / directory, tensors,
+                              adapter_config(shape, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
+        shutil.rmtree(tmp / LORA_SHARDS)
+        base = {"model": os.path.abspath(config.model), "fingerprint": model_fingerprint(config.model)}
+        durable.write_file(tmp / BASE_FILE, json.dumps(base, indent=2) + "\n")
+
+    def policy_weights(self, directory: str | Path) -> str | None:
+        return None  # the base never changes: the run's --model
+
+    def moving_reference(self, directory: str | Path) -> str | None:
+        return None
+
+    def read(self, directory: str | Path, kind: str, *, part) -> dict[str, torch.Tensor]:
+        from mcore_dpo.rank.checkpointer import adapter_shard
+
+        whole = load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS))
+        return adapter_shard(whole, rank=part.rank)  # whole PEFT-named tensors: any layout takes its pieces
