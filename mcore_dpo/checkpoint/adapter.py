@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 
 from checkpoint_convert import durable
 from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
-from mcore_dpo.checkpoint.formats import KINDS
-from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, BASE_FILE, LORA_SHARDS
+from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, BASE_FILE, KINDS, LORA_SHARDS
 
 
 class Adapter:
@@ -48,7 +47,7 @@ class Adapter:
         return None
 
     def read(self, directory: str | Path, kind: str, *, part) -> dict[str, torch.Tensor]:
-        from mcore_dpo.rank.checkpointer import adapter_shard
+        from mcore_dpo.model import lora
 
         whole = load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS))
-        return adapter_shard(whole, rank=part.rank)  # whole PEFT-named tensors: any layout takes its pieces
+        return lora.adapter_shard(whole, rank=part.rank)  # whole PEFT-named tensors: any layout takes its pieces

@@ -25,9 +25,9 @@ from typing import Protocol
 
 import torch
 
-from mcore_dpo.checkpoint.layout import MOMENTS
-
-KINDS = ("model",) + tuple(f"optim/{m}" for m in MOMENTS)  # fp32 masters, then AdamW's moments
+from mcore_dpo.checkpoint.adapter import Adapter
+from mcore_dpo.checkpoint.shards import Shards
+from mcore_dpo.checkpoint.torch_dist import TorchDist, is_torch_dist_checkpoint
 
 
 class CheckpointFormat(Protocol):
@@ -44,10 +44,6 @@ class CheckpointFormat(Protocol):
 
 def for_run(config) -> CheckpointFormat:
     """The format a run writes its checkpoints in."""
-    from mcore_dpo.checkpoint.adapter import Adapter
-    from mcore_dpo.checkpoint.shards import Shards
-    from mcore_dpo.checkpoint.torch_dist import TorchDist
-
     if config.lora:
         return Adapter()
     return TorchDist() if config.save_format == "torch_dist" else Shards()
@@ -56,10 +52,6 @@ def for_run(config) -> CheckpointFormat:
 def of_checkpoint(directory: str | Path, config) -> CheckpointFormat:
     """The format of an existing checkpoint directory, which a run resumes from whatever format
     it writes (a LoRA run's checkpoints are always adapters)."""
-    from mcore_dpo.checkpoint.adapter import Adapter
-    from mcore_dpo.checkpoint.shards import Shards
-    from mcore_dpo.checkpoint.torch_dist import TorchDist, is_torch_dist_checkpoint
-
     if config.lora:
         return Adapter()
     return TorchDist() if is_torch_dist_checkpoint(directory) else Shards()

@@ -40,6 +40,7 @@ FORMAT = "mcore_dpo.trainer_checkpoint"
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # LoRA checkpoints: checkpoint kind -> directory of its whole PEFT-named adapter_model.safetensors.
+KINDS = ("model",) + tuple(f"optim/{m}" for m in MOMENTS)  # the state a checkpoint keeps: fp32 masters, moments
 ADAPTER_DIRS = {"model": "adapter", **{f"optim/{m}": f"optim/{m}" for m in MOMENTS}}
 LORA_SHARDS = "lora_shards"  # the ranks' adapter shards, joined into ADAPTER_DIRS before the commit
 BASE_FILE = "base.json"

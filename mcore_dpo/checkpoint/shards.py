@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.convert import write_mcore_meta, write_mcore_shard
-from mcore_dpo.checkpoint.formats import KINDS
+from mcore_dpo.checkpoint.layout import KINDS
 from mcore_dpo.model.builder import open_weights, shard_names
 
 

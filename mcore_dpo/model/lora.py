@@ -297,3 +297,13 @@ def resolve(config, *, spec: ModelSpec):
     check_targets(resolved, spec=spec, where=where)
     read_adapter(config.init_adapter, spec=spec, lora=declared)  # every tensor against the base
     return resolved
+
+
+def adapter_shard(whole: dict[str, torch.Tensor], *, rank) -> dict[str, torch.Tensor]:
+    """This rank's part of whole PEFT-named adapter tensors, under megatron names (the start of a
+    LoRA run and its resume alike). `rank`: the worker's `rank.base.Rank`."""
+    from checkpoint_convert.peft_adapter import peft_to_shard
+
+    return peft_to_shard(whole.__getitem__, spec=rank.spec, lora=shape_of(rank.config), tp=rank.layout.tp,
+                         tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp, pp_rank=rank.mesh.pp_rank,
+                         ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank)

@@ -5,8 +5,7 @@ tensors), the RNG states every format keeps, and the shards of the final export.
 layout and its atomic commit are checkpoint/layout.py's.
 
 `Checkpointer` is given the rank, the policy, its optimizer and the reference source at
-construction; the worker calls it. `adapter_shard` cuts this rank's LoRA adapters out of whole
-PEFT tensors (the start of a LoRA run and its resume alike).
+construction; the worker calls it.
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ from safetensors.torch import load_file, save_file
 from checkpoint_convert.convert import write_mcore_shard
 from checkpoint_convert.io import shard_relpath
 from checkpoint_convert.mapping import hf_to_mcore_shard
-from checkpoint_convert.peft_adapter import peft_to_shard
 from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import hooks
 from mcore_dpo.checkpoint import formats
 from mcore_dpo.checkpoint.expert_files import file_jobs
-from mcore_dpo.checkpoint.layout import MOMENTS, read_state
+from mcore_dpo.checkpoint.layout import KINDS, MOMENTS, read_state
 from mcore_dpo.model import lora
 from mcore_dpo.model.builder import layer_spec_name, live_names, shard_names
 
@@ -120,7 +118,7 @@ class Checkpointer:
         layout changed), and RNG states."""
         state = read_state(Path(directory))
         fmt = formats.of_checkpoint(directory, self.rank.config)
-        shards = {kind: fmt.read(directory, kind, part=self) for kind in formats.KINDS}
+        shards = {kind: fmt.read(directory, kind, part=self) for kind in KINDS}
         if self.rank.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
             lora.load_shard(self.policy.module, shards["model"])
         # The optimizer keys its state by the live parameter names (grouped experts' differ).
@@ -181,10 +179,3 @@ _EXPERT = re.compile(r"\.local_experts\.\d+\.")
 def _write_adapter_shard(directory: Path, shard: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in shard.items()}, str(directory / f"tp{tp_rank}_pp{pp_rank}.safetensors"))
-
-
-def adapter_shard(whole: dict[str, torch.Tensor], *, rank) -> dict[str, torch.Tensor]:
-    """This rank's part of whole PEFT-named adapter tensors, under megatron names."""
-    return peft_to_shard(whole.__getitem__, spec=rank.spec, lora=lora.shape_of(rank.config), tp=rank.layout.tp,
-                         tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp, pp_rank=rank.mesh.pp_rank,
-                         ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank)

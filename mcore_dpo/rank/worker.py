@@ -35,7 +35,7 @@ from mcore_dpo.rank.metrics import max_over_ranks, mean_and_max_over_ranks, redu
 from mcore_dpo.rank.reference import ReferenceSource
 from mcore_dpo.pipeline.schedule import build_plan
 from mcore_dpo.objective.step_loss import StepLoss, sort_batch
-from mcore_dpo.rank.checkpointer import Checkpointer, adapter_shard
+from mcore_dpo.rank.checkpointer import Checkpointer
 from mcore_dpo.rank.evaluate import Evaluator
 from mcore_dpo.optim.zero import ShardedOptimizer
 
@@ -122,7 +122,7 @@ class PolicyWorker(Rank):
             whole = read_adapter(config.init_adapter, spec=self.spec, lora=shape)
         else:
             whole = initial_adapter(self.spec, shape, seed=config.seed)
-        lora.load_shard(policy, adapter_shard(whole, rank=self))
+        lora.load_shard(policy, lora.adapter_shard(whole, rank=self))
         if config.init_adapter:
             for adapter in lora.adapters_of(policy):
                 adapter.keep_frozen_copy()
