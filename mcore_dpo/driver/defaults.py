@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")  # mcore_dpo/assets
 DEFAULT_TOKENIZER_DIR = os.path.join(ASSETS_DIR, "tokenizer")
 DEFAULT_TRAIN_DATA = os.path.join(ASSETS_DIR, "prefs_train.jsonl")
 DEFAULT_EVAL_DATA = os.path.join(ASSETS_DIR, "prefs_eval.jsonl")
