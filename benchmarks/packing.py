@@ -1,7 +1,7 @@
 """Benchmark 10: packed sequences against padded microbatches (CPU, tp 1, pp 2).
 
 The model is benchmark 1's "balanced" one (`ref_cost.SHAPES`). Pair lengths are drawn from
-`LENGTHS`, a log-normal model of a chat preference set (see `docs/BENCHMARKS.md` §10 for where
+`LENGTHS`, a log-normal model of a chat preference set (see `docs/BENCHMARKS.md` §11 for where
 its parameters come from). Three modes, each launched afresh in every round (so each has its
 own peak RSS), taking turns so that load from other processes falls on all of them alike:
 - `padded`: `--no-packing`, `--micro-batch-size` pairs per microbatch, every row padded to the
@@ -66,7 +66,7 @@ class Lengths:
 
 # Assumed, modelled on a chat preference set such as UltraFeedback (binarized): prompt median
 # 96 tokens, completion median 192 tokens, heavy right tails (sigma 0.9 and 0.7), scaled down
-# by 4 so that a CPU step takes seconds. See docs/BENCHMARKS.md §10.
+# by 4 so that a CPU step takes seconds. See docs/BENCHMARKS.md §11.
 LENGTHS = Lengths(prompt_median=24, prompt_sigma=0.9, completion_median=48, completion_sigma=0.7, minimum=4,
                   max_length=128)
 TINY_LENGTHS = Lengths(prompt_median=6, prompt_sigma=0.9, completion_median=8, completion_sigma=0.7, minimum=2,
