@@ -11,7 +11,7 @@ Walks each stage's op list in order, as the executor (`pipeline/executor.py`) ru
   previous one and not yet sent (SEND_KEPT_REF_ACT); same unit.
 
 A transfer op holds what it sends and what it receives at once, until it ends; the peak is
-over the state inside each transfer and after each op, as `memory_account.MemoryAccount`
+over the state inside each transfer and after each op, as `pipeline/account.MemoryAccount`
 observes it on a real run. Units: the model counts; bytes = count x the unit's bytes
 (`memory_estimate.plan_activation_bytes` for a model shape).
 

@@ -68,7 +68,7 @@ class ReferenceWorker(Rank):
 
 class PolicyWorker(Rank):
     """Role "policy": one rank of the trained model, composed of parts that each own their state:
-    the reference source (reference.py), the MoE step (rank/moe_step.py), the optimizer, the memory
+    the reference source (rank/reference.py), the MoE step (rank/moe_step.py), the optimizer, the memory
     count, the evaluator and the checkpointer. `train_step` runs one optimizer step."""
 
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
