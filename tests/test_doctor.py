@@ -175,7 +175,7 @@ def test_cpu_platform_serves_megatron_cores_cuda_stream_calls():
     torch's own again afterwards."""
     code = (
         "import sys, torch\n"
-        "from mcore_dpo import platform\n"
+        "from mcore_dpo.parallel import platform\n"
         "compile_ = torch.compile\n"
         "f = lambda x: x\n"
         "assert platform._uncompiled(f) is f and platform._uncompiled(mode='default')(f) is f\n"
