@@ -55,14 +55,10 @@ NORM_CHUNK = 1 << 20
 
 def squared_sum(grad: torch.Tensor) -> torch.Tensor:
     """Sum of the squares of `grad`'s elements in fp64 (a 0-dim tensor on its device), a chunk of
-    NORM_CHUNK elements at a time (one chunk: the whole sum of a smaller tensor, bit for bit)."""
+    NORM_CHUNK elements at a time (one chunk: the whole sum of a smaller tensor, bit for bit; an
+    empty tensor: 0)."""
     flat = grad.detach().reshape(-1)
-    if flat.numel() <= NORM_CHUNK:
-        return flat.double().pow(2).sum()
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), NORM_CHUNK):
-        total += flat[start : start + NORM_CHUNK].double().pow(2).sum()
-    return total
+    return sum(flat[start : start + NORM_CHUNK].double().pow(2).sum() for start in range(0, flat.numel(), NORM_CHUNK))
 
 
 def clip_in_place(grad: torch.Tensor, clip: float, *, dtype: torch.dtype) -> torch.Tensor:

@@ -297,9 +297,8 @@ class PolicyWorker(Rank):
         out again (to within an ulp)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer.gather_grads()
-        clip = self.optimizer.last_clip
-        return shard_names({n: (p.main_grad.detach().to("cpu", copy=True) / clip if clip != 1.0
-                                else p.main_grad.detach().to("cpu", copy=True))
+        clip = self.optimizer.last_clip  # dividing by 1.0 is exact
+        return shard_names({n: p.main_grad.detach().cpu() / clip
                             for n, p in self.policy.module.named_parameters() if p.requires_grad})
 
 
