@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ import torch
 from checkpoint_convert.durable import fsync_dir, fsync_tree
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
-from checkpoint_convert.families import spec_from_hf_config
+from checkpoint_convert.families import family_of, spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
     LAYER_SPECS,
@@ -169,7 +170,15 @@ class HFCheckpoint:
         for name in expected:
             if name not in self._file_of and name not in self._fused:
                 raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
+        # Tensors a family drops on import (DeepSeek-V3's multi-token-prediction layers): one line.
+        ignored = getattr(family_of(self.spec), "ignored_hf_tensor", lambda _spec, _name: False)
+        dropped = {name for name in self._file_of if name not in expected and ignored(self.spec, name)}
+        if dropped:
+            print(f"{self.dir}: dropping {len(dropped)} tensor(s) of layers past num_hidden_layers "
+                  f"({self.spec.num_layers}): multi-token-prediction layers, not part of the model's forward", file=sys.stderr)
         for name, file in self._file_of.items():
+            if name in dropped:
+                continue
             if name not in expected and name not in fused_stored and not name.endswith(_IGNORED_HF_SUFFIXES):
                 raise ConversionError(f"{self.dir / file}: unexpected tensor '{name}' for {self.spec.architecture}")
         for file, handle in self._handles.items():

@@ -66,6 +66,7 @@ def check_layout(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1, source: str 
         ("intermediate_size", spec.intermediate_size),
         ("padded vocab_size", padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor)),
         *((("moe_intermediate_size", spec.moe_intermediate_size),) if spec.num_experts else ()),
+        *getattr(family_of(spec), "tp_sizes", lambda _spec: {})(spec).items(),
     ):
         if value % tp:
             raise ConversionError(f"{source}: field '{field}' ({value}) is not divisible by tp={tp}")
@@ -134,26 +135,17 @@ def _has_output_layer(spec: ModelSpec, *, pp: int) -> bool:
 
 def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this spec holds, with its shape, in streaming order."""
-    h, d = spec.hidden_size, spec.head_dim
-    q_rows, kv_rows = spec.num_heads * d, spec.num_query_groups * d
+    h = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    family = family_of(spec)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_rows, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, h)
-        if spec.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
-        if spec.qk_layernorm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if hasattr(family, "attention_hf_shapes"):  # an attention of its own (multi-latent attention)
+            shapes.update(family.attention_hf_shapes(spec, layer=layer))
+        else:
+            shapes.update(_qkv_attention_shapes(spec, layer=layer))
         if spec.is_moe_layer(layer):
-            shapes.update(family_of(spec).moe_hf_shapes(spec, layer=layer))
+            shapes.update(family.moe_hf_shapes(spec, layer=layer))
         else:
             shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
             shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
@@ -161,6 +153,28 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def _qkv_attention_shapes(spec: ModelSpec, *, layer: int) -> dict[str, tuple[int, ...]]:
+    """A q/k/v attention layer's HF tensors and its two norms, in streaming order."""
+    h, d = spec.hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_heads * d, spec.num_query_groups * d
+    p = f"model.layers.{layer}."
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "input_layernorm.weight"] = (h,)
+    shapes[p + "self_attn.q_proj.weight"] = (q_rows, h)
+    shapes[p + "self_attn.k_proj.weight"] = (kv_rows, h)
+    shapes[p + "self_attn.v_proj.weight"] = (kv_rows, h)
+    if spec.qkv_bias:
+        shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
+        shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
+        shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+    shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+    if spec.qk_layernorm:
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
     return shapes
 
 
@@ -243,6 +257,8 @@ def mcore_shard_shapes(
             shape = (rows,) + first[1:]
         elif kind == "fc1":
             shape = (2 * first[0] // tp, first[1])
+        elif kind == "column":
+            shape = (first[0] // tp, first[1])
         elif kind == "row":
             shape = (first[0], first[1] // tp)
         else:
@@ -278,7 +294,7 @@ def entry_slices(
     if kind == "qkv":
         per_rank = spec.num_query_groups // tp
         return [(0, tp_rank * per_rank * rows, (tp_rank + 1) * per_rank * rows) for rows in qkv_group_rows(spec)]
-    if kind == "fc1":
+    if kind in ("fc1", "column"):
         return [(0, tp_rank * shape[0] // tp, (tp_rank + 1) * shape[0] // tp) for shape in shapes]
     if kind == "row":
         return [(1, tp_rank * shapes[0][1] // tp, (tp_rank + 1) * shapes[0][1] // tp)]
@@ -288,7 +304,7 @@ def entry_slices(
 def join_parts(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """One tp rank's tensor from the parts `entry_slices` names: q, k and v fused group by group
     ([q_g; k_g; v_g] for each of the rank's groups), fc1 as [gate part; up part]."""
-    if kind in ("replicated", "row"):
+    if kind in ("replicated", "row", "column"):
         return parts[0]
     if kind == "qkv":
         q_rows, d, _ = qkv_group_rows(spec)
@@ -376,6 +392,9 @@ def entry_blocks(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> It
         yield 0, parts[0]
     elif kind == "row":
         yield 0, torch.cat(parts, dim=1)
+    elif kind == "column":
+        for part in parts:
+            yield 0, part
     elif kind == "fc1":
         for i in (0, 1):  # gate, then up: each rank holds [gate_i; up_i]
             for part in parts:
@@ -408,6 +427,8 @@ def stored_pieces(
     elif kind == "fc1" and dim == 0:
         per_rank = size // tp
         offset = index * per_rank
+    elif kind == "column" and dim == 0:
+        per_rank, offset = size // tp, 0
     elif kind == "row" and dim == 1:
         per_rank, offset = size // tp, 0
     else:

@@ -440,7 +440,7 @@ def _chunks(*, kind: str, part: torch.Tensor, tp_rank: int, fc1_rows: int) -> It
     if kind == "replicated":
         if tp_rank == 0:
             yield (0,) * part.dim(), part
-    elif kind == "qkv":
+    elif kind in ("qkv", "column"):
         yield (tp_rank * part.shape[0],) + (0,) * (part.dim() - 1), part
     elif kind == "row":
         yield (0, tp_rank * part.shape[1]), part

@@ -14,11 +14,14 @@ from checkpoint_convert.mapping import (
     fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes, mcore_to_hf,
     stage_layers,
 )  # fmt: skip
+from tests.helpers import deepseek
 from tests.helpers.models import TINY_FAMILIES, hub_tensors
+
+FAMILIES = {**TINY_FAMILIES, **deepseek.TINY}  # one tiny model of every family
 
 
 def test_every_family_module_is_registered_by_architecture_and_model_type():
-    assert set(FAMILY_MODULES) == set(TINY_FAMILIES)
+    assert set(FAMILY_MODULES) == set(FAMILIES)
     for model_type, module in FAMILY_MODULES.items():
         assert family_of_config({"architectures": [module.ARCHITECTURE]}, source="c") is module
         assert family_of_config({"model_type": model_type}, source="c") is module
@@ -30,16 +33,16 @@ def test_unknown_architecture_is_one_line_listing_the_supported():
     message = str(error.value)
     assert "\n" not in message and message.startswith("m/config.json: field 'architectures' is 'GPT2LMHeadModel'")
     assert all(architecture in message for architecture in ARCHITECTURES)
-    with pytest.raises(ConversionError, match="model_type 'gpt2' is not known; supported: LlamaForCausalLM"):
+    with pytest.raises(ConversionError, match="model_type 'gpt2' is not known; supported: DeepseekV3ForCausalLM, LlamaForCausalLM"):
         spec_from_hf_config({"model_type": "gpt2"}, source="m/config.json")
 
 
-@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
     """hf_tensor_shapes = the tensors save_pretrained writes (names and shapes); HF -> tp2 pp2
     shards -> HF gives every tensor back bit for bit."""
     torch.manual_seed(0)
-    model = TINY_FAMILIES[family]()
+    model = FAMILIES[family]()
     config = model.config.to_dict()
     spec = spec_from_hf_config(config)
     assert spec.family == family
@@ -81,12 +84,12 @@ def test_moe_config_missing_an_expert_field_is_one_line(family, field):
         spec_from_hf_config(config, source="m/config.json")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_fused_in_memory_experts_read_as_the_hub_tensors(family):
     """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down); a checkpoint in
     that form names the same hub tensors."""
     torch.manual_seed(0)
-    model = TINY_FAMILIES[family]()
+    model = FAMILIES[family]()
     spec = spec_from_hf_config(model.config.to_dict())
     memory = {n: t.detach() for n, t in model.state_dict().items()}
     hub = hub_tensors(model)

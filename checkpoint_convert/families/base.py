@@ -49,6 +49,26 @@ class ModelSpec:
     moe_norm_topk: bool = True
     moe_layers: tuple[int, ...] = ()  # global numbers of the layers whose MLP is the MoE block
     router_aux_loss_coef: float = 0.0  # HF config's, 0 unless output_router_logits is true
+    # Multi-latent attention (DeepSeek-V3; kv_lora_rank 0: the q/k/v attention above). head_dim
+    # is then a query head's size, qk_rope_head_dim of it rotary (the rest "nope"); q_lora_rank 0
+    # is a plain q projection.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE router and shared experts beyond the softmax routers above (DeepSeek-V3): a sigmoid
+    # score with a loaded per-expert bias for the choice, group-limited top-k (0: no groups), the
+    # scale of the combined weights, and the shared experts' FFN size (0: none).
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_router_groups: int = 0
+    moe_router_group_topk: int = 0
+    moe_topk_scaling: float = 1.0
+    moe_shared_intermediate_size: int = 0
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -159,6 +179,7 @@ def decoder_fields(config: dict, *, source: str, intermediate_size: bool = True)
 #   vocab       rows padded with zeros to the padded vocabulary, then split on dim 0
 #   qkv         q, k, v fused group by group (r query heads, k head, v head), whole groups per rank
 #   fc1         [gate chunk i; up chunk i] on rank i
+#   column      split on dim 0 (a column-parallel linear of one HF tensor: the MLA projections)
 #   row         split on dim 1 (row-parallel linear input dim)
 # A key map: megatron-core name template -> (split kind, Hugging Face name templates).
 # `{layer}` is the local layer number on the megatron side and the global one on the HF side.

@@ -46,13 +46,17 @@ def transformer_config(
         if pp_rank == layout.pp - 1:
             row = row + ["loss"]
         stages.append(row)
-    return TransformerConfig(
+    # Multi-latent attention (DeepSeek-V3) has a config class of its own (its MLA and YaRN fields).
+    config_class = TransformerConfig
+    if spec.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_query_groups,
-        kv_channels=spec.head_dim,
+        kv_channels=spec.v_head_dim if spec.multi_latent_attention else spec.head_dim,  # MLA: the v head (mla.py)
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
@@ -121,6 +125,10 @@ def build_stage_model(
         )
         if sequence_parallel and not use_te:
             layer_spec = _block_spec_with_sp_norms(layer_spec)
+        if spec.multi_latent_attention:
+            from mcore_dpo.model.mla import with_latent_core_attention
+
+            layer_spec = with_latent_core_attention(layer_spec)
     elif use_te:
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
@@ -138,6 +146,8 @@ def build_stage_model(
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    if spec.moe_expert_bias:
+        _expert_bias_as_frozen_parameters(model)
     if mesh.is_first_stage:
         model.embedding.register_forward_hook(_canonical_strides)
     if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
@@ -147,6 +157,19 @@ def build_stage_model(
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def _expert_bias_as_frozen_parameters(model: torch.nn.Module) -> None:
+    """megatron-core's routers keep their expert bias (DeepSeek-V3's e_score_correction_bias) in a
+    buffer. Made a parameter that requires no gradient, it is loaded and exported with the
+    weights (which go by named_parameters), while the optimizer, DDP and the gradient
+    norm (which take only trainable parameters) leave it alone; megatron-core's own update of the
+    bias (in its finalize_model_grads, not called here) is also off (update rate 0)."""
+    for module in model.modules():
+        bias = module._buffers.get("expert_bias")
+        if bias is not None:
+            del module._buffers["expert_bias"]
+            module.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
 def _canonical_strides(_module, _args, output: torch.Tensor) -> torch.Tensor:
@@ -210,7 +233,7 @@ def _block_spec_with_sp_norms(block_spec):
         layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
         layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
         attention = layer_spec.submodules.self_attention.submodules
-        for name in ("q_layernorm", "k_layernorm"):
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: multi-latent attention
             if getattr(attention, name, IdentityOp) not in (None, IdentityOp):
                 setattr(attention, name, SequenceParallelRMSNorm)
     block_spec.layer_norm = SequenceParallelRMSNorm
@@ -334,9 +357,9 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, nu
     the largest position (`num_positions` = that + 1, known on the host: the longest segment)
     is computed by its own code and indexed per token, for this forward."""
     rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None:
-        yield
-        return
+    if rope is None:  # multi-latent attention applies RoPE inside each layer, at 0..W-1
+        raise ValueError("packed rows with a mask: multi-latent attention (DeepSeek-V3) cannot restart RoPE "
+                         "positions per sequence; run without --packing")
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
     emb = table[position_ids[0]]
 

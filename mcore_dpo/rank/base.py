@@ -73,7 +73,9 @@ class Rank:
         plat.init_model_rng(self.platform, config.seed)
         self.dtype = DTYPES[config.dtype]
         # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
-        self.use_te = plat.transformer_engine_available() and not config.lora
+        # Multi-latent attention runs the local spec everywhere: megatron-core's Transformer Engine
+        # MLA replicates the down projections and fuses the latent norms (another shard layout).
+        self.use_te = plat.transformer_engine_available() and not config.lora and not spec.multi_latent_attention
         # MoE experts: grouped GEMMs on the Transformer Engine spec, else sequential. Their live
         # parameter names differ; shards and checkpoints keep the sequential ones (model.shard_names).
         self.grouped_experts, self.experts_note = plat.use_grouped_experts(

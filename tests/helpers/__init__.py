@@ -6,6 +6,7 @@
     reference.py         the independent reference: HF forward + TRL's loss and metric formulas
     parity.py            parity jobs (`jobs_for`, `parity_job`) and their checks (`check_job`)
     moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss
+    deepseek.py          tiny DeepSeek-V3 models (MLA, YaRN, sigmoid router with bias) and their parity check
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
     cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
