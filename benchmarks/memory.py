@@ -86,6 +86,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
                 })  # fmt: skip
             results.append({
                 "ref_mode": config.ref_mode,
+                "recompute": config.recompute,
+                "recompute_num_layers": config.recompute_num_layers,
                 "pp_rank": worker.mesh.pp_rank,
                 "ref_param_bytes": ref_bytes,
                 "policy_numel": policy_numel,
@@ -104,10 +106,12 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
 
 
 def launch(*, model_dir: Path, pp: int, modes: tuple[str, ...], num_microbatches: int, seq_len: int, num_steps: int,
-           out_dir: Path, other_modes_steps: int | None = None, timeout_s: float = 1800) -> list[list[dict]]:
-    """One group of `pp` rank processes (tp 1, dp 1) that runs each mode in turn; per rank,
-    one result per mode (see `_rank_main`). `other_modes_steps`: steps of the modes other
-    than interleaved (their plan is the same every step), default `num_steps`."""
+           out_dir: Path, other_modes_steps: int | None = None, timeout_s: float = 1800,
+           settings: tuple[dict, ...] = ({},)) -> list[list[dict]]:
+    """One group of `pp` rank processes (tp 1, dp 1) that runs each mode in turn, once per
+    entry of `settings` (TrainConfig fields added, e.g. --recompute); per rank, one result per
+    (setting, mode), in that order (see `_rank_main`). `other_modes_steps`: steps of the modes other than interleaved
+    (their plan is the same every step), default `num_steps`."""
     import torch.multiprocessing as mp
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -119,14 +123,16 @@ def launch(*, model_dir: Path, pp: int, modes: tuple[str, ...], num_microbatches
     data = dict(num_pairs=num_microbatches * (num_steps + 1), prompt_len=prompt_len,
                 completion_len=seq_len - prompt_len, vocab_size=shape["vocab_size"], seed=3)
     configs = [dict(model=str(model_dir), tp=1, pp=pp, dp=1, micro_batch_size=1, global_batch_size=num_microbatches,
-                    max_steps=num_steps, max_length=seq_len, ref_mode=mode, lr=1e-5, packing=False) for mode in modes]
+                    max_steps=num_steps, max_length=seq_len, ref_mode=mode, lr=1e-5, packing=False, **setting)
+               for setting in settings for mode in modes]
     ports: list[int] = []
     while len(ports) < len(configs):
         port = common.free_port()
         if port not in ports:
             ports.append(port)
     ctx = mp.get_context("spawn")
-    steps = [num_steps if mode == "interleaved" or other_modes_steps is None else other_modes_steps for mode in modes]
+    steps = [num_steps if config["ref_mode"] == "interleaved" or other_modes_steps is None else other_modes_steps
+             for config in configs]
     procs = [ctx.Process(target=_rank_main, args=(r, pp, ports, configs, data, steps, str(out_dir)))
              for r in range(pp)]
     for proc in procs:

@@ -25,6 +25,8 @@ from mcore_dpo.pipeline.plan import REF_MODES
 
 # The plan's modes, plus the reference on a worker group of its own.
 RUN_REF_MODES = REF_MODES + ("separate",)
+# --recompute: megatron-core's activation recompute granularities, and none.
+RECOMPUTE_MODES = ("none", "selective", "full")
 # Why packing does not serve a load-balancing loss (`TrainConfig.packing_unserved`).
 MOE_AUX_UNSERVED = ("the MoE load-balancing loss (a mean over microbatches, which packing composes differently than "
                     "--micro-batch-size does)")
@@ -177,6 +179,20 @@ class TrainConfig:
     TEGroupedMLP) instead of one GEMM per expert. Default (unset): on wherever Transformer Engine
     (>= 1.9) is present, else sequential experts (the CPU, LoRA runs). Checkpoints are the same
     either way. --no-moe-grouped-gemm keeps sequential experts on GPUs too."""
+    recompute: str = "none"
+    """none | selective | full: activation recompute (megatron-core's own), compute traded for the
+    memory the policy keeps between its forward and its backward. none: every activation is kept. selective: each layer's
+    core attention (the attention scores and softmax probabilities, s x s per head on the local
+    layer spec) is recomputed in the backward (megatron-core's recompute_granularity "selective",
+    recompute_modules ["core_attn"]). full: each group of --recompute-num-layers layers keeps
+    only its input and runs its forward again in the backward (recompute_granularity "full",
+    recompute_method "uniform"), about one more policy forward per step; dense models only for
+    now. The results are the same either way; docs/GUIDE.md says when to use which."""
+    recompute_num_layers: int | None = None
+    """With --recompute full: the layers of each recomputed group (megatron-core's
+    recompute_num_layers with recompute_method "uniform"); it must divide every pipeline stage's
+    layer count. More layers per group keep fewer inputs but rerun a larger group at once in the
+    backward. (default: 1, each layer its own group)"""
 
     # --- run ---
     eval_interval: int = 40
@@ -324,6 +340,7 @@ class TrainConfig:
                                                           " (padded microbatches; --packing lifts this rule)")
             )
         self._validate_expert_parallel()
+        self._validate_recompute()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
         if self.ref_mode not in RUN_REF_MODES:
@@ -403,6 +420,41 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
+
+    def _validate_recompute(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.recompute_num_layers is None:
+            return
+        if self.recompute != "full":
+            raise ConfigError(f"recompute_num_layers: given with --recompute {self.recompute}; it sizes the layer "
+                              "groups of --recompute full")
+        if self.recompute_num_layers <= 0:
+            raise ConfigError(f"recompute_num_layers: must be a positive integer, got {self.recompute_num_layers}")
+
+    def check_recompute(self, *, num_layers: int, num_experts: int, source: str) -> None:
+        """--recompute against the model (its config: `source`): full recompute of a dense model
+        only, and each pipeline stage's `num_layers` share split into whole groups of
+        --recompute-num-layers (ConfigError otherwise)."""
+        from checkpoint_convert.mapping import stage_layers
+
+        if self.recompute != "full":
+            return
+        if num_experts:
+            # The routers' statistics and load-balancing gradient are taken in the policy's forward,
+            # which full recompute runs without gradients and then again inside the backward.
+            raise ConfigError(f"recompute: full is not supported yet for mixture-of-experts models ({source}); "
+                              "use --recompute selective or none")
+        group = self.recompute_num_layers or 1
+        for stage in range(self.pp):
+            count = len(stage_layers(num_layers, pp=self.pp, pp_rank=stage))
+            where = f"pipeline stage {stage}" if self.pp > 1 else "the model"
+            if group > count:
+                raise ConfigError(f"recompute_num_layers: {group} is more than the {count} layers of {where} "
+                                  f"({source}: {num_layers} layers over pp {self.pp})")
+            if count % group:
+                raise ConfigError(f"recompute_num_layers: {group} does not divide the {count} layers of {where} "
+                                  f"({source}: {num_layers} layers over pp {self.pp})")
 
     def _validate_packing(self) -> None:
         budget = self.max_tokens_per_microbatch
@@ -563,8 +615,8 @@ HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
     "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
-                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm", "timeout_s",
-                    "placement_timeout_s"),
+                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
+                    "recompute", "recompute_num_layers", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
              "ref_model_mixup_alpha", "ref_model_sync_steps"),
@@ -589,6 +641,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "on_bad_row": ("error", "skip"),
         "save_format": ("safetensors", "torch_dist"),
         "f_divergence_type": tuple(F_DIVERGENCE_TYPES),
+        "recompute": RECOMPUTE_MODES,
     }
 
 

@@ -71,6 +71,23 @@ def test_realistic_config_header_arithmetic(path: Path):
         assert config.ep == 1
 
 
+@pytest.mark.parametrize("path", REALISTIC, ids=lambda p: p.name)
+def test_header_states_the_memory_with_full_recompute(path: Path):
+    # Each realistic config fits without recompute (recompute: none); a dense one states what
+    # --recompute full would hold (each layer's input only, recomputed in the backward), a MoE
+    # one nothing (full recompute is refused for mixture-of-experts models).
+    header = header_values(path)
+    arch, config = key_values(header["arch"]), config_without_paths(path)
+    assert config.recompute == "none"
+    if is_moe(arch):
+        assert "memory_gb_per_gpu_recompute_full" not in header
+        return
+    full = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, recompute="full"),
+                             attention=header["attention"].split()[0])
+    assert full == pytest.approx(float(header["memory_gb_per_gpu_recompute_full"]), abs=0.05)
+    assert full < float(header["memory_gb_per_gpu"])
+
+
 def test_moe_configs_split_the_experts():
     for name, ep in (("qwen3_30b_a3b.yaml", 8), ("mixtral_8x7b.yaml", 8)):
         config = config_without_paths(CONFIG_DIR / name)

@@ -1,6 +1,7 @@
 """docs/GUIDE.md's layout table is the configs' arithmetic: every row's GB per GPU is recomputed
 with mcore_dpo.tools.memory_estimate (tests/helpers/config_arithmetic.py, as tests/test_configs.py
-recomputes the config headers), and its "fits" column agrees with 80 GB GPUs."""
+recomputes the config headers), and its "fits" column agrees with 80 GB GPUs; so is the activation
+recompute section's table."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def test_every_row_is_the_arithmetic(row):
     assert computed == pytest.approx(float(gb), abs=0.05)
     on_one_node = int(tp) * int(pp) * int(dp) <= 8
     assert fits.startswith("yes") == (computed < 80 and on_one_node)
+
+
+RECOMPUTE_ROW = re.compile(r"^\| (none|selective|full)(?:, `--recompute-num-layers (\d+)`)? \| ([\d.]+) \| ([\d.]+) \|$", re.M)
+
+
+def test_the_recompute_table_is_the_arithmetic():
+    """The activation recompute section's GB per GPU: configs/llama3_8b.yaml's layout under each
+    --recompute, with flash attention and with the local layer spec."""
+    import dataclasses
+
+    from mcore_dpo.config import load_yaml
+
+    rows = RECOMPUTE_ROW.findall(GUIDE.read_text(encoding="utf-8"))
+    assert {row[0] for row in rows} == {"none", "selective", "full"}, rows
+    path = CONFIG_DIR / CONFIG_OF["Llama-3-8B"]
+    arch = key_values(header_values(path)["arch"])
+    values = {k: v for k, v in load_yaml(str(path)).items() if k not in ("model", "ref_model", "data", "eval_data")}
+    for recompute, group, flash, local in rows:
+        config = dataclasses.replace(TrainConfig(**values), recompute=recompute,
+                                     recompute_num_layers=int(group) if group else None)
+        for attention, stated in (("flash", flash), ("local", local)):
+            computed = memory_gb_per_gpu(arch=arch, config=config, attention=attention)
+            assert computed == pytest.approx(float(stated), abs=0.05), (recompute, group, attention)

@@ -5,7 +5,10 @@ One launch per pipeline size runs every reference mode for two steps (the first 
 step computes this batch's reference and carries out, the second carries in):
 - pp 2 at benchmarks/memory.py's setting (hidden 1024, 32 tokens, 4 microbatches): also the
   reference's exact overhead over policy-only, against its parameter bytes;
-- pp 4 with a small model and 6 microbatches.
+- pp 4 with a small model and 6 microbatches;
+- pp 2 with the small model under each activation recompute (--recompute none, selective, full
+  with groups of 1 and 2 layers), interleaved: the plan model against the peaks again, and what
+  a layer keeps under recompute against memory_estimate's recompute terms.
 Tensor bytes are deterministic: every comparison is exact, in bytes.
 """
 
@@ -29,6 +32,18 @@ MODES = ("interleaved", "sequential", "precomputed", "none")
 assert set(MODES) == set(REF_MODES)
 PP4_SHAPE = common.LlamaShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
                               vocab_size=256)
+
+
+RECOMPUTE_SETTINGS = ({}, {"recompute": "selective"}, {"recompute": "full"}, {"recompute": "full", "recompute_num_layers": 2})
+RECOMPUTE_SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def recompute_runs(tmp_path_factory) -> list[list[dict]]:
+    work = tmp_path_factory.mktemp("memory_account_recompute")
+    model = common.write_random_llama(work / "small_model", shape=PP4_SHAPE)
+    return run_benchmark(memory.launch, model_dir=model, pp=2, modes=("interleaved",), num_microbatches=4,
+                         seq_len=RECOMPUTE_SEQ_LEN, num_steps=2, out_dir=work / "pp2", settings=RECOMPUTE_SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +105,10 @@ def _model_of(step: dict, *, pp: int) -> tuple[StageMemory, ...]:
                                   **kwargs))
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-def test_plan_model_equals_measured_activation_peaks(runs, pp):
+def _check_plan_model(results: list[list[dict]], *, pp: int) -> set:
+    """Every step of every result against the plan model; the (mode, carry in, carry out) seen."""
     seen_flags = set()
-    for rank, per_mode in enumerate(runs[pp]):
+    for rank, per_mode in enumerate(results):
         for result in per_mode:
             act = result["stage_activation_bytes"]
             for index, step in enumerate(result["steps"]):
@@ -101,11 +116,17 @@ def test_plan_model_equals_measured_activation_peaks(runs, pp):
                 stash = step["stash_bytes_per_microbatch"]
                 assert len(set(stash)) == 1 and stash[0] > 0, stash  # one unit per microbatch
                 measured = step["memory"]
-                where = f"pp {pp} rank {rank} {result['ref_mode']} step {index + 1}"
+                where = f"pp {pp} rank {rank} {result['ref_mode']} recompute {result['recompute']} step {index + 1}"
                 assert measured["policy_stash_peak_bytes"] == model.policy_stash * stash[0], where
                 assert measured["reference_in_flight_peak_bytes"] == model.reference_in_flight * act, where
                 assert measured["carried_peak_bytes"] == model.carried * act, where
                 seen_flags.add((result["ref_mode"], step["plan"]["carry_in"], step["plan"]["carry_out"]))
+    return seen_flags
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_plan_model_equals_measured_activation_peaks(runs, pp):
+    seen_flags = _check_plan_model(runs[pp], pp=pp)
     # every mode ran; interleaved both as a first (carry out) and a carrying (in and out) step
     assert {mode for mode, *_ in seen_flags} == set(MODES)
     assert ("interleaved", False, True) in seen_flags and ("interleaved", True, True) in seen_flags
@@ -162,6 +183,57 @@ def test_config_model_reduces_to_one_microbatch_at_pp1_and_sees_the_stage_split(
     policy_only = plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode="none", **kw)
     boundary = boundary_bytes(shape, seq_len=128, rows=2, tp=2, sequence_parallel=True, dtype_bytes=2)
     assert with_ref - policy_only == 2 * boundary
+
+
+def test_plan_model_equals_measured_activation_peaks_under_recompute(recompute_runs):
+    _check_plan_model(recompute_runs, pp=2)
+    for per_setting in recompute_runs:
+        assert [(r["recompute"], r["recompute_num_layers"]) for r in per_setting] == [
+            (s.get("recompute", "none"), s.get("recompute_num_layers")) for s in RECOMPUTE_SETTINGS]
+
+
+def _stash_unit(result: dict) -> int:
+    return result["steps"][0]["stash_bytes_per_microbatch"][0]
+
+
+def test_recompute_keeps_what_the_estimate_says(recompute_runs):
+    """Exact bytes per microbatch on each stage (2 layers each), against memory_estimate:
+    - full: each group of N layers keeps only its input, one stage-boundary activation
+      (layer_activation_bytes is 1/N of one per layer); the first stage keeps the token ids
+      beside it, the last its head, which recompute does not change, so what the layers keep
+      without recompute (the stash minus the same rest) is the same on both stages;
+    - selective: each layer keeps the no-recompute stash minus the core attention's s x s
+      probabilities and the copies it makes, as the estimate's terms differ, except for the
+      attention mask type megatron-core's checkpoint saves as a one-element int32 tensor.
+    And the measured stash falls: full < selective < none on every stage."""
+    from mcore_dpo.tools.memory_estimate import LayerShape, layer_activation_bytes
+
+    shape = LayerShape(hidden=PP4_SHAPE.hidden_size, heads=PP4_SHAPE.num_heads, kv_heads=PP4_SHAPE.num_kv_heads,
+                       head_dim=PP4_SHAPE.hidden_size // PP4_SHAPE.num_heads, ffn=PP4_SHAPE.intermediate_size,
+                       vocab=PP4_SHAPE.vocab_size)
+    layers = PP4_SHAPE.num_layers // 2
+    layers_stash = {}
+    for per_setting in recompute_runs:
+        by = {(r["recompute"], r["recompute_num_layers"]): r for r in per_setting}
+        none, selective, full, full2 = (by[k] for k in (("none", None), ("selective", None), ("full", None), ("full", 2)))
+        stage = none["pp_rank"]
+        act = none["stage_activation_bytes"]
+        rows = act // (RECOMPUTE_SEQ_LEN * PP4_SHAPE.hidden_size * 4)
+        kw = dict(seq_len=RECOMPUTE_SEQ_LEN, rows=rows, tp=1, sequence_parallel=False, attention="local", dtype_bytes=4)
+        for result, group in ((full, 1), (full2, 2)):
+            kept = layers * layer_activation_bytes(shape, **kw, recompute="full", recompute_num_layers=group)
+            assert kept == layers // group * act
+            rest = _stash_unit(result) - kept
+            if stage == 0:
+                assert rest == rows * RECOMPUTE_SEQ_LEN * 8, (group, rest)  # the int64 token ids
+            else:
+                assert rest == _stash_unit(full) - layers * act  # the head, whatever the group size
+        layers_stash[stage] = _stash_unit(none) - _stash_unit(full) + layers * act  # what the layers keep without recompute
+        per_layer = layer_activation_bytes(shape, **kw) - layer_activation_bytes(shape, **kw, recompute="selective")
+        assert _stash_unit(none) - _stash_unit(selective) == layers * (per_layer - 4), stage
+        peaks = [r["steps"][0]["memory"]["policy_stash_peak_bytes"] for r in (full, selective, none)]
+        assert peaks == sorted(set(peaks)), peaks
+    assert layers_stash[0] == layers_stash[1] > 2 * layers * act, layers_stash
 
 
 def test_device_figures_are_gpu_only():

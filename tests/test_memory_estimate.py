@@ -6,6 +6,9 @@ probabilities count, at tp 2 with and without sequence parallelism, fp32 and bf1
 storage a tensor op allocates inside the measurement is counted from its allocation until it
 is freed (a TorchDispatchMode with storage finalizers; parameters and their views are not
 allocations), and the peak of the running total is compared with the formula. Tolerance 20%.
+With activation recompute (--recompute selective, full with groups of 1 and 2 layers) the same
+measurement against the formula's recompute terms: what a layer keeps and what the backward
+holds while it reruns a group.
 The experts branch: the expert parameters each rank of a tiny MoE model holds, counted exactly,
 and a one-rank MoE forward + backward measured the same way.
 """
@@ -39,6 +42,14 @@ SPEC = ModelSpec(architecture="LlamaForCausalLM", family="llama", vocab_size=120
                  rope_scaling=None, tie_word_embeddings=False, qkv_bias=False, max_position_embeddings=512,
                  torch_dtype="float32")
 CASES = [("float32", False), ("float32", True), ("bfloat16", True)]
+# (dtype, sequence parallel, --recompute, --recompute-num-layers)
+RECOMPUTE_CASES = [("float32", False, "selective", None), ("float32", False, "full", None), ("float32", True, "full", 2),
+                   ("bfloat16", True, "selective", None)]
+
+
+def _case_key(dtype_name: str, sequence_parallel: bool, recompute: str = "none", group: int | None = None) -> str:
+    key = f"{dtype_name}/sp={sequence_parallel}"
+    return key if recompute == "none" else f"{key}/recompute={recompute}/{group or 1}"
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -88,10 +99,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         mask = causal_mask(SEQ_LEN, device=torch.device("cpu"))
         loss_mask = torch.ones(ROWS, SEQ_LEN)
         peaks = {}
-        for dtype_name, sequence_parallel in CASES:
+        for dtype_name, sequence_parallel, recompute, group in [(*c, "none", None) for c in CASES] + RECOMPUTE_CASES:
             with plat.building_models(platform):
                 model = build_stage_model(SPEC, mesh=mesh, dtype=getattr(torch, dtype_name), on_gpu=False, use_te=False,
-                                          sequence_parallel=sequence_parallel)
+                                          sequence_parallel=sequence_parallel, recompute=recompute,
+                                          recompute_num_layers=group)
 
             def loss() -> torch.Tensor:  # the logits die with this frame, as in the pipeline
                 logits = stage_forward(model, tokens=tokens, input_tensor=None, mask=mask)
@@ -102,7 +114,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             meter = PeakTensorBytes()
             with meter:  # one fresh step: megatron-core's persistent workspace is allocated in it
                 loss().backward()
-            peaks[f"{dtype_name}/sp={sequence_parallel}"] = meter.peak
+            peaks[_case_key(dtype_name, sequence_parallel, recompute, group)] = meter.peak
             del model
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
         mesh_lib.destroy()
@@ -118,12 +130,14 @@ def measured(tmp_path_factory) -> dict[str, int]:
     return json.loads((out_dir / "rank0.json").read_text())
 
 
-def _estimate(dtype_name: str, sequence_parallel: bool, attention: str = "local") -> float:
+def _estimate(dtype_name: str, sequence_parallel: bool, attention: str = "local", recompute: str = "none",
+              group: int | None = None) -> float:
     shape = LayerShape(hidden=SPEC.hidden_size, heads=SPEC.num_heads, kv_heads=SPEC.num_query_groups,
                        head_dim=SPEC.head_dim, ffn=SPEC.intermediate_size,
                        vocab=padded_vocab_size(SPEC.vocab_size, tp=TP))
     return activation_bytes(shape, layers=LAYERS, seq_len=SEQ_LEN, rows=ROWS, tp=TP, sequence_parallel=sequence_parallel,
-                            attention=attention, dtype_bytes=torch.tensor([], dtype=getattr(torch, dtype_name)).element_size())
+                            attention=attention, dtype_bytes=torch.tensor([], dtype=getattr(torch, dtype_name)).element_size(),
+                            recompute=recompute, recompute_num_layers=group)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-sp{int(c[1])}")
@@ -132,6 +146,24 @@ def test_estimate_matches_measured_peak(measured, case):
     peak = measured[f"{dtype_name}/sp={sequence_parallel}"]
     estimate = _estimate(dtype_name, sequence_parallel)
     assert abs(estimate / peak - 1) <= TOLERANCE, f"{case}: estimate {estimate:.0f} B, measured peak {peak} B"
+
+
+@pytest.mark.parametrize("case", RECOMPUTE_CASES, ids=lambda c: f"{c[0]}-sp{int(c[1])}-{c[2]}{c[3] or ''}")
+def test_recompute_estimate_matches_measured_peak(measured, case):
+    peak = measured[_case_key(*case)]
+    estimate = _estimate(*case[:2], recompute=case[2], group=case[3])
+    assert abs(estimate / peak - 1) <= TOLERANCE, f"{case}: estimate {estimate:.0f} B, measured peak {peak} B"
+
+
+def test_recompute_lowers_the_peak_as_the_estimate_says(measured):
+    # Measured and estimated alike: selective below none, full below selective (the s x s
+    # probabilities are a fraction of a layer here, all its activations more); the estimate
+    # without its recompute terms would miss full recompute's peak.
+    none, selective, full = (measured[_case_key("float32", False, rc)] for rc in ("none", "selective", "full"))
+    assert full < selective < none
+    estimates = [_estimate("float32", False, recompute=rc) for rc in ("none", "selective", "full")]
+    assert estimates[2] < estimates[1] < estimates[0]
+    assert abs(estimates[0] / full - 1) > TOLERANCE
 
 
 def test_sequence_parallel_lowers_the_peak(measured):

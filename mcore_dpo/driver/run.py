@@ -76,6 +76,8 @@ def prepare(config: TrainConfig) -> Prepared:
     spec = open_weights(config.model).spec
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
+    config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts,
+                           source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
         num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
     config, packing_note = config.decide_packing()  # off for a mode it does not serve; else the ranks decide

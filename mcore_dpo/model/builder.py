@@ -26,13 +26,31 @@ def layer_spec_name(*, use_te: bool) -> str:
     return "te" if use_te else "local"
 
 
+def recompute_fields(recompute: str, recompute_num_layers: int | None) -> dict:
+    """TransformerConfig's activation-recompute fields for --recompute: "none" keeps every
+    activation; "selective" recomputes the core attention (softmax and probabilities, megatron-core's
+    default recompute_modules ["core_attn"]); "full" keeps only the input of each chunk of
+    `recompute_num_layers` layers (default 1: every layer) and reruns the chunk in the backward
+    (recompute_method "uniform")."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": recompute_num_layers or 1}
+    raise ValueError(f"recompute: {recompute!r} is not none, selective or full")
+
+
 def transformer_config(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, sequence_parallel: bool = False,
     grouped_experts: bool = False, deterministic: bool = False, fused: dict[str, bool] | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None,
 ):
     """megatron-core's TransformerConfig of this stage. `grouped_experts`: the MoE layers' experts
     are one grouped GEMM per projection (`moe_grouped_gemm`; the Transformer Engine spec only).
-    `fused`: the fused kernels' fields (`platform.fused_kernel_fields` decides; none by default)."""
+    `fused`: the fused kernels' fields (`platform.fused_kernel_fields` decides; none by default).
+    `recompute`, `recompute_num_layers`: activation recompute (`recompute_fields`)."""
     from megatron.core.transformer import TransformerConfig
 
     layout = mesh.layout
@@ -83,6 +101,7 @@ def transformer_config(
         perform_initialization=True,
         attention_softmax_in_fp32=True,
         deterministic_mode=deterministic,  # --deterministic (platform.make_deterministic)
+        **recompute_fields(recompute, recompute_num_layers),  # --recompute, --recompute-num-layers
         # What differs by family (qkv bias, qk norms, experts): the family module says; then the
         # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
         **{**_family_fields(spec, grouped_experts=grouped_experts),
@@ -102,6 +121,7 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
     grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
@@ -116,6 +136,7 @@ def build_stage_model(
         raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
                                 grouped_experts=grouped_experts, deterministic=deterministic,
+                                recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
                                                           moe=bool(spec.num_experts)))
     if config.num_moe_experts:
@@ -150,6 +171,8 @@ def build_stage_model(
         _expert_bias_as_frozen_parameters(model)
     if mesh.is_first_stage:
         model.embedding.register_forward_hook(_canonical_strides)
+        if recompute == "full":
+            model.embedding.register_forward_hook(_recompute_input_requires_grad)
     if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
         # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
         # inverse frequencies from the checkpoint's own values instead.
@@ -157,6 +180,17 @@ def build_stage_model(
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def _recompute_input_requires_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the embedding under --recompute full. megatron-core's checkpoint is an
+    autograd Function: the layers inside it get gradients only when its input requires grad. A
+    frozen embedding (LoRA) gives an input that does not, and the first stage's trainable
+    weights would silently get none. With grad enabled, the output is made a leaf that requires
+    grad (nothing flows back into the frozen embedding); otherwise it is returned as it is."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.detach().requires_grad_()
+    return output
 
 
 def _expert_bias_as_frozen_parameters(model: torch.nn.Module) -> None:

@@ -137,6 +137,7 @@ def _adapt_megatron_for_cpu() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     _import_megatron_without_compile()
     _adapt_moe_dispatcher_for_cpu()
+    _adapt_recompute_rng_for_cpu()
     _ADAPTED = True
 
 
@@ -181,6 +182,18 @@ def _adapt_moe_dispatcher_for_cpu() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _adapt_recompute_rng_for_cpu() -> None:
+    """megatron-core's activation recompute (`tensor_parallel.checkpoint`, --recompute) stores the
+    CPU generator's state, the CUDA generator's and its RNG tracker's with each checkpointed part
+    and sets them back before that part reruns in the backward. Without a GPU there is no CUDA
+    generator to read or set: the CPU generator, stored beside it, is the only one a CPU forward
+    draws from, so the CUDA state is stood in for by None and setting it does nothing."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _adapt_megatron_without_te() -> None:

@@ -88,6 +88,8 @@ class MemoryAccount:
 
     def __init__(self, *, tables: Callable[[], Iterable[Any]] = tuple):
         self._exclude: set[int] = set()
+        self._cached: set[int] = set()  # outputs of memoised modules (`exclude_cached_outputs`)
+        self._stashing = False
         self._tables = tables  # log-prob tables held outside the step (precomputed)
         self._stash: dict[int, dict[int, int]] = {}  # live microbatch -> {storage: bytes}
         self.stash_bytes_per_microbatch: dict[int, int] = {}  # this step's, by microbatch
@@ -100,9 +102,25 @@ class MemoryAccount:
         """`exclude`: tensors never counted as activations (the parameters a forward saves for
         its backward)."""
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._cached = set()
         self.stash_bytes_per_microbatch = {}
         self.peak = dict.fromkeys(DYNAMIC_CATEGORIES, 0)
         self.peak_dynamic_total = 0
+
+    def exclude_cached_outputs(self, module: torch.nn.Module) -> None:
+        """Count none of `module`'s outputs as activations while its forward is memoised (a
+        functools cache, as megatron-core's rotary embedding table is): the cache, not a
+        microbatch, holds them, from one step to the next. Full recompute (--recompute full)
+        saves that table with each layer group's input; counted, it would land in whichever
+        microbatch saved it first while no other held it. A memoised forward replaced on the
+        instance (a packed row's per-token RoPE, `model.builder`) is a microbatch's own and
+        is counted."""
+
+        def note(mod: torch.nn.Module, _args, output) -> None:
+            if self._stashing and "forward" not in vars(mod) and hasattr(type(mod).forward, "cache_info"):
+                self._cached.update(t.untyped_storage().data_ptr() for t in _tensors(output))
+
+        module.register_forward_hook(note)
 
     # ---------------------------------------------------------------- policy stash
     @contextlib.contextmanager
@@ -116,12 +134,16 @@ class MemoryAccount:
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
-            if key not in self._exclude and key not in held and storage.nbytes() > 0:
+            if key not in self._exclude and key not in held and key not in self._cached and storage.nbytes() > 0:
                 mine[key] = storage.nbytes()
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield
+        self._stashing = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                yield
+        finally:
+            self._stashing = False
         self._stash[microbatch] = mine
         self.stash_bytes_per_microbatch[microbatch] = sum(mine.values())
 

@@ -3,7 +3,9 @@
 Walks each stage's op list in order, as the executor (`pipeline/executor.py`) runs it, and counts:
 
 - `policy_stash`: microbatches whose policy forward has run and whose backward has not
-  (unit: what one microbatch's forward through the stage saves for its backward);
+  (unit: what one microbatch's forward through the stage saves for its backward; under
+  --recompute, what recompute keeps: with full, each layer group's input. What a backward
+  recomputes lives only inside that op: `memory_estimate.recompute_bytes` adds it to a stage);
 - `reference_in_flight`: reference stage activations received and not yet consumed by their
   reference forward, or produced and not yet sent (unit: one stage-boundary activation,
   [seq, rows, hidden]);

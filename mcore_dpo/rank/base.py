@@ -95,6 +95,9 @@ class Rank:
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
                 deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
+                # The policy recomputes in its backward; a frozen reference runs in eval mode,
+                # where megatron-core recomputes nothing.
+                recompute=self.config.recompute, recompute_num_layers=self.config.recompute_num_layers,
             ), self.platform.device)
         weights = open_weights(weights_dir)
         shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)

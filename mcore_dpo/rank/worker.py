@@ -101,6 +101,9 @@ class PolicyWorker(Rank):
         # Exact tensor bytes by category (pipeline/account.py); memory_report: the peaks of the last
         # step that counted them (--memory-interval).
         self.memory = MemoryAccount(tables=self.reference.tables)
+        rope = getattr(self.policy.module, "rotary_pos_emb", None)
+        if rope is not None:  # megatron-core caches its table: the model's, not a microbatch's
+            self.memory.exclude_cached_outputs(rope)
         self.memory_report: dict[str, int] = {}
         # Set trace_ops to record each step's op timeline in last_trace: (op, microbatch, batch,
         # start, end) in seconds from the step's start; "optimizer" covers the optimizer step.

@@ -31,6 +31,16 @@ fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 kee
 k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
 by the expert tensor-parallel size.
 
+Activation recompute (--recompute, megatron-core's own) changes what a layer keeps:
+
+- `full` (recompute_method "uniform", groups of N = --recompute-num-layers layers): each group
+  keeps only its input, one stage-boundary activation ([s, b, h], [s/tp, b, h] with sequence
+  parallelism): 1/N of one per layer. The backward reruns one group's forward at a time, so it
+  holds one group's activations as without recompute on top of the stash (`recompute_bytes`).
+- `selective` (megatron-core's "core_attn"): the core attention keeps only its inputs. `local`:
+  no s x s probabilities; q, k (after RoPE), the qkv projection's output (v is a view of it) and
+  the context; `flash`: no log-sum-exp. The backward reruns one layer's core attention at a time.
+
 1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
 layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
 given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
@@ -46,6 +56,7 @@ from dataclasses import dataclass
 from mcore_dpo.optim.adamw import NORM_CHUNK
 
 ATTENTION_IMPLS = ("flash", "local")
+RECOMPUTE_MODES = ("none", "selective", "full")
 FP32_BYTES = 4
 
 
@@ -103,23 +114,49 @@ def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: i
 
 def layer_activation_bytes(
     shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
-    expert_tp: int | None = None,
+    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
 ) -> float:
-    """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len])."""
+    """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len]);
+    under `recompute` (module docstring): full, its share of its group's input."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if recompute == "full":
+        return boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
+                              dtype_bytes=dtype_bytes) / (recompute_num_layers or 1)
+    selective = recompute == "selective"
     tokens = seq_len * rows
     sp = tp if sequence_parallel else 1
     q_width = shape.heads * shape.head_dim
     kv_width = shape.kv_heads * shape.head_dim
     norms = 2 * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
-    if attention == "local":
+    if attention == "local" and selective:  # q, k, the qkv output (v's storage), the context
+        attn = (3 * q_width + 3 * kv_width) * dtype_bytes / tp
+    elif attention == "local":
         scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
         attn = (4 * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
     else:
-        attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + shape.heads * FP32_BYTES) / tp
+        lse = 0 if selective else shape.heads * FP32_BYTES
+        attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + lse) / tp
     mlp = mlp_activation_bytes_per_token(shape, tp=tp, dtype_bytes=dtype_bytes, expert_tp=expert_tp)
     return tokens * (norms + attn + mlp)
+
+
+def recompute_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
+) -> float:
+    """What a backward holds beyond the stash while it recomputes: full, one group's
+    activations (recompute_num_layers layers, kept as without recompute); selective, one layer's
+    core attention (what selective does not keep); none, nothing."""
+    kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+              dtype_bytes=dtype_bytes, expert_tp=expert_tp)
+    if recompute == "full":
+        return (recompute_num_layers or 1) * layer_activation_bytes(shape, **kw)
+    if recompute == "selective":
+        return layer_activation_bytes(shape, **kw) - layer_activation_bytes(shape, **kw, recompute="selective")
+    return 0.0
 
 
 def workspace_bytes(
@@ -145,14 +182,16 @@ def head_bytes(
 
 def activation_bytes(
     shape: LayerShape, *, layers: int, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str,
-    dtype_bytes: int, expert_tp: int | None = None,
+    dtype_bytes: int, expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
 ) -> float:
     """Peak activation bytes of one microbatch's forward + backward through `layers` layers
-    and the last stage's head (the peak is where the backward starts)."""
+    and the last stage's head (the peak is where the backward starts), with what the backward
+    recomputes under `recompute`."""
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes)
-    return (layers * layer_activation_bytes(shape, **kw, expert_tp=expert_tp) + workspace_bytes(shape, **kw)
-            + head_bytes(shape, **kw))
+    rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
+    return (layers * layer_activation_bytes(shape, **kw, **rc) + recompute_bytes(shape, **kw, **rc)
+            + workspace_bytes(shape, **kw) + head_bytes(shape, **kw))
 
 
 def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool,
@@ -165,17 +204,21 @@ def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, seque
 def plan_activation_bytes(
     shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
     tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int, expert_tp: int | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None,
 ) -> float:
     """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
     (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
-    is one microbatch through its layers/pp layers; the last stage adds the head; every stage
-    the workspace. Interleaved: the larger of the first step's plan and the carrying one."""
+    is one microbatch through its layers/pp layers (under `recompute`, what they keep); the
+    last stage adds the head; every stage the workspace and what a backward recomputes
+    (`recompute_bytes`). Interleaved: the larger of the first step's plan and the carrying one."""
     from mcore_dpo.pipeline.memory import plan_memory
     from mcore_dpo.pipeline.schedule import build_plan
 
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes)
-    stash_unit = layers / pp * layer_activation_bytes(shape, **kw, expert_tp=expert_tp)
+    rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
+    stash_unit = layers / pp * layer_activation_bytes(shape, **kw, **rc)
+    recomputing = recompute_bytes(shape, **kw, **rc)
     boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
                               dtype_bytes=dtype_bytes)
     plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
@@ -187,7 +230,8 @@ def plan_activation_bytes(
         plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, **extra)
         for stage, units in enumerate(plan_memory(plan)):
             stage_bytes = (units.policy_stash * stash_unit + (units.reference_in_flight + units.carried) * boundary
-                           + workspace_bytes(shape, **kw) + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0))
+                           + recomputing + workspace_bytes(shape, **kw)
+                           + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0))
             peak = max(peak, stage_bytes)
     return peak
 
@@ -220,6 +264,7 @@ def per_gpu_bytes(
     shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
     attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
     (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
@@ -228,7 +273,8 @@ def per_gpu_bytes(
     MoE: `params` counts the parameters outside the routed experts (split over tp x pp, the
     optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
     pp, the optimizer state over the expert-data-parallel group); expert tp defaults to the
-    trainer's rule (checkpoint_convert.mapping.expert_tp_size): 1 at ep > 1, else tp."""
+    trainer's rule (checkpoint_convert.mapping.expert_tp_size): 1 at ep > 1, else tp.
+    `recompute`, `recompute_num_layers`: --recompute and --recompute-num-layers (module docstring)."""
     if expert_tp is None:
         expert_tp = 1 if ep > 1 else tp
     dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
@@ -240,6 +286,6 @@ def per_gpu_bytes(
     activations = plan_activation_bytes(
         shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=seq_len,
         rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
-        dtype_bytes=dtype_bytes, expert_tp=expert_tp,
+        dtype_bytes=dtype_bytes, expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers,
     )  # fmt: skip
     return dense + experts + max(activations, optimizer_step_bytes())
