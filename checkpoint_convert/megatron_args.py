@@ -48,7 +48,7 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=_rotary_base(spec.rope_theta),
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_interleaved=False,
         use_rope_scaling=scaling is not None,
         rope_scaling_factor=float(scaling["factor"]) if scaling else 8.0,

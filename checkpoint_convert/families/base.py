@@ -65,6 +65,9 @@ class ModelSpec:
     moe_router_group_topk: int = 0
     moe_topk_scaling: float = 1.0
     moe_shared_intermediate_size: int = 0
+    # The share of head_dim that RoPE rotates, its first dims (GLM-4.5's partial_rotary_factor;
+    # megatron-core's rotary_percent).
+    rotary_percent: float = 1.0
 
     @property
     def multi_latent_attention(self) -> bool:
@@ -243,3 +246,57 @@ def moe_layer_freq(spec: ModelSpec) -> int | list[int]:
     per-layer keys (`decoder.layers.N.mlp....`)."""
     pattern = [1 if spec.is_moe_layer(layer) else 0 for layer in range(spec.num_layers)]
     return 1 if all(pattern) else pattern
+
+
+def sigmoid_router_fields(config: dict, *, source: str, moe: dict, num_layers: int) -> dict:
+    """The ModelSpec fields of the DeepSeek-V3 MoE block (DeepSeek-V3, GLM-4.5), given the
+    `moe_fields` of its config: dense layers below `first_k_dense_replace`, then the MoE ones;
+    sigmoid scores, the choice made on score + a loaded per-expert bias, group-limited
+    (`n_group`, `topk_group`), the chosen scores renormalised and scaled by
+    `routed_scaling_factor`; `n_shared_experts` x moe_intermediate_size of shared experts.
+    What megatron-core's router cannot reproduce is one line naming the field."""
+    first_dense = field(config, "first_k_dense_replace", int, source=source, default=0) if config.get("first_k_dense_replace") else 0
+    if first_dense >= num_layers:
+        raise ConversionError(f"{source}: field 'first_k_dense_replace' ({first_dense}) leaves no MoE layer of {num_layers}")
+    topk, experts = moe["moe_topk"], moe["num_experts"]
+    if config.get("norm_topk_prob", True) is not True:
+        raise ConversionError(f"{source}: field 'norm_topk_prob' is {config['norm_topk_prob']!r}; "
+                              "megatron-core's sigmoid router always renormalises the top-k scores")
+    if topk == 1:
+        raise ConversionError(f"{source}: field 'num_experts_per_tok' is 1; megatron-core's sigmoid router "
+                              "does not renormalise a single score as HF does")
+    groups = field(config, "n_group", int, source=source, default=1)
+    group_topk = field(config, "topk_group", int, source=source, default=groups)
+    if experts % groups:
+        raise ConversionError(f"{source}: field 'n_group' ({groups}) does not divide n_routed_experts ({experts})")
+    if group_topk > groups:
+        raise ConversionError(f"{source}: field 'topk_group' ({group_topk}) exceeds n_group ({groups})")
+    if group_topk == groups:  # every group kept: no group limit (in both models)
+        groups = group_topk = 0
+    elif topk % group_topk or topk // group_topk != 2:
+        # HF ranks a group by its two best scores; megatron-core by its top (topk / topk_group).
+        raise ConversionError(f"{source}: field 'topk_group' ({group_topk}) is not num_experts_per_tok / 2 ({topk} / 2); "
+                              "megatron-core then ranks the groups differently from HF's top-2 sum")
+    shared = field(config, "n_shared_experts", int, source=source)
+    return dict(
+        moe_norm_topk=True, moe_layers=tuple(range(first_dense, num_layers)), moe_score_function="sigmoid",
+        moe_expert_bias=True, moe_router_groups=groups, moe_router_group_topk=group_topk,
+        moe_topk_scaling=field(config, "routed_scaling_factor", float, source=source, default=1.0),
+        moe_shared_intermediate_size=shared * moe["moe_intermediate_size"],
+    )  # fmt: skip
+
+
+def sigmoid_router_transformer_fields(spec: ModelSpec) -> dict:
+    """megatron-core MoE settings of `sigmoid_router_fields`: the sigmoid router with its expert
+    bias loaded and frozen (update rate 0), groups, scale and shared experts."""
+    return {
+        **moe_transformer_fields(spec),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": spec.moe_router_groups or None,
+        "moe_router_group_topk": spec.moe_router_group_topk or None,
+        "moe_router_topk_scaling_factor": spec.moe_topk_scaling,
+        "moe_shared_expert_intermediate_size": spec.moe_shared_intermediate_size,
+    }

@@ -23,7 +23,8 @@ one line naming the field.
 from __future__ import annotations
 
 from checkpoint_convert.families.base import (
-    ConversionError, ModelSpec, decoder_fields, expert_keys, field, moe_fields, moe_transformer_fields, refuse,
+    ConversionError, ModelSpec, decoder_fields, expert_keys, field, moe_fields, refuse, sigmoid_router_fields,
+    sigmoid_router_transformer_fields,
 )  # fmt: skip
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -75,14 +76,6 @@ RENAMED_KEYS: dict[str, str] = {}
 # HF's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon whatever the config says;
 # megatron-core's use the model's (layernorm_epsilon).
 _LATENT_NORM_EPS = 1e-6
-
-
-def mtp_layers(config: dict) -> int:
-    """How many multi-token-prediction layers the checkpoint holds (dropped on import)."""
-    value = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConversionError(f"field 'num_nextn_predict_layers' must be a non-negative int, got {value!r}")
-    return value
 
 
 def ignored_hf_tensor(spec: ModelSpec, name: str) -> bool:
@@ -167,39 +160,12 @@ def spec_from_config(config: dict, *, source: str) -> ModelSpec:
     kv_lora_rank = field(config, "kv_lora_rank", int, source=source)
     v_head_dim = field(config, "v_head_dim", int, source=source)
     moe = moe_fields(config, source=source, num_experts_field="n_routed_experts", moe_intermediate_field="moe_intermediate_size")
-    num_layers = common["num_layers"]
-    first_dense = field(config, "first_k_dense_replace", int, source=source, default=0) if config.get("first_k_dense_replace") else 0
-    if first_dense >= num_layers:
-        raise ConversionError(f"{source}: field 'first_k_dense_replace' ({first_dense}) leaves no MoE layer of {num_layers}")
-    topk, experts = moe["moe_topk"], moe["num_experts"]
-    if config.get("norm_topk_prob", True) is not True:
-        raise ConversionError(f"{source}: field 'norm_topk_prob' is {config['norm_topk_prob']!r}; "
-                              "megatron-core's sigmoid router always renormalises the top-k scores")
-    if topk == 1:
-        raise ConversionError(f"{source}: field 'num_experts_per_tok' is 1; megatron-core's sigmoid router "
-                              "does not renormalise a single score as HF does")
-    groups = field(config, "n_group", int, source=source, default=1)
-    group_topk = field(config, "topk_group", int, source=source, default=groups)
-    if experts % groups:
-        raise ConversionError(f"{source}: field 'n_group' ({groups}) does not divide n_routed_experts ({experts})")
-    if group_topk > groups:
-        raise ConversionError(f"{source}: field 'topk_group' ({group_topk}) exceeds n_group ({groups})")
-    if group_topk == groups:  # every group kept: no group limit (in both models)
-        groups = group_topk = 0
-    elif topk % group_topk or topk // group_topk != 2:
-        # HF ranks a group by its two best scores; megatron-core by its top (topk / topk_group).
-        raise ConversionError(f"{source}: field 'topk_group' ({group_topk}) is not num_experts_per_tok / 2 ({topk} / 2); "
-                              "megatron-core then ranks the groups differently from HF's top-2 sum")
-    shared = field(config, "n_shared_experts", int, source=source)
-    scale = field(config, "routed_scaling_factor", float, source=source, default=1.0)
+    router = sigmoid_router_fields(config, source=source, moe=moe, num_layers=common["num_layers"])
     common.update(rope_theta=theta, rope_scaling=scaling)
     return ModelSpec(
         architecture=ARCHITECTURE, family=MODEL_TYPE, qkv_bias=False, qk_layernorm=q_lora_rank > 0,
-        moe_norm_topk=True, moe_layers=tuple(range(first_dense, num_layers)),
         q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope, v_head_dim=v_head_dim,
-        moe_score_function="sigmoid", moe_expert_bias=True, moe_router_groups=groups, moe_router_group_topk=group_topk,
-        moe_topk_scaling=scale, moe_shared_intermediate_size=shared * moe["moe_intermediate_size"],
-        **moe, **common,
+        **router, **moe, **common,
     )  # fmt: skip
 
 
@@ -264,15 +230,7 @@ def transformer_fields(spec: ModelSpec) -> dict:
         "v_head_dim": spec.v_head_dim,
         "rotary_base": spec.rope_theta,
         "apply_rope_fusion": False,
-        **moe_transformer_fields(spec),
-        "moe_router_score_function": "sigmoid",
-        "moe_router_pre_softmax": False,
-        "moe_router_enable_expert_bias": True,
-        "moe_router_bias_update_rate": 0.0,
-        "moe_router_num_groups": spec.moe_router_groups or None,
-        "moe_router_group_topk": spec.moe_router_group_topk or None,
-        "moe_router_topk_scaling_factor": spec.moe_topk_scaling,
-        "moe_shared_expert_intermediate_size": spec.moe_shared_intermediate_size,
+        **sigmoid_router_transformer_fields(spec),
     }
     yarn = spec.rope_scaling
     if yarn is None:

@@ -165,6 +165,7 @@ def build_stage_model(
         post_process=mesh.is_last_stage,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,  # partial RoPE (GLM-4.5): the first dims of each head
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
     if spec.moe_expert_bias:

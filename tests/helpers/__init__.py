@@ -5,8 +5,10 @@
     data/pairs.py              tokenized preference pairs (`make_pairs`), packing settings, JSONL files
     reference.py         the independent reference: HF forward + TRL's loss and metric formulas
     parity.py            parity jobs (`jobs_for`, `parity_job`) and their checks (`check_job`)
-    moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss
-    deepseek.py          tiny DeepSeek-V3 models (MLA, YaRN, sigmoid router with bias) and their parity check
+    moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss,
+                         routers with a loaded bias (`check_expert_bias_job`: DeepSeek-V3, GLM-4.5)
+    deepseek.py          tiny DeepSeek-V3 models (MLA, YaRN, sigmoid router with bias)
+    glm.py               tiny GLM-4.5 models (partial RoPE, q/k norm, qkv bias, sigmoid router with bias)
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
     cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
