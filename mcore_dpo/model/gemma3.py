@@ -1,0 +1,155 @@
+"""Gemma 3 (checkpoint_convert/families/gemma3.py) on megatron-core's local layer spec.
+
+What megatron-core 0.16.1's local spec cannot express, as small modules of ours:
+- `GemmaRMSNorm`: HF's norm scales by (1 + w) in fp32 (megatron-core's zero-centred gamma exists
+  for Transformer Engine's norms only; its torch norm refuses it). The checkpoint keeps w.
+- Sandwich norms: a transformer layer has no norm after its attention or its MLP, so
+  `GemmaSelfAttention` and `GemmaMLP` norm their own output (`post_layernorm`), before the
+  residual add. LoRA's updates (hooks on linear_proj and linear_fc2) come before that norm.
+- Local layers: megatron-core's `window_size` / `window_attn_skip_freq` say which layers are
+  local (the family sets them), but its local attention then replaces the mask it is given
+  (padding, packed rows) with a plain sliding-window one, built on "cuda". `GemmaCoreAttention`
+  keeps megatron-core's softmax, without that, and adds the window to the mask it is given:
+  a token sees itself and the W - 1 before it, counted in row indices (within a packed
+  sequence these are its positions).
+- Two RoPE bases: GPTModel computes one table for all layers. Its inverse frequencies are set to
+  [global; local] (d/2 each, as HF computes them), so megatron-core's own table (with its
+  caching and the trainer's per-position indexing of it for packed rows) is [g, l, g, l], and
+  each layer takes its kind's [g, g] or [l, l] (`layer_rope`).
+- Embedding scale and final logit cap: forward hooks (`adapt_model`), the scale rounded to the
+  weights' dtype first, as HF does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from checkpoint_convert.families.base import ModelSpec
+
+FAMILY = "gemma3_text"  # the family's MODEL_TYPE (ModelSpec.family)
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """x / rms(x) * (1 + w), computed in fp32 and cast back (HF's Gemma3RMSNorm, op for op).
+    Built as megatron-core builds its norms; the weight is marked `sequence_parallel` under
+    sequence parallelism (its gradient then covers this rank's tokens and is summed over tp)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+def is_local(config, layer_number: int) -> bool:
+    """Whether global layer `layer_number` (1-based) is a local (sliding-window) layer."""
+    return is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+
+
+def layer_rope(emb: torch.Tensor, *, local: bool) -> torch.Tensor:
+    """One layer kind's RoPE angles [..., d] from the two-kind table [..., 2d] = [g, l, g, l]."""
+    return emb.unflatten(-1, (2, 2, -1)).select(-2, int(local)).flatten(-2)
+
+
+class GemmaCoreAttention(DotProductAttention):
+    """megatron-core's local attention; on a local layer the window is added to the mask."""
+
+    def __init__(self, config, layer_number: int, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.window = config.window_size[0] + 1 if is_local(config, layer_number) else None
+        self.scale_mask_softmax.window_size = None  # keep the mask given (with the window added)
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if self.window is not None:
+            sq, sk = query.size(0), key.size(0)
+            i = torch.arange(sk - sq, sk, device=query.device)[:, None]
+            j = torch.arange(sk, device=query.device)[None, :]
+            outside = (j > i) | (i - j >= self.window)
+            attention_mask = outside if attention_mask is None else attention_mask | outside
+        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+
+class GemmaSelfAttention(SelfAttention):
+    """SelfAttention with its layer kind's RoPE and a norm of its output."""
+
+    def __init__(self, config, submodules, layer_number: int, *args, **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.local = is_local(config, layer_number)
+        self.post_layernorm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = layer_rope(rotary_pos_emb, local=self.local)
+        output, bias = super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        return self.post_layernorm(output), bias
+
+
+class GemmaMLP(MLP):
+    """The GeGLU MLP with a norm of its output."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.post_layernorm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        output, bias = super().forward(hidden_states, *args, **kwargs)
+        return self.post_layernorm(output), bias
+
+
+def block_spec(config, *, pp_rank: int):
+    """This stage's block spec: megatron-core's local layer (q/k norms on) with the modules above."""
+    layer = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+    layer.submodules.input_layernorm = GemmaRMSNorm
+    layer.submodules.pre_mlp_layernorm = GemmaRMSNorm
+    attention = layer.submodules.self_attention
+    attention.module = GemmaSelfAttention
+    attention.submodules.core_attention = GemmaCoreAttention
+    attention.submodules.q_layernorm = GemmaRMSNorm
+    attention.submodules.k_layernorm = GemmaRMSNorm
+    layer.submodules.mlp.module = GemmaMLP
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=GemmaRMSNorm)
+
+
+def inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """[global; local] RoPE inverse frequencies (d/2 each), as HF computes them (default, or
+    divided by the linear factor)."""
+    d = spec.head_dim
+    parts = []
+    for theta, factor in zip((spec.rope_theta, spec.rope_local_theta), spec.rope_linear_factors):
+        part = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        parts.append(part / factor if factor != 1.0 else part)
+    return torch.cat(parts)
+
+
+def adapt_model(model: torch.nn.Module, spec: ModelSpec, *, dtype: torch.dtype) -> None:
+    """What a built GPTModel chunk of Gemma 3 needs beyond its layers: the two-kind RoPE table,
+    the embedding scaled by sqrt(hidden_size) and the final logits capped."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is not None:
+        rope.inv_freq = inv_freq(spec).to(rope.inv_freq.device)
+    if model.pre_process:
+        # HF: the embedding times sqrt(h) as a tensor of the weights' dtype.
+        scale = torch.tensor(spec.hidden_size ** 0.5).to(dtype).item()
+        model.embedding.word_embeddings.register_forward_hook(lambda _m, _a, out: out * scale)
+    if model.post_process and spec.final_logit_softcapping:
+        cap = spec.final_logit_softcapping
+
+        def softcap(_module, _args, output):
+            logits, bias = output
+            return torch.tanh(logits / cap) * cap, bias
+
+        model.output_layer.register_forward_hook(softcap)
