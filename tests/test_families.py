@@ -14,10 +14,10 @@ from checkpoint_convert.mapping import (
     fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes, mcore_to_hf,
     stage_layers,
 )  # fmt: skip
-from tests.helpers import deepseek, glm
+from tests.helpers import deepseek, gemma, glm
 from tests.helpers.models import TINY_FAMILIES, hub_tensors
 
-FAMILIES = {**TINY_FAMILIES, **deepseek.TINY, **glm.TINY}  # one tiny model of every family
+FAMILIES = {**TINY_FAMILIES, **deepseek.TINY, **gemma.TINY, **glm.TINY}  # one tiny model of every family
 
 
 def test_every_family_module_is_registered_by_architecture_and_model_type():

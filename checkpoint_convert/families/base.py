@@ -68,6 +68,14 @@ class ModelSpec:
     # The share of head_dim that RoPE rotates, its first dims (GLM-4.5's partial_rotary_factor;
     # megatron-core's rotary_percent).
     rotary_percent: float = 1.0
+    # Gemma 3: the layers (global numbers) that attend only `sliding_window` tokens back, with a
+    # RoPE base of their own; linear RoPE factors (global, local layers; 1.0: none); the softmax
+    # scale query_pre_attn_scalar^-0.5 (0: head_dim's); the tanh cap of the logits (0: none).
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+    rope_linear_factors: tuple[float, float] = (1.0, 1.0)
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @property
     def multi_latent_attention(self) -> bool:

@@ -78,7 +78,6 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -104,7 +103,7 @@ def transformer_config(
         **recompute_fields(recompute, recompute_num_layers),  # --recompute, --recompute-num-layers
         # What differs by family (qkv bias, qk norms, experts): the family module says; then the
         # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
-        **{**_family_fields(spec, grouped_experts=grouped_experts),
+        **{"activation_func": F.silu, **_family_fields(spec, grouped_experts=grouped_experts),
            **(fused or fused_kernel_fields(requested=False, use_te=False, on_gpu=False, moe=bool(spec.num_experts)))},
     )
 
@@ -139,7 +138,14 @@ def build_stage_model(
                                 recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
                                                           moe=bool(spec.num_experts)))
-    if config.num_moe_experts:
+    if spec.family == "gemma3_text":  # sandwich (1 + w) norms, local/global layers: a spec module of ours
+        if use_te:
+            raise ValueError("Gemma 3: the Transformer Engine layer spec is not supported; build the local spec "
+                             "(mcore_dpo/model/gemma3.py)")
+        from mcore_dpo.model import gemma3
+
+        layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank)
+    elif config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank
@@ -168,6 +174,8 @@ def build_stage_model(
         rotary_percent=spec.rotary_percent,  # partial RoPE (GLM-4.5): the first dims of each head
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    if spec.family == "gemma3_text":
+        gemma3.adapt_model(model, spec, dtype=dtype)
     if spec.moe_expert_bias:
         _expert_bias_as_frozen_parameters(model)
     if mesh.is_first_stage:

@@ -8,6 +8,7 @@
     moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss,
                          routers with a loaded bias (`check_expert_bias_job`: DeepSeek-V3, GLM-4.5)
     deepseek.py          tiny DeepSeek-V3 models (MLA, YaRN, sigmoid router with bias)
+    gemma.py             tiny Gemma 3 text models (local and global layers, sandwich (1 + w) norms)
     glm.py               tiny GLM-4.5 models (partial RoPE, q/k norm, qkv bias, sigmoid router with bias)
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
