@@ -134,8 +134,8 @@ def test_what_megatron_core_cannot_express_is_one_line(overrides, message):
 # --------------------------------------------------------------------------- conversion
 def test_round_trips_at_three_layouts_torch_dist_and_the_export(hub_dir, tmp_path, capsys):
     """(tp, pp, ep) = (1,1,1), (2,2,1), (1,2,2): each rank file holds what the trainer's key map
-    puts there; back to HF bit for bit; through torch_dist (written at tp 2 pp 2 ep 2) and back;
-    the export loads with AutoModelForCausalLM and generates the source's greedy tokens."""
+    puts there; back to HF bit for bit; through torch_dist (written at tp 2 pp 2 ep 2) and back,
+    directly and resharded to tp 2 pp 1 ep 2; the export loads with AutoModelForCausalLM and generates the source's greedy tokens."""
     source = _tensors(hub_dir)
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in source  # the router bias is part of it
     spec = open_hf_dir(hub_dir).spec
@@ -158,6 +158,10 @@ def test_round_trips_at_three_layouts_torch_dist_and_the_export(hub_dir, tmp_pat
                  "--ep", "2", "--format", "torch_dist"]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "hf_td")]) == 0
     _assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
+    assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "from_td"),
+                 "--tp", "2", "--pp", "1", "--ep", "2"]) == 0
+    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "from_td"), "--out", str(tmp_path / "hf_from_td")]) == 0
+    _assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp2 pp1 ep2 -> HF")
     capsys.readouterr()
     assert_export_generates_like(hub_dir, tmp_path / "hf122", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
 
