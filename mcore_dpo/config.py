@@ -87,6 +87,12 @@ class TrainConfig:
     """Packed: token budget of one microbatch, at least 2 x --max-length (a pair's two sequences
     always share a microbatch). (default: 2 x --micro-batch-size x --max-length, what one padded
     microbatch holds at most, so packing never widens a microbatch)"""
+    prefix_sharing: bool = False
+    """Shared-prompt rows: each pair's prompt computed once for its chosen and rejected completions
+    (one row [prompt | chosen | rejected], the rejected branch at the chosen branch's positions and
+    blind to it), in the policy's forward and backward and in the reference's forward; the
+    log-prob tables and so every loss are today's. Packed or padded rows alike. See
+    docs/PREFIX_SHARING.md."""
     max_steps: int = 120
     """Optimizer steps to run."""
     max_length: int = 64
@@ -403,7 +409,21 @@ class TrainConfig:
             raise ConfigError(f"moe_aux_loss_coef: {source} describes a dense model (no experts, no routers)")
         if coef and self.packing:  # unset: decide_packing falls back to padded microbatches
             raise ConfigError(f"packing: cannot serve {MOE_AUX_UNSERVED}; use --no-packing or --moe-aux-loss-coef 0")
+        if coef and self.prefix_sharing:
+            # The load-balancing loss counts each sequence's tokens; a shared prompt is routed once.
+            raise ConfigError("prefix_sharing: cannot serve the MoE load-balancing loss (it counts the prompt's tokens "
+                              "once per sequence); use --no-prefix-sharing or --moe-aux-loss-coef 0")
         return coef
+
+    def check_rows(self, *, multi_latent_attention: bool, source: str) -> None:
+        """Rows of segments (--packing, --prefix-sharing) restart RoPE positions inside a row;
+        multi-latent attention applies RoPE inside its layers at 0..W-1 (ConfigError)."""
+        if not multi_latent_attention:
+            return
+        for name, on in (("packing", self.packing), ("prefix_sharing", self.prefix_sharing)):
+            if on:
+                raise ConfigError(f"{name}: {source} describes multi-latent attention, which cannot restart RoPE "
+                                  f"positions inside a row; use --no-{name.replace('_', '-')}")
 
     def check_moe_grouped_gemm(self, *, num_experts: int, source: str) -> None:
         """--moe-grouped-gemm needs experts: refused (ConfigError) for a dense model (`source`: its config)."""
@@ -615,7 +635,7 @@ HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
     "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
-                    "packing", "max_tokens_per_microbatch", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
+                    "packing", "max_tokens_per_microbatch", "prefix_sharing", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
                     "recompute", "recompute_num_layers", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",

@@ -122,18 +122,21 @@ def _jobs(layout, setup) -> list[dict]:
     jobs = []
     # (1,1,1) also runs the sequential reference slot; (2,2,1) Qwen2 (q/k/v biases, tied embeddings).
     # The replicated optimizer (--no-distributed-optimizer) is covered by tests/test_lora_cli.py.
-    variants = [("llama", "fresh", "interleaved", True), ("llama", "init", "interleaved", True)]
-    variants += [("llama", "init", "sequential", True)] if layout == (1, 1, 1) else []
-    variants += [("qwen2", "init", "interleaved", True)] if layout == (2, 2, 1) else []
-    for family, start, mode, sharded in variants:
+    # (1,2,2) also runs --prefix-sharing: the reference as the adapter-off view over shared rows.
+    variants = [("llama", "fresh", "interleaved", True, False), ("llama", "init", "interleaved", True, False)]
+    variants += [("llama", "init", "sequential", True, False)] if layout == (1, 1, 1) else []
+    variants += [("qwen2", "init", "interleaved", True, False)] if layout == (2, 2, 1) else []
+    variants += [("llama", "fresh", "interleaved", True, True)] if layout == (1, 2, 2) else []
+    for family, start, mode, sharded, shared in variants:
         jobs.append({
-            "key": (family, start, mode, sharded),
+            "key": (family, start, mode, sharded, shared),
             "config": dict(model=str(setup[family]["base"]), tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO_BATCH,
                            global_batch_size=GLOBAL_BATCH, max_steps=STEPS, ref_mode=mode, lr=LR, adam_eps=ADAM_EPS,
                            timeout_s=60.0, clip_grad=CLIP, weight_decay=WD, beta=BETA, seed=SEED,
                            distributed_optimizer=sharded, lora_rank=SHAPE.rank, lora_alpha=SHAPE.alpha,
                            lora_targets=",".join(SHAPE.targets),
-                           init_adapter=str(setup[family]["init_dir"]) if start == "init" else None),
+                           init_adapter=str(setup[family]["init_dir"]) if start == "init" else None,
+                           prefix_sharing=shared),
             "batches": [train[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)],
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(STEPS)],
             "all_pairs": train, "eval_pairs": held_out,

@@ -10,7 +10,9 @@ With activation recompute (--recompute selective, full with groups of 1 and 2 la
 measurement against the formula's recompute terms: what a layer keeps and what the backward
 holds while it reruns a group.
 The experts branch: the expert parameters each rank of a tiny MoE model holds, counted exactly,
-and a one-rank MoE forward + backward measured the same way.
+and a one-rank MoE forward + backward measured the same way. A shared-prompt row
+(--prefix-sharing: its own mask and per-token RoPE) is measured against the formula at its
+positions.
 """
 
 from __future__ import annotations
@@ -116,6 +118,30 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                 loss().backward()
             peaks[_case_key(dtype_name, sequence_parallel, recompute, group)] = meter.peak
             del model
+        # --prefix-sharing: one shared row of SEQ_LEN positions (a pair whose prompt, computed
+        # once, is half of it), its own mask and per-token RoPE.
+        from mcore_dpo.data.pairs import TokenizedPair
+        from mcore_dpo.data.prefix_sharing import collate_shared
+        from mcore_dpo.model.builder import segment_mask
+
+        ids = tokens[0].tolist()
+        pair = TokenizedPair(prompt_ids=tuple(ids[:64]), chosen_ids=tuple(ids[64:95]), rejected_ids=tuple(ids[95:127]),
+                             source_line=1)
+        row = collate_shared([pair], pad_token_id=0, seq_len=SEQ_LEN)
+        assert int((row.segment_ids < 2).sum()) == SEQ_LEN  # no padding
+        with plat.building_models(platform):
+            model = build_stage_model(SPEC, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False,
+                                      arbitrary_masks=True)
+        meter = PeakTensorBytes()
+        with meter:
+            logits = stage_forward(model, tokens=row.tokens, input_tensor=None, position_ids=row.position_ids,
+                                   num_positions=row.num_positions,
+                                   mask=segment_mask(row.segment_ids, shared_prompt=row.shared_prompt, num_sequences=2))
+            logps = sequence_logps(logits, row.labels, row.loss_mask, vocab_size=SPEC.vocab_size, tp_rank=mesh.tp_rank,
+                                   tp_group=mesh.tp_group, segment_ids=row.segment_ids, num_sequences=2)
+            del logits
+            logps.logp_sum.sum().backward()
+        peaks["float32/sp=False/shared"] = meter.peak
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
         mesh_lib.destroy()
     except BaseException:
@@ -131,11 +157,11 @@ def measured(tmp_path_factory) -> dict[str, int]:
 
 
 def _estimate(dtype_name: str, sequence_parallel: bool, attention: str = "local", recompute: str = "none",
-              group: int | None = None) -> float:
+              group: int | None = None, rows: int = ROWS) -> float:
     shape = LayerShape(hidden=SPEC.hidden_size, heads=SPEC.num_heads, kv_heads=SPEC.num_query_groups,
                        head_dim=SPEC.head_dim, ffn=SPEC.intermediate_size,
                        vocab=padded_vocab_size(SPEC.vocab_size, tp=TP))
-    return activation_bytes(shape, layers=LAYERS, seq_len=SEQ_LEN, rows=ROWS, tp=TP, sequence_parallel=sequence_parallel,
+    return activation_bytes(shape, layers=LAYERS, seq_len=SEQ_LEN, rows=rows, tp=TP, sequence_parallel=sequence_parallel,
                             attention=attention, dtype_bytes=torch.tensor([], dtype=getattr(torch, dtype_name)).element_size(),
                             recompute=recompute, recompute_num_layers=group)
 
@@ -164,6 +190,14 @@ def test_recompute_lowers_the_peak_as_the_estimate_says(measured):
     estimates = [_estimate("float32", False, recompute=rc) for rc in ("none", "selective", "full")]
     assert estimates[2] < estimates[1] < estimates[0]
     assert abs(estimates[0] / full - 1) > TOLERANCE
+
+
+def test_shared_row_estimate_matches_measured_peak(measured):
+    """A shared-prompt row is a row of its positions: one row of SEQ_LEN, half the two rows' peak."""
+    peak = measured["float32/sp=False/shared"]
+    estimate = _estimate("float32", False, rows=1)
+    assert abs(estimate / peak - 1) <= TOLERANCE, f"shared row: estimate {estimate:.0f} B, measured peak {peak} B"
+    assert peak < 0.6 * measured["float32/sp=False"]
 
 
 def test_sequence_parallel_lowers_the_peak(measured):

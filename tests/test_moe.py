@@ -18,9 +18,12 @@ from tests.helpers.ranks import check_ran_packed, run_ranks, verify
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_parity_single_rank(moe_models, family, tmp_path):
-    """Padded, and packed in the same launch (ep 1: each sequence's tokens routed on their own)."""
+    """Padded, and packed in the same launch (ep 1: each sequence's tokens routed on their own);
+    Qwen3-MoE also packed with --prefix-sharing (a shared prompt's tokens routed once)."""
     jobs = [parity_job((1, 1, 1), *moe_models[family], name=family),
             packed_parity_job((1, 1, 1), *moe_models[family], name=family)]
+    if family == "qwen3_moe":
+        jobs.append(packed_parity_job((1, 1, 1), *moe_models[family], name=family, prefix_sharing=True))
     run_ranks(world_size=1, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         check_moe_job(tmp_path, job, (1, 1, 1, 1), j=j)

@@ -12,9 +12,9 @@ import torch
 from mcore_dpo.config import ConfigError
 from mcore_dpo.data.pairs import TokenizedPair, collate
 from mcore_dpo.objective.logprobs import ld_weights, segment_sums
-from mcore_dpo.model.builder import causal_mask, packed_causal_mask
-from mcore_dpo.data.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches,
-                               step_token_stats)
+from mcore_dpo.model.builder import causal_mask, segment_mask
+from mcore_dpo.data.microbatches import RowLayout
+from mcore_dpo.data.packing import (_first_fit_decreasing, balance_ranks, collate_packed, pair_tokens, plan_packed_step, split_microbatches)
 from mcore_dpo.pipeline.plan import OpKind
 from mcore_dpo.pipeline.check import validate_plan
 from mcore_dpo.pipeline.schedule import build_plan
@@ -152,7 +152,7 @@ def test_ld_weights_of_a_packed_row_equal_the_unpacked_rows():
 
 def test_packed_mask_is_block_diagonal_causal():
     mb = collate_packed([_pair(2, 1, 2, line=1)], pad_token_id=0, multiple=8)  # segments 3, 4, pad 1
-    mask = packed_causal_mask(mb.segment_ids)[0, 0]
+    mask = segment_mask(mb.segment_ids)[0, 0]
     allowed = ~mask
     expected = torch.zeros(8, 8, dtype=torch.bool)
     for lo, hi in ((0, 3), (3, 7), (7, 8)):
@@ -215,10 +215,11 @@ def test_equal_counts_share_the_cached_plan():
 def test_step_token_stats():
     pairs = [_pair(8, 8, 8, line=1), _pair(2, 2, 2, line=2), _pair(2, 3, 2, line=3), _pair(7, 8, 8, line=4)]
     real = sum(pair_tokens(p) for p in pairs)  # 32 + 8 + 9 + 30 = 79
-    packed = step_token_stats(pairs, packing=True, dp=1, max_tokens=32, micro_batch_size=2, multiple=8)
+    layout = RowLayout(packing=True, prefix_sharing=False, pad_token_id=0, multiple=8, max_tokens=32)
+    packed = layout.token_stats(pairs, dp=1, micro_batch_size=2)
     assert packed == {"tokens/real": 79.0, "tokens/padded": 32.0 + 24 + 32, "padding_fraction": 1 - 79 / 88,
                       "microbatches": 3.0}
-    padded = step_token_stats(pairs, packing=False, dp=1, max_tokens=None, micro_batch_size=2, multiple=8)
+    padded = layout.padded().token_stats(pairs, dp=1, micro_batch_size=2)
     assert padded == {"tokens/real": 79.0, "tokens/padded": 8 * 16.0, "padding_fraction": 1 - 79 / 128,
                       "microbatches": 2.0}
 

@@ -1,14 +1,15 @@
 """Parity of packed sequences (--packing) with token-balanced microbatches.
 
 At (tp, pp, dp) = (1,1,1), (2,2,1), (1,2,2) one set of gloo ranks trains the same two global
-batches twice, packing on and packing off (interleaved reference, so at pp 2 the first step
+batches four times, packing on and off, each with and without --prefix-sharing (each pair's
+prompt computed once for both completions). The reference is interleaved, so at pp 2 the first step
 carries the next batch's reference forwards out and the second carries them in, with a
 different microbatch count; at dp 2 the two replicas run different counts in the second step;
-at tp 2 the packed job is also sequence-parallel). Checked:
-- packing on against a single-process Hugging Face reference that runs every sequence alone,
+at tp 2 the packed jobs are also sequence-parallel. Checked:
+- each job against a single-process Hugging Face reference that runs every sequence alone,
   unpadded (TRL's formulas from tests/helpers/reference.py): every metric, every gradient of every rank,
   the weights after the second AdamW step;
-- packing on against packing off: every metric and every gradient within 1e-5 relative;
+- each job against the padded one: every metric and every gradient within 1e-5 relative;
 - evaluation after the second step, packed too (`EVAL_PAIRS` held-out pairs, not a multiple of
   the global batch): against the reference's metrics over every pair alone, and against the
   padded evaluation, within 1e-5 relative.
@@ -95,13 +96,14 @@ def reference(parity_models):
         hf_reference._completion_sums = original
 
 
-def _job(layout, parity_models, *, packing: bool) -> dict:
+def _job(layout, parity_models, *, packing: bool, prefix_sharing: bool = False) -> dict:
     tp, pp, dp = layout
     policy_dir, ref_dir = parity_models["llama"]
     batches = _pairs()
     config = dict(model=str(policy_dir), ref_model=str(ref_dir), tp=tp, pp=pp, dp=dp, micro_batch_size=2,
                   global_batch_size=GLOBAL_BATCH, max_steps=2, max_length=MAX_LENGTH, ref_mode="interleaved", lr=LR,
-                  adam_eps=ADAM_EPS, timeout_s=60.0, clip_grad=CLIP, weight_decay=WD, loss_type="sigmoid", beta=BETA)
+                  adam_eps=ADAM_EPS, timeout_s=60.0, clip_grad=CLIP, weight_decay=WD, loss_type="sigmoid", beta=BETA,
+                  prefix_sharing=prefix_sharing)
     if packing:
         config.update(packing=True, max_tokens_per_microbatch=BUDGET)
         # At tp 2 the packed rows also run sequence-parallel: [W/tp, 1, h] between the linears.
@@ -128,28 +130,40 @@ def test_the_data_covers_the_edge_cases():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
 def test_packing_parity(layout, parity_models, reference, tmp_path):
-    jobs = [_job(layout, parity_models, packing=True), _job(layout, parity_models, packing=False)]
+    # packed, padded, and each with --prefix-sharing (every prompt computed once for both completions)
+    variants = [(True, False), (False, False), (True, True), (False, True)]
+    jobs = [_job(layout, parity_models, packing=packing, prefix_sharing=shared) for packing, shared in variants]
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
-    what = f"packed at tp{layout[0]} pp{layout[1]} dp{layout[2]}"
-    check_tensors(tmp_path, 0, jobs[0], layout, reference, what, RTOL)
-    packed, padded = (json.loads((tmp_path / f"job{j}_metrics.json").read_text()) for j in (0, 1))
-    for step, (ours, ref) in enumerate(zip(packed, reference["metrics"]), start=1):
-        check_metrics(ours, ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=RTOL)
-    # Packing on equals packing off: every metric and every gradient.
-    assert len(packed) == len(padded) == 3  # two steps, then the evaluation
+    results = [json.loads((tmp_path / f"job{j}_metrics.json").read_text()) for j in range(len(jobs))]
     eval_names = tuple(n for n in METRICS if n != "grad_norm")
-    check_metrics(packed[2], reference["eval"], names=eval_names, prefix="eval/", what=f"{what} packed evaluation",
-                   rtol=RTOL)
-    for name in eval_names:
-        assert_close(torch.tensor(packed[2][f"eval/{name}"]), torch.tensor(padded[2][f"eval/{name}"]),
-                     what=f"{what} eval/{name} vs padded")
-    for step, (on, off) in enumerate(zip(packed[:2], padded[:2]), start=1):
-        for name in METRICS:
-            assert_close(torch.tensor(on[name]), torch.tensor(off[name]), what=f"{what} step {step} {name} vs padded")
-        assert on["tokens/real"] == off["tokens/real"]
-        assert on["tokens/padded"] < off["tokens/padded"]
-    for step in (1, 2):
-        on, off = (load_rank_tensors(tmp_path, j, f"grads{step}", layout=layout) for j in (0, 1))
-        for rank, shard in on.items():
-            for name, value in shard.items():
-                assert_close(value, off[rank][name], what=f"{what} step {step} grad {name} {rank} vs padded")
+    for j, (packing, shared) in enumerate(variants):
+        what = (f"{'packed' if packing else 'padded'}{' prefix-shared' if shared else ''} "
+                f"at tp{layout[0]} pp{layout[1]} dp{layout[2]}")
+        check_tensors(tmp_path, j, jobs[j], layout, reference, what, RTOL)
+        ours = results[j]
+        assert len(ours) == 3  # two steps, then the evaluation
+        for step, (m, ref) in enumerate(zip(ours, reference["metrics"]), start=1):
+            check_metrics(m, ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=RTOL)
+        check_metrics(ours[2], reference["eval"], names=eval_names, prefix="eval/", what=f"{what} evaluation",
+                      rtol=RTOL)
+        if j == 1:  # the padded job is the baseline the others are compared with
+            continue
+        base = results[1]
+        for name in eval_names:
+            assert_close(torch.tensor(ours[2][f"eval/{name}"]), torch.tensor(base[2][f"eval/{name}"]),
+                         what=f"{what} eval/{name} vs padded")
+        for step, (on, off) in enumerate(zip(ours[:2], base[:2]), start=1):
+            for name in METRICS:
+                assert_close(torch.tensor(on[name]), torch.tensor(off[name]), what=f"{what} step {step} {name} vs padded")
+            assert on["tokens/real"] == off["tokens/real"]
+            assert on["tokens/padded"] < off["tokens/padded"] or not packing
+        for step in (1, 2):
+            on, off = (load_rank_tensors(tmp_path, k, f"grads{step}", layout=layout) for k in (j, 1))
+            for rank, shard in on.items():
+                for name, value in shard.items():
+                    assert_close(value, off[rank][name], what=f"{what} step {step} grad {name} {rank} vs padded")
+    # Sharing places fewer positions (padding aside) than the same rows unshared: the prompt once.
+    placed = lambda m: round(m["tokens/padded"] * (1 - m["padding_fraction"]))  # noqa: E731
+    for step in (0, 1):
+        for shared, unshared in ((2, 0), (3, 1)):
+            assert placed(results[shared][step]) < placed(results[unshared][step]) == results[unshared][step]["tokens/real"]

@@ -10,13 +10,19 @@ after the last optimizer step, and the eval metrics over all held-out pairs.
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
+import torch
 
 from mcore_dpo.objective.loss_spec import LOSS_TYPES
 from mcore_dpo.pipeline.plan import OpKind
 from mcore_dpo.pipeline.schedule import build_plan
-from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, PP4, PP4_STEPS, check_job, jobs_for, layout_jobs
-from tests.helpers.ranks import run_ranks
+from tests.helpers.parity import (GLOBAL_BATCH, METRICS, MICRO_BATCH, PP4, PP4_STEPS, check_job, jobs_for,
+                                  layout_jobs)
+from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.reference import assert_close
 from tests.helpers.reference import REFERENCE_LOSS_TYPES
 
 # Each layout runs a code path the others do not:
@@ -59,7 +65,8 @@ def test_parity(layout, parity_models, tmp_path):
 def test_parity_four_steps_at_pp4(parity_models, tmp_path):
     """pp 4, 4 microbatches, 4 steps: step 1 carries reference forwards out, steps 2 and 3 run the
     steady-state plan (carry in and carry out), step 4 carries in only; every reference mode,
-    --ref-mode separate included."""
+    --ref-mode separate included, each also with --prefix-sharing (against the same reference
+    and against the unshared job)."""
     plan = build_plan(num_stages=4, num_microbatches=GLOBAL_BATCH // MICRO_BATCH, ref_mode="interleaved",
                       ref_next=True, carry_in=True, carry_out=True)
     kinds = {op.kind for stage in plan.stages for op in stage}
@@ -68,6 +75,26 @@ def test_parity_four_steps_at_pp4(parity_models, tmp_path):
     # Every mode for the Llama; the tied-embedding Qwen2 where carrying and the separate group matter.
     jobs = [job for job in jobs if job["key"][0] == "llama" or job["key"][1] in ("interleaved", "separate")]
     assert len(jobs) == 6
-    run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path)
-    for j, job in enumerate(jobs):
+    # --prefix-sharing in every reference mode (the Llama's four): shared rows in the policy step,
+    # the interleaved and sequential reference forwards, the precomputed and separate tables.
+    shared = [copy.deepcopy(job) for job in jobs if job["key"][0] == "llama"]
+    for job in shared:
+        job["config"]["prefix_sharing"] = True
+    run_ranks(world_size=4, jobs=jobs + shared, out_dir=tmp_path)
+    for j, job in enumerate(jobs + shared):
         check_job(tmp_path, j, job, PP4)
+    # Four steps with --prefix-sharing equal four steps without it: every metric and gradient.
+    for k, job in enumerate(shared):
+        j = jobs.index(next(u for u in jobs if u["key"] == job["key"]))
+        with_, without = (json.loads((tmp_path / f"job{i}_metrics.json").read_text()) for i in (len(jobs) + k, j))
+        what = f"{job['key']} at pp 4 with --prefix-sharing"
+        for step, (on, off) in enumerate(zip(with_, without), start=1):
+            for name in METRICS if step <= PP4_STEPS else METRICS[:-1]:
+                prefix = "" if step <= PP4_STEPS else "eval/"
+                assert_close(torch.tensor(on[prefix + name]), torch.tensor(off[prefix + name]),
+                             what=f"{what} step {step} {prefix}{name} vs unshared")
+        for step in range(1, PP4_STEPS + 1):
+            on, off = (load_rank_tensors(tmp_path, i, f"grads{step}", layout=PP4) for i in (len(jobs) + k, j))
+            for rank, tensors in on.items():
+                for name, value in tensors.items():
+                    assert_close(value, off[rank][name], what=f"{what} step {step} grad {name} {rank} vs unshared")

@@ -13,23 +13,32 @@ With `--packing`, a training step's global batch is split by tokens, not by pair
    The row is right-padded to a multiple of `multiple` tokens; the padding is a segment of its
    own, masked out of the loss.
 
-A pair costs `pair_tokens` = 2 * prompt + chosen + rejected tokens. Every function is
+A pair costs `pair_tokens` = 2 * prompt + chosen + rejected tokens; with `--prefix-sharing` it is
+one stretch of the row (`prefix_sharing.place_shared_pair`), its prompt once, costing
+`prefix_sharing.shared_pair_tokens`. Every function is
 deterministic: every rank of every role computes the same split from the same global batch.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mcore_dpo.data.pairs import Microbatch, TokenizedPair
+from mcore_dpo.data.prefix_sharing import RowTensors, place_shared_pair, shared_pair_tokens
 
 
 def pair_tokens(pair: TokenizedPair) -> int:
     """Tokens of a pair's two sequences: prompt+chosen and prompt+rejected."""
     return 2 * len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids)
+
+
+def cost_of(prefix_sharing: bool) -> Callable[[TokenizedPair], int]:
+    """The token positions a pair takes in a packed row: `pair_tokens`, or with prefix sharing
+    `prefix_sharing.shared_pair_tokens` (the prompt once)."""
+    return shared_pair_tokens if prefix_sharing else pair_tokens
 
 
 def _greedy_bins(costs: Sequence[int], items: Sequence[int], *, num_bins: int) -> list[list[int]]:
@@ -95,13 +104,16 @@ def split_microbatches(costs: Sequence[int], items: Sequence[int], *, max_tokens
     return sorted((b for b in packed if b), key=lambda b: b[0])
 
 
-def plan_packed_step(pairs: Sequence[TokenizedPair], *, dp: int, max_tokens: int) -> list[list[list[int]]]:
-    """For each dp rank, its microbatches as lists of positions in the global batch."""
-    costs = [pair_tokens(p) for p in pairs]
+def plan_packed_step(pairs: Sequence[TokenizedPair], *, dp: int, max_tokens: int,
+                     cost: Callable[[TokenizedPair], int] = pair_tokens) -> list[list[list[int]]]:
+    """For each dp rank, its microbatches as lists of positions in the global batch (a pair
+    costs `cost`: `pair_tokens`, or `cost_of(prefix_sharing)`)."""
+    costs = [cost(p) for p in pairs]
     return [split_microbatches(costs, mine, max_tokens=max_tokens) for mine in balance_ranks(costs, num_ranks=dp)]
 
 
-def collate_packed(pairs: Sequence[TokenizedPair], *, pad_token_id: int, multiple: int = 8) -> Microbatch:
+def collate_packed(pairs: Sequence[TokenizedPair], *, pad_token_id: int, multiple: int = 8,
+                   prefix_sharing: bool = False) -> Microbatch:
     """One packed row [1, W] of the pairs' sequences, W = their total rounded up to `multiple`.
 
     Sequences are laid out pair by pair (chosen, then rejected). `segment_ids` names each
@@ -109,59 +121,43 @@ def collate_packed(pairs: Sequence[TokenizedPair], *, pad_token_id: int, multipl
     b + j (b pairs), so per-sequence sums come out as [chosen rows; rejected rows] exactly as
     `collate` orders them; padding is segment 2b. `seq_lens` are the segments' lengths in
     layout order (the padding last, when there is any), i.e. the THD layout's cu_seqlens steps.
+    With `prefix_sharing` each pair is one shared stretch (`prefix_sharing.place_shared_pair`),
+    which cu_seqlens cannot describe: `seq_lens` is None and the row needs its mask.
     """
     if not pairs:
         raise ValueError("collate_packed: no pairs")
     if multiple <= 0:
         raise ValueError(f"collate_packed: multiple must be positive, got {multiple}")
     b = len(pairs)
-    real = sum(pair_tokens(p) for p in pairs)
+    real = sum(cost_of(prefix_sharing)(p) for p in pairs)
     width = -(-real // multiple) * multiple
-    tokens = torch.full((1, width), pad_token_id, dtype=torch.int64)
-    labels = torch.full((1, width), pad_token_id, dtype=torch.int64)
-    loss_mask = torch.zeros((1, width), dtype=torch.float32)
-    position_ids = torch.zeros((1, width), dtype=torch.int64)
-    segment_ids = torch.full((1, width), 2 * b, dtype=torch.int64)
+    rows = RowTensors.empty(1, width, pad_token_id=pad_token_id, pad_segment=2 * b)
     seq_lens = []
     at = 0
     for j, pair in enumerate(pairs):
+        if prefix_sharing:
+            at = place_shared_pair(rows, row=0, at=at, pair=pair, chosen_segment=j, rejected_segment=b + j)
+            continue
         for row, completion in ((j, pair.chosen_ids), (b + j, pair.rejected_ids)):
             seq = torch.tensor(pair.prompt_ids + completion, dtype=torch.int64)
             n, prompt_len = len(seq), len(pair.prompt_ids)
-            tokens[0, at : at + n] = seq
+            rows.tokens[0, at : at + n] = seq
             # Position t predicts token t+1 of the same sequence; its last token predicts nothing.
-            labels[0, at : at + n - 1] = seq[1:]
-            loss_mask[0, at + prompt_len - 1 : at + n - 1] = 1.0
-            position_ids[0, at : at + n] = torch.arange(n)
-            segment_ids[0, at : at + n] = row
+            rows.labels[0, at : at + n - 1] = seq[1:]
+            rows.loss_mask[0, at : at + n - 1] = 1.0
+            rows.loss_mask[0, at : at + prompt_len - 1] = 0.0
+            rows.position_ids[0, at : at + n] = torch.arange(n)
+            rows.segment_ids[0, at : at + n] = row
             seq_lens.append(n)
             at += n
     if width > real:
         seq_lens.append(width - real)
-        position_ids[0, real:] = torch.arange(width - real)
-    return Microbatch(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                      segment_ids=segment_ids, num_sequences=2 * b, seq_lens=tuple(seq_lens))
-
-
-def step_token_stats(
-    pairs: Sequence[TokenizedPair], *, packing: bool, dp: int, max_tokens: int | None, micro_batch_size: int,
-    multiple: int,
-) -> dict[str, float]:
-    """Token metrics of one training step's global batch over all dp ranks: real tokens, token
-    positions computed (real + padding), padding_fraction, and the number of microbatches."""
-    real = sum(pair_tokens(p) for p in pairs)
-    if packing:
-        costs = [pair_tokens(p) for p in pairs]
-        groups = [mb for rank in plan_packed_step(pairs, dp=dp, max_tokens=max_tokens) for mb in rank]
-        padded = sum(-(-sum(costs[i] for i in mb) // multiple) * multiple for mb in groups)
-        count = len(groups)
-    else:
-        from mcore_dpo.data.pairs import padded_seq_len
-
-        padded = 2 * len(pairs) * padded_seq_len(pairs, multiple=multiple)
-        count = -(-len(pairs) // micro_batch_size)
-    return {"tokens/real": float(real), "tokens/padded": float(padded), "padding_fraction": 1.0 - real / padded,
-            "microbatches": float(count)}
+        rows.position_ids[0, real:] = torch.arange(width - real)
+    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    return Microbatch(tokens=rows.tokens, labels=rows.labels, loss_mask=rows.loss_mask,
+                      position_ids=rows.position_ids, segment_ids=rows.segment_ids, num_sequences=2 * b,
+                      num_positions=max(longest, width - real), seq_lens=None if prefix_sharing else tuple(seq_lens),
+                      shared_prompt=rows.shared_prompt if prefix_sharing else None)
 
 
 def eval_microbatches(costs: Sequence[int], passes: Sequence[tuple[range, Sequence[Sequence[int]]]], *,

@@ -65,14 +65,17 @@ class Microbatch:
     tokens: torch.Tensor  # int64 [2b, S]: rows 0..b-1 prompt+chosen, rows b..2b-1 prompt+rejected
     labels: torch.Tensor  # int64 [2b, S]: labels[:, t] = tokens[:, t+1]; last column is padding
     loss_mask: torch.Tensor  # float32 [2b, S]: 1.0 where labels[:, t] is a completion token
-    # Packed microbatches only (`packing.collate_packed`): one row [1, W] holding every sequence.
-    position_ids: torch.Tensor | None = None  # int64 [1, W]: restart at 0 in each sequence
-    segment_ids: torch.Tensor | None = None  # int64 [1, W]: the token's sequence as an unpacked row; pads 2b
+    # Rows of segments only: packed (`packing.collate_packed`: one row [1, W] holding every
+    # sequence) or shared-prompt (`prefix_sharing`: rows [b, W] of one pair each, or packed).
+    position_ids: torch.Tensor | None = None  # int64 [rows, W]: restart at 0 in each sequence
+    segment_ids: torch.Tensor | None = None  # int64 [rows, W]: the token's sequence as an unpacked row; pads 2b
     num_sequences: int | None = None  # 2b
-    seq_lens: tuple[int, ...] | None = None  # segment lengths in layout order (padding last)
+    num_positions: int | None = None  # the largest position + 1
+    seq_lens: tuple[int, ...] | None = None  # packed, unshared: segment lengths in layout order (padding last)
+    shared_prompt: torch.Tensor | None = None  # bool [rows, W]: a shared pair's prompt body (prefix_sharing)
 
     @property
-    def is_packed(self) -> bool:
+    def has_segments(self) -> bool:
         return self.segment_ids is not None
 
 

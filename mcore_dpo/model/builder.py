@@ -8,6 +8,7 @@ so training and conversion share one source of truth.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 from collections.abc import Mapping
@@ -120,13 +121,15 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
     grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
-    recompute: str = "none", recompute_num_layers: int | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None, arbitrary_masks: bool = False,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
     between pipeline stages) are [s/tp, b, h]. `grouped_experts` (Transformer Engine spec, MoE
     models): megatron-core's TEGroupedMLP experts instead of its SequentialMLP; their parameters
-    are named differently (`shard_names` translates)."""
+    are named differently (`shard_names` translates). `arbitrary_masks`: attention takes any
+    `segment_mask` (shared-prompt rows); the local spec always does, the Transformer Engine
+    spec's attention is switched from its built-in causal mask to TE's arbitrary one."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -162,6 +165,8 @@ def build_stage_model(
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         if sequence_parallel:
             layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
+    if arbitrary_masks and use_te:
+        layer_spec = _with_arbitrary_masks(layer_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -189,6 +194,17 @@ def build_stage_model(
             head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def _with_arbitrary_masks(layer_spec):
+    """A copy of a layer (or block) spec whose self-attention reads the mask it is given
+    (megatron-core's AttnMaskType.arbitrary) instead of building a causal one."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    layer_spec = copy.deepcopy(layer_spec)
+    for layer in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+        layer.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    return layer_spec
 
 
 def _recompute_input_requires_grad(_module, _args, output: torch.Tensor) -> torch.Tensor:
@@ -252,7 +268,6 @@ class SequenceParallelRMSNorm:
 
 def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
     """The local layer spec for one stage, every norm (the final one too) sequence-parallel."""
-    import copy
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -267,7 +282,6 @@ def _block_spec_with_sp_norms(block_spec):
     """A local block spec (MoE and dense layers mixed) with every norm sequence-parallel: the
     layers' pre-attention and pre-MLP norms, the q/k norms (which megatron-core's torch-norm
     wrapper refuses under sequence parallelism too) and the final norm."""
-    import copy
 
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -383,28 +397,36 @@ def causal_mask(seq_len: int, *, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, W, W] bool for one packed row (`segment_ids` [1, W]), True where attention is not
-    allowed: a token sees only the earlier tokens of its own sequence (block-diagonal causal)."""
-    seg = segment_ids[0]
-    width = seg.shape[0]
-    blocked = seg[:, None] != seg[None, :]
-    blocked |= torch.triu(torch.ones(width, width, dtype=torch.bool, device=seg.device), diagonal=1)
-    return blocked[None, None]
+def segment_mask(segment_ids: torch.Tensor, *, shared_prompt: torch.Tensor | None = None,
+                 num_sequences: int | None = None) -> torch.Tensor:
+    """[rows, 1, W, W] bool for rows of segments (`segment_ids` [rows, W], as
+    `pairs.Microbatch` holds them), True where attention is not allowed: a token sees the
+    earlier tokens of its own segment (block-diagonal causal) and, where `shared_prompt` marks a
+    pair's prompt body (`data.prefix_sharing`), the earlier body tokens of its own pair:
+    sequences j and b + j are pair j's (b = num_sequences / 2; ids >= num_sequences are padding)."""
+    width = segment_ids.shape[-1]
+    blocked = segment_ids[:, :, None] != segment_ids[:, None, :]
+    if shared_prompt is not None:
+        half = num_sequences // 2
+        pair = torch.where(segment_ids < num_sequences, segment_ids % half, half)  # padding: a pair of its own
+        blocked &= ~(shared_prompt[:, None, :] & (pair[:, :, None] == pair[:, None, :]))
+    blocked |= torch.triu(torch.ones(width, width, dtype=torch.bool, device=segment_ids.device), diagonal=1)
+    return blocked[:, None]
 
 
 @contextlib.contextmanager
 def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, num_positions: int):
-    """RoPE at `position_ids` [1, W] instead of 0..W-1 (a packed row restarts at 0 in each
-    sequence). megatron-core's rotary embedding takes a length, not positions: its table up to
-    the largest position (`num_positions` = that + 1, known on the host: the longest segment)
-    is computed by its own code and indexed per token, for this forward."""
+    """RoPE at `position_ids` [rows, W] instead of 0..W-1 (a packed row restarts at 0 in each
+    sequence; a shared-prompt row restarts its rejected branch where the chosen one started).
+    megatron-core's rotary embedding takes a length, not positions: its table up to the largest
+    position (`num_positions` = that + 1, known on the host) is computed by its own code and
+    indexed per token, [W, rows, 1, d], which its rotation broadcasts over [W, rows, heads, d]."""
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:  # multi-latent attention applies RoPE inside each layer, at 0..W-1
-        raise ValueError("packed rows with a mask: multi-latent attention (DeepSeek-V3) cannot restart RoPE "
-                         "positions per sequence; run without --packing")
+        raise ValueError("rows of segments: multi-latent attention (DeepSeek-V3) cannot restart RoPE positions "
+                         "per sequence; run without --packing and --prefix-sharing")
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
-    emb = table[position_ids[0]]
+    emb = table[:, 0][position_ids.t()]  # [W, rows, 1, d]
 
     def forward(*_args, **_kwargs):
         return emb
@@ -443,9 +465,9 @@ def stage_forward(
     stage's hidden states [s, b, h]. Returns hidden states [s, b, h], or on the last stage the
     vocab-parallel logits [b, s, v/tp].
 
-    Packed rows (b = 1): either the THD layout (`packed_params`, attention over cu_seqlens, no
-    mask) or the local spec's block-diagonal `mask` with RoPE at `position_ids` (then
-    `num_positions`: the largest position + 1, a host-side fact of the row)."""
+    Rows of segments (packed, shared-prompt): either the THD layout (`packed_params`, attention
+    over cu_seqlens, no mask) or the `segment_mask` with RoPE at `position_ids` (then
+    `num_positions`: the largest position + 1, a host-side fact of the rows)."""
     unwrapped = model.module if hasattr(model, "module") else model
     unwrapped.set_input_tensor(input_tensor)
     if packed_params is not None:

@@ -35,7 +35,7 @@ from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.pipeline.account import MemoryAccount
 from mcore_dpo.parallel.mesh import Mesh
-from mcore_dpo.model.builder import causal_mask, packed_causal_mask, packed_seq_params, stage_forward
+from mcore_dpo.model.builder import causal_mask, packed_seq_params, segment_mask, stage_forward
 from mcore_dpo.pipeline.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
 from mcore_dpo.parallel.platform import IntervalClock, to_device
 from mcore_dpo.pipeline.schedule import forward_only_stages
@@ -66,9 +66,10 @@ class StagedInputs:
     tokens: torch.Tensor
     labels: torch.Tensor | None  # the last stage only, as loss_mask
     loss_mask: torch.Tensor | None
-    segment_ids: torch.Tensor | None = None  # packed rows
+    segment_ids: torch.Tensor | None = None  # rows of segments (packed, shared-prompt)
     position_ids: torch.Tensor | None = None
-    num_positions: int | None = None  # packed rows: the largest position + 1 (its longest segment)
+    num_positions: int | None = None  # rows of segments: the largest position + 1
+    shared_prompt: torch.Tensor | None = None  # shared-prompt rows: the prompt bodies
     packed_params: object | None = None  # THD layout: megatron-core's PackedSeqParams
 
 
@@ -141,25 +142,28 @@ class StageContext:
                 staged = StagedInputs(tokens=to_device(micro.tokens, self.device),
                                       labels=to_device(micro.labels, self.device) if last else None,
                                       loss_mask=to_device(micro.loss_mask, self.device) if last else None)
-                if micro.is_packed:
+                if micro.has_segments:
                     staged.segment_ids = to_device(micro.segment_ids, self.device)
                     staged.position_ids = to_device(micro.position_ids, self.device)
-                    staged.num_positions = max(micro.seq_lens)
-                    if self.packed_thd:
+                    staged.num_positions = micro.num_positions
+                    if micro.shared_prompt is not None:
+                        staged.shared_prompt = to_device(micro.shared_prompt, self.device)
+                    if self.packed_thd and micro.seq_lens is not None:
                         staged.packed_params = packed_seq_params(micro.seq_lens, device=self.device)
                 self._staged[(batch, mb)] = staged
 
     def forward_inputs(self, batch: int, mb: int) -> dict:
         """The attention inputs of microbatch `mb` (stage_forward's keyword arguments): one
-        causal mask per batch for padded rows; for a packed row, its THD cu_seqlens when
-        `packed_thd`, else its block-diagonal mask and per-sequence positions."""
+        causal mask per batch for padded rows; for rows of segments, a packed row's THD cu_seqlens
+        when `packed_thd`, else their `segment_mask` and per-sequence positions."""
         staged = self._staged[(batch, mb)]
         if staged.position_ids is not None:
-            if self.packed_thd:
+            if staged.packed_params is not None:
                 return {"mask": None, "position_ids": staged.position_ids, "packed_params": staged.packed_params}
             key = (batch, mb)
             if key not in self._masks:
-                self._masks[key] = packed_causal_mask(staged.segment_ids)
+                self._masks[key] = segment_mask(staged.segment_ids, shared_prompt=staged.shared_prompt,
+                                                num_sequences=self.microbatches[batch][mb].num_sequences)
             return {"mask": self._masks[key], "position_ids": staged.position_ids,
                     "num_positions": staged.num_positions}
         if batch not in self._masks:

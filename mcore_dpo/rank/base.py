@@ -20,7 +20,7 @@ from mcore_dpo.data.pairs import Microbatch, TokenizedPair, seq_len_multiple
 from mcore_dpo.data.even_passes import rank_passes
 from mcore_dpo.objective.logprobs import LogpsOptions
 from mcore_dpo.parallel.mesh import Layout, Mesh, destroy, initialize
-from mcore_dpo.data.microbatches import microbatches
+from mcore_dpo.data.microbatches import RowLayout
 from mcore_dpo.model.builder import build_stage_model, layer_spec_name, load_shard, open_weights, place_on_device
 from mcore_dpo.pipeline.executor import StageContext, forward_only_ops, run_ops, warm_up_links
 
@@ -36,6 +36,13 @@ class Rank:
         if self.config.packing is not None:
             return self.config.packing
         return self.config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd)
+
+    @property
+    def rows(self) -> RowLayout:
+        """How this rank lays pairs out in microbatch rows (packed or padded, prompts shared or not)."""
+        return RowLayout(packing=self.packing, prefix_sharing=bool(self.config.prefix_sharing),
+                         pad_token_id=self.pad_token_id, multiple=self.seq_multiple,
+                         max_tokens=self.config.packing_budget)
 
     def __init__(
         self,
@@ -98,6 +105,7 @@ class Rank:
                 # The policy recomputes in its backward; a frozen reference runs in eval mode,
                 # where megatron-core recomputes nothing.
                 recompute=self.config.recompute, recompute_num_layers=self.config.recompute_num_layers,
+                arbitrary_masks=bool(self.config.prefix_sharing),
             ), self.platform.device)
         weights = open_weights(weights_dir)
         shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
@@ -156,7 +164,7 @@ class Rank:
         passes = rank_passes(passes_of, dp=dp, dp_rank=mesh.dp_rank, even=self.layout.ep > 1)
         table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
         for _, groups, num_real in passes:
-            mbs = microbatches(pairs, groups, packing=False, pad_token_id=self.pad_token_id, multiple=self.seq_multiple)
+            mbs = self.rows.padded().microbatches(pairs, groups)
             ctx = self.stage_context({0: mbs}, reference=model, forward_only=True)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=False, reference=True), ctx)
             if mesh.is_last_stage:

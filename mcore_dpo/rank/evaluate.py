@@ -16,8 +16,7 @@ from mcore_dpo.data.pairs import TokenizedPair, eval_passes
 from mcore_dpo.data.even_passes import rank_passes
 from mcore_dpo.objective.logprobs import SequenceLogps, pair_logps, table_rows
 from mcore_dpo.objective.loss import METRIC_SUM_KEYS, PairLogps, metric_sum_vector
-from mcore_dpo.data.microbatches import microbatches
-from mcore_dpo.data.packing import eval_microbatches, pair_tokens
+from mcore_dpo.data.packing import eval_microbatches
 from mcore_dpo.pipeline.executor import forward_only_ops, run_ops
 from mcore_dpo.rank.metrics import global_sort, reduce_metrics
 from mcore_dpo.rank.reference import ReferenceSource
@@ -49,12 +48,13 @@ class Evaluator:
         spec = config.loss_spec()
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
         num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
-        costs = [pair_tokens(p) for p in pairs] if rank.packing else None
+        rows = rank.rows
+        costs = [rows.cost(p) for p in pairs] if rows.packing else None
 
         def passes_of(dp_rank: int) -> list:
             passes = eval_passes(num_pairs=num_pairs, global_batch_size=config.global_batch_size, dp=rank.layout.dp,
                                  dp_rank=dp_rank, micro_batch_size=config.micro_batch_size)
-            if rank.packing:  # each chunk's share in packed rows, split by tokens as a training step
+            if rows.packing:  # each chunk's share in packed rows, split by tokens as a training step
                 passes = [(None, g) for g in eval_microbatches(costs, passes, max_tokens=config.packing_budget)]
             return passes
 
@@ -63,8 +63,7 @@ class Evaluator:
         with_reference = self.reference.model is not None and ref_logps is None
         parts: list[PairLogps] = []
         for chunk, groups, num_real in passes:
-            mbs = microbatches(pairs, groups, packing=rank.packing, pad_token_id=rank.pad_token_id,
-                               multiple=rank.seq_multiple, pad_over=chunk)
+            mbs = rows.microbatches(pairs, groups, pad_over=chunk)
             ctx = rank.stage_context({0: mbs}, policy=self.policy, reference=self.reference.model, forward_only=True)
             ctx.loss_fn = _Collect(parts, groups=groups, num_real=num_real, table=ref_logps,
                                    computed=ctx.ref_logps if with_reference else None, device=device)

@@ -39,7 +39,7 @@ from mcore_dpo.parallel.platform import to_device
 
 def token_mask(micro: Microbatch) -> torch.Tensor:
     """[rows, S]: 1 on real tokens (padding and a packed row's tail are 0)."""
-    if micro.is_packed:
+    if micro.has_segments:
         return (micro.segment_ids < micro.num_sequences).to(torch.float32)
     return moe_aux.real_token_mask(micro.loss_mask)
 

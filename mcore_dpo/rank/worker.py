@@ -24,11 +24,9 @@ from mcore_dpo.config import TrainConfig
 from mcore_dpo.data.pairs import Microbatch, TokenizedPair
 from mcore_dpo.pipeline.account import MemoryAccount, device_figures, static_bytes
 from mcore_dpo.parallel.mesh import Layout
-from mcore_dpo.data.microbatches import microbatches
 from mcore_dpo.rank.moe_step import MoeStep
 from mcore_dpo.model.builder import allreduce_sequence_parallel_grads, freeze, shard_names
 from mcore_dpo.optim.adamw import CpuOptimizer, lr_at, params_once
-from mcore_dpo.data.packing import plan_packed_step, step_token_stats
 from mcore_dpo.pipeline.executor import run_ops
 from mcore_dpo.rank.base import Rank
 from mcore_dpo.rank.metrics import max_over_ranks, mean_and_max_over_ranks, reduce_metrics
@@ -166,14 +164,14 @@ class PolicyWorker(Rank):
         pairs as positions in the global batch. Padded: a contiguous share, micro_batch_size
         pairs per microbatch, all as long as the batch's longest pair. Packed: the token-balanced
         split of `packing.plan_packed_step`."""
-        if self.packing:
-            groups = plan_packed_step(pairs, dp=self.layout.dp, max_tokens=self.config.packing_budget)[self.mesh.dp_rank]
+        rows = self.rows
+        if rows.packing:
+            groups = rows.plan_step(pairs, dp=self.layout.dp)[self.mesh.dp_rank]
         else:
             per_rank, b = len(pairs) // self.layout.dp, self.config.micro_batch_size
             lo = self.mesh.dp_rank * per_rank
             groups = [list(range(k, min(k + b, lo + per_rank))) for k in range(lo, lo + per_rank, b)]
-        mbs = microbatches(pairs, groups, packing=self.packing, pad_token_id=self.pad_token_id,
-                           multiple=self.seq_multiple, pad_over=range(len(pairs)))
+        mbs = rows.microbatches(pairs, groups, pad_over=range(len(pairs)))
         return mbs, groups
 
     # ------------------------------------------------------------------ step
@@ -239,9 +237,7 @@ class PolicyWorker(Rank):
                                                      world_size=self.layout.world_size, device=self.platform.device)
         if metrics is None:
             return None
-        token_stats = step_token_stats(batch.pairs, packing=self.packing, dp=self.layout.dp,
-                                       max_tokens=config.packing_budget, micro_batch_size=config.micro_batch_size,
-                                       multiple=self.seq_multiple)
+        token_stats = self.rows.token_stats(batch.pairs, dp=self.layout.dp, micro_batch_size=config.micro_batch_size)
         metrics.update({"grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
                         "tokens/s": token_stats["tokens/real"] / elapsed, "bubble_fraction": bubble,
                         "memory/peak_gib": peak_bytes / 2**30, **token_stats})

@@ -264,7 +264,7 @@ def per_gpu_bytes(
     shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
     attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
-    recompute: str = "none", recompute_num_layers: int | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None, prefix_sharing: bool = False,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
     (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
@@ -274,7 +274,11 @@ def per_gpu_bytes(
     optimizer state over dp), `expert_params` those of the experts (split over ep x expert tp x
     pp, the optimizer state over the expert-data-parallel group); expert tp defaults to the
     trainer's rule (checkpoint_convert.mapping.expert_tp_size): 1 at ep > 1, else tp.
-    `recompute`, `recompute_num_layers`: --recompute and --recompute-num-layers (module docstring)."""
+    `recompute`, `recompute_num_layers`: --recompute and --recompute-num-layers (module docstring).
+    `prefix_sharing` (padded rows): a microbatch is one row per pair, as wide as its widest
+    shared pair, P + C + R + 1 <= 2 x seq_len positions (a one-token prompt whose completions
+    both fill seq_len): the same positions as two unshared rows at worst, and a prompt of P
+    tokens saves P - 1 of them (data/prefix_sharing.py)."""
     if expert_tp is None:
         expert_tp = 1 if ep > 1 else tp
     dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
@@ -283,9 +287,10 @@ def per_gpu_bytes(
         edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=expert_tp)
         per_param = bytes_per_param(ref_mode=ref_mode, optimizer_shards=edp if distributed_optimizer else 1)
         experts = expert_params * per_param / (ep * expert_tp * pp)
+    rows, width = (micro_batch_size, 2 * seq_len) if prefix_sharing else (2 * micro_batch_size, seq_len)
     activations = plan_activation_bytes(
-        shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=seq_len,
-        rows=2 * micro_batch_size, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
+        shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=width,
+        rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
         dtype_bytes=dtype_bytes, expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers,
     )  # fmt: skip
     return dense + experts + max(activations, optimizer_step_bytes())
