@@ -4,7 +4,7 @@ and global layers on both stages of a pp-2 split, a window shorter than the sequ
 config translation and its one-line refusals, the conversion round trips at (tp, pp) = (1,1),
 (2,2) and through torch_dist, `verify`, the export loading and generating like the source, and
 one DPO step against HF + TRL's formulas at (tp, pp, dp) = (2,2,1) (sequence parallel) and
-(1,2,2), in one launch."""
+(1,2,2), padded and packed, in one launch."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.helpers.gemma import CONFIG, ROPE, gemma3
 from tests.helpers.models import assert_export_generates_like, save_hf
 from tests.helpers import parity
 from tests.helpers.reference import RTOL
-from tests.helpers.ranks import run_ranks, verify
+from tests.helpers.ranks import check_ran_packed, run_ranks, verify
 
 _BASE = {**CONFIG, "architectures": ["Gemma3ForCausalLM"]}
 
@@ -86,7 +86,8 @@ def test_megatron_rope_and_norm_equal_hf():
     x, positions = torch.zeros(1, 20, 16), torch.arange(20)[None]
     for kind, local in (("full_attention", False), ("sliding_attention", True)):
         cos, _ = rope(x, positions, kind)
-        assert torch.equal(layer_rope(table, local=local).cos(), cos[0]), kind
+        angles, at = layer_rope(table, local=local)
+        assert torch.equal(angles.cos(), cos[0]) and torch.equal(at, positions[0].float()), kind
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
     norm = GemmaRMSNorm(config, 32, eps=1e-6)
     hf_norm = model.model.layers[0].input_layernorm
@@ -150,21 +151,23 @@ def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):
 
 # --------------------------------------------------------------------------- DPO parity
 def test_parity_one_step_tp2_pp2_and_pp2_dp2(tmp_path):
-    """One DPO step at (tp, pp, dp) = (2, 2, 1) sequence-parallel and (1, 2, 2), one launch:
-    metrics, every rank's gradients and the weights after the step against HF + TRL's formulas."""
+    """One DPO step at (tp, pp, dp) = (2, 2, 1) sequence-parallel and (1, 2, 2), padded and packed
+    (block-diagonal masks, positions restarting in each sequence), one launch: metrics, every
+    rank's gradients and the weights after the step against HF + TRL's formulas."""
     policy = save_hf(gemma3(seed=1), tmp_path / "policy")
     reference = save_hf(gemma3(seed=2), tmp_path / "reference")
-    layouts = ((2, 2, 1), (1, 2, 2))
-    jobs = []
-    for layout in layouts:
-        job = parity.parity_job(layout, policy, reference, name="gemma3", steps=1, export_hf=False,
-                         sequence_parallel=layout[0] > 1)
+    layouts = ((2, 2, 1), (1, 2, 2), (1, 2, 2))
+    jobs = [parity.parity_job(layouts[0], policy, reference, name="gemma3", steps=1, sequence_parallel=True),
+            parity.parity_job(layouts[1], policy, reference, name="gemma3", steps=1),
+            parity.packed_parity_job(layouts[2], policy, reference, name="gemma3", steps=1)]
+    for job in jobs:
+        job["config"]["export_hf"] = False
         job["eval_pairs"] = []
-        jobs.append(job)
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
+    check_ran_packed(tmp_path / "out", padded=1, packed=2)
     ref = parity.cached_reference(str(policy), str(reference), "sigmoid", "interleaved", 1)
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
-        what = f"gemma3 at tp{layout[0]} pp{layout[1]} dp{layout[2]}"
+        what = f"gemma3 job {j} at tp{layout[0]} pp{layout[1]} dp{layout[2]}"
         parity.check_tensors(tmp_path / "out", j, job, layout, ref, what, RTOL)  # step-1 grads, weights after it
         ours = json.loads((tmp_path / "out" / f"job{j}_metrics.json").read_text())
         parity.check_metrics(ours[0], ref["metrics"][0], names=parity.METRICS, prefix="", what=f"{what} step 1", rtol=RTOL)

@@ -6,16 +6,18 @@ What megatron-core 0.16.1's local spec cannot express, as small modules of ours:
 - Sandwich norms: a transformer layer has no norm after its attention or its MLP, so
   `GemmaSelfAttention` and `GemmaMLP` norm their own output (`post_layernorm`), before the
   residual add. LoRA's updates (hooks on linear_proj and linear_fc2) come before that norm.
+- Two RoPE bases: GPTModel computes one table for all layers. Its inverse frequencies are set to
+  [global (d/2); local (d/2); 1] (as HF computes them), so megatron-core's own table (with its
+  caching, and the trainer's indexing of it by position for rows of segments) is
+  [g, l, p, g, l, p], where p is each token's position, exactly. Each layer takes its kind's
+  angles [g, g] or [l, l] and the positions (`layer_rope`).
 - Local layers: megatron-core's `window_size` / `window_attn_skip_freq` say which layers are
   local (the family sets them), but its local attention then replaces the mask it is given
-  (padding, packed rows) with a plain sliding-window one, built on "cuda". `GemmaCoreAttention`
-  keeps megatron-core's softmax, without that, and adds the window to the mask it is given:
-  a token sees itself and the W - 1 before it, counted in row indices (within a packed
-  sequence these are its positions).
-- Two RoPE bases: GPTModel computes one table for all layers. Its inverse frequencies are set to
-  [global; local] (d/2 each, as HF computes them), so megatron-core's own table (with its
-  caching and the trainer's per-position indexing of it for packed rows) is [g, l, g, l], and
-  each layer takes its kind's [g, g] or [l, l] (`layer_rope`).
+  (padding, packed rows) with a plain sliding-window one, built on "cuda" (`GemmaCoreAttention`
+  keeps megatron-core's attention without that). `GemmaSelfAttention` adds the window to the
+  mask it is given: a token does not see tokens W or more positions before it (HF's window), by
+  positions, so packed rows and rows whose branches restart their positions are windowed as
+  their sequences alone would be.
 - Embedding scale and final logit cap: forward hooks (`adapt_model`), the scale rounded to the
   weights' dtype first, as HF does.
 """
@@ -59,41 +61,47 @@ def is_local(config, layer_number: int) -> bool:
     return is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
 
 
-def layer_rope(emb: torch.Tensor, *, local: bool) -> torch.Tensor:
-    """One layer kind's RoPE angles [..., d] from the two-kind table [..., 2d] = [g, l, g, l]."""
-    return emb.unflatten(-1, (2, 2, -1)).select(-2, int(local)).flatten(-2)
+def layer_rope(emb: torch.Tensor, *, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer kind's RoPE angles [..., d] and the positions [...] from the table
+    [..., 2 (d + 1)] = [g, l, p, g, l, p]."""
+    d = emb.shape[-1] // 2 - 1
+    both = emb.unflatten(-1, (2, d + 1))
+    angles = both[..., :d].unflatten(-1, (2, d // 2)).select(-2, int(local)).flatten(-2)
+    return angles, both[..., 0, d]
+
+
+def window_mask(positions: torch.Tensor, *, window: int) -> torch.Tensor:
+    """[rows or 1, 1, s, s] bool, True where a key is `window` or more positions before the query
+    (`positions` [s, rows or 1, 1], as the RoPE table holds them)."""
+    p = positions[..., 0].t()
+    return ((p[:, :, None] - p[:, None, :]) >= window)[:, None]
 
 
 class GemmaCoreAttention(DotProductAttention):
-    """megatron-core's local attention; on a local layer the window is added to the mask."""
+    """megatron-core's local attention, with the mask it is given (the window is in it)."""
 
-    def __init__(self, config, layer_number: int, *args, **kwargs):
-        super().__init__(config, layer_number, *args, **kwargs)
-        self.window = config.window_size[0] + 1 if is_local(config, layer_number) else None
-        self.scale_mask_softmax.window_size = None  # keep the mask given (with the window added)
-
-    def forward(self, query, key, value, attention_mask, *args, **kwargs):
-        if self.window is not None:
-            sq, sk = query.size(0), key.size(0)
-            i = torch.arange(sk - sq, sk, device=query.device)[:, None]
-            j = torch.arange(sk, device=query.device)[None, :]
-            outside = (j > i) | (i - j >= self.window)
-            attention_mask = outside if attention_mask is None else attention_mask | outside
-        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale_mask_softmax.window_size = None
 
 
 class GemmaSelfAttention(SelfAttention):
-    """SelfAttention with its layer kind's RoPE and a norm of its output."""
+    """SelfAttention with its layer kind's RoPE, the window on a local layer, and a norm of its
+    output."""
 
     def __init__(self, config, submodules, layer_number: int, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.local = is_local(config, layer_number)
+        self.window = config.window_size[0] + 1 if self.local else None
         self.post_layernorm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
-        if rotary_pos_emb is not None:
-            rotary_pos_emb = layer_rope(rotary_pos_emb, local=self.local)
-        output, bias = super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        if attention_mask is None:
+            raise ValueError("Gemma 3: the attention needs the mask it is given (the window is added to it)")
+        rotary_pos_emb, positions = layer_rope(rotary_pos_emb, local=self.local)
+        if self.window is not None:
+            attention_mask = attention_mask | window_mask(positions, window=self.window)
+        output, bias = super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         return self.post_layernorm(output), bias
 
 
@@ -125,14 +133,14 @@ def block_spec(config, *, pp_rank: int):
 
 
 def inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """[global; local] RoPE inverse frequencies (d/2 each), as HF computes them (default, or
-    divided by the linear factor)."""
+    """[global; local; 1] RoPE inverse frequencies (d/2 each, as HF computes them: default, or
+    divided by the linear factor), the last one giving each token's position."""
     d = spec.head_dim
     parts = []
     for theta, factor in zip((spec.rope_theta, spec.rope_local_theta), spec.rope_linear_factors):
         part = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         parts.append(part / factor if factor != 1.0 else part)
-    return torch.cat(parts)
+    return torch.cat(parts + [torch.ones(1)])
 
 
 def adapt_model(model: torch.nn.Module, spec: ModelSpec, *, dtype: torch.dtype) -> None:
