@@ -72,11 +72,11 @@ def test_spec_and_transformer_fields_follow_the_hf_config():
 
 
 def test_megatron_rope_and_norm_equal_hf():
-    """The two-kind RoPE table gives each layer kind HF's angles, and the (1 + w) norm is HF's
-    bit for bit."""
+    """The two-kind RoPE table gives each layer kind HF's angles and the positions, and the
+    (1 + w) norm and the bf16 embedding scale are HF's bit for bit."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mcore_dpo.model.gemma3 import GemmaRMSNorm, inv_freq, layer_rope
+    from mcore_dpo.model.gemma3 import GemmaRMSNorm, embedding_scale, inv_freq, layer_rope
 
     model = gemma3(seed=0)
     spec = spec_from_hf_config(model.config.to_dict())
@@ -95,6 +95,10 @@ def test_megatron_rope_and_norm_equal_hf():
         norm.weight.copy_(hf_norm.weight)
     h = torch.randn(3, 5, 32)
     assert torch.equal(norm(h), hf_norm(h))
+    embed = model.model.embed_tokens.to(torch.bfloat16)  # HF rounds sqrt(h) to the weights' dtype
+    ids = torch.arange(3, 50)
+    ours = torch.nn.functional.embedding(ids, embed.weight) * embedding_scale(spec, dtype=torch.bfloat16)
+    assert embedding_scale(spec, dtype=torch.bfloat16) != 32 ** 0.5 and torch.equal(ours, embed(ids))
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -143,6 +143,11 @@ def inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.cat(parts + [torch.ones(1)])
 
 
+def embedding_scale(spec: ModelSpec, *, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded to the weights' dtype, as HF's scaled embedding multiplies by it."""
+    return torch.tensor(spec.hidden_size ** 0.5).to(dtype).item()
+
+
 def adapt_model(model: torch.nn.Module, spec: ModelSpec, *, dtype: torch.dtype) -> None:
     """What a built GPTModel chunk of Gemma 3 needs beyond its layers: the two-kind RoPE table,
     the embedding scaled by sqrt(hidden_size) and the final logits capped."""
@@ -150,8 +155,7 @@ def adapt_model(model: torch.nn.Module, spec: ModelSpec, *, dtype: torch.dtype) 
     if rope is not None:
         rope.inv_freq = inv_freq(spec).to(rope.inv_freq.device)
     if model.pre_process:
-        # HF: the embedding times sqrt(h) as a tensor of the weights' dtype.
-        scale = torch.tensor(spec.hidden_size ** 0.5).to(dtype).item()
+        scale = embedding_scale(spec, dtype=dtype)
         model.embedding.word_embeddings.register_forward_hook(lambda _m, _a, out: out * scale)
     if model.post_process and spec.final_logit_softcapping:
         cap = spec.final_logit_softcapping
