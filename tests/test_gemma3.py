@@ -2,9 +2,10 @@
 against transformers' own Gemma3ForCausalLM (tiny fp32 models, tests/helpers/gemma.py: local
 and global layers on both stages of a pp-2 split, a window shorter than the sequences): the
 config translation and its one-line refusals, the conversion round trips at (tp, pp) = (1,1),
-(2,2) and through torch_dist, `verify`, the export loading and generating like the source, and
-one DPO step against HF + TRL's formulas at (tp, pp, dp) = (2,2,1) (sequence parallel) and
-(1,2,2), padded, packed and with shared prompts, with activation recompute, in one launch."""
+(2,2), through torch_dist and a reshard, `verify`, the export loading and generating like the
+source, and one DPO step against HF + TRL's formulas at (tp, pp, dp) = (2,2,1) (sequence
+parallel) and (1,2,2), padded, packed and with shared prompts, with activation recompute, in
+one launch."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_what_cannot_be_reproduced_is_one_line(overrides, message):
 # --------------------------------------------------------------------------- conversion
 def test_round_trips_torch_dist_and_the_export_generates_like_the_source(hub_dir, tmp_path, capsys):
     """HF -> Megatron -> HF bit for bit at (tp, pp) = (1,1) and (2,2) (tied embeddings: the last
-    stage's copy), and through torch_dist; the export loads with AutoModelForCausalLM and greedy
+    stage's copy), through torch_dist and resharded from it; the export loads with AutoModelForCausalLM and greedy
     generation (past the window) equals the source's."""
     source = _tensors(hub_dir)
     assert "model.layers.0.post_feedforward_layernorm.weight" in source and "lm_head.weight" not in source
@@ -139,6 +140,10 @@ def test_round_trips_torch_dist_and_the_export_generates_like_the_source(hub_dir
                  "--format", "torch_dist"]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "hf_td")]) == 0
     _assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
+    assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "from_td"),
+                 "--tp", "1", "--pp", "3"]) == 0
+    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "from_td"), "--out", str(tmp_path / "hf_from_td")]) == 0
+    _assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp1 pp3 -> HF")
     capsys.readouterr()
     assert_export_generates_like(hub_dir, tmp_path / "hf22", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=10)
 
