@@ -4,8 +4,8 @@ and global layers on both stages of a pp-2 split, a window shorter than the sequ
 config translation and its one-line refusals, the conversion round trips at (tp, pp) = (1,1),
 (2,2), through torch_dist and a reshard, `verify`, the export loading and generating like the
 source, and one DPO step against HF + TRL's formulas at (tp, pp, dp) = (2,2,1) (sequence
-parallel) and (1,2,2), padded, packed and with shared prompts, with activation recompute, in
-one launch."""
+parallel), (1,2,2) (padded, packed and with shared prompts) and (2,1,2), with activation
+recompute, in one launch."""
 
 from __future__ import annotations
 
@@ -159,20 +159,22 @@ def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- DPO parity
-def test_parity_one_step_tp2_pp2_and_pp2_dp2(tmp_path):
-    """One DPO step at (tp, pp, dp) = (2, 2, 1) sequence-parallel with selective recompute and
-    (1, 2, 2): padded with full recompute, packed (positions restarting in each sequence) and
+def test_parity_one_step_at_three_layouts(tmp_path):
+    """One DPO step at (tp, pp, dp) = (2, 2, 1) sequence-parallel with selective recompute,
+    (1, 2, 2) padded with full recompute, packed (positions restarting in each sequence) and
     packed with shared prompts (the rejected branch at the chosen one's positions: the window
-    goes by positions, not row indices), one launch: metrics, every rank's gradients and the
-    weights after the step against HF + TRL's formulas."""
+    goes by positions, not row indices), and (2, 1, 2) without sequence parallelism (the
+    post-norms' gradients whole on each tp rank, the q/k norms' summed), one launch: metrics,
+    every rank's gradients and the weights after the step against HF + TRL's formulas."""
     policy = save_hf(gemma3(seed=1), tmp_path / "policy")
     reference = save_hf(gemma3(seed=2), tmp_path / "reference")
-    layouts = ((2, 2, 1), (1, 2, 2), (1, 2, 2), (1, 2, 2))
+    layouts = ((2, 2, 1), (1, 2, 2), (1, 2, 2), (1, 2, 2), (2, 1, 2))
     jobs = [parity.parity_job(layouts[0], policy, reference, name="gemma3", steps=1, sequence_parallel=True,
                               recompute="selective"),
             parity.parity_job(layouts[1], policy, reference, name="gemma3", steps=1, recompute="full"),
             parity.packed_parity_job(layouts[2], policy, reference, name="gemma3", steps=1),
-            parity.packed_parity_job(layouts[3], policy, reference, name="gemma3", steps=1, prefix_sharing=True)]
+            parity.packed_parity_job(layouts[3], policy, reference, name="gemma3", steps=1, prefix_sharing=True),
+            parity.parity_job(layouts[4], policy, reference, name="gemma3", steps=1)]
     for job in jobs:
         job["config"]["export_hf"] = False
         job["eval_pairs"] = []

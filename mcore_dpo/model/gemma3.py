@@ -36,9 +36,6 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from checkpoint_convert.families.base import ModelSpec
 
-FAMILY = "gemma3_text"  # the family's MODEL_TYPE (ModelSpec.family)
-
-
 class GemmaRMSNorm(torch.nn.Module):
     """x / rms(x) * (1 + w), computed in fp32 and cast back (HF's Gemma3RMSNorm, op for op).
     Built as megatron-core builds its norms; the weight is marked `sequence_parallel` under
