@@ -18,7 +18,8 @@
 #   parity-sharded-opt   tests/test_gpu.py: world size 1, the dp-sharded optimizer (--distributed-optimizer),
 #                        every metric, gradient and weight against the HF reference (fp32, TF32 off)
 #   packed-thd           tests/test_packing_gpu.py: a packed row in Transformer Engine's THD layout gives each
-#                        sequence its own logits (the mask path without TE)
+#                        sequence its own logits (the mask path without TE); shared-prompt rows
+#                        (--prefix-sharing) through TE's arbitrary-mask attention likewise
 #   te-vs-local          Transformer Engine layer spec vs local spec, bf16 logits (SKIP without TE)
 #   bf16-resume          CLI run in bf16 with the distributed optimizer and --deterministic: checkpoint
 #                        every 2 steps, kill at step 3, rerun, steps 3-4 equal an uninterrupted run exactly
