@@ -323,11 +323,11 @@ def test_scancel_signal_term_batch_stops_the_run_with_a_checkpoint(slurm_cluster
 
 
 def test_the_time_limit_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmCluster, tmp_path: Path):
-    """A job whose run outlasts its time limit (--time=5): the script's `--signal=B:USR1@120`
+    """A job whose run outlasts its time limit (--time=4): the script's `--signal=B:USR1@120`
     makes SLURM send USR1 to the batch shell 120 s before the limit (SLURM may send it up to 60 s
-    earlier: 2 to 3 minutes in, well after the first step), the driver stops with a checkpoint
-    and the job completes before the limit."""
-    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="time-limit", time_limit="5")
+    earlier: 1 to 2 minutes in, after the first step, which is logged 25-35 s in), the driver
+    stops with a checkpoint and the job completes before the limit."""
+    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="time-limit", time_limit="4")
     fields, text = _wait_until_done(slurm_cluster, job_id, output)
     _assert_stopped_with_a_checkpoint(fields, text, run_dir=run_dir, ray_port=ray_port, signal_name="USR1")
 
