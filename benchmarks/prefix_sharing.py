@@ -8,7 +8,8 @@ assumed parameters stated there), each run in all four modes:
 - `padded_shared`: --no-packing --prefix-sharing, one row per pair, padded to its longest pair;
 - `packed`: --packing, budget 2 x micro_batch_size x max_length (benchmark 10's);
 - `packed_shared`: --packing --prefix-sharing, the same budget.
-Reported per mode: exact token positions per step (from the engine's own step metrics),
+Reported per mode: exact token positions per step (from the engine's own step metrics), CPU
+seconds per step over both ranks (the work: far less sensitive than wall time to other processes),
 forward FLOPs of the rows actually built (exact: with the CPU's masked W x W attention, and
 counting only the products the mask allows, what a structure-aware kernel computes), real
 tokens/s (the pairs' tokens, the prompt counted twice, whatever the layout), step time and
@@ -123,16 +124,20 @@ def measured_mix(*, shape, lengths: Lengths, gbs: int, mbs: int, steps: int, rou
     out = {"lengths": lengths.__dict__, "prompt_median": statistics.median(prompts),
            "completion_median": statistics.median(completions), "modes": {}}
     for mode in modes:
-        steps_all, rss, round_medians = [], [], []
+        steps_all, rss, round_medians, cpu = [], [], [], []
         for ranks in raw[mode]:
             rep = next(r for r in ranks if r["reports"])
             steps_all.extend(rep["steps"])
             round_medians.append(statistics.median(s["step_time_s"] for s in rep["steps"]))
             rss.append(max(r["peak_rss_bytes"] for r in ranks))
+            # CPU seconds of a step over both ranks: the work, far less sensitive than wall time
+            # to other processes on a shared box.
+            cpu.extend(sum(steps) for steps in zip(*([row["cpu_s"] for row in r["rank_steps"]] for r in ranks)))
         flops = [forward_flops(layout_rows(b, mode=mode, micro_batch_size=mbs, max_tokens=2 * mbs * lengths.max_length),
                                shape=shape) for b in measured_batches]
         out["modes"][mode] = {
             "step_time_s": common.summary([s["step_time_s"] for s in steps_all]),
+            "cpu_s_per_step": common.summary(cpu),
             "round_median_step_time_s": round_medians,
             "real_tokens_per_s": common.summary([s["tokens/real"] / s["step_time_s"] for s in steps_all]),
             "token_positions": common.summary([s["tokens/padded"] for s in steps_all]),
@@ -150,6 +155,7 @@ def measured_mix(*, shape, lengths: Lengths, gbs: int, mbs: int, steps: int, rou
             a, b = m[base], m[shared]
             out["ratios"][f"{shared}/{base}"] = {
                 "real_tokens_per_s": b["real_tokens_per_s"]["median"] / a["real_tokens_per_s"]["median"],
+                "cpu_s": a["cpu_s_per_step"]["median"] / b["cpu_s_per_step"]["median"],
                 "per_round_speed": common.summary([x / y for x, y in zip(a["round_median_step_time_s"],
                                                                          b["round_median_step_time_s"])]),
                 "positions": a["positions_counted"] / b["positions_counted"],
@@ -190,9 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, e in r["modes"].items():
             print(f"  {mode:<14} positions/step {e['token_positions']['median']:.0f}  real tokens/s "
                   f"{common.fmt(e['real_tokens_per_s'], digits=0)}  step {common.fmt(e['step_time_s'])} s  "
+                  f"cpu {e['cpu_s_per_step']['median']:.2f} s/step  "
                   f"fwd GFLOPs (masked) {e['flops_masked'] / 1e9:.2f}  peak RSS {e['peak_rss_bytes']['median'] / 2**20:.0f} MiB")
         for name, q in r["ratios"].items():
-            print(f"  {name}: real tokens/s x{q['real_tokens_per_s']:.3f} (per round "
+            print(f"  {name}: real tokens/s x{q['real_tokens_per_s']:.3f}, CPU s/step x{q['cpu_s']:.3f} (per round "
                   f"{common.fmt(q['per_round_speed'], digits=3)}); counted: positions x{q['positions']:.3f}, "
                   f"FLOPs x{q['flops_masked']:.3f} masked, x{q['flops_allowed']:.3f} allowed; peak RSS x{q['peak_rss']:.3f}")
     result["loadavg_1min_after"] = os.getloadavg()[0]
