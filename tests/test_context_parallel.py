@@ -191,3 +191,64 @@ def test_three_steps_at_cp2_equal_cp1(two_ranks):
             base_grads = load_rank_tensors(out_dir, base, f"grads{step}", layout=(1, 1, 2))[(0, 0, 0)]
             for name, value in mine[(0, 0, 0)].items():
                 assert_close(value, base_grads[name], what=f"{what} step {step} grad {name}", rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_the_flag_reaches_the_config_and_the_world():
+    from mcore_dpo.config import world_size
+
+    assert resolve([])[0].cp == 1
+    config = resolve(["--cp", "2", "--tp", "2"])[0]
+    assert config.cp == 2 and world_size(config) == 4
+    text = build_parser().format_help()
+    assert "--cp CP" in text and "2 x cp chunks" in text
+    from mcore_dpo.data.pairs import seq_len_multiple
+
+    # rows are padded to 2cp chunks, each a multiple of tp under sequence parallelism
+    assert seq_len_multiple(tp=1, sequence_parallel=False, cp=2) == 8
+    assert seq_len_multiple(tp=2, sequence_parallel=True, cp=4) == 16
+    assert seq_len_multiple(tp=3, sequence_parallel=True, cp=2) == 24
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    import ray
+
+    from mcore_dpo.train import main
+
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
+    return err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--cp", "0"], "cp: must be a positive integer, got 0"),
+    (["--cp", "-2"], "cp: must be a positive integer, got -2"),
+    (["--cp", "two"], "--cp: invalid int value: 'two'"),
+    (["--cp", "2", "--prefix-sharing"], "prefix_sharing: not supported with context parallelism yet (--cp 2)"),
+    (["--cp", "2", "--ep", "2", "--dp", "2"], "cp: context parallelism is for dense models; not with expert parallelism (--ep 2)"),
+], ids=["zero", "negative", "not-an-int", "prefix-sharing", "expert-parallel"])
+def test_bad_values_are_one_line(capsys, argv, expected):
+    assert expected in _one_line_error(capsys, argv)
+    with pytest.raises((ConfigError, SystemExit)):
+        resolve(argv)
+
+
+def test_a_mixture_of_experts_model_is_refused(capsys, moe_models, tmp_path):
+    from mcore_dpo.driver.defaults import DEFAULT_TRAIN_DATA
+
+    with pytest.raises(ConfigError, match="cp: x/config.json describes multi-latent attention"):
+        resolve(["--cp", "2"])[0].check_context_parallel(num_experts=0, multi_latent_attention=True, family="deepseek_v3",
+                                                        source="x/config.json")
+    resolve(["--cp", "1"])[0].check_context_parallel(num_experts=8, multi_latent_attention=False, family="mixtral",
+                                                    source="x/config.json")
+    policy, _ = moe_models["mixtral"]
+    out = tmp_path / "out"
+    err = _one_line_error(capsys, ["--model", str(policy), "--data", DEFAULT_TRAIN_DATA, "--cp", "2",
+                                   "--output-dir", str(out)])
+    assert "cp: " in err and "describes a mixture-of-experts model" in err, err
+    assert not out.exists()
