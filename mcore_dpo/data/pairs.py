@@ -565,7 +565,8 @@ def seq_len_multiple(*, tp: int, sequence_parallel: bool, cp: int = 1) -> int:
     sequence is split over the tp ranks (sequence parallelism), of 2cp chunks with context
     parallelism (each chunk then a multiple of tp under sequence parallelism). The extra
     positions are padding (loss mask 0)."""
-    return math.lcm(8, 2 * cp * (tp if sequence_parallel else 1))
+    split = tp if sequence_parallel else 1
+    return math.lcm(8, split if cp == 1 else 2 * cp * split)
 
 
 def collate(pairs: Sequence[TokenizedPair], *, pad_token_id: int, seq_len: int) -> Microbatch:
