@@ -140,11 +140,22 @@ def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
                     assert torch.equal(one[rank][name], value), f"job {j} {kind} {name} {rank}: cp ranks differ"
 
 
+# Per-token options (LD-DPO's weights over each pair's shorter completion, WPO's weights): the
+# same two steps at cp 2 and at cp 1 (dp 2), compared directly (the reference has neither).
+PER_TOKEN = {"ld_alpha": 0.5, "use_weighting": True}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(parity_models, tmp_path_factory):
-    """(1,1,1,2) padded and packed over STEPS steps, then the same at cp 1 (dp 2)."""
+    """(1,1,1,2) padded and packed over STEPS steps, then the same at cp 1 (dp 2); then at cp 2
+    the distributed optimizer (sharded over dp x cp), and the per-token options at cp 2 and cp 1."""
     out_dir = tmp_path_factory.mktemp("cp2")
+    policy, ref = parity_models["llama"]
     jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
+    jobs.append(((1, 1, 1, 2), parity_job((1, 1, 1, 2), policy, ref, name="zero-cp2", cp=2, distributed_optimizer=True)))
+    for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
+        jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
+                                               **PER_TOKEN)))
     run_ranks(world_size=2, jobs=[job for _, job in jobs], out_dir=out_dir)
     return out_dir, jobs
 
@@ -160,7 +171,7 @@ def four_ranks(parity_models, tmp_path_factory):
 
 def _check_parity(out_dir: Path, jobs) -> None:
     for j, (layout, job) in enumerate(jobs):
-        if layout[3] == 1:
+        if layout[3] == 1 or job["config"].get("ld_alpha"):
             continue
         check_job(out_dir, j, job, layout[:3])
         _check_cp_ranks_agree(out_dir, j, layout[:3], len(job["batches"]))
@@ -175,18 +186,21 @@ def test_cp2_equals_the_reference_at_four_ranks(four_ranks):
 
 
 def test_three_steps_at_cp2_equal_cp1(two_ranks):
+    """Padded and packed, 3 steps (and the per-token options' 2 steps, packed), cp 2 against
+    cp 1: every metric, the gradients of every step."""
     out_dir, jobs = two_ranks
-    for j, (layout, job) in enumerate(jobs[:2]):
-        base = j + 2  # the same job at (1,1,2,1)
+    for j, base in ((0, 2), (1, 3), (5, 6)):
+        job = jobs[j][1]
+        steps = len(job["batches"])
         what = f"{job['key'][0]} cp 2 against cp 1"
         ours, theirs = (json.loads((out_dir / f"job{i}_metrics.json").read_text()) for i in (j, base))
-        assert len(ours) == len(theirs) == STEPS + 1
+        assert len(ours) == len(theirs) == steps + 1
         for step, (m_ours, m_base) in enumerate(zip(ours, theirs), start=1):
             names = [n for n in m_base if n.split("/")[0] in ("loss", "rewards", "logps", "logits", "grad_norm", "eval")]
             assert "loss" in names or "eval/loss" in names
             for name in names:
                 assert_close(torch.tensor(m_ours[name]), torch.tensor(m_base[name]), what=f"{what} step {step} {name}")
-        for step in range(1, STEPS + 1):
+        for step in range(1, steps + 1):
             mine = load_rank_tensors(out_dir, j, f"grads{step}", layout=(1, 1, 1))
             base_grads = load_rank_tensors(out_dir, base, f"grads{step}", layout=(1, 1, 2))[(0, 0, 0)]
             for name, value in mine[(0, 0, 0)].items():
