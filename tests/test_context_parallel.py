@@ -9,9 +9,12 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
 - Parity on real gloo ranks against the single-process Hugging Face reference
   (tests/helpers/parity.py's cached reference, the existing RTOL): every metric of every step,
   every rank's gradients at every step (both cp ranks' files) and the weights after the last
-  step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) and (1,2,1,2), padded and packed. At
-  (1,1,1,2) the jobs run 3 steps and are also compared directly with the same 3 steps at cp 1
-  (dp 2 in the same world of two ranks: the same shards), metrics and gradients.
+  step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) sequence-parallel and (1,2,1,2), padded and
+  packed; also the distributed optimizer (sharded over dp x cp) at (1,1,1,2) and the
+  precomputed reference (its forward-only table passes) at (1,2,1,2). cp rank 1's gradients
+  equal cp rank 0's bit for bit. At (1,1,1,2) the jobs run 3 steps and are also compared directly
+  with the same 3 steps at cp 1 (dp 2 in the same world of two ranks: the same shards), metrics
+  and gradients; so are LD-DPO and WPO's per-token weights on packed rows (2 steps).
 - The flag through the real command-line parser and its refusals, one line each.
 """
 
@@ -25,7 +28,7 @@ import torch
 
 from mcore_dpo.config import ConfigError, build_parser, resolve
 from mcore_dpo.parallel.context_parallel import local_positions, order_of_parts
-from tests.helpers.parity import check_job, packed_parity_job, parity_job
+from tests.helpers.parity import check_job, jobs_for, packed_parity_job, parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks, spawn_processes
 from tests.helpers.reference import RTOL, assert_close
 
@@ -162,9 +165,16 @@ def two_ranks(parity_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(parity_models, tmp_path_factory):
-    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, in one launch of four ranks."""
+    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, and (1,2,1,2) with the
+    precomputed reference, in one launch of four ranks."""
     out_dir = tmp_path_factory.mktemp("cp4")
     jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
+    # --ref-mode precomputed: the reference tables' own forward-only passes (Rank.reference_table) at cp 2
+    precomputed = [job for job in jobs_for((1, 2, 1), parity_models, all_losses=False, losses=("sigmoid",))
+                   if job["key"] == ("llama", "precomputed", "sigmoid")]
+    assert len(precomputed) == 1
+    precomputed[0]["config"]["cp"] = 2
+    jobs.append(((1, 2, 1, 2), precomputed[0]))
     run_ranks(world_size=4, jobs=[job for _, job in jobs], out_dir=out_dir)
     return out_dir, jobs
 
