@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mcore_dpo.config import ConfigError, build_parser, resolve
-from mcore_dpo.parallel.context_parallel import local_positions, order_of_parts
+from mcore_dpo.parallel.context_parallel import local_part, local_positions, whole_from_parts
 from tests.helpers.parity import check_job, jobs_for, packed_parity_job, parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks, spawn_processes
 from tests.helpers.reference import RTOL, assert_close
@@ -42,13 +42,19 @@ def test_each_cp_rank_holds_chunks_i_and_2n_minus_1_minus_i():
     assert local_positions(8, cp=2, cp_rank=0).tolist() == [0, 1, 6, 7]
     assert local_positions(8, cp=2, cp_rank=1).tolist() == [2, 3, 4, 5]
     assert local_positions(12, cp=3, cp_rank=1).tolist() == [2, 3, 8, 9]
-    # Every position once over the ranks, and the gathers' order puts the parts back in place.
+    # Every position once over the ranks; a rank's part of a tensor is its positions, and the
+    # gathers put the ranks' parts back in position order.
     for seq_len, cp in ((8, 2), (24, 3), (16, 4)):
-        parts = torch.cat([local_positions(seq_len, cp=cp, cp_rank=r) for r in range(cp)])
-        assert sorted(parts.tolist()) == list(range(seq_len))
-        assert parts[order_of_parts(seq_len, cp=cp)].tolist() == list(range(seq_len))
+        positions = [local_positions(seq_len, cp=cp, cp_rank=r) for r in range(cp)]
+        assert sorted(torch.cat(positions).tolist()) == list(range(seq_len))
+        row = torch.arange(3 * seq_len).view(3, seq_len)
+        parts = [local_part(row, dim=1, cp=cp, cp_rank=r) for r in range(cp)]
+        assert all(torch.equal(p, row[:, pos]) for p, pos in zip(parts, positions))
+        assert torch.equal(whole_from_parts(parts, dim=1), row)
     with pytest.raises(ValueError, match="does not split into 4 chunks"):
         local_positions(10, cp=2, cp_rank=0)
+    with pytest.raises(ValueError, match="does not split into 4 chunks"):
+        local_part(torch.zeros(2, 10), dim=1, cp=2, cp_rank=0)
 
 
 def _attention_rank(rank: int, port: int, out_dir: str) -> None:
@@ -63,7 +69,7 @@ def _attention_rank(rank: int, port: int, out_dir: str) -> None:
     from mcore_dpo.model.builder import causal_mask, segment_mask
     from mcore_dpo.model.cp_attention import ContextParallelDotProductAttention
     from mcore_dpo.parallel import platform as plat
-    from mcore_dpo.parallel.context_parallel import gather_replicated, local_part
+    from mcore_dpo.parallel.context_parallel import gather_replicated
 
     platform = plat.detect(local_rank=0)
     plat.activate(platform)

@@ -36,25 +36,27 @@ def local_positions(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of(cp_rank, cp=cp)])
 
 
-def order_of_parts(seq_len: int, *, cp: int) -> torch.Tensor:
-    """int64 [seq_len]: for each position of a whole row, its index in the cp ranks' parts laid
-    end to end (rank 0's positions, then rank 1's, ...)."""
-    placed = torch.cat([local_positions(seq_len, cp=cp, cp_rank=r) for r in range(cp)])
-    return torch.argsort(placed)
-
-
 def local_part(tensor: torch.Tensor, *, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """This cp rank's positions of `tensor` along `dim` (a row's width), contiguous."""
-    index = local_positions(tensor.shape[dim], cp=cp, cp_rank=cp_rank).to(tensor.device)
-    return tensor.index_select(dim, index).contiguous()
+    """This cp rank's positions of `tensor` along `dim` (a row's width), contiguous. Slices, so no
+    index goes to the device."""
+    if tensor.shape[dim] % (2 * cp):
+        raise ValueError(f"context parallelism: a row of {tensor.shape[dim]} positions does not split into "
+                         f"{2 * cp} chunks")
+    chunks = tensor.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for c in chunks_of(cp_rank, cp=cp)], dim=dim)
+
+
+def whole_from_parts(parts: list[torch.Tensor], *, dim: int) -> torch.Tensor:
+    """The whole row from every cp rank's part (`local_part`), in position order: chunk c is the
+    first half of rank c's part for c < cp, else the second half of rank 2cp-1-c's."""
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
 
 def _gather(part: torch.Tensor, *, dim: int, group) -> torch.Tensor:
-    cp = dist.get_world_size(group)
-    parts = [torch.empty_like(part) for _ in range(cp)]
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, part.contiguous(), group=group)
-    laid = torch.cat(parts, dim=dim)
-    return laid.index_select(dim, order_of_parts(laid.shape[dim], cp=cp).to(laid.device))
+    return whole_from_parts(parts, dim=dim)
 
 
 class _GatherShared(torch.autograd.Function):

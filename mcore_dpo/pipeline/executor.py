@@ -34,7 +34,7 @@ import torch.distributed as dist
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.pipeline.account import MemoryAccount
-from mcore_dpo.parallel.context_parallel import local_part, local_positions
+from mcore_dpo.parallel.context_parallel import local_part
 from mcore_dpo.parallel.mesh import Mesh
 from mcore_dpo.model.builder import causal_mask, packed_seq_params, segment_mask, stage_forward
 from mcore_dpo.pipeline.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
@@ -123,9 +123,6 @@ class StageContext:
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
-    def _local_positions(self, seq_len: int) -> torch.Tensor:
-        """--cp > 1: the positions of a row of `seq_len` that this cp rank holds (on the host)."""
-        return local_positions(seq_len, cp=self.mesh.layout.cp, cp_rank=self.mesh.cp_rank)
 
     def held_tensors(self) -> dict[str, list]:
         """What this context holds between ops, by memory category (pipeline/account.py): the
@@ -213,8 +210,7 @@ class StageContext:
                                      num_sequences=micro.num_sequences)
             else:
                 whole = causal_mask(seq_len, device=self.device)
-            rows = self._local_positions(seq_len).to(self.device)
-            self._masks[key] = whole.index_select(2, rows).contiguous()
+            self._masks[key] = local_part(whole, dim=2, cp=self.mesh.layout.cp, cp_rank=self.mesh.cp_rank)
         return {"mask": self._masks[key], "position_ids": staged.position_ids, "num_positions": staged.num_positions}
 
 
