@@ -69,8 +69,8 @@ class TrainConfig:
     """Context-parallel size: each sequence split over cp ranks, 2 x cp chunks of a row with cp rank i
     holding chunks i and 2cp-1-i (causal attention's work balanced); rows are padded to a multiple of
     2 x cp (x tp with sequence parallelism). The world is tp x pp x dp x cp; the cp ranks of a replica
-    run the same microbatches and gradients are reduced over dp x cp. Dense models; not with
-    --prefix-sharing or --ep > 1. See docs/DESIGN.md "Context parallelism"."""
+    run the same microbatches and gradients are reduced over dp x cp. Padded, packed and shared-prompt
+    rows. Dense models; not with --ep > 1. See docs/DESIGN.md "Context parallelism"."""
     ep: int = 1
     """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from each stage's tp x dp ranks."""
     moe_aux_loss_coef: float | None = None
@@ -451,9 +451,6 @@ class TrainConfig:
     def _validate_context_parallel(self) -> None:
         if self.cp == 1:
             return
-        if self.prefix_sharing:
-            raise ConfigError(f"prefix_sharing: not supported with context parallelism yet (--cp {self.cp}); "
-                              "use --no-prefix-sharing or --cp 1")
         if self.ep > 1:
             raise ConfigError(f"cp: context parallelism is for dense models; not with expert parallelism (--ep {self.ep})")
 

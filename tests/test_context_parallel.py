@@ -10,8 +10,9 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
   (tests/helpers/parity.py's cached reference, the existing RTOL): every metric of every step,
   every rank's gradients at every step (both cp ranks' files) and the weights after the last
   step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) sequence-parallel and (1,2,1,2), padded and
-  packed; also the distributed optimizer (sharded over dp x cp) at (1,1,1,2) and the
-  precomputed reference (its forward-only table passes) at (1,2,1,2). cp rank 1's gradients
+  packed; also the distributed optimizer (sharded over dp x cp) at (1,1,1,2), the precomputed
+  reference (its forward-only table passes) at (1,2,1,2), and --prefix-sharing's shared-prompt
+  rows, padded and packed at (1,1,1,2) and packed at (2,1,1,2). cp rank 1's gradients
   equal cp rank 0's bit for bit. At (1,1,1,2) the jobs run 3 steps and are also compared directly
   with the same 3 steps at cp 1 (dp 2 in the same world of two ranks: the same shards), metrics
   and gradients; so are LD-DPO and WPO's per-token weights on packed rows (2 steps).
@@ -136,6 +137,16 @@ def _launch_jobs(layouts, models: dict, *, steps: int) -> list[tuple[tuple[int, 
     return jobs
 
 
+def _shared_jobs(layout, models: dict, *, padded: bool) -> list[tuple[tuple[int, int, int, int], dict]]:
+    """--prefix-sharing at cp 2: packed rows (sequence-parallel at tp 2), and padded ones."""
+    policy, ref = models["llama"]
+    extra = {"cp": layout[3], "prefix_sharing": True, **({"sequence_parallel": True} if layout[0] > 1 else {})}
+    jobs = [(layout, packed_parity_job(layout, policy, ref, name="shared-packed-cp2", **extra))]
+    if padded:
+        jobs.append((layout, parity_job(layout, policy, ref, name="shared-padded-cp2", **extra)))
+    return jobs
+
+
 def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
     """cp rank 1's gradients and weights are cp rank 0's (the reduction over dp x cp)."""
     for kind in [f"grads{k}" for k in range(1, steps + 1)] + ["weights"]:
@@ -162,6 +173,7 @@ def two_ranks(parity_models, tmp_path_factory):
     policy, ref = parity_models["llama"]
     jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
     jobs.append(((1, 1, 1, 2), parity_job((1, 1, 1, 2), policy, ref, name="zero-cp2", cp=2, distributed_optimizer=True)))
+    jobs += _shared_jobs((1, 1, 1, 2), parity_models, padded=True)
     for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
         jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
                                                **PER_TOKEN)))
@@ -175,6 +187,7 @@ def four_ranks(parity_models, tmp_path_factory):
     precomputed reference, in one launch of four ranks."""
     out_dir = tmp_path_factory.mktemp("cp4")
     jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
+    jobs += _shared_jobs((2, 1, 1, 2), parity_models, padded=False)
     # --ref-mode precomputed: the reference tables' own forward-only passes (Rank.reference_table) at cp 2
     precomputed = [job for job in jobs_for((1, 2, 1), parity_models, all_losses=False, losses=("sigmoid",))
                    if job["key"] == ("llama", "precomputed", "sigmoid")]
@@ -205,7 +218,9 @@ def test_three_steps_at_cp2_equal_cp1(two_ranks):
     """Padded and packed, 3 steps (and the per-token options' 2 steps, packed), cp 2 against
     cp 1: every metric, the gradients of every step."""
     out_dir, jobs = two_ranks
-    for j, base in ((0, 2), (1, 3), (5, 6)):
+    index = {job["key"][0]: j for j, (_, job) in enumerate(jobs)}
+    for name in ("padded", "packed", "per-token"):
+        j, base = index[f"{name}-cp2"], index[f"{name}-cp1"]
         job = jobs[j][1]
         steps = len(job["batches"])
         what = f"{job['key'][0]} cp 2 against cp 1"
@@ -259,9 +274,8 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     (["--cp", "0"], "cp: must be a positive integer, got 0"),
     (["--cp", "-2"], "cp: must be a positive integer, got -2"),
     (["--cp", "two"], "--cp: invalid int value: 'two'"),
-    (["--cp", "2", "--prefix-sharing"], "prefix_sharing: not supported with context parallelism yet (--cp 2)"),
     (["--cp", "2", "--ep", "2", "--dp", "2"], "cp: context parallelism is for dense models; not with expert parallelism (--ep 2)"),
-], ids=["zero", "negative", "not-an-int", "prefix-sharing", "expert-parallel"])
+], ids=["zero", "negative", "not-an-int", "expert-parallel"])
 def test_bad_values_are_one_line(capsys, argv, expected):
     assert expected in _one_line_error(capsys, argv)
     with pytest.raises((ConfigError, SystemExit)):
