@@ -99,6 +99,9 @@ class Rank:
         if layout.cp > 1 and self.packed_thd and config.packing:
             raise ValueError("packing: packed rows in Transformer Engine's THD layout are not wired with context "
                              f"parallelism (--cp {layout.cp}) yet; use --no-packing")
+        if layout.cp > 1 and self.use_te and config.prefix_sharing:  # TE's arbitrary mask has no CP
+            raise ValueError("prefix_sharing: shared-prompt rows on Transformer Engine's attention are not wired with "
+                             f"context parallelism (--cp {layout.cp}) yet; use --no-prefix-sharing")
 
     def build(self, weights_dir: str) -> torch.nn.Module:
         """This rank's stage of the model in `weights_dir`, on its device, loaded."""
