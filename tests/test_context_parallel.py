@@ -10,12 +10,13 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
   (tests/helpers/parity.py's cached reference, the existing RTOL): every metric of every step,
   every rank's gradients at every step (both cp ranks' files) and the weights after the last
   step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) sequence-parallel and (1,2,1,2), padded and
-  packed; also the distributed optimizer (sharded over dp x cp) at (1,1,1,2), the precomputed
-  reference (its forward-only table passes) at (1,2,1,2), and --prefix-sharing's shared-prompt
-  rows, padded and packed at (1,1,1,2) and packed at (2,1,1,2). cp rank 1's gradients
-  equal cp rank 0's bit for bit. At (1,1,1,2) the jobs run 3 steps and are also compared directly
-  with the same 3 steps at cp 1 (dp 2 in the same world of two ranks: the same shards), metrics
-  and gradients; so are LD-DPO and WPO's per-token weights on packed rows (2 steps).
+  packed, and packed at (1,1,2,2) (dp 2 x cp 2); also the distributed optimizer (sharded over
+  dp x cp) at (1,1,1,2), the precomputed reference (its forward-only table passes) at
+  (1,2,1,2), and --prefix-sharing's shared-prompt rows, padded and packed at (1,1,1,2) and
+  packed at (2,1,1,2). cp rank 1's gradients equal cp rank 0's bit for bit. At (1,1,1,2) the
+  jobs run 3 steps and are also compared directly with the same 3 steps at cp 1 (dp 2 in the
+  same world of two ranks: the same shards), metrics and gradients; so are LD-DPO and WPO's
+  per-token weights on packed rows (2 steps).
 - The flag through the real command-line parser and its refusals, one line each.
 """
 
@@ -172,7 +173,8 @@ def two_ranks(parity_models, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("cp2")
     policy, ref = parity_models["llama"]
     jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
-    jobs.append(((1, 1, 1, 2), parity_job((1, 1, 1, 2), policy, ref, name="zero-cp2", cp=2, distributed_optimizer=True)))
+    jobs.append(((1, 1, 1, 2), parity_job((1, 1, 1, 2), policy, ref, name="zero-cp2", cp=2,
+                                          distributed_optimizer=True)))
     jobs += _shared_jobs((1, 1, 1, 2), parity_models, padded=True)
     for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
         jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
@@ -183,10 +185,13 @@ def two_ranks(parity_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(parity_models, tmp_path_factory):
-    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, and (1,2,1,2) with the
-    precomputed reference, in one launch of four ranks."""
+    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, (1,1,2,2) packed (the pairs
+    split by tokens over dp, the gradients reduced over dp x cp), (1,2,1,2) with the precomputed
+    reference and (2,1,1,2) with shared prompts, in one launch of four ranks."""
     out_dir = tmp_path_factory.mktemp("cp4")
     jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
+    jobs += [(layout, job) for layout, job in _launch_jobs([(1, 1, 2, 2)], parity_models, steps=2)
+             if job["key"][0] == "packed-cp2"]
     jobs += _shared_jobs((2, 1, 1, 2), parity_models, padded=False)
     # --ref-mode precomputed: the reference tables' own forward-only passes (Rank.reference_table) at cp 2
     precomputed = [job for job in jobs_for((1, 2, 1), parity_models, all_losses=False, losses=("sigmoid",))
