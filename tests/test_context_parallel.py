@@ -12,11 +12,11 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
   step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) sequence-parallel and (1,2,1,2), padded and
   packed, and packed at (1,1,2,2) (dp 2 x cp 2); also the distributed optimizer (sharded over
   dp x cp) at (1,1,1,2), the precomputed reference (its forward-only table passes) at
-  (1,2,1,2), and --prefix-sharing's shared-prompt rows, padded and packed at (1,1,1,2) and
-  packed at (2,1,1,2). cp rank 1's gradients equal cp rank 0's bit for bit. At (1,1,1,2) the
-  jobs run 3 steps and are also compared directly with the same 3 steps at cp 1 (dp 2 in the
-  same world of two ranks: the same shards), metrics and gradients; so are LD-DPO and WPO's
-  per-token weights on packed rows (2 steps).
+  (1,2,1,2), --prefix-sharing's shared-prompt rows packed at (1,1,1,2) and (2,1,1,2), and packed
+  rows under --recompute full at (1,1,1,2). cp rank 1's gradients equal cp rank 0's bit for bit.
+  At (1,1,1,2) the jobs run 3 steps and are also compared directly with the same 3 steps at cp 1
+  (dp 2 in the same world of two ranks: the same shards), metrics and gradients; so are LD-DPO
+  and WPO's per-token weights on packed rows (2 steps).
 - The flag through the real command-line parser and its refusals, one line each.
 """
 
@@ -138,14 +138,12 @@ def _launch_jobs(layouts, models: dict, *, steps: int) -> list[tuple[tuple[int, 
     return jobs
 
 
-def _shared_jobs(layout, models: dict, *, padded: bool) -> list[tuple[tuple[int, int, int, int], dict]]:
-    """--prefix-sharing at cp 2: packed rows (sequence-parallel at tp 2), and padded ones."""
+def _shared_jobs(layout, models: dict) -> list[tuple[tuple[int, int, int, int], dict]]:
+    """--prefix-sharing at cp 2, packed rows (sequence-parallel at tp 2): shared prompts and
+    several pairs to a row, the segment mask at its most varied."""
     policy, ref = models["llama"]
     extra = {"cp": layout[3], "prefix_sharing": True, **({"sequence_parallel": True} if layout[0] > 1 else {})}
-    jobs = [(layout, packed_parity_job(layout, policy, ref, name="shared-packed-cp2", **extra))]
-    if padded:
-        jobs.append((layout, parity_job(layout, policy, ref, name="shared-padded-cp2", **extra)))
-    return jobs
+    return [(layout, packed_parity_job(layout, policy, ref, name="shared-packed-cp2", **extra))]
 
 
 def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
@@ -169,13 +167,17 @@ PER_TOKEN = {"ld_alpha": 0.5, "use_weighting": True}
 @pytest.fixture(scope="module")
 def two_ranks(parity_models, tmp_path_factory):
     """(1,1,1,2) padded and packed over STEPS steps, then the same at cp 1 (dp 2); then at cp 2
-    the distributed optimizer (sharded over dp x cp), and the per-token options at cp 2 and cp 1."""
+    the distributed optimizer (sharded over dp x cp), shared prompts, full recompute, and the
+    per-token options at cp 2 and cp 1."""
     out_dir = tmp_path_factory.mktemp("cp2")
     policy, ref = parity_models["llama"]
     jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
     jobs.append(((1, 1, 1, 2), parity_job((1, 1, 1, 2), policy, ref, name="zero-cp2", cp=2,
                                           distributed_optimizer=True)))
-    jobs += _shared_jobs((1, 1, 1, 2), parity_models, padded=True)
+    jobs += _shared_jobs((1, 1, 1, 2), parity_models)
+    # --recompute full: the layers' key/value gathers run again in the backward, on every cp rank alike
+    jobs.append(((1, 1, 1, 2), packed_parity_job((1, 1, 1, 2), policy, ref, name="recompute-cp2", cp=2,
+                                                 recompute="full")))
     for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
         jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
                                                **PER_TOKEN)))
@@ -192,7 +194,7 @@ def four_ranks(parity_models, tmp_path_factory):
     jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
     jobs += [(layout, job) for layout, job in _launch_jobs([(1, 1, 2, 2)], parity_models, steps=2)
              if job["key"][0] == "packed-cp2"]
-    jobs += _shared_jobs((2, 1, 1, 2), parity_models, padded=False)
+    jobs += _shared_jobs((2, 1, 1, 2), parity_models)
     # --ref-mode precomputed: the reference tables' own forward-only passes (Rank.reference_table) at cp 2
     precomputed = [job for job in jobs_for((1, 2, 1), parity_models, all_losses=False, losses=("sigmoid",))
                    if job["key"] == ("llama", "precomputed", "sigmoid")]
@@ -232,7 +234,8 @@ def test_three_steps_at_cp2_equal_cp1(two_ranks):
         ours, theirs = (json.loads((out_dir / f"job{i}_metrics.json").read_text()) for i in (j, base))
         assert len(ours) == len(theirs) == steps + 1
         for step, (m_ours, m_base) in enumerate(zip(ours, theirs), start=1):
-            names = [n for n in m_base if n.split("/")[0] in ("loss", "rewards", "logps", "logits", "grad_norm", "eval")]
+            names = [n for n in m_base
+                     if n.split("/")[0] in ("loss", "rewards", "logps", "logits", "grad_norm", "eval")]
             assert "loss" in names or "eval/loss" in names
             for name in names:
                 assert_close(torch.tensor(m_ours[name]), torch.tensor(m_base[name]), what=f"{what} step {step} {name}")
@@ -279,7 +282,8 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     (["--cp", "0"], "cp: must be a positive integer, got 0"),
     (["--cp", "-2"], "cp: must be a positive integer, got -2"),
     (["--cp", "two"], "--cp: invalid int value: 'two'"),
-    (["--cp", "2", "--ep", "2", "--dp", "2"], "cp: context parallelism is for dense models; not with expert parallelism (--ep 2)"),
+    (["--cp", "2", "--ep", "2", "--dp", "2"],
+     "cp: context parallelism is for dense models; not with expert parallelism (--ep 2)"),
 ], ids=["zero", "negative", "not-an-int", "expert-parallel"])
 def test_bad_values_are_one_line(capsys, argv, expected):
     assert expected in _one_line_error(capsys, argv)
@@ -291,8 +295,8 @@ def test_a_mixture_of_experts_model_is_refused(capsys, moe_models, tmp_path):
     from mcore_dpo.driver.defaults import DEFAULT_TRAIN_DATA
 
     with pytest.raises(ConfigError, match="cp: x/config.json describes multi-latent attention"):
-        resolve(["--cp", "2"])[0].check_context_parallel(num_experts=0, multi_latent_attention=True, family="deepseek_v3",
-                                                        source="x/config.json")
+        resolve(["--cp", "2"])[0].check_context_parallel(num_experts=0, multi_latent_attention=True,
+                                                        family="deepseek_v3", source="x/config.json")
     resolve(["--cp", "1"])[0].check_context_parallel(num_experts=8, multi_latent_attention=False, family="mixtral",
                                                     source="x/config.json")
     policy, _ = moe_models["mixtral"]
