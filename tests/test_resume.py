@@ -152,6 +152,17 @@ def test_resume_at_another_cp(baselines, ray_cluster, tmp_path):
     for name in wa:
         err = (wa[name] - wb[name]).abs().max().item()
         assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+    # The step-4 checkpoint written at cp 2 holds what the uninterrupted run's holds (weights,
+    # fp32 masters, moments; not the per-rank RNG files): what a resume at cp 1 reads.
+    theirs, ours = (d / "checkpoints" / "step_00000004" for d in (base, out))
+    files = sorted(f.relative_to(theirs) for f in theirs.rglob("*.safetensors") if "rng" not in f.parts)
+    assert files and files == sorted(f.relative_to(ours) for f in ours.rglob("*.safetensors") if "rng" not in f.parts)
+    for relative in files:
+        a, b = load_file(str(theirs / relative)), load_file(str(ours / relative))
+        assert a.keys() == b.keys(), relative
+        for name in a:
+            err = (a[name].float() - b[name].float()).abs().max().item()
+            assert err <= 1e-5 * max(a[name].float().abs().max().item(), 1e-30), (str(relative), name, err)
 
 
 def test_restarts_after_three_kills(baselines, ray_cluster, tmp_path):

@@ -319,7 +319,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def bundle_order(node_of: Sequence[str], *, tp: int, ep: int = 1, role: str) -> list[int]:
-    """The bundle of each rank (megatron-core order: tp fastest, then dp, then pp), given each
+    """The bundle of each rank (megatron-core order: tp fastest, then cp, dp, pp), given each
     bundle's node. Every tensor-parallel group lands on one node (else WorkerGroupError), and
     as many expert-parallel blocks as the nodes can hold whole: with the expert groups carved
     from tp x dp (expert tp = tp, ep dividing dp), the tp x ep consecutive ranks of a block
