@@ -10,13 +10,13 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
   (tests/helpers/parity.py's cached reference, the existing RTOL): every metric of every step,
   every rank's gradients at every step (both cp ranks' files) and the weights after the last
   step, at (tp, pp, dp, cp) = (1,1,1,2), (2,1,1,2) sequence-parallel and (1,2,1,2), padded and
-  packed, and packed at (1,1,2,2) (dp 2 x cp 2); also the distributed optimizer (sharded over
-  dp x cp) at (1,1,1,2), the precomputed reference (its forward-only table passes) at
-  (1,2,1,2), --prefix-sharing's shared-prompt rows packed at (1,1,1,2) and (2,1,1,2), and packed
+  packed (the padded job at (1,2,1,2) with the precomputed reference: its forward-only table
+  passes), and packed at (1,1,2,2) (dp 2 x cp 2); also the distributed optimizer (sharded over
+  dp x cp) at (1,1,1,2), --prefix-sharing's shared-prompt rows packed at (1,1,1,2) and (2,1,1,2), and packed
   rows under --recompute full at (1,1,1,2). cp rank 1's gradients equal cp rank 0's bit for bit.
   At (1,1,1,2) the jobs run 3 steps and are also compared directly with the same 3 steps at cp 1
   (dp 2 in the same world of two ranks: the same shards), metrics and gradients; so are LD-DPO
-  and WPO's per-token weights on packed rows (2 steps).
+  and WPO's per-token weights on packed rows (1 step).
 - The flag through the real command-line parser and its refusals, one line each.
 """
 
@@ -160,7 +160,7 @@ def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
 
 
 # Per-token options (LD-DPO's weights over each pair's shorter completion, WPO's weights): the
-# same two steps at cp 2 and at cp 1 (dp 2), compared directly (the reference has neither).
+# same step at cp 2 and at cp 1 (dp 2), compared directly (the reference has neither).
 PER_TOKEN = {"ld_alpha": 0.5, "use_weighting": True}
 
 
@@ -180,22 +180,21 @@ def two_ranks(parity_models, tmp_path_factory):
                                                  recompute="full")))
     for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
         jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
-                                               **PER_TOKEN)))
+                                               steps=1, **PER_TOKEN)))
     run_ranks(world_size=2, jobs=[job for _, job in jobs], out_dir=out_dir)
     return out_dir, jobs
 
 
 @pytest.fixture(scope="module")
 def four_ranks(parity_models, tmp_path_factory):
-    """(2,1,1,2) sequence-parallel and (1,2,1,2), padded and packed, (1,1,2,2) packed (the pairs
-    split by tokens over dp, the gradients reduced over dp x cp), (1,2,1,2) with the precomputed
-    reference and (2,1,1,2) with shared prompts, in one launch of four ranks."""
+    """(2,1,1,2) sequence-parallel, padded and packed; (1,2,1,2) packed, and padded with the
+    precomputed reference (its forward-only table passes, Rank.reference_table); (1,1,2,2)
+    packed (the pairs split by tokens over dp, the gradients reduced over dp x cp); (2,1,1,2)
+    with shared prompts; in one launch of four ranks."""
     out_dir = tmp_path_factory.mktemp("cp4")
-    jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2)], parity_models, steps=2)
-    jobs += [(layout, job) for layout, job in _launch_jobs([(1, 1, 2, 2)], parity_models, steps=2)
-             if job["key"][0] == "packed-cp2"]
+    jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2)], parity_models, steps=2)
+    jobs = [(layout, job) for layout, job in jobs if layout == (2, 1, 1, 2) or job["key"][0] == "packed-cp2"]
     jobs += _shared_jobs((2, 1, 1, 2), parity_models)
-    # --ref-mode precomputed: the reference tables' own forward-only passes (Rank.reference_table) at cp 2
     precomputed = [job for job in jobs_for((1, 2, 1), parity_models, all_losses=False, losses=("sigmoid",))
                    if job["key"] == ("llama", "precomputed", "sigmoid")]
     assert len(precomputed) == 1
@@ -222,7 +221,7 @@ def test_cp2_equals_the_reference_at_four_ranks(four_ranks):
 
 
 def test_three_steps_at_cp2_equal_cp1(two_ranks):
-    """Padded and packed, 3 steps (and the per-token options' 2 steps, packed), cp 2 against
+    """Padded and packed, 3 steps (and the per-token options' step, packed), cp 2 against
     cp 1: every metric, the gradients of every step."""
     out_dir, jobs = two_ranks
     index = {job["key"][0]: j for j, (_, job) in enumerate(jobs)}
