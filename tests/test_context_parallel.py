@@ -249,11 +249,12 @@ def test_three_steps_at_cp2_equal_cp1(two_ranks):
 
 
 def test_the_flag_reaches_the_config_and_the_world():
-    from mcore_dpo.config import world_size
+    from mcore_dpo.config import starting_line, world_size
 
     assert resolve([])[0].cp == 1
     config = resolve(["--cp", "2", "--tp", "2"])[0]
     assert config.cp == 2 and world_size(config) == 4
+    assert "4 workers (tp 2 x pp 1 x dp 1 x cp 2)" in starting_line(config, ray_address=None)
     text = build_parser().format_help()
     assert "--cp CP" in text and "2 x cp chunks" in text
     from mcore_dpo.data.pairs import seq_len_multiple
