@@ -65,6 +65,12 @@ class TrainConfig:
     """Pipeline-parallel size."""
     dp: int = 1
     """Data-parallel size."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over cp ranks, 2 x cp chunks of a row with cp rank i
+    holding chunks i and 2cp-1-i (causal attention's work balanced); rows are padded to a multiple of
+    2 x cp (x tp with sequence parallelism). The world is tp x pp x dp x cp; the cp ranks of a replica
+    run the same microbatches and gradients are reduced over dp x cp. Padded, packed and shared-prompt
+    rows. Dense models; not with --ep > 1. See docs/DESIGN.md "Context parallelism"."""
     ep: int = 1
     """Expert-parallel size (MoE models): a layer's experts are split over ep ranks, carved from each stage's tp x dp ranks."""
     moe_aux_loss_coef: float | None = None
@@ -332,7 +338,7 @@ class TrainConfig:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
+        for name in ("tp", "pp", "dp", "cp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
                      "max_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
@@ -346,6 +352,7 @@ class TrainConfig:
                                                           " (padded microbatches; --packing lifts this rule)")
             )
         self._validate_expert_parallel()
+        self._validate_context_parallel()
         self._validate_recompute()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
@@ -440,6 +447,24 @@ class TrainConfig:
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(f"ep: {self.ep} x pp {self.pp} does not fit the world of tp x pp x dp = "
                               f"{self.tp * self.pp * self.dp} ranks (ep must divide tp x dp = {self.tp * self.dp})")
+
+    def _validate_context_parallel(self) -> None:
+        if self.cp == 1:
+            return
+        if self.ep > 1:
+            raise ConfigError(f"cp: context parallelism is for dense models; not with expert parallelism (--ep {self.ep})")
+
+    def check_context_parallel(self, *, num_experts: int, multi_latent_attention: bool, family: str,
+                               source: str) -> None:
+        """--cp > 1 against the model (its config: `source`): dense models of the standard layer
+        spec only (ConfigError otherwise)."""
+        if self.cp == 1:
+            return
+        what = ("a mixture-of-experts model" if num_experts else "multi-latent attention" if multi_latent_attention
+                else "Gemma 3 (its own attention module)" if family == "gemma3_text" else None)
+        if what:
+            raise ConfigError(f"cp: {source} describes {what}; context parallelism supports dense models with "
+                              f"standard attention (use --cp 1)")
 
     def _validate_recompute(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -634,7 +659,7 @@ def bool_flags(name: str) -> tuple[str, str]:
 HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
-    "parallelism": ("tp", "pp", "dp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+    "parallelism": ("tp", "pp", "dp", "cp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "prefix_sharing", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
                     "recompute", "recompute_num_layers", "timeout_s", "placement_timeout_s"),
     "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
@@ -747,7 +772,7 @@ def write_resolved(config: TrainConfig, output_dir: str) -> None:
 
 def world_size(config: TrainConfig) -> int:
     """Ranks the run starts: the policy mesh, plus the reference's own with --ref-mode separate."""
-    world = config.tp * config.pp * config.dp
+    world = config.tp * config.pp * config.dp * config.cp
     if config.ref_mode == "separate":
         world += config.ref_tp * config.ref_pp * config.ref_dp
     return world
@@ -760,6 +785,7 @@ def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
     ray = f"the Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
     world = world_size(config)
     workers = f"{world} worker{'s' if world > 1 else ''} (tp {config.tp} x pp {config.pp} x dp {config.dp}"
+    workers += f" x cp {config.cp}" if config.cp > 1 else ""
     workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
     model = config.model or "the tiny default model"
     data = config.data or ("the default preference data" if config.model is None else "no --data")

@@ -126,6 +126,45 @@ def test_resume_at_another_dp(baselines, ray_cluster, tmp_path):
         assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
 
 
+def test_resume_at_another_cp(baselines, ray_cluster, tmp_path):
+    """The dp-2 run's step-2 checkpoint resumed at dp 1 x cp 2 (each sequence split over two
+    ranks, --cp): the checkpoint holds no cp, and the end state equals the uninterrupted dp-2 run
+    within 1e-5, as at another dp. The resumed run writes its step-4 checkpoint from cp rank 0."""
+    base, _ = baselines["dp2"]
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
+    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    resumed = _run(["--dp", "1", "--cp", "2", "--save-interval", "2"], out, cluster=ray_cluster)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    ours, ref = _metrics(out), [m for m in _metrics(base) if m["step"] >= 3]
+    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [3, 4]
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys()
+        for key in b:
+            if key in LAYOUT_COUNTS:
+                continue
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    wa, wb = _weights(base), _weights(out)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        err = (wa[name] - wb[name]).abs().max().item()
+        assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+    # The step-4 checkpoint written at cp 2 holds what the uninterrupted run's holds (weights,
+    # fp32 masters, moments; not the per-rank RNG files): what a resume at cp 1 reads.
+    theirs, ours = (d / "checkpoints" / "step_00000004" for d in (base, out))
+    files = sorted(f.relative_to(theirs) for f in theirs.rglob("*.safetensors") if "rng" not in f.parts)
+    assert files and files == sorted(f.relative_to(ours) for f in ours.rglob("*.safetensors") if "rng" not in f.parts)
+    for relative in files:
+        a, b = load_file(str(theirs / relative)), load_file(str(ours / relative))
+        assert a.keys() == b.keys(), relative
+        for name in a:
+            err = (a[name].float() - b[name].float()).abs().max().item()
+            assert err <= 1e-5 * max(a[name].float().abs().max().item(), 1e-30), (str(relative), name, err)
+
+
 def test_restarts_after_three_kills(baselines, ray_cluster, tmp_path):
     """--max-restarts 3 with three worker kills at random steps: identical to the uninterrupted run."""
     base, layout = baselines["dp2"]

@@ -31,7 +31,7 @@ class Shards:
             params = shard_names({n: p.detach() for n, p in reference.named_parameters()})
             if rank.layout.ep > 1:
                 part.write_expert_parallel(root / "reference", params, dtype=torch.float32)
-            elif rank.mesh.dp_rank == 0:
+            elif rank.mesh.holds_replica_copy:
                 shard = {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()}
                 write_mcore_shard(root / "reference", tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
 

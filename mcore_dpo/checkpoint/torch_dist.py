@@ -182,7 +182,7 @@ class TorchDist:
     def write(self, part, root: Path, *, step: int) -> None:
         rank = part.rank
         save(root, config=rank.config, spec=rank.spec, layout=rank.layout, model=part.policy.module,
-             optimizer=part.optimizer, dp_rank=rank.mesh.dp_rank, step=step, platform=rank.platform)
+             optimizer=part.optimizer, dp_rank=rank.mesh.dp_cp_rank, step=step, platform=rank.platform)
 
     def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
         write_hf_files(tmp, hf_config=meta.hf_config, aux_files=aux)

@@ -560,10 +560,13 @@ def padded_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int = 8) -> int:
     return -(-longest // multiple) * multiple
 
 
-def seq_len_multiple(*, tp: int, sequence_parallel: bool) -> int:
-    """What padded_seq_len rounds up to: 8, and a multiple of tp when the sequence is split
-    over the tp ranks (sequence parallelism). The extra positions are padding (loss mask 0)."""
-    return math.lcm(8, tp) if sequence_parallel else 8
+def seq_len_multiple(*, tp: int, sequence_parallel: bool, cp: int = 1) -> int:
+    """What padded_seq_len (and a packed row) rounds up to: 8, and a multiple of tp when the
+    sequence is split over the tp ranks (sequence parallelism), of 2cp chunks with context
+    parallelism (each chunk then a multiple of tp under sequence parallelism). The extra
+    positions are padding (loss mask 0)."""
+    split = tp if sequence_parallel else 1
+    return math.lcm(8, split if cp == 1 else 2 * cp * split)
 
 
 def collate(pairs: Sequence[TokenizedPair], *, pad_token_id: int, seq_len: int) -> Microbatch:

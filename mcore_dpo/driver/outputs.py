@@ -70,7 +70,7 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,
-        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep},
+        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
         "config": config.to_dict(),
         "run": identity if identity is not None else run_identity(config),  # what a resume must agree on
     }

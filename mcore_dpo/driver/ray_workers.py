@@ -189,9 +189,15 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def coordinates_of(rank: int, *, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """megatron-core's default rank order: tp fastest, then dp, then pp."""
-    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+def coordinates_of(rank: int, *, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(tp, pp, dp) coordinates in megatron-core's default rank order: tp fastest, then cp, then
+    dp, then pp (`cp_rank_of` gives the cp coordinate)."""
+    return rank % tp, rank // (tp * cp * dp), (rank // (tp * cp)) % dp
+
+
+def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
+    """The context-parallel coordinate of `rank` (coordinates_of's order)."""
+    return (rank // tp) % cp
 
 
 @ray.remote
@@ -313,7 +319,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def bundle_order(node_of: Sequence[str], *, tp: int, ep: int = 1, role: str) -> list[int]:
-    """The bundle of each rank (megatron-core order: tp fastest, then dp, then pp), given each
+    """The bundle of each rank (megatron-core order: tp fastest, then cp, dp, pp), given each
     bundle's node. Every tensor-parallel group lands on one node (else WorkerGroupError), and
     as many expert-parallel blocks as the nodes can hold whole: with the expert groups carved
     from tp x dp (expert tp = tp, ep dividing dp), the tp x ep consecutive ranks of a block
@@ -358,6 +364,7 @@ def create_group(
     use_gpus: bool,
     placement_timeout_s: float,
     ep: int = 1,
+    cp: int = 1,
 ) -> WorkerGroup:
     """One placement group (a bundle per rank, PACK so a tp group shares a node where it
     fits), then one actor per bundle (`bundle_order`: tp groups, and ep groups where they fit,
@@ -379,8 +386,8 @@ def create_group(
     actor_cls = ray.remote(_RayWorker)
     actors, names = [], []
     for rank in range(world_size):
-        t, p, d = coordinates_of(rank, tp=tp, pp=pp, dp=dp)
-        name = f"{role}/tp{t}-pp{p}-dp{d}"
+        t, p, d = coordinates_of(rank, tp=tp, pp=pp, dp=dp, cp=cp)
+        name = f"{role}/tp{t}-pp{p}-dp{d}" + (f"-cp{cp_rank_of(rank, tp=tp, cp=cp)}" if cp > 1 else "")
         options = dict(
             num_cpus=1,
             num_gpus=1 if use_gpus else 0,

@@ -79,6 +79,8 @@ def prepare(config: TrainConfig) -> Prepared:
     config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts,
                            source=os.path.join(config.model, "config.json"))
     config.check_rows(multi_latent_attention=spec.multi_latent_attention, source=os.path.join(config.model, "config.json"))
+    config.check_context_parallel(num_experts=spec.num_experts, multi_latent_attention=spec.multi_latent_attention,
+                                  family=spec.family, source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(
         num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=os.path.join(config.model, "config.json")))
     config, packing_note = config.decide_packing()  # off for a mode it does not serve; else the ranks decide
@@ -316,7 +318,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
     try:
         if config.ref_mode == "separate":
             ref_group = _start_group("ref", ReferenceWorker, prep, tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp)
-        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep,
+        group = _start_group("policy", PolicyWorker, prep, tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp,
                              resume_dir=str(resume_dir) if resume_dir else None)
         experts = group.call("experts")
         for note in sorted({note for _, note in experts if note}):
@@ -409,18 +411,20 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, ep: int = 1, **worker_kwargs):
+def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: int, ep: int = 1, cp: int = 1,
+                 **worker_kwargs):
     """One worker group for a role: an actor per rank, each building `factory(...)`."""
     from mcore_dpo.driver import ray_workers
 
     config = prep.config
     return ray_workers.create_group(
         role=role,
-        world_size=tp * pp * dp,
+        world_size=tp * pp * dp * cp,
         tp=tp,
         pp=pp,
         dp=dp,
         ep=ep,
+        cp=cp,
         factory=factory,
         kwargs_of_rank=lambda rank, addr, port: dict(
             config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,

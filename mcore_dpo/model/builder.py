@@ -86,6 +86,11 @@ def transformer_config(
         # Activations outside the tensor-parallel linears are split over tp along the sequence.
         sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=layout.pp,
+        # Context parallelism: each row split over cp ranks. Transformer Engine's attention runs it
+        # itself (cp_comm_type "p2p": a ring of key/value exchanges); the local spec's core
+        # attention is model/cp_attention.py's (keys and values all-gathered over cp).
+        context_parallel_size=layout.cp,
+        **({"cp_comm_type": "p2p"} if layout.cp > 1 else {}),
         # Experts split over ep ranks: their parameters are then reduced over the
         # expert-data-parallel group (allreduce=False), not over dp.
         expert_model_parallel_size=layout.ep,
@@ -133,6 +138,9 @@ def build_stage_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if mesh.layout.cp > 1 and (spec.family == "gemma3_text" or spec.num_experts or spec.multi_latent_attention):
+        raise ValueError(f"context parallelism: not supported for {spec.architecture} (dense models of the "
+                         "standard layer spec only)")
     if grouped_experts and not use_te:
         # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
         raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
@@ -163,6 +171,10 @@ def build_stage_model(
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        if mesh.layout.cp > 1:  # megatron-core's local attention refuses cp > 1
+            from mcore_dpo.model.cp_attention import with_context_parallel_attention
+
+            layer_spec = with_context_parallel_attention(layer_spec)
         if sequence_parallel:
             layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
     if arbitrary_masks and use_te:

@@ -150,11 +150,30 @@ def sequence_logps(
     options: LogpsOptions = LogpsOptions(),
     segment_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
+    cp_group: object | None = None,
 ) -> SequenceLogps:
     """Sum the completion tokens' log-probs per sequence; prompt and padding are masked by
     loss_mask. A sequence is a row, or with `segment_ids` a segment of a packed row (one entry
-    per sequence in the unpacked row order, `segment_sums`)."""
+    per sequence in the unpacked row order, `segment_sums`).
+
+    Context parallelism (`cp_group`): `logits` hold this cp rank's positions of the rows
+    (`parallel.context_parallel`), `labels`, `loss_mask` and `segment_ids` the whole rows. The
+    per-token values are computed on the rank's positions and gathered whole over cp
+    (`gather_replicated`) before anything per sequence, so the LD-DPO weights, the token counts
+    and every sum are those of the whole rows, the same on every cp rank."""
+    gather = None
+    if cp_group is not None:
+        from mcore_dpo.parallel.context_parallel import gather_replicated, local_part
+
+        cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        labels = local_part(labels, dim=1, cp=cp, cp_rank=cp_rank)
+
+        def gather(values: torch.Tensor) -> torch.Tensor:
+            return gather_replicated(values, dim=1, group=cp_group)
+
     logp, mean_logit = token_logprobs(logits, labels, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
+    if gather is not None:
+        logp, mean_logit = gather(logp), gather(mean_logit)
     mask = loss_mask.to(logp.dtype)
 
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
@@ -169,6 +188,8 @@ def sequence_logps(
         out.plain_logp_sum = plain
     if options.wpo:
         sq = log_sum_sq_probs(logits, vocab_size=vocab_size, tp_rank=tp_rank, tp_group=tp_group)
+        if gather is not None:
+            sq = gather(sq)
         out.wpo_log_weight = per_sequence((logp.detach() - sq) * mask) / num_tokens.clamp(min=1.0)
     return out
 

@@ -1,6 +1,6 @@
 """The only module that talks to megatron-core's parallel_state.
 
-A `Mesh` is the (tp, pp, dp) layout of one worker group seen from one rank: sizes, this
+A `Mesh` is the (tp, pp, dp, cp) layout of one worker group seen from one rank: sizes, this
 rank's coordinates, and the process groups the engine needs. Everything else takes a
 Mesh by argument instead of calling `parallel_state.get_*`.
 """
@@ -21,10 +21,13 @@ class Layout:
     # the expert groups from each stage's tp x dp ranks (ordered tp-ep-dp), with the experts
     # whole on their rank (expert tp 1, so ep divides tp x dp) when ep > 1.
     ep: int = 1
+    # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py). The
+    # cp ranks of a dp replica run the same microbatches; gradients are reduced over dp x cp.
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def etp(self) -> int:
@@ -58,6 +61,11 @@ class Mesh:
     # experts split over ep the whole world (each parameter then counts on one rank of the
     # world: see `counts_in_grad_norm`).
     grad_norm_group: object | None = None
+    cp_rank: int = 0
+    cp_group: object | None = None
+    # dp x cp: the ranks over which DDP reduces (and the distributed optimizer shards) gradients
+    dp_cp_group: object | None = None
+    dp_cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -69,8 +77,14 @@ class Mesh:
 
     @property
     def returns_result(self) -> bool:
-        """tp rank 0 of the last stage of dp replica 0 reports results for the group."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """tp rank 0 of the last stage of dp replica 0 (its cp rank 0) reports results for the group."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def holds_replica_copy(self) -> bool:
+        """Whether this rank writes its (tp, pp) shard of the replicated state: dp rank 0, cp rank 0
+        (the cp ranks of a replica hold the same parameters)."""
+        return self.dp_rank == 0 and self.cp_rank == 0
 
     def counts_in_grad_norm(self, *, expert: bool) -> bool:
         """Whether this rank's copy of a parameter counts in the gradient norm over
@@ -81,7 +95,8 @@ class Mesh:
         return self.edp_rank == 0 if expert else self.dp_rank == 0
 
     def coordinates(self) -> str:
-        return f"tp{self.tp_rank}-pp{self.pp_rank}-dp{self.dp_rank}"
+        cp = f"-cp{self.cp_rank}" if self.layout.cp > 1 else ""
+        return f"tp{self.tp_rank}-pp{self.pp_rank}-dp{self.dp_rank}{cp}"
 
 
 _CURRENT: Mesh | None = None
@@ -100,10 +115,11 @@ def initialize(layout: Layout) -> Mesh:
 
     world_size = dist.get_world_size()
     if world_size != layout.world_size:
-        raise ValueError(f"world size {world_size} does not match tp*pp*dp = {layout.world_size}")
+        raise ValueError(f"world size {world_size} does not match tp*pp*dp*cp = {layout.world_size}")
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
@@ -129,6 +145,10 @@ def initialize(layout: Layout) -> Mesh:
         ep_rank=ps.get_expert_model_parallel_rank(),
         edp_rank=ps.get_expert_data_parallel_rank() if layout.ep > 1 else ps.get_data_parallel_rank(),
         grad_norm_group=dist.group.WORLD if layout.ep > 1 else ps.get_model_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
     )
     if layout.ep > 1:
         expected = layout.ep_rank_of(tp_rank=_CURRENT.tp_rank, dp_rank=_CURRENT.dp_rank)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
 from mcore_dpo.pipeline.account import MemoryAccount
+from mcore_dpo.parallel.context_parallel import local_part
 from mcore_dpo.parallel.mesh import Mesh
 from mcore_dpo.model.builder import causal_mask, packed_seq_params, segment_mask, stage_forward
 from mcore_dpo.pipeline.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
@@ -117,9 +118,11 @@ class StageContext:
         """[seq, rows, hidden] of microbatch `mb`'s activations (a batch's last microbatch may
         hold fewer rows than the others)."""
         rows, seq_len = self.microbatches[batch][mb].tokens.shape
+        seq_len //= self.mesh.layout.cp  # each cp rank holds 2 of the row's 2cp chunks
         if self.sequence_parallel:  # each tp rank holds its slice of the sequence
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
+
 
     def held_tensors(self) -> dict[str, list]:
         """What this context holds between ops, by memory category (pipeline/account.py): the
@@ -142,7 +145,9 @@ class StageContext:
                 staged = StagedInputs(tokens=to_device(micro.tokens, self.device),
                                       labels=to_device(micro.labels, self.device) if last else None,
                                       loss_mask=to_device(micro.loss_mask, self.device) if last else None)
-                if micro.has_segments:
+                if self.mesh.layout.cp > 1:
+                    self._stage_context_parallel(staged, micro)
+                elif micro.has_segments:
                     staged.segment_ids = to_device(micro.segment_ids, self.device)
                     staged.position_ids = to_device(micro.position_ids, self.device)
                     staged.num_positions = micro.num_positions
@@ -152,11 +157,32 @@ class StageContext:
                         staged.packed_params = packed_seq_params(micro.seq_lens, device=self.device)
                 self._staged[(batch, mb)] = staged
 
+    def _stage_context_parallel(self, staged: StagedInputs, micro: Microbatch) -> None:
+        """--cp > 1: this cp rank's positions of the tokens, with RoPE at their positions in the
+        row (a packed row's per-sequence ones); the labels, the loss mask and the segments stay
+        whole (the log-probs are gathered whole before the loss, the mask is the whole row's)."""
+        if self.packed_thd:
+            raise ValueError("context parallelism: packed rows in the THD layout (Transformer Engine) are not wired; "
+                             "run with --no-packing")
+        cp, cp_rank = self.mesh.layout.cp, self.mesh.cp_rank
+        rows, seq_len = micro.tokens.shape
+        staged.tokens = to_device(local_part(micro.tokens, dim=1, cp=cp, cp_rank=cp_rank), self.device)
+        if micro.has_segments:
+            positions, staged.num_positions = micro.position_ids, micro.num_positions
+            staged.segment_ids = to_device(micro.segment_ids, self.device)
+            if micro.shared_prompt is not None:
+                staged.shared_prompt = to_device(micro.shared_prompt, self.device)
+        else:
+            positions, staged.num_positions = torch.arange(seq_len).expand(rows, seq_len), seq_len
+        staged.position_ids = to_device(local_part(positions, dim=1, cp=cp, cp_rank=cp_rank), self.device)
+
     def forward_inputs(self, batch: int, mb: int) -> dict:
         """The attention inputs of microbatch `mb` (stage_forward's keyword arguments): one
         causal mask per batch for padded rows; for rows of segments, a packed row's THD cu_seqlens
         when `packed_thd`, else their `segment_mask` and per-sequence positions."""
         staged = self._staged[(batch, mb)]
+        if self.mesh.layout.cp > 1:
+            return self._context_parallel_inputs(batch, mb, staged)
         if staged.position_ids is not None:
             if staged.packed_params is not None:
                 return {"mask": None, "position_ids": staged.position_ids, "packed_params": staged.packed_params}
@@ -170,6 +196,22 @@ class StageContext:
             seq_len = self.microbatches[batch][0].tokens.shape[1]
             self._masks[batch] = causal_mask(seq_len, device=self.device)
         return {"mask": self._masks[batch]}
+
+    def _context_parallel_inputs(self, batch: int, mb: int, staged: StagedInputs) -> dict:
+        """--cp > 1: the whole row's mask (causal, or its `segment_mask`) at this rank's query
+        positions against every key in position order, [rows, 1, W/cp, W], which
+        model/cp_attention.py takes; RoPE at the tokens' positions in the row."""
+        key = (batch, mb) if staged.segment_ids is not None else batch
+        if key not in self._masks:
+            micro = self.microbatches[batch][mb]
+            seq_len = micro.tokens.shape[1]
+            if staged.segment_ids is not None:
+                whole = segment_mask(staged.segment_ids, shared_prompt=staged.shared_prompt,
+                                     num_sequences=micro.num_sequences)
+            else:
+                whole = causal_mask(seq_len, device=self.device)
+            self._masks[key] = local_part(whole, dim=2, cp=self.mesh.layout.cp, cp_rank=self.mesh.cp_rank)
+        return {"mask": self._masks[key], "position_ids": staged.position_ids, "num_positions": staged.num_positions}
 
 
 _SEND_TO_NEXT = (OpKind.SEND_ACT, OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)
@@ -301,6 +343,7 @@ def _last_stage_logps(
         options=options,
         segment_ids=staged.segment_ids,
         num_sequences=micro.num_sequences,
+        cp_group=ctx.mesh.cp_group if ctx.mesh.layout.cp > 1 else None,
     )
 
 
@@ -339,6 +382,10 @@ def _policy_forward(ctx: StageContext, mb: int) -> None:
         out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, **inputs)
         if mesh.is_last_stage:
             out = ctx.loss_fn(mb, _last_stage_logps(ctx, out, 0, mb))
+            if mesh.layout.cp > 1 and not ctx.forward_only:
+                # Every cp rank back-propagates the same loss through its own tokens; DDP averages
+                # the gradients over dp x cp where they add up over cp (exact for a power of 2).
+                out = out * mesh.layout.cp
     if ctx.forward_only:
         if not mesh.is_last_stage:
             ctx._policy_out[mb] = out

@@ -35,6 +35,8 @@ class Rank:
         left open (no mode packing does not serve) is decided by the rank's attention."""
         if self.config.packing is not None:
             return self.config.packing
+        if self.layout.cp > 1 and self.packed_thd:  # THD rows with cp are not wired (docs/DESIGN.md)
+            return False
         return self.config.packing_unserved() is None and plat.default_packing(thd_attention=self.packed_thd)
 
     @property
@@ -93,9 +95,15 @@ class Rank:
         # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
         requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
-        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel)
+        self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel, cp=layout.cp)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
         self.packed_thd = self.use_te and self.platform.is_cuda
+        if layout.cp > 1 and self.packed_thd and config.packing:
+            raise ValueError("packing: packed rows in Transformer Engine's THD layout are not wired with context "
+                             f"parallelism (--cp {layout.cp}) yet; use --no-packing")
+        if layout.cp > 1 and self.use_te and config.prefix_sharing:  # TE's arbitrary mask has no CP
+            raise ValueError("prefix_sharing: shared-prompt rows on Transformer Engine's attention are not wired with "
+                             f"context parallelism (--cp {layout.cp}) yet; use --no-prefix-sharing")
 
     def build(self, weights_dir: str) -> torch.nn.Module:
         """This rank's stage of the model in `weights_dir`, on its device, loaded."""

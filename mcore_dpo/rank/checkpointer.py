@@ -42,7 +42,7 @@ class Checkpointer:
     def policy_shard(self) -> dict[str, torch.Tensor] | None:
         """This rank's policy parameters on the CPU in the run's dtype (megatron-core keeps some
         norms in fp32 whatever the dtype); dp rank 0 only, others return None."""
-        if self.rank.mesh.dp_rank != 0:
+        if not self.rank.mesh.holds_replica_copy:
             return None
         if self.rank.config.lora:  # the base with the adapters merged in
             return lora.merged_weights(self.policy.module, dtype=self.rank.dtype)
@@ -50,7 +50,7 @@ class Checkpointer:
 
     def adapter_shard(self) -> dict[str, torch.Tensor] | None:
         """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
-        if self.rank.mesh.dp_rank != 0:
+        if not self.rank.mesh.holds_replica_copy:
             return None
         return {n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
 
@@ -95,7 +95,7 @@ class Checkpointer:
             # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
             self.write_expert_parallel(directory, shard_names(self.optimizer.whole_state(kind)), dtype=torch.float32)
             return
-        shard = self.optimizer.checkpoint_tensors(kind, dp_rank=rank.mesh.dp_rank)
+        shard = self.optimizer.checkpoint_tensors(kind, dp_rank=rank.mesh.dp_cp_rank)  # cp: dp x cp
         if shard is None:
             return
         shard = shard_names(shard)

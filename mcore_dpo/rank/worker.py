@@ -70,7 +70,7 @@ class PolicyWorker(Rank):
     count, the evaluator and the checkpointer. `train_step` runs one optimizer step."""
 
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
-        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep), **kwargs)
+        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         # With LoRA the base never changes: the checkpoint holds the adapters only.
         saved = formats.of_checkpoint(resume_dir, config) if resume_dir else None
@@ -148,7 +148,8 @@ class PolicyWorker(Rank):
         if config.distributed_optimizer:
             return ShardedOptimizer(
                 ddp_model=self.policy, named_params=named_params, params_once=params_once(self.policy.module, spec=self.spec, mesh=self.mesh, sharded=True),
-                dp_group=self.mesh.dp_group, dp_rank=self.mesh.dp_rank, dp_size=self.layout.dp, **common,
+                dp_group=self.mesh.dp_cp_group, dp_rank=self.mesh.dp_cp_rank, dp_size=self.layout.dp * self.layout.cp,
+                **common,
             )  # fmt: skip
         return CpuOptimizer(named_params=named_params, params_once=params_once(self.policy.module, spec=self.spec, mesh=self.mesh),
                             group=self.mesh.grad_norm_group,

@@ -101,7 +101,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
                 worker.precompute_reference(job["all_pairs"], eval_pairs)
             metrics = []
             tp, pp, dp = worker.coordinates()
-            tag = f"job{j}_tp{tp}_pp{pp}_dp{dp}"
+            # --cp: cp rank 0 writes the (tp, pp, dp) files, the other cp ranks their own ("_cp{c}").
+            tag = f"job{j}_tp{tp}_pp{pp}_dp{dp}" + (f"_cp{worker.mesh.cp_rank}" if worker.mesh.cp_rank else "")
             for k, pairs in enumerate(batches):
                 nxt = batches[k + 1] if k + 1 < len(batches) else None
                 metrics.append(worker.train_step(StepBatch(step=k + 1, pairs=pairs, next_pairs=nxt, pair_ids=ids[k],
@@ -123,7 +124,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 def _policy_layout(config):
     from mcore_dpo.parallel.mesh import Layout
 
-    return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep)
+    return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp)
 
 
 # Rank processes fork from a server that has imported torch, megatron-core and the worker once
@@ -206,14 +207,17 @@ def check_ran_packed(out_dir: Path, *, padded: int, packed: int) -> None:
         assert a["microbatches"] > b["microbatches"], (a, b)
 
 
-def load_rank_tensors(out_dir: Path, job: int, kind: str, *, layout: tuple[int, int, int]
+def load_rank_tensors(out_dir: Path, job: int, kind: str, *, layout: tuple[int, int, int], cp_rank: int = 0
                       ) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
-    """Every rank's file of one kind; a missing rank file is an error, not a smaller comparison."""
-    tp, pp, dp = layout
+    """Every rank's file of one kind (of context-parallel rank `cp_rank`); a missing rank file is
+    an error, not a smaller comparison."""
+    tp, pp, dp = layout[:3]
     expected = {(t, p, d) for t in range(tp) for p in range(pp) for d in range(dp)}
     out = {}
     for path in out_dir.glob(f"job{job}_tp*_{kind}.safetensors"):
         parts = path.name.split("_")
+        if (int(parts[4][2:]) if parts[4].startswith("cp") else 0) != cp_rank:
+            continue
         out[(int(parts[1][2:]), int(parts[2][2:]), int(parts[3][2:]))] = load_file(str(path))
     missing = sorted(expected - set(out))
     assert not missing and set(out) == expected, f"job {job} {kind}: no file from ranks (tp, pp, dp) {missing}"
