@@ -123,7 +123,6 @@ class StageContext:
             seq_len //= self.mesh.layout.tp
         return (seq_len, rows, self.hidden_size)
 
-
     def held_tensors(self) -> dict[str, list]:
         """What this context holds between ops, by memory category (pipeline/account.py): the
         tensors (in dicts) that the exact memory count reads after each op."""
