@@ -20,12 +20,11 @@ from safetensors.torch import load_file, save_file
 from checkpoint_convert.__main__ import main
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
-from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers.glm import CONFIG, glm4_moe
 from tests.helpers.models import assert_export_generates_like, save_hf, save_tokenizer
 from tests.helpers.moe_parity import check_expert_bias_job
 from tests.helpers.parity import parity_job
+from tests.helpers.round_trips import assert_round_trips, assert_same
 from tests.helpers.ranks import run_ranks, verify
 
 
@@ -36,20 +35,6 @@ def hub_dir(tmp_path_factory) -> Path:
     glm4_moe(seed=3).save_pretrained(str(directory))
     save_tokenizer(directory)
     return directory
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
-
-
-def _assert_same(exported: Path, source: dict[str, torch.Tensor], what: str) -> None:
-    tensors = _tensors(exported)
-    assert set(tensors) == set(source), what
-    for name, tensor in source.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), f"{what}: {name}"
 
 
 def _config(**overrides) -> dict:
@@ -136,32 +121,16 @@ def test_round_trips_at_three_layouts_torch_dist_and_the_export(hub_dir, tmp_pat
     """(tp, pp, ep) = (1,1,1), (2,2,1), (1,2,2): each rank file holds what the trainer's key map
     puts there; back to HF bit for bit; through torch_dist (written at tp 2 pp 2 ep 2) and back,
     directly and resharded to tp 2 pp 1 ep 2; the export loads with AutoModelForCausalLM and generates the source's greedy tokens."""
-    source = _tensors(hub_dir)
+    source = assert_round_trips(hub_dir, tmp_path, ((1, 1, 1), (2, 2, 1), (1, 2, 2)))
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in source  # the router bias is part of it
-    spec = open_hf_dir(hub_dir).spec
-    for tp, pp, ep in ((1, 1, 1), (2, 2, 1), (1, 2, 2)):
-        out = tmp_path / f"m{tp}{pp}{ep}"
-        assert main(["hf-to-mcore", "--hf-dir", str(hub_dir), "--out", str(out),
-                     "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]) == 0
-        for t in range(tp):
-            for p in range(pp):
-                for e in range(ep):
-                    name = f"tp{t}_pp{p}_ep{e}" if ep > 1 else f"tp{t}_pp{p}"
-                    stored = load_file(str(out / name / "model.safetensors"))
-                    expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=e,
-                                                 get=source.__getitem__)
-                    assert set(stored) == set(expected), (tp, pp, ep, t, p, e)
-                    assert all(torch.equal(stored[n], v) for n, v in expected.items()), (tp, pp, ep, t, p, e)
-        assert main(["mcore-to-hf", "--mcore-dir", str(out), "--out", str(tmp_path / f"hf{tp}{pp}{ep}")]) == 0
-        _assert_same(tmp_path / f"hf{tp}{pp}{ep}", source, f"round trip at tp{tp} pp{pp} ep{ep}")
     assert main(["hf-to-mcore", "--hf-dir", str(hub_dir), "--out", str(tmp_path / "td"), "--tp", "2", "--pp", "2",
                  "--ep", "2", "--format", "torch_dist"]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "hf_td")]) == 0
-    _assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
+    assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
     assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "from_td"),
                  "--tp", "2", "--pp", "1", "--ep", "2"]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "from_td"), "--out", str(tmp_path / "hf_from_td")]) == 0
-    _assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp2 pp1 ep2 -> HF")
+    assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp2 pp1 ep2 -> HF")
     capsys.readouterr()
     assert_export_generates_like(hub_dir, tmp_path / "hf122", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
 
@@ -183,7 +152,7 @@ def test_multi_token_prediction_layers_are_dropped_on_import_with_one_line(hub_d
     lines = [line for line in err.splitlines() if "dropping" in line]
     assert len(lines) == 1 and "dropping 2 tensor(s) of layers past num_hidden_layers (3)" in lines[0], err
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "hf")]) == 0
-    _assert_same(tmp_path / "hf", tensors, "MTP layer dropped")
+    assert_same(tmp_path / "hf", tensors, "MTP layer dropped")
 
 
 def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):

@@ -4,7 +4,6 @@ against the source HF checkpoint. In-process conversions only (no rank processes
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers.models import assert_export_generates_like, save_hf
 from tests.helpers.models import mixtral, qwen3_moe
+from tests.helpers.round_trips import assert_same, tensors_of
 
 # Qwen3-MoE with a dense layer among its MoE layers (mlp_only_layers=[1]); Mixtral tied.
 FACTORIES = {"qwen3_moe": lambda: qwen3_moe(seed=5, num_layers=4), "mixtral": lambda: mixtral(seed=6)}
@@ -36,20 +36,6 @@ def hf_dirs(tmp_path_factory):
     return dirs
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
-
-
-def _assert_same(exported: Path, source: dict[str, torch.Tensor], what: str) -> None:
-    tensors = _tensors(exported)
-    assert set(tensors) == set(source), what
-    for name, tensor in source.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), f"{what}: {name}"
-
-
 def _layout_flags(tp: int, pp: int, ep: int) -> list[str]:
     return ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
 
@@ -59,7 +45,7 @@ def test_round_trips_with_experts_split_over_ep(hf_dirs, family, tmp_path, capsy
     """(tp, pp, ep) = (1,2,2) and (2,1,4): one file per (tp, pp, ep) rank, each holding the
     experts of its ep rank as the trainer's key map puts them; back to HF bit for bit."""
     hf_dir = hf_dirs[family]
-    source = _tensors(hf_dir)
+    source = tensors_of(hf_dir)
     spec = open_hf_dir(hf_dir).spec
     for tp, pp, ep in ((1, 2, 2), (2, 1, 4)):
         out = tmp_path / f"m{tp}{pp}{ep}"
@@ -75,7 +61,7 @@ def test_round_trips_with_experts_split_over_ep(hf_dirs, family, tmp_path, capsy
                     assert set(stored) == set(expected), (tp, pp, ep, t, p, e)
                     assert all(torch.equal(stored[n], v) for n, v in expected.items()), (tp, pp, ep, t, p, e)
         assert main(["mcore-to-hf", "--mcore-dir", str(out), "--out", str(tmp_path / f"hf{tp}{pp}{ep}")]) == 0
-        _assert_same(tmp_path / f"hf{tp}{pp}{ep}", source, f"{family} round trip at tp{tp} pp{pp} ep{ep}")
+        assert_same(tmp_path / f"hf{tp}{pp}{ep}", source, f"{family} round trip at tp{tp} pp{pp} ep{ep}")
     capsys.readouterr()
 
 
@@ -85,18 +71,18 @@ def test_reshard_changes_ep_and_the_export_generates_the_same(hf_dirs, family, t
     (verify's path) as the ep-1 shards; the exported model loads with no missing or unexpected
     keys and its greedy generation equals the original's."""
     hf_dir = hf_dirs[family]
-    source = _tensors(hf_dir)
+    source = tensors_of(hf_dir)
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m212"), *_layout_flags(2, 1, 2)]) == 0
     assert main(["reshard", "--mcore-dir", str(tmp_path / "m212"), "--out", str(tmp_path / "m121"),
                  *_layout_flags(1, 2, 1)]) == 0
     assert sorted(p.name for p in (tmp_path / "m121").glob("tp*")) == ["tp0_pp0", "tp0_pp1"]
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m121"), "--out", str(tmp_path / "hf")]) == 0
-    _assert_same(tmp_path / "hf", source, f"{family} (2,1,2) -> (1,2,1) -> HF")
+    assert_same(tmp_path / "hf", source, f"{family} (2,1,2) -> (1,2,1) -> HF")
     # And back up: (1,2,1) -> (2,2,2) (ep across stages and tp ranks at once) -> HF.
     assert main(["reshard", "--mcore-dir", str(tmp_path / "m121"), "--out", str(tmp_path / "m222"),
                  *_layout_flags(2, 2, 2)]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m222"), "--out", str(tmp_path / "hf222")]) == 0
-    _assert_same(tmp_path / "hf222", source, f"{family} (1,2,1) -> (2,2,2) -> HF")
+    assert_same(tmp_path / "hf222", source, f"{family} (1,2,1) -> (2,2,2) -> HF")
     spec = open_hf_dir(hf_dir).spec
     checkpoint = open_mcore_dir(tmp_path / "m212")
     assert checkpoint.meta.ep == 2
