@@ -102,9 +102,10 @@ def field(config: dict, name: str, kind: type, *, source: str, default: object =
     return value
 
 
-def rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
-    """rope_theta and the normalized scaling, from either the transformers<5 form
-    (rope_theta + rope_scaling) or the transformers 5 form (rope_parameters)."""
+def rope_scaling_of(config: dict, *, source: str) -> tuple[float, dict | None, str, str]:
+    """rope_theta, the RoPE scaling parameters (None when absent or of type default), their
+    field name and their rope_type, from either the transformers<5 form (rope_theta +
+    rope_scaling) or the transformers 5 form (rope_parameters)."""
     params = config.get("rope_parameters")
     field_name = "rope_parameters"
     if not isinstance(params, dict) or not params:
@@ -115,11 +116,19 @@ def rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
         theta = params.get("rope_theta")
     theta = field({"rope_theta": theta}, "rope_theta", float, source=source, default=10000.0)
     if params is None:
-        return theta, None
+        return theta, None, field_name, "default"
     if not isinstance(params, dict):
         raise ConversionError(f"{source}: field '{field_name}' must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
+        return theta, None, field_name, "default"
+    return theta, params, field_name, rope_type
+
+
+def rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
+    """rope_theta and the normalized llama3 scaling (`rope_scaling_of`; other types refused)."""
+    theta, params, field_name, rope_type = rope_scaling_of(config, source=source)
+    if params is None:
         return theta, None
     if rope_type != "llama3":
         raise ConversionError(

@@ -23,8 +23,8 @@ one line naming the field.
 from __future__ import annotations
 
 from checkpoint_convert.families.base import (
-    ConversionError, ModelSpec, decoder_fields, expert_keys, field, moe_fields, refuse, sigmoid_router_fields,
-    sigmoid_router_transformer_fields,
+    ConversionError, ModelSpec, decoder_fields, expert_keys, field, moe_fields, refuse, rope_scaling_of,
+    sigmoid_router_fields, sigmoid_router_transformer_fields,
 )  # fmt: skip
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -89,20 +89,8 @@ def ignored_hf_tensor(spec: ModelSpec, name: str) -> bool:
 
 def _yarn(config: dict, *, source: str, max_positions: int) -> tuple[float, dict | None]:
     """rope_theta and the YaRN parameters (None: plain RoPE) of either config form."""
-    params = config.get("rope_parameters")
-    name = "rope_parameters"
-    if not isinstance(params, dict) or not params:
-        params, name = config.get("rope_scaling"), "rope_scaling"
-    theta = config.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    theta = field({"rope_theta": theta}, "rope_theta", float, source=source, default=10000.0)
+    theta, params, name, rope_type = rope_scaling_of(config, source=source)
     if params is None:
-        return theta, None
-    if not isinstance(params, dict):
-        raise ConversionError(f"{source}: field '{name}' must be an object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
         return theta, None
     if rope_type != "yarn":
         raise ConversionError(f"{source}: field '{name}.rope_type' is {rope_type!r}; only 'default' and 'yarn' are supported")
