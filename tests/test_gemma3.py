@@ -165,6 +165,6 @@ def test_parity_one_step_at_three_layouts(tmp_path):
     ref = parity.cached_reference(str(policy), str(reference), "sigmoid", "interleaved", 1)
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
         what = f"gemma3 job {j} at tp{layout[0]} pp{layout[1]} dp{layout[2]}"
-        parity.checktensors_of(tmp_path / "out", j, job, layout, ref, what, RTOL)  # step-1 grads, weights after it
+        parity.check_tensors(tmp_path / "out", j, job, layout, ref, what, RTOL)  # step-1 grads, weights after it
         ours = json.loads((tmp_path / "out" / f"job{j}_metrics.json").read_text())
         parity.check_metrics(ours[0], ref["metrics"][0], names=parity.METRICS, prefix="", what=f"{what} step 1", rtol=RTOL)
