@@ -59,30 +59,30 @@ def _gather(part: torch.Tensor, *, dim: int, group) -> torch.Tensor:
     return whole_from_parts(parts, dim=dim)
 
 
-class _GatherShared(torch.autograd.Function):
+class _GatherReplicated(torch.autograd.Function):
+    """Forward: the whole row from every cp rank's part. Backward: every rank holds the whole
+    gradient already (the values are used alike everywhere); keep this rank's positions."""
+
     @staticmethod
     def forward(ctx, part, dim, group):
         ctx.dim, ctx.group = dim, group
         return _gather(part, dim=dim, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, cp_rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return local_part(grad, dim=ctx.dim, cp=cp, cp_rank=cp_rank), None, None
+
+
+class _GatherShared(_GatherReplicated):
+    """The same forward; backward: each rank holds its own share of the gradient (keys and
+    values each rank attends to): sum the ranks' gradients first."""
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        cp, cp_rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return local_part(grad, dim=ctx.dim, cp=cp, cp_rank=cp_rank), None, None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, part, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(part, dim=dim, group=group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cp, cp_rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return local_part(grad, dim=ctx.dim, cp=cp, cp_rank=cp_rank), None, None
+        return _GatherReplicated.backward(ctx, grad)
 
 
 def gather_shared(part: torch.Tensor, *, dim: int, group) -> torch.Tensor:

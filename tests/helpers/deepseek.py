@@ -9,10 +9,9 @@ choice differs from the unbiased one)."""
 
 from __future__ import annotations
 
-import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from tests.helpers.models import PAD, VOCAB_SIZE, small_init
+from tests.helpers.models import PAD, VOCAB_SIZE, small_init, with_router_biases
 from tests.helpers.moe_parity import check_expert_bias_job as check_deepseek_job  # noqa: F401 (its parity check)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -34,10 +33,4 @@ TINY = {"deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG))
 def deepseek_v3(*, seed: int, **overrides) -> DeepseekV3ForCausalLM:
     """The tiny model at `small_init` weights (norms near 1, matrices 0.25 N(0, 1)), its router
     biases 0.1 N(0, 1)."""
-    model = small_init(DeepseekV3ForCausalLM(DeepseekV3Config(**{**CONFIG, **overrides})), seed).float().eval()
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
-    return model
+    return with_router_biases(small_init(DeepseekV3ForCausalLM(DeepseekV3Config(**{**CONFIG, **overrides})), seed).float().eval(), seed)

@@ -10,10 +10,9 @@ differs from the unbiased one)."""
 
 from __future__ import annotations
 
-import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-from tests.helpers.models import PAD, VOCAB_SIZE, small_init
+from tests.helpers.models import PAD, VOCAB_SIZE, small_init, with_router_biases
 
 CONFIG = dict(
     vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
@@ -33,10 +32,4 @@ TINY = {"glm4_moe": lambda: Glm4MoeForCausalLM(Glm4MoeConfig(**{**CONFIG, "use_q
 def glm4_moe(*, seed: int, **overrides) -> Glm4MoeForCausalLM:
     """The tiny model at `small_init` weights (norms and biases near 1, matrices 0.25 N(0, 1)),
     its router biases 0.1 N(0, 1)."""
-    model = small_init(Glm4MoeForCausalLM(Glm4MoeConfig(**{**CONFIG, **overrides})), seed).float().eval()
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
-    return model
+    return with_router_biases(small_init(Glm4MoeForCausalLM(Glm4MoeConfig(**{**CONFIG, **overrides})), seed).float().eval(), seed)

@@ -163,6 +163,17 @@ def small_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+def with_router_biases(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`model` with its sigmoid routers' loaded biases (`e_score_correction_bias` buffers) at
+    0.1 N(0, 1), so that the bias changes which experts are chosen (DeepSeek-V3, GLM-4.5)."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    return model
+
+
 def make_model(family: str, seed: int) -> torch.nn.Module:
     """The dense parity model: "llama" (GQA, untied) or "qwen2" (qkv bias, tied)."""
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
