@@ -20,7 +20,7 @@ from checkpoint_convert.families.base import ConversionError
 from tests.helpers.deepseek import CONFIG, YARN, check_deepseek_job, deepseek_v3
 from tests.helpers.models import assert_export_generates_like, save_hf, save_tokenizer
 from tests.helpers.parity import parity_job
-from tests.helpers.round_trips import assert_round_trips, assert_same
+from tests.helpers.round_trips import assert_round_trips, assert_same, assert_torch_dist_round_trips
 from tests.helpers.ranks import run_ranks, verify
 
 
@@ -105,14 +105,9 @@ def test_round_trips_at_three_layouts_and_torch_dist(hub_dir, tmp_path, capsys):
     puts there; back to HF bit for bit; and through torch_dist (written at tp 2 pp 2 ep 2)."""
     source = assert_round_trips(hub_dir, tmp_path, ((1, 1, 1), (2, 2, 1), (1, 2, 2)))
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in source  # the router bias is part of it
-    assert main(["hf-to-mcore", "--hf-dir", str(hub_dir), "--out", str(tmp_path / "td"), "--tp", "2", "--pp", "2",
-                 "--ep", "2", "--format", "torch_dist"]) == 0
-    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "hf_td")]) == 0
-    assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
-    assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "from_td"),
-                 "--tp", "2", "--pp", "1"]) == 0
-    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "from_td"), "--out", str(tmp_path / "hf_from_td")]) == 0
-    assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp2 pp1 -> HF")
+    assert_torch_dist_round_trips(hub_dir, tmp_path, source,
+                                  write_flags=["--tp", "2", "--pp", "2", "--ep", "2"],
+                                  reshard_flags=["--tp", "2", "--pp", "1"])
     capsys.readouterr()
     assert_export_generates_like(hub_dir, tmp_path / "hf221", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
 

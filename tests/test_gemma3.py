@@ -24,7 +24,7 @@ from tests.helpers.gemma import CONFIG, ROPE, gemma3
 from tests.helpers.models import assert_export_generates_like, save_hf
 from tests.helpers import parity
 from tests.helpers.reference import RTOL
-from tests.helpers.round_trips import assert_round_trips, assert_same
+from tests.helpers.round_trips import assert_round_trips, assert_torch_dist_round_trips
 from tests.helpers.ranks import check_ran_packed, run_ranks, verify
 
 _BASE = {**CONFIG, "architectures": ["Gemma3ForCausalLM"]}
@@ -118,14 +118,9 @@ def test_round_trips_torch_dist_and_the_export_generates_like_the_source(hub_dir
     assert "model.layers.0.post_feedforward_layernorm.weight" in source and "lm_head.weight" not in source
     stage1 = load_file(str(tmp_path / "m221" / "tp1_pp1" / "model.safetensors"))
     assert "decoder.layers.0.mlp.post_layernorm.weight" in stage1 and "output_layer.weight" in stage1
-    assert main(["hf-to-mcore", "--hf-dir", str(hub_dir), "--out", str(tmp_path / "td"), "--tp", "2", "--pp", "2",
-                 "--format", "torch_dist"]) == 0
-    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "hf_td")]) == 0
-    assert_same(tmp_path / "hf_td", source, "HF -> torch_dist -> HF")
-    assert main(["reshard", "--mcore-dir", str(tmp_path / "td"), "--out", str(tmp_path / "from_td"),
-                 "--tp", "1", "--pp", "3"]) == 0
-    assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "from_td"), "--out", str(tmp_path / "hf_from_td")]) == 0
-    assert_same(tmp_path / "hf_from_td", source, "torch_dist -> reshard tp1 pp3 -> HF")
+    assert_torch_dist_round_trips(hub_dir, tmp_path, source,
+                                  write_flags=["--tp", "2", "--pp", "2"],
+                                  reshard_flags=["--tp", "1", "--pp", "3"])
     capsys.readouterr()
     assert_export_generates_like(hub_dir, tmp_path / "hf221", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=10)
 

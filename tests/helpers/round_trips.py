@@ -53,3 +53,16 @@ def assert_round_trips(hf_dir: Path, work: Path, layouts: Iterable[tuple[int, in
         assert main(["mcore-to-hf", "--mcore-dir", str(out), "--out", str(work / f"hf{tp}{pp}{ep}")]) == 0
         assert_same(work / f"hf{tp}{pp}{ep}", source, f"{what} at tp{tp} pp{pp} ep{ep}")
     return source
+
+
+def assert_torch_dist_round_trips(hf_dir: Path, work: Path, source: dict[str, torch.Tensor], *,
+                                  write_flags: list[str], reshard_flags: list[str]) -> None:
+    """HF -> torch_dist (written with `write_flags`) -> HF, and torch_dist -> reshard
+    (`reshard_flags`) -> HF: each export equals `source` bit for bit."""
+    assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(work / "td"), *write_flags,
+                 "--format", "torch_dist"]) == 0
+    assert main(["mcore-to-hf", "--mcore-dir", str(work / "td"), "--out", str(work / "hf_td")]) == 0
+    assert_same(work / "hf_td", source, "HF -> torch_dist -> HF")
+    assert main(["reshard", "--mcore-dir", str(work / "td"), "--out", str(work / "from_td"), *reshard_flags]) == 0
+    assert main(["mcore-to-hf", "--mcore-dir", str(work / "from_td"), "--out", str(work / "hf_from_td")]) == 0
+    assert_same(work / "hf_from_td", source, f"torch_dist -> reshard {' '.join(reshard_flags)} -> HF")
