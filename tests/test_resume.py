@@ -94,6 +94,33 @@ def test_resume_after_resharding(baselines, ray_cluster, tmp_path):
         assert err <= 1e-6, (name, err)
 
 
+def _from_the_dp2_step2(baselines, tmp_path):
+    """The dp-2 baseline and a run directory holding its step-2 checkpoint as the latest."""
+    base, _ = baselines["dp2"]
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
+    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    return base, out
+
+
+def _assert_steps_3_4_equal_the_baseline(base, out) -> None:
+    """Steps 3-4 of `out` equal the uninterrupted baseline's within 1e-5: metrics and final weights."""
+    ours, ref = _metrics(out), [m for m in _metrics(base) if m["step"] >= 3]
+    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [3, 4]
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys()
+        for key in b:
+            if key in LAYOUT_COUNTS:
+                continue
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    wa, wb = _weights(base), _weights(out)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        err = (wa[name] - wb[name]).abs().max().item()
+        assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+
+
 def test_resume_at_another_dp(baselines, ray_cluster, tmp_path):
     """The dp-2 run's step-2 checkpoint (the sharded optimizer's state gathered into it) resumed
     at dp 1: the end state equals the uninterrupted dp-2 run within 1e-5 (at another dp the
@@ -103,55 +130,23 @@ def test_resume_at_another_dp(baselines, ray_cluster, tmp_path):
     checkpoint: a kill at dp 2 and a rerun of the same command are covered by
     test_kill_during_checkpoint_write (and restarts inside one run by
     test_restarts_after_three_kills); a killed run writes the same step-2 checkpoint."""
-    base, _ = baselines["dp2"]
-    out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    base, out = _from_the_dp2_step2(baselines, tmp_path)
     resumed = _run(["--dp", "1", "--save-interval", "2"], out, cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    ours, ref = _metrics(out), [m for m in _metrics(base) if m["step"] >= 3]
-    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [3, 4]
-    for a, b in zip(ours, ref):
-        assert a.keys() == b.keys()
-        for key in b:
-            if key in LAYOUT_COUNTS:
-                continue
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
-    wa, wb = _weights(base), _weights(out)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        err = (wa[name] - wb[name]).abs().max().item()
-        assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+    _assert_steps_3_4_equal_the_baseline(base, out)
 
 
 def test_resume_at_another_cp(baselines, ray_cluster, tmp_path):
     """The dp-2 run's step-2 checkpoint resumed at dp 1 x cp 2 (each sequence split over two
     ranks, --cp): the checkpoint holds no cp, and the end state equals the uninterrupted dp-2 run
     within 1e-5, as at another dp. The resumed run writes its step-4 checkpoint from cp rank 0."""
-    base, _ = baselines["dp2"]
-    out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(base / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    base, out = _from_the_dp2_step2(baselines, tmp_path)
     resumed = _run(["--dp", "1", "--cp", "2", "--save-interval", "2"], out, cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    ours, ref = _metrics(out), [m for m in _metrics(base) if m["step"] >= 3]
-    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [3, 4]
-    for a, b in zip(ours, ref):
-        assert a.keys() == b.keys()
-        for key in b:
-            if key in LAYOUT_COUNTS:
-                continue
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
-    wa, wb = _weights(base), _weights(out)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        err = (wa[name] - wb[name]).abs().max().item()
-        assert err <= 1e-5 * wa[name].abs().max().item(), (name, err)
+    _assert_steps_3_4_equal_the_baseline(base, out)
     # The step-4 checkpoint written at cp 2 holds what the uninterrupted run's holds (weights,
     # fp32 masters, moments; not the per-rank RNG files): what a resume at cp 1 reads.
     theirs, ours = (d / "checkpoints" / "step_00000004" for d in (base, out))
