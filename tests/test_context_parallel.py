@@ -33,6 +33,7 @@ from mcore_dpo.parallel.context_parallel import local_part, local_positions, who
 from tests.helpers.parity import check_job, jobs_for, packed_parity_job, parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks, spawn_processes
 from tests.helpers.reference import RTOL, assert_close
+from tests.helpers.cli import train_input_error
 
 STEPS = 3  # at (1,1,1,2); 2 at the layouts of four ranks
 
@@ -265,19 +266,6 @@ def test_the_flag_reaches_the_config_and_the_world():
     assert seq_len_multiple(tp=3, sequence_parallel=True, cp=2) == 24
 
 
-def _one_line_error(capsys, argv: list[str]) -> str:
-    import ray
-
-    from mcore_dpo.train import main
-
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert not ray.is_initialized(), "a worker group was started before the input was checked"
-    return err
-
-
 @pytest.mark.parametrize("argv,expected", [
     (["--cp", "0"], "cp: must be a positive integer, got 0"),
     (["--cp", "-2"], "cp: must be a positive integer, got -2"),
@@ -286,7 +274,7 @@ def _one_line_error(capsys, argv: list[str]) -> str:
      "cp: context parallelism is for dense models; not with expert parallelism (--ep 2)"),
 ], ids=["zero", "negative", "not-an-int", "expert-parallel"])
 def test_bad_values_are_one_line(capsys, argv, expected):
-    assert expected in _one_line_error(capsys, argv)
+    assert expected in train_input_error(capsys, argv)
     with pytest.raises((ConfigError, SystemExit)):
         resolve(argv)
 
@@ -301,7 +289,7 @@ def test_a_mixture_of_experts_model_is_refused(capsys, moe_models, tmp_path):
                                                     source="x/config.json")
     policy, _ = moe_models["mixtral"]
     out = tmp_path / "out"
-    err = _one_line_error(capsys, ["--model", str(policy), "--data", DEFAULT_TRAIN_DATA, "--cp", "2",
+    err = train_input_error(capsys, ["--model", str(policy), "--data", DEFAULT_TRAIN_DATA, "--cp", "2",
                                    "--output-dir", str(out)])
     assert "cp: " in err and "describes a mixture-of-experts model" in err, err
     assert not out.exists()

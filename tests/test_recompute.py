@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from mcore_dpo.config import ConfigError, build_parser, resolve
-from mcore_dpo.train import main
 from tests.helpers.parity import packed_parity_job, parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.cli import train_input_error
 
 LAYOUTS = [(1, 2, 1), (2, 2, 1)]
 STEPS = 3
@@ -137,17 +137,6 @@ def data_file(tmp_path) -> Path:
     return path
 
 
-def _one_line_error(capsys, argv: list[str]) -> str:
-    import ray
-
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert not ray.is_initialized(), "a worker group was started before the input was checked"
-    return err
-
-
 @pytest.mark.parametrize("argv,expected", [
     (["--recompute", "sideways"], "recompute: 'sideways' is not one of none, selective, full"),
     (["--recompute-num-layers", "2"], "recompute_num_layers: given with --recompute none"),
@@ -156,7 +145,7 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     (["--recompute", "full", "--recompute-num-layers", "two"], "--recompute-num-layers: invalid int value: 'two'"),
 ], ids=["unknown", "without-full", "with-selective", "zero", "not-an-int"])
 def test_bad_values_are_one_line(capsys, argv, expected):
-    assert expected in _one_line_error(capsys, argv)
+    assert expected in train_input_error(capsys, argv)
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -164,7 +153,7 @@ def test_bad_values_are_one_line(capsys, argv, expected):
     (["--recompute-num-layers", "3"], "recompute_num_layers: 3 does not divide the 4 layers of the model"),
 ], ids=["more-than-a-stage", "not-a-divisor"])
 def test_group_size_is_checked_against_the_model(capsys, hf_llama, data_file, tmp_path, argv, expected):
-    err = _one_line_error(capsys, ["--model", str(hf_llama), "--data", str(data_file), "--recompute", "full", *argv,
+    err = train_input_error(capsys, ["--model", str(hf_llama), "--data", str(data_file), "--recompute", "full", *argv,
                                    "--output-dir", str(tmp_path / "o")])
     assert expected in err and "config.json: 4 layers over pp" in err, err
 
@@ -175,7 +164,7 @@ def test_full_recompute_of_a_moe_model_is_refused(capsys, moe_models, data_file,
     # the next one, the load-balancing weight's, checked after it).
     policy, _ = moe_models["mixtral"]
     argv = ["--model", str(policy), "--data", str(data_file), "--output-dir", str(tmp_path / "o")]
-    err = _one_line_error(capsys, [*argv, "--recompute", "full"])
+    err = train_input_error(capsys, [*argv, "--recompute", "full"])
     assert "recompute: full is not supported yet for mixture-of-experts models" in err, err
-    err = _one_line_error(capsys, [*argv, "--recompute", "selective", "--moe-aux-loss-coef", "-1"])
+    err = train_input_error(capsys, [*argv, "--recompute", "selective", "--moe-aux-loss-coef", "-1"])
     assert "moe_aux_loss_coef: must be >= 0" in err, err

@@ -60,3 +60,18 @@ def run_train(args: list[str], *, timeout: float = 900, **kwargs) -> subprocess.
 def start_train(args: list[str], **kwargs) -> subprocess.Popen:
     """`python -m mcore_dpo.train ARGS`, returning at once."""
     return start([*TRAIN, *args], **kwargs)
+
+
+def train_input_error(capsys, argv: list[str]) -> str:
+    """`python -m mcore_dpo.train argv` in this process, for input it must refuse: exit 2, one
+    line on stderr and no traceback, no worker group started; returns the line."""
+    import ray
+
+    from mcore_dpo.train import main
+
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not ray.is_initialized(), "a worker group was started before the input was checked"
+    return err
