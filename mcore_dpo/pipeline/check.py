@@ -179,7 +179,7 @@ def message_keys(stages: Stages) -> list[list[list[Key]]]:
     issue order (NCCL matches point-to-point messages between two ranks in order). Raises
     PlanError when a link's sends and receives do not pair up one to one, in order."""
     p = len(stages)
-    count: Counter = Counter()
+    count: dict[tuple[tuple[int, int], bool], int] = {}
     sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     keys: list[list[list[Key]]] = []
@@ -195,8 +195,9 @@ def message_keys(stages: Stages) -> list[list[list[Key]]]:
                 is_send = part.kind in SEND_KINDS
                 link = (s, other) if is_send else (other, s)
                 (sent if is_send else got).setdefault(link, []).append(message(part))
-                op_keys.append((link, count[(link, is_send)]))
-                count[(link, is_send)] += 1
+                n = count.get((link, is_send), 0)
+                op_keys.append((link, n))
+                count[(link, is_send)] = n + 1
             keys[-1].append(op_keys)
     for link in sorted(set(sent) | set(got)):
         a, b = sent.get(link, []), got.get(link, [])
@@ -270,53 +271,68 @@ def _check_rendezvous(stages: Stages) -> None:
                     f"which waits at {where(t)}")
 
 
+def _timed_ops(stages: Stages, costs: Costs) -> list[list[tuple]]:
+    """Each op once as (compute cost or None, its sends [(link, message)], its receives
+    [(link, message)]); a kept activation is a transfer with neither (it stays in memory)."""
+    out = []
+    for s, ops in enumerate(stages):
+        timed = []
+        for op in ops:
+            if op.kind in COMPUTE_KINDS:
+                timed.append((cost_of(op.kind, costs), (), ()))
+                continue
+            parts = transfers(op)
+            sends = tuple(((s, peer(part, stage=s)), message(part)) for part in parts if part.kind in SEND_KINDS)
+            recvs = tuple(((peer(part, stage=s), s), message(part)) for part in parts if part.kind in RECV_KINDS)
+            timed.append((None, sends, recvs))
+        out.append(timed)
+    return out
+
+
 def timeline(stages: Stages, costs: Costs) -> SimResult:
     """Run per-stage op lists in time: compute takes its cost, sends don't block the host
     (an op's sends are posted when it starts), receives wait for their messages."""
     p = len(stages)
+    timed = _timed_ops(stages, costs)
     clock, ptr = [0.0] * p, [0] * p
     links: dict[tuple[int, int], list[tuple[tuple[str, int, int], float]]] = {}
-    taken: Counter = Counter()
+    taken: dict[tuple[int, int], int] = {}  # messages received so far, per link
     sent_by = [-1] * p  # index of the op whose sends stage s has posted
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     progress = True
     while progress:
         progress = False
         for s in range(p):
-            ops = stages[s]
+            ops = timed[s]
             while ptr[s] < len(ops):
-                op, t = ops[ptr[s]], clock[s]
-                if op.kind in COMPUTE_KINDS:
-                    clock[s] = t + cost_of(op.kind, costs)
-                elif op.kind != OpKind.KEEP_REF_ACT:  # a kept activation stays in memory for the next step
-                    parts = transfers(op)
+                cost, sends, recvs = ops[ptr[s]]
+                t = clock[s]
+                if cost is not None:
+                    clock[s] = t + cost
+                else:
                     if sent_by[s] != ptr[s]:
-                        for part in parts:
-                            if part.kind in SEND_KINDS:
-                                links.setdefault((s, peer(part, stage=s)), []).append((message(part), t + costs.comm))
+                        for link, msg in sends:
+                            links.setdefault(link, []).append((msg, t + costs.comm))
                         sent_by[s] = ptr[s]
-                    need: Counter = Counter()
-                    arrivals = [t]
-                    for part in parts:
-                        if part.kind in RECV_KINDS:
-                            link = (peer(part, stage=s), s)
-                            queue, index = links.get(link, []), taken[link] + need[link]
-                            if index >= len(queue):
-                                break  # blocked until the peer sends
-                            msg, arrival = queue[index]
-                            if msg != message(part):
-                                raise PlanError(f"plan link stage {link[0]}->{s}: received {msg}, "
-                                                f"stage {s} expected {message(part)}")
-                            need[link] += 1
-                            arrivals.append(arrival)
+                    need: dict[tuple[int, int], int] = {}
+                    arrival = t
+                    for link, expected in recvs:
+                        queue, index = links.get(link, ()), taken.get(link, 0) + need.get(link, 0)
+                        if index >= len(queue):
+                            break  # blocked until the peer sends
+                        msg, at = queue[index]
+                        if msg != expected:
+                            raise PlanError(f"plan link stage {link[0]}->{s}: received {msg}, "
+                                            f"stage {s} expected {expected}")
+                        need[link] = need.get(link, 0) + 1
+                        arrival = max(arrival, at)
                     else:
-                        taken.update(need)
-                        clock[s] = max(arrivals)
-                        times[s].append((t, clock[s]))
-                        ptr[s] += 1
-                        progress = True
-                        continue
-                    break
+                        recvs = ()
+                    if recvs:
+                        break
+                    for link, n in need.items():
+                        taken[link] = taken.get(link, 0) + n
+                    clock[s] = arrival
                 times[s].append((t, clock[s]))
                 ptr[s] += 1
                 progress = True

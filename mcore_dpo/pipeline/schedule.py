@@ -422,9 +422,12 @@ def _build_plan(
         """The plan with its crossing transfers paired, the fastest way under `costs`."""
         if not pair_transfers:
             return plan
-        variants = sorted({pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs) for prefer in _PREFER},
-                          key=repr)
-        return dataclasses.replace(plan, stages=min(variants, key=lambda v: timeline(v, costs).makespan))
+        variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
+                                      for prefer in _PREFER))
+        makespans = [timeline(variant, costs).makespan for variant in variants]
+        # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
+        fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
+        return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
 
     def stage_range(s: int) -> range:
         return carried(s, num_stages=p, num_microbatches=m)
