@@ -165,7 +165,8 @@ def layer_activation_bytes(
         return boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
                               dtype_bytes=dtype_bytes, cp=cp) / (recompute_num_layers or 1)
     selective = recompute == "selective"
-    tokens = local_seq_len(seq_len, cp) * rows
+    local = local_seq_len(seq_len, cp)
+    tokens = local * rows
     sp = tp if sequence_parallel else 1
     q_width = shape.heads * shape.head_dim
     kv_width = shape.kv_heads * shape.head_dim
@@ -175,7 +176,7 @@ def layer_activation_bytes(
     elif attention == "local":
         scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
         # q and the context are local; k and v, repeated to every head, cover the whole row (cp x)
-        attn = ((2 + 2 * cp) * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
+        attn = ((2 + 2 * cp) * q_width * dtype_bytes + shape.heads * (local * cp) * scores_bytes) / tp
     else:
         lse = 0 if selective else shape.heads * FP32_BYTES
         attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + lse) / tp
@@ -206,7 +207,7 @@ def workspace_bytes(
     """megatron-core's persistent buffer (one per dtype, shared by its users): the local
     spec's s x s score matrix (s/cp x s with cp) and the sequence-parallel gather of [s/cp, b, h]."""
     local = local_seq_len(seq_len, cp)
-    scores = rows * (shape.heads // tp) * local * seq_len if attention == "local" else 0
+    scores = rows * (shape.heads // tp) * local * (local * cp) if attention == "local" else 0  # keys: the padded row
     gather = local * rows * shape.hidden if sequence_parallel else 0
     return max(scores, gather) * dtype_bytes
 
