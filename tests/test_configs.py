@@ -29,7 +29,7 @@ def config_without_paths(path: Path) -> TrainConfig:
 def test_configs_exist():
     names = {p.name for p in ALL_CONFIGS}
     assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml", "qwen3_8b.yaml", "qwen3_30b_a3b.yaml",
-            "mixtral_8x7b.yaml"} <= names
+            "mixtral_8x7b.yaml", "llama3_1_8b_32k.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
@@ -57,7 +57,10 @@ def test_realistic_config_header_arithmetic(path: Path):
     memory_gb = memory_gb_per_gpu(arch=arch, config=config, attention=header["attention"].split()[0])
     assert memory_gb == pytest.approx(float(header["memory_gb_per_gpu"]), abs=0.05)
     assert memory_gb < float(header["gpu_memory_gb"])
-    assert config.tp * config.pp * config.dp == int(cluster["nodes"]) * int(cluster["gpus_per_node"])
+    assert config.tp * config.pp * config.cp * config.dp == int(cluster["nodes"]) * int(cluster["gpus_per_node"])
+    # A row splits over cp into 2 x cp chunks (x tp with sequence parallelism) without padding.
+    sp = config.tp if header["sequence_parallel"] == "true" else 1
+    assert config.max_length % (2 * config.cp * sp) == 0
     # A tensor-parallel group stays inside one node; grouped-query heads split evenly over tp.
     assert config.tp <= int(cluster["gpus_per_node"])
     assert int(arch["kv_heads"]) % config.tp == 0 and int(arch["heads"]) % config.tp == 0
@@ -73,17 +76,25 @@ def test_realistic_config_header_arithmetic(path: Path):
 
 @pytest.mark.parametrize("path", REALISTIC, ids=lambda p: p.name)
 def test_header_states_the_memory_with_full_recompute(path: Path):
-    # Each realistic config fits without recompute (recompute: none); a dense one states what
-    # --recompute full would hold (each layer's input only, recomputed in the backward), a MoE
-    # one nothing (full recompute is refused for mixture-of-experts models).
+    # Every config states its recompute and its memory with it (memory_gb_per_gpu, above). One
+    # that recomputes does so because it must: its header states what it would hold without
+    # (memory_gb_per_gpu_recompute_none), more than its GPUs have. One without recompute states,
+    # when dense, what --recompute full would hold (each layer's input only, recomputed in the
+    # backward); a MoE one nothing (full recompute is refused for mixture-of-experts models).
     header = header_values(path)
     arch, config = key_values(header["arch"]), config_without_paths(path)
-    assert config.recompute == "none"
+    attention = header["attention"].split()[0]
+    if config.recompute != "none":
+        none = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, recompute="none",
+                                                                       recompute_num_layers=None), attention=attention)
+        assert none == pytest.approx(float(header["memory_gb_per_gpu_recompute_none"]), abs=0.05)
+        assert none > float(header["gpu_memory_gb"]) > float(header["memory_gb_per_gpu"])
+        return
+    assert "memory_gb_per_gpu_recompute_none" not in header
     if is_moe(arch):
         assert "memory_gb_per_gpu_recompute_full" not in header
         return
-    full = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, recompute="full"),
-                             attention=header["attention"].split()[0])
+    full = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, recompute="full"), attention=attention)
     assert full == pytest.approx(float(header["memory_gb_per_gpu_recompute_full"]), abs=0.05)
     assert full < float(header["memory_gb_per_gpu"])
 
@@ -110,6 +121,30 @@ def test_expert_memory_is_in_the_header_arithmetic():
 def test_70b_config_is_tp8_pp4_or_more():
     config = config_without_paths(CONFIG_DIR / "llama3_70b.yaml")
     assert config.tp == 8 and config.pp >= 4
+
+
+def test_32k_config_is_tp4_cp2_and_cp_is_in_its_arithmetic():
+    """configs/llama3_1_8b_32k.yaml: tp 4 x cp 2 on 8 GPUs, 32768 tokens; it loads through the real
+    parser (`cp: 2` is a file key). Its figure needs cp in the arithmetic: the same file read as
+    cp 1 (the whole 32k row on each rank, the optimizer state over dp alone) is far above it. The
+    header's other layouts of the same 8 GPUs: tp 4 x dp 2 (cp 1), tp 8."""
+    from mcore_dpo.config import resolve
+
+    path = CONFIG_DIR / "llama3_1_8b_32k.yaml"
+    values = load_yaml(str(path))
+    assert values["cp"] == 2 and values["tp"] == 4 and values["max_length"] == 32768
+    config, _ = resolve(["--config", str(path), "--model", str(CONFIG_DIR), "--data", str(path),
+                         "--eval-data", str(path)])  # existing stand-ins for the cluster paths
+    assert (config.cp, config.tp, config.dp, config.recompute) == (2, 4, 1, "full")
+    header = header_values(path)
+    arch = key_values(header["arch"])
+    stated = float(header["memory_gb_per_gpu"])
+    assert memory_gb_per_gpu(arch=arch, config=config, attention="flash") == pytest.approx(stated, abs=0.05)
+    as_cp1 = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, cp=1), attention="flash")
+    assert as_cp1 > stated + 20
+    for layout, gb in ((dict(cp=1, dp=2), 53.3), (dict(cp=1, tp=8), 33.0)):
+        other = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, **layout), attention="flash")
+        assert other == pytest.approx(gb, abs=0.05) and f"{gb} GB" in path.read_text(encoding="utf-8"), layout
 
 
 def test_header_parser_sees_a_wrong_count(tmp_path: Path):

@@ -13,6 +13,10 @@ The experts branch: the expert parameters each rank of a tiny MoE model holds, c
 and a one-rank MoE forward + backward measured the same way. A shared-prompt row
 (--prefix-sharing: its own mask and per-token RoPE) is measured against the formula at its
 positions.
+Context parallelism (--cp): the arithmetic without processes (cp 2 halves a rank's flash
+activations at the same length and adds the ring's buffers once, the local spec's scores stay
+W per query, the weights are replicated and the optimizer state sharded over dp x cp), and a cp 2
+forward + backward of the local spec (keys and values all-gathered over cp) measured on two ranks.
 """
 
 from __future__ import annotations
@@ -379,3 +383,180 @@ def test_moe_estimate_matches_measured_peak(tmp_path):
     # The routed term matters at this size: counting one copy per token instead of k misses it.
     one_copy = activation_bytes(dataclasses.replace(shape, topk=1), **kw)
     assert abs(one_copy / peak - 1) > TOLERANCE, f"MoE: one-copy estimate {one_copy:.0f} B, measured peak {peak} B"
+
+
+# ---------------------------------------------------------------------------------------
+# Context parallelism (--cp): the arithmetic without processes, and one cp 2 forward + backward
+# of the local spec (keys and values all-gathered over cp: model/cp_attention.py) measured.
+# ---------------------------------------------------------------------------------------
+
+
+def _dense_shape(tp: int = TP) -> LayerShape:
+    return LayerShape(hidden=SPEC.hidden_size, heads=SPEC.num_heads, kv_heads=SPEC.num_query_groups,
+                      head_dim=SPEC.head_dim, ffn=SPEC.intermediate_size,
+                      vocab=padded_vocab_size(SPEC.vocab_size, tp=tp))
+
+
+def _cp_rank_main(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.parallel.context_parallel import local_part, local_positions
+        from mcore_dpo.objective.logprobs import sequence_logps
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
+
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1, cp=2))
+        plat.init_model_rng(platform, 0)
+        with plat.building_models(platform):
+            model = build_stage_model(SPEC, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
+        tokens = torch.randint(3, SPEC.vocab_size, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        positions = local_positions(SEQ_LEN, cp=2, cp_rank=rank)
+        mine = local_part(tokens, dim=1, cp=2, cp_rank=rank)
+        # This rank's queries against the whole row's keys, in position order (cp_attention.py).
+        mask = causal_mask(SEQ_LEN, device=torch.device("cpu")).index_select(2, positions)
+        position_ids = positions.unsqueeze(0).expand(ROWS, -1)
+
+        def loss() -> torch.Tensor:
+            logits = stage_forward(model, tokens=mine, input_tensor=None, mask=mask, position_ids=position_ids,
+                                   num_positions=SEQ_LEN)
+            logps = sequence_logps(logits, mine, torch.ones(ROWS, mine.shape[1]), vocab_size=SPEC.vocab_size,
+                                   tp_rank=0, tp_group=mesh.tp_group)
+            return logps.logp_sum.sum()
+
+        meter = PeakTensorBytes()
+        with meter:
+            loss().backward()
+        Path(out_dir, f"cp_rank{rank}.json").write_text(json.dumps({"peak": meter.peak}))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_cp_estimate_matches_measured_peak(tmp_path):
+    """cp 2 (tp 1, fp32, the local spec): each rank's peak against the estimate at cp 2 (W/2
+    positions per row, the whole row's repeated keys and values and W/2 x W scores). Both
+    simpler readings miss it: the whole row on each rank (cp ignored), and a row of W/2 (the
+    keys and scores of the rank's positions only)."""
+    spawn_processes(_cp_rank_main, nprocs=2, args=(free_port(), str(tmp_path)))
+    peaks = [json.loads((tmp_path / f"cp_rank{r}.json").read_text())["peak"] for r in range(2)]
+    kw = dict(layers=LAYERS, rows=ROWS, tp=1, sequence_parallel=False, attention="local", dtype_bytes=4)
+    shape = _dense_shape(tp=1)
+    estimate = activation_bytes(shape, seq_len=SEQ_LEN, cp=2, **kw)
+    ignored = activation_bytes(shape, seq_len=SEQ_LEN, **kw)
+    halved = activation_bytes(shape, seq_len=SEQ_LEN // 2, **kw)
+    for rank, peak in enumerate(peaks):
+        assert abs(estimate / peak - 1) <= TOLERANCE, f"cp rank {rank}: estimate {estimate:.0f} B, measured {peak} B"
+        assert abs(ignored / peak - 1) > TOLERANCE and abs(halved / peak - 1) > TOLERANCE, (rank, peak, ignored, halved)
+
+
+def test_cp_halves_a_ranks_flash_activations_at_the_same_length():
+    """Flash attention: every per-token term counts a rank's W/cp positions, so at cp 2 a layer
+    (under each --recompute), the head, the sequence-parallel workspace and a stage-boundary
+    activation are half of cp 1's at the same length; the ring attention's buffers are added
+    once, only at cp > 1."""
+    from mcore_dpo.tools.memory_estimate import (boundary_bytes, head_bytes, layer_activation_bytes,
+                                                 ring_attention_bytes, workspace_bytes)
+
+    shape = _dense_shape()
+    kw = dict(seq_len=1024, rows=2, tp=TP, sequence_parallel=True, attention="flash", dtype_bytes=2)
+    for recompute in ("none", "selective", "full"):
+        one = layer_activation_bytes(shape, **kw, recompute=recompute)
+        assert layer_activation_bytes(shape, **kw, recompute=recompute, cp=2) == one / 2, recompute
+        assert layer_activation_bytes(shape, **kw, recompute=recompute, cp=4) == one / 4, recompute
+    for term in (head_bytes, workspace_bytes):
+        assert term(shape, **kw, cp=2) == term(shape, **kw) / 2, term.__name__
+    no_attention = {k: v for k, v in kw.items() if k != "attention"}
+    assert boundary_bytes(shape, **no_attention, cp=2) == boundary_bytes(shape, **no_attention) / 2
+    ring = ring_attention_bytes(shape, seq_len=1024, rows=2, tp=TP, cp=2, attention="flash", dtype_bytes=2)
+    assert ring > 0
+    assert ring_attention_bytes(shape, seq_len=1024, rows=2, tp=TP, cp=1, attention="flash", dtype_bytes=2) == 0
+    assert ring_attention_bytes(shape, seq_len=1024, rows=2, tp=TP, cp=2, attention="local", dtype_bytes=2) == 0
+    halves = (LAYERS * layer_activation_bytes(shape, **kw) + head_bytes(shape, **kw) + workspace_bytes(shape, **kw)) / 2
+    assert activation_bytes(shape, layers=LAYERS, **kw, cp=2) == pytest.approx(halves + ring, rel=1e-12)
+    assert activation_bytes(shape, layers=LAYERS, **kw) == pytest.approx(2 * halves, rel=1e-12)
+
+
+def test_ring_attention_bytes_are_the_stated_buffers():
+    """Transformer Engine's p2p ring, per local token / tp: forward, cp k+v chunks, cp per-step
+    outputs and fp32 log-sum-exps, the fp32 corrected output; backward, two [KV, dKV] buffers,
+    the dq accumulator, one step's dq, dk, dv; the larger of the two (the forward at cp 2 for this
+    shape, the backward at bigger kv / q ratios and small cp)."""
+    from mcore_dpo.tools.memory_estimate import ring_attention_bytes
+
+    shape = LayerShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128512)
+    q, kv = 32 * 128, 2 * 8 * 128
+    tokens = 16384 * 2  # 32768 positions over cp 2, two rows
+    forward = 2 * (kv + q) * 2 + 2 * 32 * 4 + q * 4
+    backward = (4 * kv + q + q + kv) * 2
+    assert (forward, backward) == (41216, 36864)
+    got = ring_attention_bytes(shape, seq_len=32768, rows=2, tp=4, cp=2, attention="flash", dtype_bytes=2)
+    assert got == tokens * forward / 4
+    mha = LayerShape(hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=14336, vocab=128512)  # kv = 2q: the backward
+    q, kv = 32 * 128, 2 * 32 * 128
+    backward = (4 * kv + q + q + kv) * 2
+    assert backward > 2 * (kv + q) * 2 + 2 * 32 * 4 + q * 4
+    assert ring_attention_bytes(mha, seq_len=32768, rows=2, tp=4, cp=2, attention="flash", dtype_bytes=2) == tokens * backward / 4
+
+
+def test_cp_local_attention_sees_the_whole_row():
+    """The local spec at cp 2: the rank's queries attend over the whole row's keys, so its
+    scores stay W per query (the W/2 x W workspace is half of W x W, not a quarter) and the
+    layer keeps more than half of cp 1's."""
+    from mcore_dpo.tools.memory_estimate import layer_activation_bytes, workspace_bytes
+
+    shape = _dense_shape()
+    kw = dict(seq_len=1024, rows=2, tp=TP, sequence_parallel=False, attention="local", dtype_bytes=4)
+    assert workspace_bytes(shape, **kw, cp=2) == 2 * (shape.heads // TP) * 512 * 1024 * 4
+    assert workspace_bytes(shape, **kw, cp=2) == workspace_bytes(shape, **kw) / 2
+    one, two = layer_activation_bytes(shape, **kw), layer_activation_bytes(shape, **kw, cp=2)
+    assert one / 2 < two < one
+    # selective keeps only the rank's own q, k, v and context: exactly half
+    assert layer_activation_bytes(shape, **kw, recompute="selective", cp=2) == \
+        layer_activation_bytes(shape, **kw, recompute="selective") / 2
+
+
+def test_per_gpu_bytes_cp_replicates_the_weights_and_shards_the_optimizer_over_dp_cp():
+    """The per-parameter term at cp 2: the same weights and grads per rank as cp 1 (each cp rank
+    holds the whole stage), the distributed optimizer's 12 B over dp x cp; without the
+    distributed optimizer, cp changes nothing per parameter."""
+    from mcore_dpo.tools.memory_estimate import OPTIMIZER_BYTES_PER_PARAM, bytes_per_param, per_gpu_bytes
+
+    shape = _dense_shape(tp=2)
+    params = 10**9
+    kw = dict(layers=LAYERS, tp=2, pp=2, dp=3, micro_batch_size=1, num_microbatches=6, seq_len=256,
+              ref_mode="interleaved", sequence_parallel=True, attention="flash")
+
+    def param_term(*, cp: int, distributed: bool) -> float:
+        return (per_gpu_bytes(shape, params=params, **kw, cp=cp, distributed_optimizer=distributed)
+                - per_gpu_bytes(shape, params=0, **kw, cp=cp, distributed_optimizer=distributed))
+
+    for cp in (1, 2, 4):
+        expected = params * bytes_per_param(ref_mode="interleaved", optimizer_shards=3 * cp) / 4
+        assert param_term(cp=cp, distributed=True) == pytest.approx(expected, rel=1e-9), cp
+        assert param_term(cp=cp, distributed=False) == pytest.approx(param_term(cp=1, distributed=False), rel=1e-9)
+    saved = param_term(cp=1, distributed=True) - param_term(cp=2, distributed=True)
+    assert saved == pytest.approx(params * OPTIMIZER_BYTES_PER_PARAM * (1 / 3 - 1 / 6) / 4, rel=1e-9)
+
+
+def test_cp_bad_values_and_padding():
+    """A rank's share of a row: the row padded to a multiple of 2 x cp, then split; cp 1 leaves
+    it as it is. cp < 1 and cp with routed experts are refused with one line."""
+    from mcore_dpo.tools.memory_estimate import local_seq_len, per_gpu_bytes
+
+    assert local_seq_len(1000, 1) == 1000 and local_seq_len(1001, 1) == 1001
+    assert local_seq_len(1000, 2) == 500 and local_seq_len(1001, 2) == 502 and local_seq_len(10, 4) == 4
+    with pytest.raises(ValueError, match="cp: must be a positive integer, got 0"):
+        local_seq_len(1000, 0)
+    spec = _tiny_moe_spec(mlp_only_layers=[])
+    kw = dict(params=1000, layers=spec.num_layers, tp=1, pp=1, dp=2, distributed_optimizer=True, micro_batch_size=1,
+              num_microbatches=2, seq_len=16, ref_mode="interleaved", sequence_parallel=False, attention="local")
+    with pytest.raises(ValueError, match="cp: context parallelism is for dense models"):
+        per_gpu_bytes(_moe_shape(spec), **kw, cp=2)
+    with pytest.raises(ValueError, match="cp: must be a positive integer"):
+        per_gpu_bytes(_dense_shape(tp=1), **kw, cp=0)

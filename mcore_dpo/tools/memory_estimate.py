@@ -41,6 +41,34 @@ Activation recompute (--recompute, megatron-core's own) changes what a layer kee
   no s x s probabilities; q, k (after RoPE), the qkv projection's output (v is a view of it) and
   the context; `flash`: no log-sum-exp. The backward reruns one layer's core attention at a time.
 
+Context parallelism (--cp N, dense models): a row of W positions is split into 2N chunks, cp
+rank i holding chunks i and 2N-1-i, so a rank keeps W/N positions of each row (the row padded to
+a multiple of 2N first): every per-token term above counts W/N tokens per row, the head and the
+stage-boundary activations too. What sees the whole row:
+
+- `local` (model/cp_attention.py: keys and values all-gathered over cp): the repeated k and v
+  cover all W positions (N times a rank's share) and the scores are W/N x W per head, fp32 + the
+  parameter dtype as above, in a W/N x W workspace.
+- `flash` (Transformer Engine's attention, cp_comm_type "p2p": a ring of key/value exchanges;
+  transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py,
+  AttnFuncWithCPAndKVP2P): what it saves for the backward is what flash attention saves without
+  cp, at the local length: q, the last received key/value chunk (k + v of the local size, in
+  place of the local k, v), the output and the fp32 log-sum-exp. What the ring adds lives only
+  inside one layer's attention forward or backward (`ring_attention_bytes`, counted once per
+  rank like what a backward recomputes): forward, the N key/value chunks it receives (2 kv
+  each), the N per-step outputs and the N per-step fp32 log-sum-exps, and the fp32 corrected
+  output; backward, two send/receive buffers of [KV, dKV] (each 2 x (k + v)), the dq accumulator
+  and one step's dq, dk, dv. The larger of the two, per local token, divided by tp (bf16/fp16;
+  the fp8 paths keep other buffers and are not modelled).
+
+The parameters are replicated over cp (not split: each cp rank holds the whole stage), and the
+distributed optimizer shards its state over dp x cp: megatron-core builds its optimizer on the
+data-parallel group with context parallel (`parallel_state.get_data_parallel_group(
+with_context_parallel=True)`: process_groups_config.setup_process_groups_for_optimizer's
+`dp_cp_group`, which get_megatron_optimizer hands the DistributedOptimizer as its
+data_parallel_group), and this project's ShardedOptimizer is built on the same group
+(`mesh.dp_cp_group`, dp_size = dp x cp: rank/worker.py).
+
 1F1B keeps up to pp microbatches in flight on the first stage, each through layers/pp
 layers: one microbatch's worth of all layers, which is what `activation_bytes` counts when
 given the whole model's layer count. `plan_activation_bytes` takes the counts from the plan
@@ -95,6 +123,16 @@ def expert_data_parallel_size(*, tp: int, dp: int, ep: int, expert_tp: int) -> i
     return ranks
 
 
+def local_seq_len(seq_len: int, cp: int) -> int:
+    """Positions of a row one cp rank holds: the row padded to a multiple of 2 x cp, split over
+    cp (cp 1: the row)."""
+    if cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp}")
+    if cp == 1:
+        return seq_len
+    return -(-seq_len // (2 * cp)) * 2
+
+
 def _norm_elems(attention: str) -> int:
     """Elements per token (in units of hidden) one norm keeps."""
     return 3 if attention == "local" else 2
@@ -114,19 +152,21 @@ def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: i
 
 def layer_activation_bytes(
     shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
-    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
+    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None, cp: int = 1,
 ) -> float:
     """Bytes one transformer layer keeps for the backward of one microbatch ([rows, seq_len]);
-    under `recompute` (module docstring): full, its share of its group's input."""
+    under `recompute` (module docstring): full, its share of its group's input. `cp`: a rank keeps
+    its seq_len / cp positions of each row (module docstring, context parallelism)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if recompute == "full":
         return boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
-                              dtype_bytes=dtype_bytes) / (recompute_num_layers or 1)
+                              dtype_bytes=dtype_bytes, cp=cp) / (recompute_num_layers or 1)
     selective = recompute == "selective"
-    tokens = seq_len * rows
+    local = local_seq_len(seq_len, cp)
+    tokens = local * rows
     sp = tp if sequence_parallel else 1
     q_width = shape.heads * shape.head_dim
     kv_width = shape.kv_heads * shape.head_dim
@@ -135,7 +175,8 @@ def layer_activation_bytes(
         attn = (3 * q_width + 3 * kv_width) * dtype_bytes / tp
     elif attention == "local":
         scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
-        attn = (4 * q_width * dtype_bytes + shape.heads * seq_len * scores_bytes) / tp
+        # q and the context are local; k and v, repeated to every head, cover the whole row (cp x)
+        attn = ((2 + 2 * cp) * q_width * dtype_bytes + shape.heads * (local * cp) * scores_bytes) / tp
     else:
         lse = 0 if selective else shape.heads * FP32_BYTES
         attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + lse) / tp
@@ -145,13 +186,13 @@ def layer_activation_bytes(
 
 def recompute_bytes(
     shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
-    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
+    expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None, cp: int = 1,
 ) -> float:
     """What a backward holds beyond the stash while it recomputes: full, one group's
     activations (recompute_num_layers layers, kept as without recompute); selective, one layer's
     core attention (what selective does not keep); none, nothing."""
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
-              dtype_bytes=dtype_bytes, expert_tp=expert_tp)
+              dtype_bytes=dtype_bytes, expert_tp=expert_tp, cp=cp)
     if recompute == "full":
         return (recompute_num_layers or 1) * layer_activation_bytes(shape, **kw)
     if recompute == "selective":
@@ -160,67 +201,96 @@ def recompute_bytes(
 
 
 def workspace_bytes(
-    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    cp: int = 1,
 ) -> float:
     """megatron-core's persistent buffer (one per dtype, shared by its users): the local
-    spec's s x s score matrix and the sequence-parallel gather of [s, b, h]."""
-    scores = rows * (shape.heads // tp) * seq_len * seq_len if attention == "local" else 0
-    gather = seq_len * rows * shape.hidden if sequence_parallel else 0
+    spec's s x s score matrix (s/cp x s with cp) and the sequence-parallel gather of [s/cp, b, h]."""
+    local = local_seq_len(seq_len, cp)
+    scores = rows * (shape.heads // tp) * local * (local * cp) if attention == "local" else 0  # keys: the padded row
+    gather = local * rows * shape.hidden if sequence_parallel else 0
     return max(scores, gather) * dtype_bytes
 
 
 def head_bytes(
-    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int,
+    cp: int = 1,
 ) -> float:
-    """Last stage: the final norm and the fp32 vocab-parallel logits with their gradient."""
-    tokens = seq_len * rows
+    """Last stage: the final norm and the fp32 vocab-parallel logits with their gradient (of
+    the rank's seq_len / cp positions per row)."""
+    tokens = local_seq_len(seq_len, cp) * rows
     sp = tp if sequence_parallel else 1
     final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
     logits = 2 * FP32_BYTES * shape.vocab / tp
     return tokens * (final_norm + logits)
 
 
+def ring_attention_bytes(
+    shape: LayerShape, *, seq_len: int, rows: int, tp: int, cp: int, attention: str, dtype_bytes: int
+) -> float:
+    """What Transformer Engine's ring attention (cp > 1, `flash`) holds beyond a layer's stash
+    inside one layer's attention, forward or backward, whichever is larger (module docstring):
+    forward, cp received key/value chunks, cp per-step outputs and fp32 log-sum-exps and the fp32
+    corrected output; backward, two [KV, dKV] send/receive buffers, the dq accumulator and one
+    step's dq, dk, dv. 0 at cp 1 and for the local spec (its all-gathered keys and values are in
+    `layer_activation_bytes`)."""
+    if cp == 1 or attention != "flash":
+        return 0.0
+    tokens = local_seq_len(seq_len, cp) * rows
+    q_width = shape.heads * shape.head_dim
+    kv = 2 * shape.kv_heads * shape.head_dim  # k + v of one position
+    forward = cp * (kv + q_width) * dtype_bytes + cp * shape.heads * FP32_BYTES + q_width * FP32_BYTES
+    backward = (2 * 2 * kv + q_width + (q_width + kv)) * dtype_bytes
+    return tokens * max(forward, backward) / tp
+
+
 def activation_bytes(
     shape: LayerShape, *, layers: int, seq_len: int, rows: int, tp: int, sequence_parallel: bool, attention: str,
     dtype_bytes: int, expert_tp: int | None = None, recompute: str = "none", recompute_num_layers: int | None = None,
+    cp: int = 1,
 ) -> float:
     """Peak activation bytes of one microbatch's forward + backward through `layers` layers
     and the last stage's head (the peak is where the backward starts), with what the backward
-    recomputes under `recompute`."""
+    recomputes under `recompute` and, at cp > 1, what the ring attention holds."""
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
-              dtype_bytes=dtype_bytes)
+              dtype_bytes=dtype_bytes, cp=cp)
     rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
+    ring = ring_attention_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, cp=cp, attention=attention,
+                                dtype_bytes=dtype_bytes)
     return (layers * layer_activation_bytes(shape, **kw, **rc) + recompute_bytes(shape, **kw, **rc)
-            + workspace_bytes(shape, **kw) + head_bytes(shape, **kw))
+            + workspace_bytes(shape, **kw) + head_bytes(shape, **kw) + ring)
 
 
 def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, sequence_parallel: bool,
-                   dtype_bytes: int) -> float:
-    """One stage-boundary activation ([s, b, h], or [s/tp, b, h] with sequence parallelism):
-    the unit of the reference activations in flight and carried (`plan_memory`)."""
-    return seq_len * rows * shape.hidden * dtype_bytes / (tp if sequence_parallel else 1)
+                   dtype_bytes: int, cp: int = 1) -> float:
+    """One stage-boundary activation ([s, b, h], or [s/tp, b, h] with sequence parallelism; s/cp
+    for s): the unit of the reference activations in flight and carried (`plan_memory`)."""
+    return local_seq_len(seq_len, cp) * rows * shape.hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
 
 def plan_activation_bytes(
     shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
     tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int, expert_tp: int | None = None,
-    recompute: str = "none", recompute_num_layers: int | None = None,
+    recompute: str = "none", recompute_num_layers: int | None = None, cp: int = 1,
 ) -> float:
     """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
     (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
     is one microbatch through its layers/pp layers (under `recompute`, what they keep); the
     last stage adds the head; every stage the workspace and what a backward recomputes
-    (`recompute_bytes`). Interleaved: the larger of the first step's plan and the carrying one."""
+    (`recompute_bytes`) and, at cp > 1, what the ring attention holds (`ring_attention_bytes`),
+    all at the rank's seq_len / cp positions per row. Interleaved: the larger of the first step's plan and the carrying one."""
     from mcore_dpo.pipeline.memory import plan_memory
     from mcore_dpo.pipeline.schedule import build_plan
 
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
-              dtype_bytes=dtype_bytes)
+              dtype_bytes=dtype_bytes, cp=cp)
     rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
     stash_unit = layers / pp * layer_activation_bytes(shape, **kw, **rc)
     recomputing = recompute_bytes(shape, **kw, **rc)
     boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
-                              dtype_bytes=dtype_bytes)
+                              dtype_bytes=dtype_bytes, cp=cp)
+    ring = ring_attention_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, cp=cp, attention=attention,
+                                dtype_bytes=dtype_bytes)
     plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
     variants = [dict()]
     if plan_mode == "interleaved":
@@ -231,7 +301,7 @@ def plan_activation_bytes(
         for stage, units in enumerate(plan_memory(plan)):
             stage_bytes = (units.policy_stash * stash_unit + (units.reference_in_flight + units.carried) * boundary
                            + recomputing + workspace_bytes(shape, **kw)
-                           + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0))
+                           + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0) + ring)
             peak = max(peak, stage_bytes)
     return peak
 
@@ -240,7 +310,7 @@ def plan_activation_bytes(
 # policy weights, fp32 main grads, frozen reference (colocated modes) ...
 POLICY_BYTES_PER_PARAM = 2 + 4
 REFERENCE_BYTES_PER_PARAM = 2
-OPTIMIZER_BYTES_PER_PARAM = 12  # ... and fp32 masters + AdamW m, v, sharded over dp by the distributed optimizer
+OPTIMIZER_BYTES_PER_PARAM = 12  # ... and fp32 masters + AdamW m, v, sharded over dp x cp by the distributed optimizer
 
 
 def bytes_per_param(*, ref_mode: str, optimizer_shards: int) -> float:
@@ -264,7 +334,7 @@ def per_gpu_bytes(
     shape: LayerShape, *, params: int, layers: int, tp: int, pp: int, dp: int, distributed_optimizer: bool,
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
     attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
-    recompute: str = "none", recompute_num_layers: int | None = None, prefix_sharing: bool = False,
+    recompute: str = "none", recompute_num_layers: int | None = None, prefix_sharing: bool = False, cp: int = 1,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
     (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
@@ -278,10 +348,18 @@ def per_gpu_bytes(
     `prefix_sharing` (padded rows): a microbatch is one row per pair, as wide as its widest
     shared pair, P + C + R + 1 <= 2 x seq_len positions (a one-token prompt whose completions
     both fill seq_len): the same positions as two unshared rows at worst, and a prompt of P
-    tokens saves P - 1 of them (data/prefix_sharing.py)."""
+    tokens saves P - 1 of them (data/prefix_sharing.py).
+    `cp` (--cp, dense models): the parameters are replicated over cp, the distributed optimizer
+    shards its state over dp x cp, and a rank's activations are those of its seq_len / cp
+    positions per row plus the ring attention's buffers (module docstring)."""
     if expert_tp is None:
         expert_tp = 1 if ep > 1 else tp
-    dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=dp if distributed_optimizer else 1) / (tp * pp)
+    if cp < 1:
+        raise ValueError(f"cp: must be a positive integer, got {cp}")
+    if cp > 1 and (expert_params or shape.experts):
+        raise ValueError("cp: context parallelism is for dense models (no routed experts)")
+    shards = dp * cp if distributed_optimizer else 1
+    dense = params * bytes_per_param(ref_mode=ref_mode, optimizer_shards=shards) / (tp * pp)
     experts = 0.0
     if expert_params:
         edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, expert_tp=expert_tp)
@@ -292,5 +370,6 @@ def per_gpu_bytes(
         shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=width,
         rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
         dtype_bytes=dtype_bytes, expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers,
+        cp=cp,
     )  # fmt: skip
     return dense + experts + max(activations, optimizer_step_bytes())

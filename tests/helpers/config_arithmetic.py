@@ -84,4 +84,5 @@ def memory_gb_per_gpu(*, arch: dict[str, str], config: TrainConfig, attention: s
                          micro_batch_size=config.micro_batch_size, num_microbatches=num_microbatches,
                          seq_len=config.max_length, ref_mode=config.ref_mode, sequence_parallel=sequence_parallel,
                          attention=attention, expert_params=expert_params(arch), ep=config.ep,
-                         recompute=config.recompute, recompute_num_layers=config.recompute_num_layers) / 1e9
+                         recompute=config.recompute, recompute_num_layers=config.recompute_num_layers,
+                         cp=config.cp) / 1e9
