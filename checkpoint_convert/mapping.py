@@ -43,6 +43,23 @@ def stacked_source(name: str) -> tuple[str, int] | None:
     return (stored, int(expert)) if sep and expert.isdigit() else None
 
 
+def stacked_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """get(name), where an expert's slice of a stacked tensor (mapping.STACKED) is read from its
+    stack, the last stack read kept (the entries of one stack come one after the other)."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def get_hf(name: str) -> torch.Tensor:
+        source = stacked_source(name)
+        if source is None:
+            return get(name)
+        if source[0] not in cache:
+            cache.clear()
+            cache[source[0]] = get(source[0])
+        return cache[source[0]][source[1]]
+
+    return get_hf
+
+
 def canonical_tensors(kind: str, tensors: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
     """An entry's HF tensors in the form of its megatron-core kind: an interleaved gate/up slice
     as (gate [I, h], up [I, h]) (or a bias's halves), a transposed fc2 slice as [h, I]."""
@@ -560,7 +577,7 @@ def _gather_entry(
     return {n: t.contiguous().clone() for n, t in zip(hf_names, tensors)}
 
 
-def _gather_stacked(
+def gather_stacked(
     spec: ModelSpec, stored: str, *, index: dict, tp: int, layer_spec: str,
     get_shard: Callable[[int, int], Mapping[str, torch.Tensor]], experts: range | None = None,
 ) -> torch.Tensor:
@@ -607,7 +624,7 @@ def mcore_to_hf(
     pending: dict[str, torch.Tensor] = {}
     for hf_name in order:
         if hf_name not in index:  # experts stacked in one tensor
-            yield hf_name, _gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)
+            yield hf_name, gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)
             continue
         if hf_name not in pending:
             template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
@@ -631,7 +648,7 @@ def mcore_to_hf_tensor(
     the same fused entry (q/k/v, gate/up), so a caller can cache them."""
     index = hf_entry_index(spec, pp=pp)
     if hf_name not in index and f"{hf_name}{STACKED}0" in index:
-        return {hf_name: _gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)}
+        return {hf_name: gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)}
     if hf_name not in index:
         raise ConversionError(f"tensor '{hf_name}' is not part of a {spec.architecture} checkpoint")
     template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]

@@ -70,7 +70,7 @@ from checkpoint_convert.mapping import (
     mcore_entries,
     padded_vocab_size,
     split_entry,
-    stacked_source,
+    stacked_reader,
     stage_layers,
 )
 from checkpoint_convert.megatron_args import checkpoint_args, hf_config_from_args, layout_from_args
@@ -455,23 +455,6 @@ def _chunks(*, kind: str, part: torch.Tensor, tp_rank: int, fc1_rows: int) -> It
         raise AssertionError(kind)
 
 
-def _stacked_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """get(name), where an expert's slice of a stacked tensor (mapping.STACKED) is read from its
-    stack, the last stack read kept (the entries of one stack come one after the other)."""
-    cache: dict[str, torch.Tensor] = {}
-
-    def get_hf(name: str) -> torch.Tensor:
-        source = stacked_source(name)
-        if source is None:
-            return get(name)
-        if source[0] not in cache:
-            cache.clear()
-            cache[source[0]] = get(source[0])
-        return cache[source[0]][source[1]]
-
-    return get_hf
-
-
 def _write_vocab(
     writer: DcpWriter, *, key: str, hf_name: str, get_rows: Callable, spec: ModelSpec, dtype: torch.dtype,
     padded: int, tp: int, file_of: Callable[[int], str],
@@ -518,7 +501,7 @@ def write_checkpoint(
     shapes = _global_shapes(spec, padded=padded)
     for key, shape in shapes.items():
         writer.declare(key, shape=shape, dtype=torch_dtype)
-    get_hf = _stacked_reader(get)
+    get_hf = stacked_reader(get)
     try:
         for pp_rank in range(pp):
 
