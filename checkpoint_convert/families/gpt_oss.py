@@ -239,6 +239,12 @@ def moe_hf_shapes(spec: ModelSpec, *, layer: int) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): HF's glu = gate * sigmoid(gate * alpha), as megatron-core's quick_gelu
+    (not imported: its module compiles fused kernels on import)."""
+    return x * torch.sigmoid(SWIGLU_ALPHA * x)
+
+
 def export_config(config: dict) -> dict:
     """The exported config.json: the weights are written dequantised, so no quantization_config."""
     return {k: v for k, v in config.items() if k != "quantization_config"}
@@ -249,8 +255,6 @@ def transformer_fields(spec: ModelSpec) -> dict:
     clamped SwiGLU with its offset, YaRN's cos/sin scale as the softmax scale, the windowed
     layers (window (W - 1, 0): a token sees itself and the W - 1 before it; the 0/1 list marks
     them) and the softmax top-k router with its bias."""
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
     fields = {
         "add_qkv_bias": True, "add_bias_linear": True, "softmax_type": "learnable", "activation_func": quick_gelu,
         "glu_linear_offset": 1.0, "activation_func_clamp_value": spec.swiglu_limit,
