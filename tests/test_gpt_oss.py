@@ -148,7 +148,7 @@ def test_mxfp4_experts_import_as_the_dequantised_model(tmp_path, capsys):
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     # Blocks that do not fit the expected tensor: one line naming the file and tensor.
     bad = dict(stored)
-    bad["model.layers.1.mlp.experts.down_proj_blocks"] = bad["model.layers.1.mlp.experts.down_proj_blocks"][:, :8]
+    bad["model.layers.1.mlp.experts.down_proj_blocks"] = bad["model.layers.1.mlp.experts.down_proj_blocks"][:, :8].contiguous()
     save_file(bad, str(packed / "model.safetensors"), metadata={"format": "pt"})
     capsys.readouterr()
     assert main(["hf-to-mcore", "--hf-dir", str(packed), "--out", str(tmp_path / "c")]) != 0
