@@ -333,13 +333,19 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> No
     tp rank saw only its share of the sequence. The per-head q/k norms (qk_layernorm) are
     replicated over tp but each rank normalises only its own heads, so their gradients are
     summed too. What megatron-core's finalize_model_grads does for these parameters; the tp
-    copies are then equal, so the gradient norm counts them once."""
+    copies are then equal, so the gradient norm counts them once.
+
+    Expert-parallel parameters (megatron-core marks them `allreduce=False`) are never summed:
+    megatron-core 0.16.1 marks an expert RowParallelLinear's bias (GPT-OSS's expert fc2 bias)
+    `sequence_parallel` too, but the tp ranks of an ep > 1 layout hold different experts under
+    the same local names, and each expert already saw every token routed to it."""
     import torch.distributed as dist
 
     grads = [
         p.main_grad
         for name, p in model.named_parameters()
         if p.requires_grad
+        and getattr(p, "allreduce", True)
         and (getattr(p, "sequence_parallel", False) or name.endswith(("q_layernorm.weight", "k_layernorm.weight")))
     ]
     if not grads or dist.get_world_size(tp_group) == 1:
