@@ -15,6 +15,12 @@ express, as small modules of ours:
   (gemma3.window_mask): a token does not see tokens `sliding_window` or more positions before it,
   so packed rows and rows whose branches restart their positions are windowed as their sequences
   alone would be.
+- The experts' output bias at expert-tp 1 without expert parallelism (tp 1, ep 1): megatron-core's
+  expert MLP adds it in place to fc2's output, which there comes through a no-op tensor-parallel
+  reduce that returns its input as a view, and autograd refuses the in-place add ("Output 0 of
+  _ReduceFromModelParallelRegion is a view"). `adapt_model` marks the expert linears as doing
+  their own communication (`explicit_expert_comm`, as megatron-core's shared experts do for
+  overlap), which skips the region functions; on one expert-tp rank they only return their input.
 """
 
 from __future__ import annotations
@@ -81,3 +87,7 @@ def adapt_model(model: torch.nn.Module, spec: ModelSpec) -> None:
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is not None:
         rope.inv_freq = inv_freq(spec).to(rope.inv_freq.device)
+    for module in model.modules():
+        # Already True at expert-tp > 1 or ep > 1; where False, the regions it skips are identities.
+        if getattr(module, "is_expert", False) and hasattr(module, "explicit_expert_comm"):
+            module.explicit_expert_comm = True
