@@ -181,6 +181,41 @@ def test_verify_pp2_ep2(hub_dir, tmp_path, capsys):
     assert "argmax agreement 100.00%" in captured.out
 
 
+def test_the_sinks_count_in_the_grad_norm_on_every_tp_rank():
+    """The sinks (`core_attention.softmax_offset`, one per local head) are split over tp, but
+    megatron-core 0.16.1 leaves them unmarked; `mark_sinks_split` marks them, so the gradient
+    norm counts each tp rank's sinks (unmarked, it counted them on tp rank 0 only, like a norm:
+    grad_norm at tp 2 was short by the other ranks' sinks). A rank at tp 2 with whole experts
+    (ep 2): its sinks, tp-split weights and its own experts' (unsplit) output biases count, the
+    replicated norm does not."""
+    from types import SimpleNamespace
+
+    from mcore_dpo.model.gpt_oss import mark_sinks_split
+    from mcore_dpo.optim.adamw import params_once
+    from mcore_dpo.parallel.mesh import Layout, Mesh
+
+    stage = torch.nn.Module()
+    stage.core_attention = torch.nn.Module()
+    stage.core_attention.softmax_offset = torch.nn.Parameter(torch.zeros(2))
+    stage.norm = torch.nn.Parameter(torch.ones(32))
+    stage.qkv = torch.nn.Parameter(torch.zeros(64, 32))
+    stage.qkv.tensor_model_parallel = True
+    stage.expert_fc2_bias = torch.nn.Parameter(torch.zeros(32))
+    stage.expert_fc2_bias.allreduce = False
+    mark_sinks_split(stage.core_attention)
+    mark_sinks_split(stage.core_attention)  # idempotent
+    assert stage.core_attention.softmax_offset.partition_dim == 0
+    spec = SimpleNamespace(tie_word_embeddings=False)
+    for tp_rank in (0, 1):
+        mesh = Mesh(layout=Layout(tp=2, pp=1, dp=1, ep=2), rank=tp_rank, tp_rank=tp_rank, pp_rank=0, dp_rank=0,
+                    tp_group=None, pp_group=None, dp_group=None, model_parallel_group=None, prev_rank=None,
+                    next_rank=None, embedding_group=None, ep_rank=tp_rank, edp_rank=0)
+        counted = {id(p) for p in params_once(stage, spec=spec, mesh=mesh)}
+        names = {n for n, p in stage.named_parameters() if id(p) in counted}
+        replicated = {"norm"} if tp_rank == 0 else set()
+        assert names == {"core_attention.softmax_offset", "qkv", "expert_fc2_bias"} | replicated, tp_rank
+
+
 # --------------------------------------------------------------------------- DPO parity
 def _check_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
     """Step-1 metrics, every rank's step-1 gradients and dp rank 0's weights after the step

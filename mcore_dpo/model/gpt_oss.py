@@ -21,6 +21,9 @@ express, as small modules of ours:
   _ReduceFromModelParallelRegion is a view"). `adapt_model` marks the expert linears as doing
   their own communication (`explicit_expert_comm`, as megatron-core's shared experts do for
   overlap), which skips the region functions; on one expert-tp rank they only return their input.
+- The sinks are split over tp by heads but not marked `tensor_model_parallel` by megatron-core;
+  `SinkCoreAttention` marks them (`mark_sinks_split`), or the gradient norm counted them on tp
+  rank 0 only.
 """
 
 from __future__ import annotations
@@ -45,11 +48,31 @@ def split_rope(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class SinkCoreAttention(DotProductAttention):
     """megatron-core's local attention (the sink as its learnable softmax offset), with the mask it
-    is given (the window is in it)."""
+    is given (the window is in it).
+
+    The offset holds one sink per local head, so it is split over tp like the heads, but
+    megatron-core 0.16.1 does not mark it `tensor_model_parallel` (only its sharded_state_dict
+    says axis 0). Unmarked, the gradient norm would count it on tp rank 0 only, as if it were
+    replicated like a norm, and drop the sinks of the other tp ranks' heads
+    (`optim.adamw.params_once`); it is marked here as a column-split parameter."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.scale_mask_softmax.window_size = None
+        mark_sinks_split(self)
+
+
+def mark_sinks_split(attention: torch.nn.Module) -> None:
+    """Marks `attention`'s learnable softmax offset (the sinks of its local heads) as split over
+    tp along dim 0, as megatron-core marks a column-parallel weight (SinkCoreAttention)."""
+    offset = getattr(attention, "softmax_offset", None)
+    if isinstance(offset, torch.nn.Parameter) and not getattr(offset, "tensor_model_parallel", False):
+        for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(offset, attribute):
+                delattr(offset, attribute)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(offset, True, 0, 1)
 
 
 class WindowedSelfAttention(SelfAttention):

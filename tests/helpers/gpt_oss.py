@@ -5,7 +5,8 @@ written in the released checkpoints' MXFP4 layout.
 full attention (layers 0 and 2 slide, so each stage of a pp-2 split has both kinds), hidden 32,
 4 heads in 2 query groups of head_dim 16, YaRN RoPE (factor 4 over 32 positions, truncate false),
 4 experts of intermediate size 32, top 2, a SwiGLU clamp of 1.5 (the test activations reach it).
-Norm weights 1 + 0.1 N(0, 1), biases and sinks 0.1 N(0, 1), matrices 0.25 N(0, 1).
+Norm weights 1 + 0.1 N(0, 1), biases and sinks 0.1 N(0, 1), matrices 0.25 N(0, 1); then MEAN_SHIFT
+added to hidden dimension MEAN_DIM of every embedding and lm_head row (a mean logit far from 0).
 
 `mxfp4_experts(model, seed=...)`: the model with expert weights drawn as MXFP4 values (random e2m1
 codes, scales 2^-3..2^-1) and the blocks and scales that hold them: the dequantised weights are
@@ -37,6 +38,10 @@ CONFIG = dict(
 TINY = {"gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(**CONFIG))}
 
 
+# The hidden dimension and the constant of `gpt_oss`'s mean-logit shift.
+MEAN_DIM, MEAN_SHIFT = 0, 1.0
+
+
 def gpt_oss(*, seed: int, **overrides) -> GptOssForCausalLM:
     model = GptOssForCausalLM(GptOssConfig(**{**CONFIG, **overrides}))
     gen = torch.Generator().manual_seed(seed)
@@ -48,6 +53,16 @@ def gpt_oss(*, seed: int, **overrides) -> GptOssForCausalLM:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+        # A clear mean logit. With the draws above the mean of the logits over the vocabulary is
+        # ~3e-4, a cancellation: the parity tests' `logits/chosen` then measured fp32 rounding
+        # (3e-5 relative; HF fp32 itself is 1e-4 away from float64), not the engine. A constant
+        # in one hidden dimension of every token's embedding (kept through the residual stream,
+        # so the final norm's output is positive there) and the same constant added to that
+        # column of every lm_head row shift every logit of a token by the same positive amount:
+        # log-softmax (log-probs, losses, rewards) is unchanged by the lm_head part; the mean
+        # logit becomes O(1).
+        model.model.embed_tokens.weight[:, MEAN_DIM] += MEAN_SHIFT
+        model.lm_head.weight[:, MEAN_DIM] += MEAN_SHIFT
     return model.float().eval()
 
 
