@@ -34,6 +34,7 @@ from checkpoint_convert.io import (
     open_hf_dir,
     shard_relpath,
 )
+from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
     hf_entry_index,
@@ -45,6 +46,7 @@ from checkpoint_convert.mapping import (
     hf_tensor_shapes,
     padded_vocab_size,
     split_entry,
+    stacked_reader,
 )
 from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.names import DTYPE_HELP, canonical_dtype
@@ -143,6 +145,7 @@ def _write_mcore(
 ) -> None:
     torch_dtype = DTYPES[dtype]
     rows_per_rank = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor) // tp
+    get = stacked_reader(get)  # an expert's slice of a stacked tensor (GPT-OSS) from its stack
     for pp_rank in range(pp):
         per_ep_rank = ep_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, layer_spec=layer_spec, divisor=divisor)
         with contextlib.ExitStack() as stack:
@@ -375,6 +378,9 @@ def mcore_to_hf_dir(
             for name in hf_tensor_shapes(meta.spec):
                 if writer.written(name):
                     continue  # a sibling (k, v, up) written with the first tensor of its entry
+                if name not in index:  # experts stacked in one tensor (GPT-OSS): gathered expert by expert
+                    writer.write(name, view.get(name))
+                    continue
                 template, kind, hf_names, pp_rank, local, moe_layer = index[name]
                 if kind == "vocab":
                     row_bytes = element_bytes * meta.spec.hidden_size
@@ -396,6 +402,7 @@ def mcore_to_hf_dir(
                 if path.is_file() and path.name != "config.json":
                     shutil.copy2(path, tmp / path.name)
         config = _export_config(meta.hf_config, dtype=meta.dtype)
+        config = getattr(family_of(meta.spec), "export_config", lambda c: c)(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     log(f"mcore-to-hf: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
         f"({len(files)} shard(s))")

@@ -45,6 +45,8 @@ from checkpoint_convert.families import family_of, spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (
     LAYER_SPECS,
+    STACKED,
+    gather_stacked,
     check_layout,
     fused_hf_sources,
     hf_tensor_shapes,
@@ -167,8 +169,13 @@ class HFCheckpoint:
         self._fused = fused_hf_sources(self.spec, stored=set(self._file_of))
         self._fused_shapes = {name: expected[name] for name in self._fused}
         fused_stored = {source for source, *_ in self._fused.values()}
+        # Experts stored quantised (GPT-OSS's MXFP4 blocks and scales) are read dequantised.
+        self._quantized = quantized_sources(self.spec, stored=set(self._file_of))
+        fused_stored |= {name for pair in self._quantized.values() for name in pair}
+        for name, (blocks, scales) in self._quantized.items():
+            self._check_quantized(name, blocks, scales, expected[name])
         for name in expected:
-            if name not in self._file_of and name not in self._fused:
+            if name not in self._file_of and name not in self._fused and name not in self._quantized:
                 raise ConversionError(f"{self.dir}: tensor '{name}' is missing")
         # Tensors a family drops on import (DeepSeek-V3's multi-token-prediction layers): one line.
         ignored = getattr(family_of(self.spec), "ignored_hf_tensor", lambda _spec, _name: False)
@@ -195,11 +202,37 @@ class HFCheckpoint:
     def _path_of(self, name: str) -> Path:
         return self.dir / self._file_of[name]
 
+    def _check_quantized(self, name: str, blocks: str, scales: str, expected: tuple[int, ...]) -> None:
+        """MXFP4 blocks [E, rows, G, 16] and scales [E, rows, G] (uint8) of a tensor [E, G * 32, rows]."""
+        b_shape, s_shape = self._handles[self._file_of[blocks]].shape(blocks), self._handles[self._file_of[scales]].shape(scales)
+        for tensor in (blocks, scales):
+            code = self._handles[self._file_of[tensor]].dtype_code(tensor)
+            if code != "U8":
+                raise ConversionError(f"{self._path_of(tensor)}: tensor '{tensor}' has dtype {code}; MXFP4 blocks and scales are U8")
+        if len(b_shape) != 4 or b_shape[-1] != 16 or b_shape[:-1] != s_shape or (b_shape[0], b_shape[2] * 32, b_shape[1]) != expected:
+            raise ConversionError(f"{self._path_of(blocks)}: tensor '{blocks}' {list(b_shape)} with '{scales}' {list(s_shape)} "
+                                  f"does not dequantise to '{name}' of shape {list(expected)}")
+
+    def _get_quantized_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """A tensor stored as MXFP4 blocks and scales, dequantised: dim 0 (experts) narrowed on
+        read, any other dim after dequantising those experts."""
+        blocks, scales = self._quantized[name]
+        b_handle, s_handle = self._handles[self._file_of[blocks]], self._handles[self._file_of[scales]]
+        b_shape, s_shape = b_handle.shape(blocks), s_handle.shape(scales)
+        first, count = (start, stop - start) if dim == 0 else (0, b_shape[0])
+        b = b_handle.read_box(blocks, offsets=(first, 0, 0, 0), sizes=(count, *b_shape[1:]))
+        s = s_handle.read_box(scales, offsets=(first, 0, 0), sizes=(count, *s_shape[1:]))
+        family = family_of(self.spec)
+        whole = family.dequantise_mxfp4(b, s, dtype=DTYPES[self.spec.torch_dtype]).transpose(-1, -2).contiguous()
+        return whole if dim == 0 else whole.narrow(dim, start, stop - start).contiguous()
+
     @property
     def names(self) -> list[str]:
         return list(hf_tensor_shapes(self.spec))
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._quantized and name not in self._file_of:
+            return self._get_quantized_part(name, 0, 0, self.spec.num_experts)
         if name in self._fused and name not in self._file_of:
             return self._get_fused(name)
         if name not in self._file_of:
@@ -233,6 +266,8 @@ class HFCheckpoint:
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Tensor `name` narrowed to [start, stop) on dim, reading only those bytes (a block of
         rows is one read, a block of columns one read per row)."""
+        if name in self._quantized and name not in self._file_of:
+            return self._get_quantized_part(name, dim, start, stop)
         if name in self._fused and name not in self._file_of:
             return self._get_fused_part(name, dim, start, stop)
         if name not in self._file_of:
@@ -262,6 +297,18 @@ class HFCheckpoint:
             and p.name not in ("config.json", INDEX_FILE)
             and not p.name.endswith(_WEIGHT_SUFFIXES)
         )
+
+
+def quantized_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[str, str]]:
+    """HF tensor name -> (blocks, scales) for the tensors a checkpoint stores quantised (the
+    family's QUANTIZED_KEYS: GPT-OSS's MXFP4 experts) instead of plain."""
+    sources = {}
+    for template, (blocks, scales) in getattr(family_of(spec), "QUANTIZED_KEYS", {}).items():
+        for layer in spec.moe_layers:
+            name = template.format(layer=layer)
+            if name not in stored and blocks.format(layer=layer) in stored and scales.format(layer=layer) in stored:
+                sources[name] = (blocks.format(layer=layer), scales.format(layer=layer))
+    return sources
 
 
 def open_hf_dir(directory: str | os.PathLike) -> HFCheckpoint:
@@ -578,6 +625,8 @@ class HFView:
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of HF tensor `name` (vocabulary tensors: without gathering the rest)."""
+        if name not in self._index and name in self._shapes:  # experts stacked in one tensor
+            return self.get(name)[start:stop].clone()
         if name not in self._index:
             raise ConversionError(f"tensor '{name}' is not part of a {self.spec.architecture} checkpoint")
         template, kind, _, pp_rank, local, moe_layer = self._index[name]
@@ -603,7 +652,14 @@ class HFView:
         """HF tensor `name` narrowed to [start, stop) on dim. The parts hf_to_mcore_shard asks
         for are read from the rank files that hold them, only their bytes: q, k and v as whole
         query groups (all three from one read of the groups' fused rows; the other two are kept
-        until asked for), the rest by mapping.stored_pieces. Any other part is cut from get(name)."""
+        until asked for), the rest by mapping.stored_pieces. Any other part is cut from get(name).
+        Experts stacked in one tensor (mapping.STACKED): the experts asked for are gathered."""
+        if name not in self._index and f"{name}{STACKED}0" in self._index:
+            meta = self._ckpt.meta
+            experts = range(start, stop) if dim == 0 else None
+            whole = gather_stacked(self.spec, name, index=self._index, tp=meta.tp, layer_spec=meta.layer_spec,
+                                   get_shard=self._ckpt.shard_view, experts=experts)
+            return whole if dim == 0 else whole.narrow(dim, start, stop - start).clone()
         if name not in self._index:
             raise ConversionError(f"tensor '{name}' is not part of a {self.spec.architecture} checkpoint")
         _, sizes = narrowed_box(self._shapes[name], dim, start, stop)

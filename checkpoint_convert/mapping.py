@@ -27,6 +27,77 @@ from checkpoint_convert.families.base import ConversionError, ModelSpec
 
 LAYER_SPECS = ("local", "te")
 
+# Experts stored stacked (GPT-OSS: one HF tensor [E, ...] per projection, as transformers holds
+# them): the key map names expert e's slice `<stored name>@{expert}`; the files hold the stack.
+STACKED = "@"
+# Split kinds of such slices, each the HF form of a megatron-core kind (`canonical_tensors`):
+#   fc1_interleaved  [h, 2I] (or a bias [2I]) with gate and up interleaved on the last dim
+#                    (even: gate, odd: up), the input dim first: megatron-core's fc1
+#   row_transposed   [I, h], the input dim first: megatron-core's row-parallel fc2
+CANONICAL_KIND = {"fc1_interleaved": "fc1", "row_transposed": "row"}
+
+
+def stacked_source(name: str) -> tuple[str, int] | None:
+    """(stored stacked tensor, expert) of a slice name `<stored>@<expert>`; None for any other name."""
+    stored, sep, expert = name.rpartition(STACKED)
+    return (stored, int(expert)) if sep and expert.isdigit() else None
+
+
+def stacked_reader(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """get(name), where an expert's slice of a stacked tensor (mapping.STACKED) is read from its
+    stack, the last stack read kept (the entries of one stack come one after the other)."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def get_hf(name: str) -> torch.Tensor:
+        source = stacked_source(name)
+        if source is None:
+            return get(name)
+        if source[0] not in cache:
+            cache.clear()
+            cache[source[0]] = get(source[0])
+        return cache[source[0]][source[1]]
+
+    return get_hf
+
+
+def canonical_tensors(kind: str, tensors: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+    """An entry's HF tensors in the form of its megatron-core kind: an interleaved gate/up slice
+    as (gate [I, h], up [I, h]) (or a bias's halves), a transposed fc2 slice as [h, I]."""
+    if kind == "fc1_interleaved":
+        (whole,) = tensors
+        gate, up = whole[..., 0::2], whole[..., 1::2]
+        return "fc1", [gate.t().contiguous(), up.t().contiguous()] if whole.dim() == 2 else [gate.contiguous(), up.contiguous()]
+    if kind == "row_transposed":
+        return "row", [tensors[0].t().contiguous()]
+    return kind, tensors
+
+
+def hf_form(kind: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inverse of `canonical_tensors`: (gate, up) interleaved back (and transposed), [h, I] transposed."""
+    if kind == "fc1_interleaved":
+        gate, up = tensors
+        whole = torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+        return [whole.t().contiguous() if whole.dim() == 2 else whole]
+    if kind == "row_transposed":
+        return [tensors[0].t().contiguous()]
+    return tensors
+
+
+def _canonical_shapes(kind: str, shapes: list[tuple[int, ...]]) -> tuple[str, list[tuple[int, ...]]]:
+    if kind == "fc1_interleaved":
+        shape = shapes[0]
+        half = (shape[-1] // 2, *shape[:-1])
+        return "fc1", [half, half]
+    if kind == "row_transposed":
+        return "row", [tuple(reversed(shapes[0]))]
+    return kind, shapes
+
+
+def hf_shape(shapes: Mapping[str, tuple[int, ...]], name: str) -> tuple[int, ...]:
+    """The shape of HF tensor `name` (a stacked slice: its stored tensor's, less the expert dim)."""
+    source = stacked_source(name)
+    return shapes[name] if source is None else tuple(shapes[source[0]][1:])
+
 # The stages' own entries (the per-layer ones are each family's `layer_keys`).
 # Order matters: it is the order tensors are streamed in (embedding, layers, head).
 _FIRST_STAGE_KEYS = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
@@ -247,18 +318,19 @@ def mcore_shard_shapes(
     shapes = {}
     for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
         name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
-        first = hf_shapes[hf[0].format(layer=global_layer)]
+        kind, hf_shapes_of = _canonical_shapes(kind, [hf_shape(hf_shapes, t.format(layer=global_layer)) for t in hf])
+        first = hf_shapes_of[0]
         if kind == "replicated":
             shape = first
         elif kind == "vocab":
             shape = (vocab // tp, first[1])
         elif kind == "qkv":
-            rows = sum(hf_shapes[t.format(layer=global_layer)][0] for t in hf) // tp
+            rows = sum(shape[0] for shape in hf_shapes_of) // tp
             shape = (rows,) + first[1:]
         elif kind == "fc1":
-            shape = (2 * first[0] // tp, first[1])
+            shape = (2 * first[0] // tp,) + first[1:]
         elif kind == "column":
-            shape = (first[0] // tp, first[1])
+            shape = (first[0] // tp,) + first[1:]
         elif kind == "row":
             shape = (first[0], first[1] // tp)
         else:
@@ -357,10 +429,25 @@ def hf_to_mcore_shard(
             start, stop = min(tp_rank * rows, spec.vocab_size), min((tp_rank + 1) * rows, spec.vocab_size)
             real = get_part(hf_names[0], 0, start, stop)
             out = torch.cat([real, real.new_zeros(rows - (stop - start), *real.shape[1:])], dim=0)
+        elif kind in CANONICAL_KIND:  # an expert's slice of a stacked tensor: read whole, then split
+            split_tp, split_rank = (etp, tp_rank % etp) if is_expert_entry(template) else (tp, tp_rank)
+            slices = []
+            for n in hf_names:
+                stored, expert = stacked_source(n)
+                slices.append(get_part(stored, 0, expert, expert + 1)[0])
+            canonical, tensors = canonical_tensors(kind, slices)
+            out = split_entry(spec, kind=canonical, tensors=tensors, tp=split_tp, tp_rank=split_rank)
         else:  # an expert is split over the expert tp ranks only
             split_tp, split_rank = (etp, tp_rank % etp) if is_expert_entry(template) else (tp, tp_rank)
-            slices = entry_slices(spec, kind=kind, shapes=[hf_shapes[n] for n in hf_names], tp=split_tp, tp_rank=split_rank)
-            out = join_parts(spec, kind=kind, parts=[get_part(n, *where) for n, where in zip(hf_names, slices)])
+            parts = []
+            for n, where in zip(hf_names, entry_slices(spec, kind=kind, shapes=[hf_shape(hf_shapes, n) for n in hf_names],
+                                                        tp=split_tp, tp_rank=split_rank)):
+                source = stacked_source(n)
+                if source is None:
+                    parts.append(get_part(n, *where))
+                else:  # a slice of a stacked tensor (the expert's biases)
+                    parts.append(get_part(source[0], 0, source[1], source[1] + 1)[0].narrow(where[0], where[1], where[2] - where[1]))
+            out = join_parts(spec, kind=kind, parts=parts)
         shard[name] = out.contiguous().clone()
     return shard
 
@@ -368,6 +455,7 @@ def hf_to_mcore_shard(
 def split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: int, tp_rank: int) -> torch.Tensor:
     """One tp rank's part of a non-vocabulary entry, from the entry's HF tensors (in the order
     of the key map: q, k, v or gate, up). The vocabulary kind is padded and split by rows."""
+    kind, tensors = canonical_tensors(kind, tensors)
     slices = entry_slices(spec, kind=kind, shapes=[tuple(t.shape) for t in tensors], tp=tp, tp_rank=tp_rank)
     return join_parts(spec, kind=kind, parts=[t.narrow(dim, a, b - a) for t, (dim, a, b) in zip(tensors, slices)])
 
@@ -481,10 +569,27 @@ def _gather_entry(
     parts = [_take(get_shard(t, pp_rank), name, tp_rank=t, pp_rank=pp_rank) for t in range(tp)]
     if kind == "vocab":
         return {hf_names[0]: torch.cat(parts, dim=0)[: spec.vocab_size].contiguous().clone()}
-    blocks: list[list[torch.Tensor]] = [[] for _ in hf_names]
-    for i, block in entry_blocks(spec, kind=kind, parts=parts):
+    canonical = CANONICAL_KIND.get(kind, kind)
+    blocks: list[list[torch.Tensor]] = [[] for _ in range(2 if canonical == "fc1" else len(hf_names))]
+    for i, block in entry_blocks(spec, kind=canonical, parts=parts):
         blocks[i].append(block)
-    return {n: torch.cat(b, dim=0).contiguous().clone() for n, b in zip(hf_names, blocks)}
+    tensors = hf_form(kind, [torch.cat(b, dim=0) for b in blocks]) if kind in CANONICAL_KIND else [torch.cat(b, dim=0) for b in blocks]
+    return {n: t.contiguous().clone() for n, t in zip(hf_names, tensors)}
+
+
+def gather_stacked(
+    spec: ModelSpec, stored: str, *, index: dict, tp: int, layer_spec: str,
+    get_shard: Callable[[int, int], Mapping[str, torch.Tensor]], experts: range | None = None,
+) -> torch.Tensor:
+    """A stacked HF tensor (`STACKED`), its experts' slices gathered one by one (or `experts` of them)."""
+    slices = []
+    for expert in experts if experts is not None else range(spec.num_experts):
+        name = f"{stored}{STACKED}{expert}"
+        template, kind, hf_names, pp_rank, local, moe_layer = index[name]
+        mcore = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
+        slices.append(_gather_entry(spec, kind=kind, name=mcore, hf_names=hf_names, tp=tp, pp_rank=pp_rank,
+                                    get_shard=get_shard)[name])
+    return torch.stack(slices)
 
 
 def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None, bool]]:
@@ -518,6 +623,9 @@ def mcore_to_hf(
     index = hf_entry_index(spec, pp=pp)
     pending: dict[str, torch.Tensor] = {}
     for hf_name in order:
+        if hf_name not in index:  # experts stacked in one tensor
+            yield hf_name, gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)
+            continue
         if hf_name not in pending:
             template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
             name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
@@ -539,6 +647,8 @@ def mcore_to_hf_tensor(
     """The HF tensor hf_name gathered from megatron shards, together with its siblings from
     the same fused entry (q/k/v, gate/up), so a caller can cache them."""
     index = hf_entry_index(spec, pp=pp)
+    if hf_name not in index and f"{hf_name}{STACKED}0" in index:
+        return {hf_name: gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)}
     if hf_name not in index:
         raise ConversionError(f"tensor '{hf_name}' is not part of a {spec.architecture} checkpoint")
     template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
@@ -571,6 +681,7 @@ def fused_hf_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[st
 def tp_part_of_whole_expert(spec: ModelSpec, *, kind: str, whole: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     """Tensor-parallel rank tp_rank's part of a whole expert tensor (expert tp 1) as the ep-1
     layout splits it over tp: fc1 by its gate and up halves, fc2 ("row") on its input dim."""
+    kind = CANONICAL_KIND.get(kind, kind)
     parts = list(whole.chunk(2, dim=0)) if kind == "fc1" else [whole]
     return split_entry(spec, kind=kind, tensors=parts, tp=tp, tp_rank=tp_rank)
 

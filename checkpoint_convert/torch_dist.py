@@ -64,11 +64,13 @@ from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec, moe_layer_freq
 from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, narrowed_box, read_json
 from checkpoint_convert.mapping import (
+    canonical_tensors,
     expert_tp_size,
     is_expert_entry,
     mcore_entries,
     padded_vocab_size,
     split_entry,
+    stacked_reader,
     stage_layers,
 )
 from checkpoint_convert.megatron_args import checkpoint_args, hf_config_from_args, layout_from_args
@@ -446,9 +448,9 @@ def _chunks(*, kind: str, part: torch.Tensor, tp_rank: int, fc1_rows: int) -> It
         yield (0, tp_rank * part.shape[1]), part
     elif kind == "fc1":
         gate, up = part.chunk(2, dim=0)
-        rows = gate.shape[0]
-        yield (tp_rank * rows, 0), gate
-        yield (fc1_rows + tp_rank * rows, 0), up
+        rows, tail = gate.shape[0], (0,) * (part.dim() - 1)  # tail: () for a bias
+        yield (tp_rank * rows, *tail), gate
+        yield (fc1_rows + tp_rank * rows, *tail), up
     else:
         raise AssertionError(kind)
 
@@ -499,6 +501,7 @@ def write_checkpoint(
     shapes = _global_shapes(spec, padded=padded)
     for key, shape in shapes.items():
         writer.declare(key, shape=shape, dtype=torch_dtype)
+    get_hf = stacked_reader(get)
     try:
         for pp_rank in range(pp):
 
@@ -515,7 +518,7 @@ def write_checkpoint(
                         padded=padded, tp=tp, file_of=file_of,
                     )  # fmt: skip
                     continue
-                tensors = [get(n) for n in hf_names]
+                kind, tensors = canonical_tensors(kind, [get_hf(n) for n in hf_names])
                 if local is None:
                     targets = [(template, (), ())]
                 else:

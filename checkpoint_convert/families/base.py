@@ -76,6 +76,9 @@ class ModelSpec:
     rope_linear_factors: tuple[float, float] = (1.0, 1.0)
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
+    # GPT-OSS: the clamp of its experts' SwiGLU (0: none); its sliding layers use the Gemma 3
+    # fields above (sliding_layers, sliding_window).
+    swiglu_limit: float = 0.0
 
     @property
     def multi_latent_attention(self) -> bool:

@@ -79,7 +79,6 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
-        add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -109,13 +108,19 @@ def transformer_config(
         **recompute_fields(recompute, recompute_num_layers),  # --recompute, --recompute-num-layers
         # What differs by family (qkv bias, qk norms, experts): the family module says; then the
         # fused kernels where the platform has them (platform.fused_kernel_fields), else none.
-        **{"activation_func": F.silu, **_family_fields(spec, grouped_experts=grouped_experts),
+        **{"activation_func": F.silu, "add_bias_linear": False, **_family_fields(spec, grouped_experts=grouped_experts),
            **(fused or fused_kernel_fields(requested=False, use_te=False, on_gpu=False, moe=bool(spec.num_experts)))},
     )
 
 
 def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
     fields = family_of(spec).transformer_fields(spec)
+    if spec.family == "gpt_oss":
+        # The fused bias-activation kernel takes megatron-core's own quick_gelu only (GPT-OSS's is
+        # the family's, the same formula): on every platform, the unfused clamped SwiGLU.
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        fields["activation_func"] = quick_gelu
     if grouped_experts:
         if not spec.num_experts:
             raise ValueError(f"grouped_experts: {spec.architecture} has no experts")
@@ -138,6 +143,14 @@ def build_stage_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if spec.family == "gpt_oss" and use_te:
+        raise ValueError("GPT-OSS: the Transformer Engine layer spec is not supported; build the local spec "
+                         "(mcore_dpo/model/gpt_oss.py)")
+    if spec.family == "gpt_oss" and mesh.layout.etp > 1:
+        # megatron-core 0.16.1's expert MLP adds its fc2 bias on every expert-tp rank before the sum.
+        raise ValueError(f"GPT-OSS: experts split over {mesh.layout.etp} tensor-parallel ranks would add each "
+                         "expert's output bias that many times in megatron-core; at tp > 1 use --ep > 1 "
+                         "(experts whole on their rank)")
     if mesh.layout.cp > 1 and (spec.family == "gemma3_text" or spec.num_experts or spec.multi_latent_attention):
         raise ValueError(f"context parallelism: not supported for {spec.architecture} (dense models of the "
                          "standard layer spec only)")
@@ -167,6 +180,10 @@ def build_stage_model(
             from mcore_dpo.model.mla import with_latent_core_attention
 
             layer_spec = with_latent_core_attention(layer_spec)
+        if spec.family == "gpt_oss":  # sinks, windows by position, YaRN by halves: a spec module of ours
+            from mcore_dpo.model import gpt_oss
+
+            layer_spec = gpt_oss.with_sink_attention(layer_spec)
     elif use_te:
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
@@ -193,13 +210,15 @@ def build_stage_model(
     )
     if spec.family == "gemma3_text":
         gemma3.adapt_model(model, spec, dtype=dtype)
+    if spec.family == "gpt_oss":
+        gpt_oss.adapt_model(model, spec)
     if spec.moe_expert_bias:
         _expert_bias_as_frozen_parameters(model)
     if mesh.is_first_stage:
         model.embedding.register_forward_hook(_canonical_strides)
         if recompute == "full":
             model.embedding.register_forward_hook(_recompute_input_requires_grad)
-    if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
+    if spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "llama3" and hasattr(model, "rotary_pos_emb"):
         # megatron-core's llama3 scaling hard-codes three of its four parameters: set the
         # inverse frequencies from the checkpoint's own values instead.
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(
@@ -314,13 +333,19 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> No
     tp rank saw only its share of the sequence. The per-head q/k norms (qk_layernorm) are
     replicated over tp but each rank normalises only its own heads, so their gradients are
     summed too. What megatron-core's finalize_model_grads does for these parameters; the tp
-    copies are then equal, so the gradient norm counts them once."""
+    copies are then equal, so the gradient norm counts them once.
+
+    Expert-parallel parameters (megatron-core marks them `allreduce=False`) are never summed:
+    megatron-core 0.16.1 marks an expert RowParallelLinear's bias (GPT-OSS's expert fc2 bias)
+    `sequence_parallel` too, but the tp ranks of an ep > 1 layout hold different experts under
+    the same local names, and each expert already saw every token routed to it."""
     import torch.distributed as dist
 
     grads = [
         p.main_grad
         for name, p in model.named_parameters()
         if p.requires_grad
+        and getattr(p, "allreduce", True)
         and (getattr(p, "sequence_parallel", False) or name.endswith(("q_layernorm.weight", "k_layernorm.weight")))
     ]
     if not grads or dist.get_world_size(tp_group) == 1:

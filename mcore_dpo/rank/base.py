@@ -84,9 +84,9 @@ class Rank:
         # LoRA hooks the local spec's linears (Transformer Engine fuses the norm into linear_qkv).
         # Multi-latent attention runs the local spec everywhere: megatron-core's Transformer Engine
         # MLA replicates the down projections and fuses the latent norms (another shard layout).
-        # Gemma 3's layers are a spec module of ours on the local spec (model/gemma3.py).
+        # Gemma 3's and GPT-OSS's layers are spec modules of ours on the local spec (model/gemma3.py, gpt_oss.py).
         self.use_te = (plat.transformer_engine_available() and not config.lora and not spec.multi_latent_attention
-                       and spec.family != "gemma3_text")
+                       and spec.family not in ("gemma3_text", "gpt_oss"))
         # MoE experts: grouped GEMMs on the Transformer Engine spec, else sequential. Their live
         # parameter names differ; shards and checkpoints keep the sequential ones (model.shard_names).
         self.grouped_experts, self.experts_note = plat.use_grouped_experts(

@@ -54,6 +54,9 @@ def dense_param_count(arch: dict[str, str]) -> int:
     if arch["qkv_bias"] == "true":
         attention += (heads + 2 * kv_heads) * head_dim
     mlp = int(arch["experts"]) * hidden if is_moe(arch) else 3 * hidden * int(arch["ffn"])
+    # GPT-OSS: the o_proj bias, one sink logit per head, the router's bias.
+    attention += hidden * (arch.get("o_bias") == "true") + heads * (arch.get("sinks") == "true")
+    mlp += int(arch.get("experts", 0)) * (arch.get("router_bias") == "true")
     per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if arch["tied_embeddings"] == "true" else 2)
     return embeddings + layers * per_layer + hidden
@@ -67,8 +70,14 @@ def layer_shape(arch: dict[str, str], *, tp: int) -> LayerShape:
 
 
 def expert_params(arch: dict[str, str]) -> int:
-    """The routed experts' parameters (SwiGLU: 3 h x f_moe matrices each, every layer)."""
-    return expert_param_count(layer_shape(arch, tp=1), moe_layers=int(arch["layers"])) if is_moe(arch) else 0
+    """The routed experts' parameters (SwiGLU: 3 h x f_moe matrices each, every layer; with
+    `expert_bias=true` (GPT-OSS) also the gate/up biases 2 f_moe and the down bias h)."""
+    if not is_moe(arch):
+        return 0
+    biases = 0
+    if arch.get("expert_bias") == "true":
+        biases = int(arch["layers"]) * int(arch["experts"]) * (2 * int(arch["moe_ffn"]) + int(arch["hidden"]))
+    return expert_param_count(layer_shape(arch, tp=1), moe_layers=int(arch["layers"])) + biases
 
 
 def param_count(arch: dict[str, str]) -> int:

@@ -141,15 +141,17 @@ def packed_parity_job(layout: tuple[int, ...], policy_dir: Path, ref_dir: Path, 
 
 
 @lru_cache(maxsize=None)
-def cached_reference(policy_dir: str, ref_dir: str, loss_type: str, ref_mode: str, steps: int) -> dict:
-    """reference_run on parity_data's batches, once per pytest run for each set of arguments."""
+def cached_reference(policy_dir: str, ref_dir: str, loss_type: str, ref_mode: str, steps: int,
+                     dtype: torch.dtype = torch.float32) -> dict:
+    """reference_run on parity_data's batches, once per pytest run for each set of arguments
+    (`dtype`: reference_run's; GPT-OSS's float64 reference is tests/helpers/gpt_oss.float64_reference)."""
     kw = loss_kwargs(loss_type)
     train, held_out = parity_data(steps=steps, mode=ref_mode)
     return reference_run(policy_dir=Path(policy_dir), ref_dir=Path(ref_dir),
                          batches=[train[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(steps)],
                          loss_type=loss_type, beta=kw["beta"], label_smoothing=kw["label_smoothing"],
                          reference_free=ref_mode == "none", lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS,
-                         eval_pairs=held_out)
+                         eval_pairs=held_out, dtype=dtype)
 
 
 def check_metrics(m_ours: dict, m_ref: dict, *, names, prefix: str, what: str, rtol: float,

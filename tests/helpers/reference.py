@@ -43,7 +43,8 @@ def _completion_sums(model, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, t
     """Per row: summed log-probs of the completion tokens, their count, and the sum over them of
     the vocabulary-mean logit (at the position that predicts each token)."""
     input_ids, attention, completion_mask = sequences(pairs)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits.float()[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))[:, :-1]  # at least fp32; fp64 stays
     targets, mask = input_ids[:, 1:], completion_mask[:, 1:]
     token_logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (token_logps * mask).sum(-1), mask.sum(-1), (logits.detach().mean(-1) * mask).sum(-1)
@@ -125,17 +126,24 @@ def loss_and_metrics(policy, reference, pairs, *, loss_type: str, beta: float, e
 
 def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[TokenizedPair]], loss_type: str, beta: float,
                   label_smoothing: float, reference_free: bool, lr: float, clip_grad: float, weight_decay: float,
-                  adam_eps: float, eval_pairs: list[TokenizedPair] = ()) -> dict:
+                  adam_eps: float, eval_pairs: list[TokenizedPair] = (), dtype: torch.dtype = torch.float32) -> dict:
     """HF forward + TRL's formulas + torch AdamW, one process, whole global batches; then, at the
-    final weights, the metrics over all of eval_pairs."""
+    final weights, the metrics over all of eval_pairs.
+
+    `dtype`: what the models compute in (weights upcast from the checkpoint's fp32); the gradients
+    and weights come back in fp32 whatever it is. float64 is an exact reference only where the
+    model has no float32 islands of its own (GPT-OSS: tests/helpers/gpt_oss.float64_reference)."""
     if loss_type not in REFERENCE_LOSS_TYPES:
         raise KeyError(f"no reference formula for loss type {loss_type!r}: add it to tests/helpers/reference.py")
-    policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
-    # Decay matrices only (norms and biases are not decayed), as the engine does.
-    params = list(policy.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype).eval()
+    # Decay matrices only (norms and biases are not decayed), as the engine does. Its parameters
+    # are matrices exactly where they have two dimensions or more; here stacked experts' biases
+    # (GPT-OSS's experts.gate_up_proj_bias [E, 2I]) have two too, and are biases all the same.
+    named = list(policy.named_parameters())
+    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
+    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
+              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
     kw = dict(loss_type=loss_type, beta=beta, eps=label_smoothing, reference_free=reference_free)
     metrics, grads = [], []
@@ -143,7 +151,8 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
         opt.zero_grad()
         loss, m = loss_and_metrics(policy, reference, pairs, **kw)
         loss.backward()
-        step_grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}  # before clipping
+        # before clipping
+        step_grads = {n: p.grad.detach().to(torch.float32, copy=True) for n, p in policy.named_parameters()}
         if policy.config.tie_word_embeddings:
             step_grads.pop("lm_head.weight", None)
         grads.append(step_grads)
@@ -151,7 +160,7 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
         m["grad_norm"] = float(norm)
         metrics.append(m)
         opt.step()
-    weights = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    weights = {n: p.detach().to(torch.float32, copy=True) for n, p in policy.named_parameters()}
     if policy.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     eval_metrics = None
