@@ -57,11 +57,13 @@ def commit_of(ref: str) -> str:
                           capture_output=True, text=True).stdout.strip()
 
 
-def run_default_job(tree: Path, *, steps: int, out_dir: Path, cache_dir: Path) -> dict:
-    """One run of the default job from `tree`: per-step tokens/s and step times (step 1 left
-    out), and the whole command's wall time."""
+def run_default_job(tree: Path, *, steps: int, out_dir: Path, cache_dir: Path, extra_args: tuple[str, ...] = ()) -> dict:
+    """One run of the default job from `tree` (with `extra_args` added to its command line):
+    per-step tokens/s, step times and token positions (step 1 left out), and the whole
+    command's wall time."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree), MCORE_DPO_CACHE=str(cache_dir))
-    command = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", str(steps), "--output-dir", str(out_dir)]
+    command = [sys.executable, "-m", "mcore_dpo.train", "--max-steps", str(steps), "--output-dir", str(out_dir),
+               *extra_args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=str(out_dir.parent), env=env, capture_output=True, text=True, timeout=1800)
     wall_s = time.perf_counter() - start
@@ -71,7 +73,7 @@ def run_default_job(tree: Path, *, steps: int, out_dir: Path, cache_dir: Path) -
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_rows = [r for r in rows if r.get("step", 0) >= 2 and "tokens/s" in r]
     return {"tokens_per_s": [r["tokens/s"] for r in steps_rows], "step_time_s": [r["step_time_s"] for r in steps_rows],
-            "wall_s": wall_s}
+            "tokens_padded": [r.get("tokens/padded") for r in steps_rows], "wall_s": wall_s}
 
 
 def compute_floor(*, steps: int, cache_dir: Path) -> dict:

@@ -88,6 +88,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], configs: list[dict]
                 "ref_mode": config.ref_mode,
                 "recompute": config.recompute,
                 "recompute_num_layers": config.recompute_num_layers,
+                "prefix_sharing": bool(config.prefix_sharing),
+                "rows": rows, "seq_len": seq_len,  # of a microbatch: [rows, seq_len] tokens
                 "pp_rank": worker.mesh.pp_rank,
                 "ref_param_bytes": ref_bytes,
                 "policy_numel": policy_numel,

@@ -17,6 +17,17 @@ peak RSS; the ratios of each shared mode to its unshared one, measured beside co
 
     python benchmarks/prefix_sharing.py --rounds 3 --steps 3
     python benchmarks/prefix_sharing.py --tiny --steps 1      # smoke size
+
+`--default-job`: instead, the default job (`python -m mcore_dpo.train` on its embedded default
+model and data, benchmarks/engine_regression.py's runner), with `--prefix-sharing` and without,
+taking turns (the order swapped on odd rounds), each run a fresh interpreter cut to `--steps`
+steps (step 1 left out as warm-up); one untimed run first builds the default model. Both runs
+train the same batches in the same order, so step k of one pairs with step k of the other in
+the same round: the headline is the median over every pair of off's step time / on's (the
+speed of sharing on). Beside it: each round's median tokens/s ratio, the whole runs' wall-time
+ratio, the token positions per step and the 1-minute load after each round.
+
+    python benchmarks/prefix_sharing.py --default-job --rounds 5 --steps 16
 """
 
 from __future__ import annotations
@@ -166,6 +177,50 @@ def measured_mix(*, shape, lengths: Lengths, gbs: int, mbs: int, steps: int, rou
     return out
 
 
+def default_job(*, rounds: int, steps: int, work_dir: Path) -> dict:
+    """The default job with --prefix-sharing ("on") and without ("off"), taking turns (module docstring)."""
+    from benchmarks.engine_regression import run_default_job
+
+    tree, cache = common.REPO_ROOT, work_dir / "cache"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args = {"off": (), "on": ("--prefix-sharing",)}
+    run_default_job(tree, steps=2, out_dir=work_dir / "warm", cache_dir=cache)  # builds the default model; not timed
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    loads = []
+    for r in range(rounds):
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            runs[name].append(run_default_job(tree, steps=steps, out_dir=work_dir / f"run-{name}-{r}", cache_dir=cache,
+                                              extra_args=args[name]))
+        loads.append(os.getloadavg()[0])
+        off, on = (statistics.median(runs[n][-1]["tokens_per_s"]) for n in ("off", "on"))
+        print(f"round {r}: off {off:,.0f} tokens/s, on {on:,.0f} tokens/s, ratio {on / off:.3f}, load {loads[-1]:.1f}",
+              flush=True)
+    out: dict = {"job": f"python -m mcore_dpo.train --max-steps {steps} [--prefix-sharing]", "rounds": rounds,
+                 "steps": steps, "loadavg_1min_per_round": loads}
+    for name in ("off", "on"):
+        out[name] = {"tokens_per_s": common.summary([t for run in runs[name] for t in run["tokens_per_s"]]),
+                     "step_time_s": common.summary([t for run in runs[name] for t in run["step_time_s"]]),
+                     "wall_s": common.summary([run["wall_s"] for run in runs[name]]),
+                     "token_positions_per_step": common.summary([t for run in runs[name] for t in run["tokens_padded"]])}
+    out["step_paired_speed_on_over_off"] = common.summary(
+        [t_off / t_on for a, b in zip(runs["on"], runs["off"]) for t_on, t_off in zip(a["step_time_s"], b["step_time_s"])])
+    out["round_tokens_per_s_on_over_off"] = common.summary(
+        [statistics.median(a["tokens_per_s"]) / statistics.median(b["tokens_per_s"]) for a, b in zip(runs["on"], runs["off"])])
+    out["wall_off_over_on"] = common.summary([b["wall_s"] / a["wall_s"] for a, b in zip(runs["on"], runs["off"])])
+    out["positions_off_over_on"] = (sum(t for run in runs["off"] for t in run["tokens_padded"])
+                                    / sum(t for run in runs["on"] for t in run["tokens_padded"]))
+    out["raw"] = runs
+    print(f"default job, {rounds} rounds taking turns ({out['job']}):")
+    for name in ("off", "on"):
+        e = out[name]
+        print(f"  {name:3s}: {common.fmt(e['tokens_per_s'], digits=0)} tokens/s, step {common.fmt(e['step_time_s'])} s, "
+              f"run {common.fmt(e['wall_s'], digits=1)} s, positions/step {e['token_positions_per_step']['median']:.0f}")
+    print(f"  speed on/off, step by step on the same batch: {common.fmt(out['step_paired_speed_on_over_off'])}; "
+          f"per round (tokens/s): {common.fmt(out['round_tokens_per_s_on_over_off'])}; "
+          f"whole run: {common.fmt(out['wall_off_over_on'])}; positions off/on x{out['positions_off_over_on']:.3f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/mcore_dpo_bench/prefix_sharing.json")
@@ -177,7 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated subset of {','.join(MIXES)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--default-job", action="store_true",
+                        help="the default job with and without --prefix-sharing, taking turns (--rounds, --steps)")
     args = parser.parse_args(argv)
+    if args.default_job:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="mcore_dpo_prefix_sharing_default_"))
+        result = {"machine": common.machine(), "loadavg_1min_before": os.getloadavg()[0],
+                  "default_job": default_job(rounds=args.rounds, steps=args.steps, work_dir=work)}
+        result["loadavg_1min_after"] = os.getloadavg()[0]
+        common.write_json(args.out, result)
+        return result
     mixes = [m for m in args.mixes.split(",") if m]
     modes = tuple(m for m in args.modes.split(",") if m)
     if not mixes or any(m not in MIXES for m in mixes):

@@ -8,7 +8,9 @@ step computes this batch's reference and carries out, the second carries in):
 - pp 4 with a small model and 6 microbatches;
 - pp 2 with the small model under each activation recompute (--recompute none, selective, full
   with groups of 1 and 2 layers), interleaved: the plan model against the peaks again, and what
-  a layer keeps under recompute against memory_estimate's recompute terms.
+  a layer keeps under recompute against memory_estimate's recompute terms; in the same launch,
+  shared-prompt rows (--prefix-sharing, one row of P + C + R + 1 positions per pair, their
+  [rows, 1, W, W] mask), without recompute and with full: the plan model against the peaks.
 Tensor bytes are deterministic: every comparison is exact, in bytes.
 """
 
@@ -36,6 +38,7 @@ PP4_SHAPE = common.LlamaShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_
 
 RECOMPUTE_SETTINGS = ({}, {"recompute": "selective"}, {"recompute": "full"}, {"recompute": "full", "recompute_num_layers": 2})
 RECOMPUTE_SEQ_LEN = 32
+SHARED_SETTINGS = ({"prefix_sharing": True}, {"prefix_sharing": True, "recompute": "full"})
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,16 @@ def recompute_runs(tmp_path_factory) -> list[list[dict]]:
     work = tmp_path_factory.mktemp("memory_account_recompute")
     model = common.write_random_llama(work / "small_model", shape=PP4_SHAPE)
     return run_benchmark(memory.launch, model_dir=model, pp=2, modes=("interleaved",), num_microbatches=4,
-                         seq_len=RECOMPUTE_SEQ_LEN, num_steps=2, out_dir=work / "pp2", settings=RECOMPUTE_SETTINGS)
+                         seq_len=RECOMPUTE_SEQ_LEN, num_steps=2, out_dir=work / "pp2",
+                         settings=RECOMPUTE_SETTINGS + SHARED_SETTINGS)
+
+
+def _unshared(runs: list[list[dict]]) -> list[list[dict]]:
+    return [[r for r in per_rank if not r["prefix_sharing"]] for per_rank in runs]
+
+
+def _shared(runs: list[list[dict]]) -> list[list[dict]]:
+    return [[r for r in per_rank if r["prefix_sharing"]] for per_rank in runs]
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +198,8 @@ def test_config_model_reduces_to_one_microbatch_at_pp1_and_sees_the_stage_split(
 
 
 def test_plan_model_equals_measured_activation_peaks_under_recompute(recompute_runs):
-    _check_plan_model(recompute_runs, pp=2)
-    for per_setting in recompute_runs:
+    _check_plan_model(_unshared(recompute_runs), pp=2)
+    for per_setting in _unshared(recompute_runs):
         assert [(r["recompute"], r["recompute_num_layers"]) for r in per_setting] == [
             (s.get("recompute", "none"), s.get("recompute_num_layers")) for s in RECOMPUTE_SETTINGS]
 
@@ -213,7 +225,7 @@ def test_recompute_keeps_what_the_estimate_says(recompute_runs):
                        vocab=PP4_SHAPE.vocab_size)
     layers = PP4_SHAPE.num_layers // 2
     layers_stash = {}
-    for per_setting in recompute_runs:
+    for per_setting in _unshared(recompute_runs):
         by = {(r["recompute"], r["recompute_num_layers"]): r for r in per_setting}
         none, selective, full, full2 = (by[k] for k in (("none", None), ("selective", None), ("full", None), ("full", 2)))
         stage = none["pp_rank"]
@@ -234,6 +246,38 @@ def test_recompute_keeps_what_the_estimate_says(recompute_runs):
         peaks = [r["steps"][0]["memory"]["policy_stash_peak_bytes"] for r in (full, selective, none)]
         assert peaks == sorted(set(peaks)), peaks
     assert layers_stash[0] == layers_stash[1] > 2 * layers * act, layers_stash
+
+
+def test_plan_model_equals_measured_activation_peaks_with_shared_prompts(recompute_runs):
+    """--prefix-sharing: each microbatch one row [p_1..p_{P-1} | p_P c_1..c_C | p_P r_1..r_R] of
+    P + C + R + 1 positions (rounded up to 8) instead of two rows of P + max(C, R), with its own
+    [rows, 1, W, W] boolean mask (no category: the mask stays out of the stash, as the padded
+    rows' causal mask does). The plan model holds exactly, in the shared rows' units: the stash
+    per microbatch, and the [W, rows, h] stage activation the reference sends and carries, both
+    as a first (carry out) and as a carrying (in and out) interleaved step, without recompute and
+    under full recompute."""
+    from mcore_dpo.data.prefix_sharing import shared_seq_len
+
+    shared = _shared(recompute_runs)
+    seen_flags = _check_plan_model(shared, pp=2)
+    assert ("interleaved", False, True) in seen_flags and ("interleaved", True, True) in seen_flags
+    pairs = common.make_pairs(1, prompt_len=RECOMPUTE_SEQ_LEN // 4, completion_len=RECOMPUTE_SEQ_LEN - RECOMPUTE_SEQ_LEN // 4,
+                              vocab_size=PP4_SHAPE.vocab_size, seed=3)  # memory.launch's lengths
+    prompt, completion = len(pairs[0].prompt_ids), len(pairs[0].chosen_ids)
+    width = -(-(prompt + 2 * completion + 1) // 8) * 8
+    assert width == shared_seq_len(pairs, multiple=8) == 64
+    for per_rank, unshared in zip(shared, _unshared(recompute_runs)):
+        assert [(r["recompute"], r["recompute_num_layers"]) for r in per_rank] == [
+            (s.get("recompute", "none"), s.get("recompute_num_layers")) for s in SHARED_SETTINGS]
+        for result in per_rank:
+            assert (result["rows"], result["seq_len"]) == (1, width)  # one pair per row (micro_batch_size 1)
+            assert result["stage_activation_bytes"] == width * PP4_SHAPE.hidden_size * 4
+        assert (unshared[0]["rows"], unshared[0]["seq_len"]) == (2, RECOMPUTE_SEQ_LEN)  # chosen and rejected rows
+        # The shared row's attention saves more per microbatch than the two unshared rows (this
+        # short prompt saves 7 of 64 positions, while one row of 64 holds twice the W x W scores
+        # of two rows of 32); full recompute keeps far less than none.
+        none, full = (_stash_unit(r) for r in per_rank)
+        assert full < none and none > _stash_unit(unshared[0])
 
 
 def test_device_figures_are_gpu_only():

@@ -191,7 +191,7 @@ def check_job(out_dir: Path, j: int, job: dict, layout, rtol: float = RTOL) -> N
 
 
 def check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: str, rtol: float) -> None:
-    """Every rank's gradients at every step and dp rank 0's weights after the last, against ref."""
+    """Every rank's gradients at each step of ref["grads"] and dp rank 0's weights after the job's last, against ref."""
     tp, pp, _ = layout
     spec = open_hf_dir(job["config"]["model"]).spec
     for step, ref_grads in enumerate(ref["grads"], start=1):
@@ -202,7 +202,7 @@ def check_tensors(out_dir: Path, j: int, job: dict, layout, ref: dict, what: str
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})", rtol=rtol)
     weights = load_rank_tensors(out_dir, j, "weights", layout=layout)
-    steps = len(ref["grads"])
+    steps = len(job["batches"])
     for (t, p, d), shard in weights.items():
         if d != 0:
             continue  # only dp rank 0 writes its weights (the file of the others is empty)
