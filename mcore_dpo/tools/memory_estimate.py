@@ -31,6 +31,14 @@ fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 kee
 k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
 by the expert tensor-parallel size.
 
+Shared experts (`shared_ffn`, DeepSeek-V3 / GLM-4.5's MoE block) add one SwiGLU MLP of every
+token, 5 shared_ffn / tp; `dense_layers` first layers of a MoE model have the dense MLP of `ffn`,
+and `plan_activation_bytes` counts each stage's own mix of them. Gemma 3's norm (`fp32_norms`:
+x / rms(x) * (1 + w) in fp32, `norms` of them per layer, and the per-head q/k norms with `qk_norm`)
+keeps its input and normalised tensor in fp32 and the fp32 1/rms of each vector, not its input in
+the parameter dtype; the two pre-norms' outputs are the linears' inputs (exact against autograd's
+saved tensors of a tiny bf16 Gemma 3 layer, tests/test_memory_estimate.py).
+
 Activation recompute (--recompute, megatron-core's own) changes what a layer keeps:
 
 - `full` (recompute_method "uniform", groups of N = --recompute-num-layers layers): each group
