@@ -29,7 +29,7 @@ def config_without_paths(path: Path) -> TrainConfig:
 def test_configs_exist():
     names = {p.name for p in ALL_CONFIGS}
     assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml", "qwen3_8b.yaml", "qwen3_30b_a3b.yaml",
-            "mixtral_8x7b.yaml", "llama3_1_8b_32k.yaml"} <= names
+            "mixtral_8x7b.yaml", "llama3_1_8b_32k.yaml", "gpt_oss_20b.yaml", "gemma3_27b.yaml", "glm4_5_air.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
@@ -207,3 +207,55 @@ def test_fused_kernels_run_where_transformer_engine_provides_them():
         fields = fused_kernel_fields(requested=requested, use_te=use_te, on_gpu=on_gpu, moe=False)
         assert not any(fields.values()) and "moe_permute_fusion" not in fields
     assert resolve(["--no-fused-kernels"])[0].fused_kernels is False and resolve([])[0].fused_kernels is None
+
+
+def test_gemma_norm_activation_bytes_are_the_measured_ones():
+    """`fp32_norms` (Gemma 3's norm, mcore_dpo/model/gemma3.py): what autograd keeps per token is
+    the fp32 input and normalised tensor and the fp32 1/rms, not the input in bf16; plus the
+    fp32 (1 + w), once per call."""
+    import types
+
+    import torch
+
+    from mcore_dpo.model.gemma3 import GemmaRMSNorm
+    from mcore_dpo.tools.memory_estimate import _fp32_norm_bytes
+
+    hidden, tokens = 64, 16
+    norm = GemmaRMSNorm(types.SimpleNamespace(params_dtype=torch.bfloat16, sequence_parallel=False), hidden)
+    x = torch.randn(8, 2, hidden, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    assert sum(saved.values()) == tokens * _fp32_norm_bytes(hidden) + 4 * hidden
+
+
+def test_dense_first_layers_and_shared_experts_in_the_arithmetic():
+    """GLM-4.5-Air's header keys: `dense_layers` puts a dense MLP of `ffn` in the first layers
+    (no router, no experts there), `shared_ffn` a shared SwiGLU in each MoE layer (dense
+    parameters); the first stage's activations hold the dense layer, the others MoE layers only."""
+    from mcore_dpo.tools import memory_estimate as me
+    from tests.helpers.config_arithmetic import dense_param_count, layer_shape
+
+    path = CONFIG_DIR / "glm4_5_air.yaml"
+    arch = key_values(header_values(path)["arch"])
+    h, v = 4096, 151552
+    attention = 2 * h * 96 * 128 + 2 * h * 8 * 128 + (96 + 16) * 128 + 2 * h
+    moe_dense = 128 * h + 128 + 3 * h * 1408
+    assert dense_param_count(arch) == 2 * v * h + 46 * attention + 3 * h * 10944 + 45 * moe_dense + h
+    assert expert_params(arch) == 45 * 128 * 3 * h * 1408
+    shape = layer_shape(arch, tp=1)
+    kw = dict(seq_len=64, rows=2, tp=1, sequence_parallel=False, attention="flash", dtype_bytes=2)
+    moe = me.layer_activation_bytes(shape, **kw, expert_tp=1)
+    dense = me.layer_activation_bytes(dataclasses.replace(shape, experts=0, topk=0, moe_ffn=0, shared_ffn=0,
+                                                          dense_layers=0), **kw)
+    assert moe - me.layer_activation_bytes(dataclasses.replace(shape, shared_ffn=0), **kw, expert_tp=1) == 128 * 5 * 1408 * 2
+    boundary = me.boundary_bytes(shape, seq_len=64, rows=2, tp=1, sequence_parallel=False, dtype_bytes=2)
+    peak = me.plan_activation_bytes(shape, layers=46, pp=2, num_microbatches=8, ref_mode="interleaved", expert_tp=1, **kw)
+    # pp 2: the first stage's 2 microbatches of (1 dense + 22 MoE layers) and 2 boundary activations
+    assert peak == pytest.approx(2 * (dense + 22 * moe) + 2 * boundary, rel=1e-12)
+    assert dense < moe

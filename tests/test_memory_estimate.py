@@ -37,7 +37,7 @@ from mcore_dpo.parallel.ports import free_port
 
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import padded_vocab_size
-from mcore_dpo.tools.memory_estimate import LayerShape, activation_bytes
+from mcore_dpo.tools.memory_estimate import LayerShape, activation_bytes, layer_activation_bytes
 from tests.helpers.ranks import spawn_processes
 
 TOLERANCE = 0.20
@@ -560,3 +560,77 @@ def test_cp_bad_values_and_padding():
         per_gpu_bytes(_moe_shape(spec), **kw, cp=2)
     with pytest.raises(ValueError, match="cp: must be a positive integer"):
         per_gpu_bytes(_dense_shape(tp=1), **kw, cp=0)
+
+
+GEMMA_SEQ_LEN, GEMMA_ROWS = 64, 2
+
+
+def _gemma_measure_spec() -> ModelSpec:
+    from transformers import Gemma3TextConfig
+
+    from checkpoint_convert.families import spec_from_hf_config
+    from tests.helpers.gemma import CONFIG
+
+    config = Gemma3TextConfig(**{**CONFIG, "hidden_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "head_dim": 20, "intermediate_size": 80, "sliding_window": 16})
+    return spec_from_hf_config(config.to_dict())
+
+
+def _gemma_rank_main(rank: int, port: int, out_dir: str) -> None:
+    """What each layer of a bf16 Gemma 3 stage saves for its backward: autograd's saved-tensor
+    hooks, storages deduplicated within the layer, parameters left out."""
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+        from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
+
+        spec = _gemma_measure_spec()
+        platform = plat.detect()
+        plat.activate(platform)
+        plat.init_process_group(platform, rank=rank, world_size=1, master_addr="127.0.0.1", master_port=port,
+                                timeout_s=120.0)
+        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
+        plat.init_model_rng(platform, 0)
+        with plat.building_models(platform):
+            model = build_stage_model(spec, mesh=mesh, dtype=torch.bfloat16, on_gpu=False, use_te=False)
+        tokens = torch.randint(3, spec.vocab_size, (GEMMA_ROWS, GEMMA_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        current: list[int | None] = [None]
+        saved: dict[int, dict[int, int]] = {}
+        for index, layer in enumerate(model.decoder.layers):
+            layer.register_forward_pre_hook(lambda *_, index=index: current.__setitem__(0, index))
+            layer.register_forward_hook(lambda *_: current.__setitem__(0, None))
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if current[0] is not None and storage.data_ptr() not in params:
+                saved.setdefault(current[0], {})[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage_forward(model, tokens=tokens, input_tensor=None, mask=causal_mask(GEMMA_SEQ_LEN, device=torch.device("cpu")))
+        Path(out_dir, "gemma.json").write_text(json.dumps({i: sum(s.values()) for i, s in saved.items()}))
+        mesh_lib.destroy()
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_gemma_layer_estimate_is_what_autograd_saves(tmp_path):
+    """configs/gemma3_27b.yaml's per-layer activation count (four fp32 norms, q/k norms, local
+    attention with its s x s probabilities, the GeGLU MLP) against a bf16 Gemma 3 layer, exactly:
+    beyond the per-token formula each layer saves only its RoPE cos/sin for q and k (4 x s x
+    head_dim, bf16), the mask (the causal one, shared by every layer, or a local layer's own
+    windowed one, [1, 1, s, s] bool for rows sharing their positions) and each norm's fp32 (1 + w)."""
+    spawn_processes(_gemma_rank_main, nprocs=1, args=(free_port(), str(tmp_path)))
+    measured = json.loads((tmp_path / "gemma.json").read_text())
+    spec = _gemma_measure_spec()
+    h, heads, kv_heads, d, s = 96, 4, 2, 20, GEMMA_SEQ_LEN
+    shape = LayerShape(hidden=h, heads=heads, kv_heads=kv_heads, head_dim=d, ffn=80, vocab=spec.vocab_size, norms=4,
+                       fp32_norms=True, qk_norm=True)
+    per_token = layer_activation_bytes(shape, seq_len=s, rows=GEMMA_ROWS, tp=1, sequence_parallel=False,
+                                       attention="local", dtype_bytes=2)
+    per_layer = 4 * s * d * 2 + s * s + 4 * (4 * h + 2 * d)  # cos/sin, the mask, six (1 + w) in fp32
+    assert len(measured) == 6
+    assert set(measured.values()) == {per_token + per_layer}, measured

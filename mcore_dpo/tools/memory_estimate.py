@@ -31,6 +31,14 @@ fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 kee
 k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
 by the expert tensor-parallel size.
 
+Shared experts (`shared_ffn`, DeepSeek-V3 / GLM-4.5's MoE block) add one SwiGLU MLP of every
+token, 5 shared_ffn / tp; `dense_layers` first layers of a MoE model have the dense MLP of `ffn`,
+and `plan_activation_bytes` counts each stage's own mix of them. Gemma 3's norm (`fp32_norms`:
+x / rms(x) * (1 + w) in fp32, `norms` of them per layer, and the per-head q/k norms with `qk_norm`)
+keeps its input and normalised tensor in fp32 and the fp32 1/rms of each vector, not its input in
+the parameter dtype; the two pre-norms' outputs are the linears' inputs (exact against autograd's
+saved tensors of a tiny bf16 Gemma 3 layer, tests/test_memory_estimate.py).
+
 Activation recompute (--recompute, megatron-core's own) changes what a layer keeps:
 
 - `full` (recompute_method "uniform", groups of N = --recompute-num-layers layers): each group
@@ -79,6 +87,7 @@ bytes: the configs' headers are computed with it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mcore_dpo.optim.adamw import NORM_CHUNK
@@ -99,6 +108,11 @@ class LayerShape:
     experts: int = 0  # routed experts per layer; 0: a dense model
     topk: int = 0  # experts each token is routed to
     moe_ffn: int = 0  # one expert's FFN size
+    shared_ffn: int = 0  # the shared experts' FFN size, all together (DeepSeek-V3 / GLM-4.5 MoE block); 0: none
+    dense_layers: int = 0  # a MoE model's first layers with a dense MLP of `ffn` (first_k_dense_replace)
+    norms: int = 2  # hidden-size norms per layer (Gemma 3's sandwich norms: 4)
+    fp32_norms: bool = False  # Gemma 3's norm (mcore_dpo/model/gemma3.py): fp32 inside, below
+    qk_norm: bool = False  # per-head q/k norms; their activations are counted with fp32_norms only
 
 
 def expert_param_count(shape: LayerShape, *, moe_layers: int) -> int:
@@ -138,6 +152,14 @@ def _norm_elems(attention: str) -> int:
     return 3 if attention == "local" else 2
 
 
+def _fp32_norm_bytes(width: int, groups: int = 1) -> int:
+    """Bytes per token Gemma 3's norm keeps over `groups` vectors of `width` elements: its input
+    cast to fp32 and the normalised fp32 tensor (2 x 4 B per element) and the fp32 reciprocal rms
+    of each vector (4 B); not its input in the parameter dtype (measured with autograd's
+    saved-tensor hooks: tokens x (8h + 4) and the fp32 (1 + w), which is per layer, not per token)."""
+    return 2 * FP32_BYTES * width + FP32_BYTES * groups
+
+
 def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: int, expert_tp: int | None = None) -> float:
     """Bytes per token the MLP block keeps: dense SwiGLU 5f / tp; MoE: router 2E fp32, the k
     routed copies in and out (2kh) and k expert MLPs 5 f_moe / expert tp (balanced routing)."""
@@ -147,6 +169,8 @@ def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: i
     router = 2 * shape.experts * FP32_BYTES
     routed = 2 * shape.topk * shape.hidden * dtype_bytes
     experts = 5 * shape.topk * shape.moe_ffn * dtype_bytes / expert_tp
+    if shape.shared_ffn:  # the shared experts: one SwiGLU MLP of every token, split over tp
+        return router + routed + experts + 5 * shape.shared_ffn * dtype_bytes / tp
     return router + routed + experts
 
 
@@ -170,7 +194,12 @@ def layer_activation_bytes(
     sp = tp if sequence_parallel else 1
     q_width = shape.heads * shape.head_dim
     kv_width = shape.kv_heads * shape.head_dim
-    norms = 2 * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    if shape.fp32_norms:  # each norm's fp32 tensors; the two pre-norms' outputs are the linears' inputs
+        norms = (shape.norms * _fp32_norm_bytes(shape.hidden) + 2 * shape.hidden * dtype_bytes) / sp
+    else:
+        norms = shape.norms * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    if shape.fp32_norms and shape.qk_norm:  # per head, on this rank's heads
+        norms += (_fp32_norm_bytes(q_width, shape.heads) + _fp32_norm_bytes(kv_width, shape.kv_heads)) / tp
     if attention == "local" and selective:  # q, k, the qkv output (v's storage), the context
         attn = (3 * q_width + 3 * kv_width) * dtype_bytes / tp
     elif attention == "local":
@@ -220,7 +249,10 @@ def head_bytes(
     the rank's seq_len / cp positions per row)."""
     tokens = local_seq_len(seq_len, cp) * rows
     sp = tp if sequence_parallel else 1
-    final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    if shape.fp32_norms:  # its fp32 tensors, and its output (the output layer's input)
+        final_norm = (_fp32_norm_bytes(shape.hidden) + shape.hidden * dtype_bytes) / sp
+    else:
+        final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
     logits = 2 * FP32_BYTES * shape.vocab / tp
     return tokens * (final_norm + logits)
 
@@ -286,6 +318,15 @@ def plan_activation_bytes(
               dtype_bytes=dtype_bytes, cp=cp)
     rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
     stash_unit = layers / pp * layer_activation_bytes(shape, **kw, **rc)
+    stash_units = [stash_unit] * pp
+    if shape.dense_layers:  # a stage's dense-MLP layers (the first ones) and its MoE layers
+        dense = dataclasses.replace(shape, experts=0, topk=0, moe_ffn=0, shared_ffn=0, dense_layers=0)
+        per_stage = layers // pp
+        for stage in range(pp):
+            first = stage * per_stage
+            n_dense = max(0, min(shape.dense_layers, first + per_stage) - first)
+            stash_units[stage] = (n_dense * layer_activation_bytes(dense, **kw, **rc)
+                                  + (per_stage - n_dense) * layer_activation_bytes(shape, **kw, **rc))
     recomputing = recompute_bytes(shape, **kw, **rc)
     boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
                               dtype_bytes=dtype_bytes, cp=cp)
@@ -299,7 +340,7 @@ def plan_activation_bytes(
     for extra in variants:
         plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, **extra)
         for stage, units in enumerate(plan_memory(plan)):
-            stage_bytes = (units.policy_stash * stash_unit + (units.reference_in_flight + units.carried) * boundary
+            stage_bytes = (units.policy_stash * stash_units[stage] + (units.reference_in_flight + units.carried) * boundary
                            + recomputing + workspace_bytes(shape, **kw)
                            + (head_bytes(shape, **kw) if stage == pp - 1 else 0.0) + ring)
             peak = max(peak, stage_bytes)

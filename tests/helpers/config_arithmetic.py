@@ -45,9 +45,23 @@ def is_moe(arch: dict[str, str]) -> bool:
     return "experts" in arch
 
 
+def dense_layers(arch: dict[str, str]) -> int:
+    """A MoE arch's first layers with a dense MLP of `ffn` (`dense_layers=K`: HF's
+    first_k_dense_replace); 0 unless stated (every layer a MoE layer)."""
+    return int(arch.get("dense_layers", 0))
+
+
+def moe_layers(arch: dict[str, str]) -> int:
+    return int(arch["layers"]) - dense_layers(arch) if is_moe(arch) else 0
+
+
 def dense_param_count(arch: dict[str, str]) -> int:
     """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm. For a MoE arch
-    (every layer a MoE layer), everything but the routed experts: the MLP is the router [E, h]."""
+    (every layer a MoE layer), everything but the routed experts: the MLP is the router [E, h].
+    Optional keys: `dense_layers=K` (the first K layers' MLP is dense, of `ffn`), `shared_ffn=S`
+    (each MoE layer's shared experts, one SwiGLU of S together: dense parameters, split over tp),
+    `norms_per_layer=N` (hidden-size norms per layer, 2 unless stated; Gemma 3: 4), `qk_norm=true`
+    (per-head q and k norms, head_dim each)."""
     hidden, layers, vocab = (int(arch[k]) for k in ("hidden", "layers", "vocab"))
     heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
@@ -56,17 +70,23 @@ def dense_param_count(arch: dict[str, str]) -> int:
     mlp = int(arch["experts"]) * hidden if is_moe(arch) else 3 * hidden * int(arch["ffn"])
     # GPT-OSS: the o_proj bias, one sink logit per head, the router's bias.
     attention += hidden * (arch.get("o_bias") == "true") + heads * (arch.get("sinks") == "true")
+    attention += 2 * head_dim * (arch.get("qk_norm") == "true")
     mlp += int(arch.get("experts", 0)) * (arch.get("router_bias") == "true")
-    per_layer = attention + mlp + 2 * hidden
+    mlp += 3 * hidden * int(arch.get("shared_ffn", 0))
+    per_layer = attention + mlp + int(arch.get("norms_per_layer", 2)) * hidden
     embeddings = vocab * hidden * (1 if arch["tied_embeddings"] == "true" else 2)
-    return embeddings + layers * per_layer + hidden
+    first = dense_layers(arch) * (3 * hidden * int(arch.get("ffn", 0)) - mlp)  # dense MLPs in place of MoE ones
+    return embeddings + layers * per_layer + first + hidden
 
 
 def layer_shape(arch: dict[str, str], *, tp: int) -> LayerShape:
     moe = dict(experts=int(arch["experts"]), topk=int(arch["topk"]), moe_ffn=int(arch["moe_ffn"])) if is_moe(arch) else {}
+    if is_moe(arch):
+        moe.update(shared_ffn=int(arch.get("shared_ffn", 0)), dense_layers=dense_layers(arch))
     return LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
                       head_dim=int(arch["head_dim"]), ffn=int(arch.get("ffn", 0)),
-                      vocab=padded_vocab_size(int(arch["vocab"]), tp=tp), **moe)
+                      vocab=padded_vocab_size(int(arch["vocab"]), tp=tp), norms=int(arch.get("norms_per_layer", 2)),
+                      fp32_norms=arch.get("fp32_norms") == "true", qk_norm=arch.get("qk_norm") == "true", **moe)
 
 
 def expert_params(arch: dict[str, str]) -> int:
@@ -76,8 +96,8 @@ def expert_params(arch: dict[str, str]) -> int:
         return 0
     biases = 0
     if arch.get("expert_bias") == "true":
-        biases = int(arch["layers"]) * int(arch["experts"]) * (2 * int(arch["moe_ffn"]) + int(arch["hidden"]))
-    return expert_param_count(layer_shape(arch, tp=1), moe_layers=int(arch["layers"])) + biases
+        biases = moe_layers(arch) * int(arch["experts"]) * (2 * int(arch["moe_ffn"]) + int(arch["hidden"]))
+    return expert_param_count(layer_shape(arch, tp=1), moe_layers=moe_layers(arch)) + biases
 
 
 def param_count(arch: dict[str, str]) -> int:
