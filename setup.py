@@ -26,8 +26,9 @@ setup(
     ],
     extras_require={
         # Everything the test suite imports beyond install_requires.
-        # peft: the LoRA parity and export tests (tested with 0.21.2).
-        "test": ["pytest>=9.0,<10", "pyarrow>=15", "tokenizers>=0.22,<1", "wandb>=0.31,<0.32", "peft==0.21.2"],
+        # peft: the LoRA parity and export tests (tested with 0.21.2). pytest-xdist: the fast tier's two
+        # worker processes (tests/conftest.py; tested with 3.8.0).
+        "test": ["pytest>=9.0,<10", "pytest-xdist>=3.8,<4", "pyarrow>=15", "tokenizers>=0.22,<1", "wandb>=0.31,<0.32", "peft==0.21.2"],
         # Weights & Biases logging (--wandb).
         "wandb": ["wandb>=0.31,<0.32"],
         # benchmarks/vs_trl.py (TRL's DPOTrainer as the baseline); never imported by the package.

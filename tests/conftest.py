@@ -39,6 +39,16 @@ def _has_cuda() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`-m fast` on FAST_TIER_WORKERS processes, a test file per worker (tests/helpers/tiers.py)."""
+    option = config.option
+    workers = tiers.workers_for(markexpr=option.markexpr, numprocesses=getattr(option, "numprocesses", "absent"),
+                                collect_only=option.collectonly, in_worker="PYTEST_XDIST_WORKER" in os.environ)
+    if workers is not None:
+        option.numprocesses, option.dist = workers, "loadfile"
+
+
 def pytest_collection_modifyitems(config, items):
     seen: dict = {}
     kept = []

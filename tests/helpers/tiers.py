@@ -30,6 +30,19 @@ from collections.abc import Callable
 LAUNCH_KINDS = ("cli", "ranks", "ray", "slurm")
 # At most this many tests launch and still run in the fast tier (`@pytest.mark.in_fast_tier`).
 FAST_TIER_LAUNCHES = 2
+# How many worker processes the fast tier runs on (pytest-xdist), a test file per worker so that a
+# module's fixtures are built once: its tests each keep one core busy. The launching tiers stay in
+# one process, their ranks already fill the cores.
+FAST_TIER_WORKERS = 2
+
+
+def workers_for(*, markexpr: str, numprocesses, collect_only: bool, in_worker: bool) -> int | None:
+    """The workers `pytest -m fast` runs on, or None to leave the run as it is: any other
+    selection, `-n N` given (`-n 0`: one process), a collection only, or inside a worker.
+    `numprocesses` is "absent" where pytest-xdist is not installed."""
+    if markexpr != "fast" or numprocesses is not None or collect_only or in_worker:
+        return None
+    return FAST_TIER_WORKERS
 
 
 def launches(*kinds: str) -> Callable:
