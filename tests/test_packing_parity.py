@@ -8,7 +8,7 @@ in, each with another microbatch count; at dp 2 the two replicas run different c
 second step; at tp 2 the packed jobs are also sequence-parallel. Checked:
 - each job against a single-process Hugging Face reference that runs every sequence alone,
   unpadded (TRL's formulas from tests/helpers/reference.py): every metric of every step, every gradient
-  of every rank in the first two steps, the weights after the third AdamW step;
+  of every rank in the first two steps (but FP32_DRIFT's), the weights after the third AdamW step;
 - each job against the padded one: every metric and every gradient within 1e-5 relative;
 - three steps with --prefix-sharing against the same three without it (packed against packed,
   padded against padded; at pp 2 too): every metric and every gradient of every step, and the
@@ -142,6 +142,15 @@ def test_the_data_covers_the_edge_cases():
     assert min(len(p.prompt_ids) for p in third) == 1
 
 
+# Gradients whose fp32 drift from the single-process reference reaches 1e-5 on some CPUs: at tp 2
+# pp 2 the first layer's input norm (the deepest point of the backward) is 0.99-1.06e-5 (relative to
+# its largest element) from it on an AVX-512 machine, in every job, shared or not, and 0.93-0.99e-5
+# with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2); the engine's jobs agree with each other on it to
+# 0.07-0.25e-5, and the weights after the third step agree with the reference. Checked here against
+# the padded job of the same launch, and through the weights, not against the reference.
+FP32_DRIFT = {(2, 2, 1): frozenset({"decoder.layers.0.input_layernorm.weight"})}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-pp{l[1]}-dp{l[2]}")
 def test_packing_parity(layout, parity_models, reference, tmp_path):
     # packed, padded, and each with --prefix-sharing (every prompt computed once for both completions)
@@ -157,7 +166,8 @@ def test_packing_parity(layout, parity_models, reference, tmp_path):
         # third. The third step's gradients drift from the single-process reference by up to
         # 1.13e-5 relative (the embedding's, unshared jobs too), from the fp32 sums of two steps'
         # updates; the shared jobs are held to their unshared ones there instead (below).
-        check_tensors(tmp_path, j, jobs[j], layout, dict(reference, grads=reference["grads"][:2]), what, RTOL)
+        check_tensors(tmp_path, j, jobs[j], layout, dict(reference, grads=reference["grads"][:2]), what, RTOL,
+                      unchecked_grads=FP32_DRIFT.get(layout, frozenset()))
         ours = results[j]
         assert len(ours) == STEPS + 1  # three steps, then the evaluation
         for step, (m, ref) in enumerate(zip(ours, reference["metrics"]), start=1):
