@@ -18,7 +18,7 @@ from checkpoint_convert.__main__ import main
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from tests.helpers.deepseek import CONFIG, YARN, check_deepseek_job, deepseek_v3
-from tests.helpers.models import assert_export_generates_like, save_hf, save_tokenizer
+from tests.helpers.models import assert_export_generates_like, save_hf, save_pretrained_with_tokenizer
 from tests.helpers.parity import parity_job
 from tests.helpers.round_trips import assert_round_trips, assert_same, assert_torch_dist_round_trips
 from tests.helpers.ranks import run_ranks, verify
@@ -27,10 +27,7 @@ from tests.helpers.ranks import run_ranks, verify
 @pytest.fixture(scope="module")
 def hub_dir(tmp_path_factory) -> Path:
     """The tiny model as transformers 5.24's save_pretrained writes it, with a tokenizer."""
-    directory = tmp_path_factory.mktemp("deepseek") / "hub"
-    deepseek_v3(seed=3).save_pretrained(str(directory))
-    save_tokenizer(directory)
-    return directory
+    return save_pretrained_with_tokenizer(deepseek_v3(seed=3), tmp_path_factory.mktemp("deepseek") / "hub")
 
 
 # --------------------------------------------------------------------------- config translation

@@ -23,7 +23,7 @@ from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers import parity
 from tests.helpers.gpt_oss import CONFIG, float64_reference, gpt_oss, mxfp4_experts, random_mxfp4
-from tests.helpers.models import assert_export_generates_like, save_hf, save_tokenizer
+from tests.helpers.models import assert_export_generates_like, save_hf, save_pretrained_with_tokenizer
 from tests.helpers.parity import parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks, verify
 from tests.helpers.reference import RTOL, assert_close
@@ -33,10 +33,7 @@ from tests.helpers.round_trips import assert_round_trips, assert_same, assert_to
 @pytest.fixture(scope="module")
 def hub_dir(tmp_path_factory) -> Path:
     """The tiny model as transformers 5.24's save_pretrained writes it, with a tokenizer."""
-    directory = tmp_path_factory.mktemp("gpt_oss") / "hub"
-    gpt_oss(seed=3).save_pretrained(str(directory))
-    save_tokenizer(directory)
-    return directory
+    return save_pretrained_with_tokenizer(gpt_oss(seed=3), tmp_path_factory.mktemp("gpt_oss") / "hub")
 
 
 def _config(**overrides) -> dict:

@@ -87,6 +87,21 @@ class PeakTensorBytes(TorchDispatchMode):
         self.live -= self._sizes.pop(key, 0)
 
 
+def _join_mesh(rank: int, port: int, layout):
+    """This rank's platform and megatron-core mesh of `layout` (its world: tp x pp x dp x cp), the
+    model RNG seeded: what every measuring rank function below starts with."""
+    from mcore_dpo.parallel import mesh as mesh_lib
+    from mcore_dpo.parallel import platform as plat
+
+    platform = plat.detect()
+    plat.activate(platform)
+    plat.init_process_group(platform, rank=rank, world_size=layout.tp * layout.pp * layout.dp * layout.cp,
+                            master_addr="127.0.0.1", master_port=port, timeout_s=120.0)
+    mesh = mesh_lib.initialize(layout)
+    plat.init_model_rng(platform, 0)
+    return platform, mesh
+
+
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
     try:
@@ -95,12 +110,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         from mcore_dpo.objective.logprobs import sequence_logps
         from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
-        platform = plat.detect()
-        plat.activate(platform)
-        plat.init_process_group(platform, rank=rank, world_size=TP, master_addr="127.0.0.1", master_port=port,
-                                timeout_s=120.0)
-        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=TP, pp=1, dp=1))
-        plat.init_model_rng(platform, 0)
+        platform, mesh = _join_mesh(rank, port, mesh_lib.Layout(tp=TP, pp=1, dp=1))
         tokens = torch.randint(3, SPEC.vocab_size, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
         mask = causal_mask(SEQ_LEN, device=torch.device("cpu"))
         loss_mask = torch.ones(ROWS, SEQ_LEN)
@@ -343,12 +353,7 @@ def _moe_rank_main(rank: int, port: int, out_dir: str) -> None:
         from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
         spec = _moe_measure_spec()
-        platform = plat.detect()
-        plat.activate(platform)
-        plat.init_process_group(platform, rank=rank, world_size=1, master_addr="127.0.0.1", master_port=port,
-                                timeout_s=120.0)
-        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
-        plat.init_model_rng(platform, 0)
+        platform, mesh = _join_mesh(rank, port, mesh_lib.Layout(tp=1, pp=1, dp=1))
         with plat.building_models(platform):
             model = build_stage_model(spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
         tokens = torch.randint(3, spec.vocab_size, (MOE_ROWS, MOE_SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -406,12 +411,7 @@ def _cp_rank_main(rank: int, port: int, out_dir: str) -> None:
         from mcore_dpo.objective.logprobs import sequence_logps
         from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
-        platform = plat.detect()
-        plat.activate(platform)
-        plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                timeout_s=120.0)
-        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1, cp=2))
-        plat.init_model_rng(platform, 0)
+        platform, mesh = _join_mesh(rank, port, mesh_lib.Layout(tp=1, pp=1, dp=1, cp=2))
         with plat.building_models(platform):
             model = build_stage_model(SPEC, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
         tokens = torch.randint(3, SPEC.vocab_size, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -586,12 +586,7 @@ def _gemma_rank_main(rank: int, port: int, out_dir: str) -> None:
         from mcore_dpo.model.builder import build_stage_model, causal_mask, stage_forward
 
         spec = _gemma_measure_spec()
-        platform = plat.detect()
-        plat.activate(platform)
-        plat.init_process_group(platform, rank=rank, world_size=1, master_addr="127.0.0.1", master_port=port,
-                                timeout_s=120.0)
-        mesh = mesh_lib.initialize(mesh_lib.Layout(tp=1, pp=1, dp=1))
-        plat.init_model_rng(platform, 0)
+        platform, mesh = _join_mesh(rank, port, mesh_lib.Layout(tp=1, pp=1, dp=1))
         with plat.building_models(platform):
             model = build_stage_model(spec, mesh=mesh, dtype=torch.bfloat16, on_gpu=False, use_te=False)
         tokens = torch.randint(3, spec.vocab_size, (GEMMA_ROWS, GEMMA_SEQ_LEN), generator=torch.Generator().manual_seed(0))

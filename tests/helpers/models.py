@@ -110,6 +110,14 @@ def save_tokenizer(directory: Path) -> None:
     fast.save_pretrained(str(directory))
 
 
+def save_pretrained_with_tokenizer(model: torch.nn.Module, directory: Path) -> Path:
+    """`model` as transformers' own save_pretrained writes it, with the tiny tokenizer: what a
+    download from the hub holds (the family tests' `hub_dir`)."""
+    model.save_pretrained(str(directory))
+    save_tokenizer(directory)
+    return directory
+
+
 def save_hf(model: torch.nn.Module, directory: Path, *, num_shards: int = 1, dtype: torch.dtype | None = None) -> Path:
     """Write model as an HF directory; num_shards > 1 writes an index like transformers does."""
     directory.mkdir(parents=True, exist_ok=True)
