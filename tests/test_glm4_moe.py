@@ -22,8 +22,7 @@ from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from tests.helpers.glm import CONFIG, glm4_moe
 from tests.helpers.models import assert_export_generates_like, save_hf, save_pretrained_with_tokenizer
-from tests.helpers.moe_parity import check_expert_bias_job
-from tests.helpers.parity import parity_job
+from tests.helpers.moe_parity import check_expert_bias_job, one_step_jobs
 from tests.helpers.round_trips import assert_round_trips, assert_same, assert_torch_dist_round_trips
 from tests.helpers.ranks import run_ranks, verify
 
@@ -164,12 +163,7 @@ def test_parity_one_step_pp2_and_ep2(tmp_path):
     policy = save_hf(glm4_moe(seed=1), tmp_path / "policy")
     reference = save_hf(glm4_moe(seed=2), tmp_path / "reference")
     layouts = ((2, 2, 1, 1), (1, 2, 2, 2))
-    jobs = []
-    for layout in layouts:
-        job = parity_job(layout, policy, reference, name="glm4_moe", steps=1, ep=layout[3], export_hf=False,
-                         distributed_optimizer=False)
-        job["eval_pairs"] = []
-        jobs.append(job)
+    jobs = one_step_jobs(policy, reference, name="glm4_moe", layouts=layouts)
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
         check_expert_bias_job(tmp_path / "out", j, job, layout)

@@ -24,7 +24,7 @@ from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers import parity
 from tests.helpers.gpt_oss import CONFIG, float64_reference, gpt_oss, mxfp4_experts, random_mxfp4
 from tests.helpers.models import assert_export_generates_like, save_hf, save_pretrained_with_tokenizer
-from tests.helpers.parity import parity_job
+from tests.helpers.moe_parity import one_step_jobs
 from tests.helpers.ranks import load_rank_tensors, run_ranks, verify
 from tests.helpers.reference import RTOL, assert_close
 from tests.helpers.round_trips import assert_round_trips, assert_same, assert_torch_dist_round_trips, tensors_of
@@ -253,12 +253,7 @@ def test_parity_one_step_pp2_ep2(tmp_path):
     policy = save_hf(gpt_oss(seed=1), tmp_path / "policy")
     reference = save_hf(gpt_oss(seed=2), tmp_path / "reference")
     layouts = ((1, 2, 2, 2), (2, 2, 1, 2), (1, 1, 4, 1))
-    jobs = []
-    for layout in layouts:
-        job = parity_job(layout, policy, reference, name="gpt_oss", steps=1, ep=layout[3], export_hf=False,
-                         distributed_optimizer=False)
-        job["eval_pairs"] = []
-        jobs.append(job)
+    jobs = one_step_jobs(policy, reference, name="gpt_oss", layouts=layouts)
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
         _check_job(tmp_path / "out", j, job, layout)

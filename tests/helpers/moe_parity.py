@@ -181,6 +181,18 @@ def check_aux_parity(out_dir: Path, j: int, job: dict, layout: tuple[int, int, i
 
 
 # --------------------------------------------------------------------------- routers with a loaded bias
+def one_step_jobs(policy: Path, reference: Path, *, name: str, layouts) -> list[dict]:
+    """One DPO step at each (tp, pp, dp, ep) of `layouts`, for one launch of them all: no export, no
+    evaluation, and the plain optimizer (the reference's own AdamW)."""
+    jobs = []
+    for layout in layouts:
+        job = parity.parity_job(layout, policy, reference, name=name, steps=1, ep=layout[3], export_hf=False,
+                                distributed_optimizer=False)
+        job["eval_pairs"] = []
+        jobs.append(job)
+    return jobs
+
+
 def router_biases_of(model_dir: Path) -> dict[str, torch.Tensor]:
     """The router biases of an HF directory's model (buffers: not among its parameters)."""
     from transformers import AutoModelForCausalLM
