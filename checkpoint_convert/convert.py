@@ -27,13 +27,13 @@ from checkpoint_convert.io import (
     META_FILE,
     FORMAT_VERSION,
     McoreMeta,
-    atomic_output_dir,
     ep_shard_shapes,
     expert_rank_name,
     meta_json,
     open_hf_dir,
     shard_relpath,
 )
+from checkpoint_convert.durable import atomic_output_dir
 from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.mapping import (

@@ -25,20 +25,16 @@ a one-line message naming the file and field.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from checkpoint_convert.durable import fsync_dir, fsync_tree
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.families import family_of, spec_from_hf_config
@@ -690,57 +686,3 @@ class HFView:
         if not blocks:
             return torch.empty(sizes, dtype=dtype)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
-
-
-# ---------------------------------------------------------------------------------------
-# Atomic output
-# ---------------------------------------------------------------------------------------
-
-
-def _is_within(path: Path, other: Path) -> bool:
-    return path == other or other in path.parents
-
-
-def _apply_umask_permissions(root: Path) -> None:
-    # mkdtemp (and safetensors' writer) create owner-only entries; the result should get the
-    # permissions a plain mkdir/open would have given.
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [root, *root.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-@contextlib.contextmanager
-def atomic_output_dir(target: str | os.PathLike, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside target; on success it replaces target.
-
-    Any exception, KeyboardInterrupt included, removes the temporary directory and leaves
-    target (and every input) untouched.
-    """
-    target = Path(target).resolve()
-    for source in inputs:
-        source = Path(source).resolve()
-        if _is_within(source, target) or _is_within(target, source):
-            raise ConversionError(f"{target}: output must not overlap the input {source}")
-    if target.exists() and not target.is_dir():
-        raise ConversionError(f"{target}: exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ConversionError(f"{target}: directory is not empty (pass --overwrite to replace it)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        _apply_umask_permissions(tmp)
-        fsync_tree(tmp)  # the data is on disk before a rename makes it visible
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "previous")
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -66,3 +66,17 @@ def assert_torch_dist_round_trips(hf_dir: Path, work: Path, source: dict[str, to
     assert main(["reshard", "--mcore-dir", str(work / "td"), "--out", str(work / "from_td"), *reshard_flags]) == 0
     assert main(["mcore-to-hf", "--mcore-dir", str(work / "from_td"), "--out", str(work / "hf_from_td")]) == 0
     assert_same(work / "hf_from_td", source, f"torch_dist -> reshard {' '.join(reshard_flags)} -> HF")
+
+
+def assert_moe_conversions(hf_dir: Path, work: Path, *, reshard_flags: list[str], export: str) -> dict[str, torch.Tensor]:
+    """A MoE family's conversions: the round trips at (tp, pp, ep) = (1,1,1), (2,2,1), (1,2,2);
+    torch_dist written at tp 2 pp 2 ep 2 and back, directly and resharded (`reshard_flags`); and
+    the export of work/hf{export} loading with AutoModelForCausalLM and generating the source's
+    greedy tokens. Returns the source."""
+    from tests.helpers.models import assert_export_generates_like
+
+    source = assert_round_trips(hf_dir, work, ((1, 1, 1), (2, 2, 1), (1, 2, 2)))
+    assert_torch_dist_round_trips(hf_dir, work, source, write_flags=["--tp", "2", "--pp", "2", "--ep", "2"],
+                                  reshard_flags=reshard_flags)
+    assert_export_generates_like(hf_dir, work / f"hf{export}", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
+    return source
