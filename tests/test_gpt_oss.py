@@ -20,11 +20,10 @@ from checkpoint_convert.__main__ import main
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers import parity
 from tests.helpers.gpt_oss import CONFIG, float64_reference, gpt_oss, mxfp4_experts, random_mxfp4
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
-from tests.helpers.moe_parity import one_step_jobs
+from tests.helpers.moe_parity import one_step_jobs, rank_shard
 from tests.helpers.ranks import load_rank_tensors, run_ranks, verify
 from tests.helpers.reference import RTOL, assert_close
 from tests.helpers.round_trips import assert_moe_conversions, assert_same, tensors_of
@@ -213,18 +212,11 @@ def _check_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, in
     """Step-1 metrics, every rank's step-1 gradients and dp rank 0's weights after the step
     against HF + TRL's formulas, one step in float64 (`float64_reference`: the attention-sink
     gradient's cancellation leaves an fp32 reference itself about 7e-6 from the exact value)."""
-    from mcore_dpo.parallel.mesh import Layout
-
     tp, pp, dp, ep = layout
     config = job["config"]
     ref = float64_reference(config["model"], config["ref_model"], steps=1)
-    spec = open_hf_dir(config["model"]).spec
-    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
+    expected = rank_shard(open_hf_dir(config["model"]).spec, layout)
     what = f"gpt_oss at tp{tp} pp{pp} dp{dp} ep{ep}"
-
-    def expected(tensors: dict, t: int, p: int, d: int) -> dict:
-        return hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=ep_rank_of(tp_rank=t, dp_rank=d),
-                                 get=tensors.__getitem__)
 
     for (t, p, d), shard in load_rank_tensors(out_dir, j, "grads1", layout=(tp, pp, dp)).items():
         want = expected(ref["grads"][0], t, p, d)

@@ -30,6 +30,22 @@ def with_hub_names(ref: dict, policy_dir: Path) -> dict:
     return ref
 
 
+def rank_shard(spec, layout: tuple[int, int, int, int]):
+    """(tensors, t, p, d) -> the key map's shard of `tensors` (HF names) that the rank at tp rank t,
+    pp rank p and dp rank d holds: experts whole on their rank (expert tp 1), its expert-parallel
+    rank (t + tp d) % ep (megatron-core's tp-ep-dp order; `Layout.ep_rank_of`)."""
+    from mcore_dpo.parallel.mesh import Layout
+
+    tp, pp, dp, ep = layout
+    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
+
+    def shard(tensors: dict, t: int, p: int, d: int) -> dict:
+        return hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=ep_rank_of(tp_rank=t, dp_rank=d),
+                                 get=tensors.__getitem__)
+
+    return shard
+
+
 def check_moe_job(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0) -> None:
     """parity.check_job for an interleaved sigmoid MoE job at ep 1."""
     config = job["config"]
@@ -41,27 +57,23 @@ def check_moe_job(out_dir: Path, job: dict, layout: tuple[int, ...], j: int = 0)
 def check_expert_parallel(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int, int]) -> None:
     """parity.check_job's checks with the experts of each rank's ep share: experts whole on their
     rank (expert tp 1), the expert-parallel rank of the rank at (tp rank t, dp rank d) of a stage
-    is (t + tp d) % ep (megatron-core's tp-ep-dp order; `Layout.ep_rank_of`); no evaluation."""
-    from mcore_dpo.parallel.mesh import Layout
-
+    is (t + tp d) % ep (megatron-core's tp-ep-dp order; `rank_shard`); no evaluation."""
     tp, pp, dp, ep = layout
-    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
     config = job["config"]
     ref = with_hub_names(parity.cached_reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 2),
                          Path(config["model"]))
     spec = open_hf_dir(config["model"]).spec
+    expected_shard = rank_shard(spec, layout)
     what = f"{job['key'][0]} at tp{tp} pp{pp} dp{dp} ep{ep}"
     for step, ref_grads in enumerate(ref["grads"], start=1):
         for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=(tp, pp, dp)).items():
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
-                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref_grads.__getitem__)
+            expected = expected_shard(ref_grads, t, p, d)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} step {step} grad {name} (rank tp{t} pp{p} dp{d})")
     for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=(tp, pp, dp)).items():
         if d == 0:
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep,
-                                         ep_rank=ep_rank_of(tp_rank=t, dp_rank=d), get=ref["weights"].__getitem__)
+            expected = expected_shard(ref["weights"], t, p, d)
             assert set(expected) == set(shard), what
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} weight {name} after 2 steps")
@@ -205,20 +217,14 @@ def check_expert_bias_job(out_dir: Path, j: int, job: dict, layout: tuple[int, i
     """Step-1 metrics, step-1 gradients of every rank and dp rank 0's weights after the step
     against HF + TRL's formulas (`parity.cached_reference`, one step). The router biases are
     not trained: the weights after the step hold them as loaded."""
-    from mcore_dpo.parallel.mesh import Layout
-
     tp, pp, dp, ep = layout
     config = job["config"]
     ref = with_hub_names(parity.cached_reference(config["model"], config["ref_model"], "sigmoid", "interleaved", 1),
                          Path(config["model"]))
     biases = router_biases_of(Path(config["model"]))
     spec = open_hf_dir(config["model"]).spec
-    ep_rank_of = Layout(tp=tp, pp=pp, dp=dp, ep=ep).ep_rank_of
+    expected = rank_shard(spec, layout)
     what = f"{spec.family} at tp{tp} pp{pp} dp{dp} ep{ep}"
-
-    def expected(tensors: dict, t: int, p: int, d: int) -> dict:
-        return hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=ep_rank_of(tp_rank=t, dp_rank=d),
-                                 get=tensors.__getitem__)
 
     grads = {**ref["grads"][0], **{n: torch.zeros_like(b) for n, b in biases.items()}}
     for (t, p, d), shard in load_rank_tensors(out_dir, j, "grads1", layout=(tp, pp, dp)).items():
