@@ -41,9 +41,11 @@ def _has_cuda() -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """`-m fast` on FAST_TIER_WORKERS processes, a test file per worker (tests/helpers/tiers.py)."""
+    """`-m fast` and the whole suite on SUITE_WORKERS processes, a test file per worker
+    (tests/helpers/tiers.py)."""
     option = config.option
-    workers = tiers.workers_for(markexpr=option.markexpr, numprocesses=getattr(option, "numprocesses", "absent"),
+    workers = tiers.workers_for(markexpr=option.markexpr, whole_suite=config.args_source == pytest.Config.ArgsSource.TESTPATHS,
+                                numprocesses=getattr(option, "numprocesses", "absent"),
                                 collect_only=option.collectonly, in_worker="PYTEST_XDIST_WORKER" in os.environ)
     if workers is not None:
         option.numprocesses, option.dist = workers, "loadfile"
@@ -60,6 +62,9 @@ def pytest_collection_modifyitems(config, items):
             kept.append(item.nodeid)
         if not kinds or item.get_closest_marker("in_fast_tier"):
             item.add_marker("fast")
+    kinds_per_test = [{m.name for m in item.iter_markers() if m.name in tiers.LAUNCH_KINDS} for item in items]
+    order = tiers.dearest_files_first([item.path.name for item in items], kinds_per_test, tiers.recorded_seconds())
+    items[:] = [items[i] for i in order]
     if len(kept) > tiers.FAST_TIER_LAUNCHES:
         raise pytest.UsageError(f"at most {tiers.FAST_TIER_LAUNCHES} launching tests run in the fast tier "
                                 f"(in_fast_tier): {kept}")

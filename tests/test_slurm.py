@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from mcore_dpo.parallel.ports import free_port
+from tests.helpers.faults import with_fault
 
 pytestmark = pytest.mark.slurm  # SLURM daemons (the suite's tiers: tests/helpers/tiers.py)
 REPO = Path(__file__).resolve().parent.parent
@@ -333,6 +334,9 @@ def test_the_time_limit_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmClus
 
 
 LONG_RUN_STEPS = 100000
+# The long run sleeps this long at the start of every step (the fault hooks' "pace"): it waits for
+# a signal, and meanwhile leaves the cores to the rest of the suite.
+LONG_RUN_PACE_S = 2
 
 
 def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str,
@@ -344,10 +348,16 @@ def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str,
         script_args=["--max-steps", str(LONG_RUN_STEPS), "--save-interval", str(LONG_RUN_STEPS), "--save-interval-min", "0",
                      "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-interval", "0", "--no-packing",
                      "--output-dir", str(run_dir)],
-        extra_env={"MCORE_DPO_CACHE": str(cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port)},
+        extra_env={"MCORE_DPO_CACHE": str(cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port),
+                   **_paced(cluster.env)},
         sbatch_args=[f"--time={time_limit}"] if time_limit else [],
     )
     return job_id, output, run_dir, ray_port
+
+
+def _paced(env: dict[str, str]) -> dict[str, str]:
+    paced = with_fault(env, f"pace:{LONG_RUN_PACE_S}")
+    return {key: paced[key] for key in ("MCORE_DPO_FAULT", "PYTHONPATH")}
 
 
 def _wait_for_first_step(cluster: SlurmCluster, job_id: str, output: Path, run_dir: Path) -> None:

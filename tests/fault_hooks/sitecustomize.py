@@ -7,8 +7,10 @@ Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_
     "hang:2"    makes rank 0 stop responding at the start of step 2 (its peers time out)
     "say:1,2"   makes rank 0 print a line to its stdout and one to its stderr at the start of
                 steps 1 and 2 (Ray shows them on the driver's stdout and stderr)
+    "pace:2"    makes rank 0 sleep 2 s at the start of every step: a long run that waits for a
+                signal keeps the cores mostly free for the other tests meanwhile
 
-Each fault fires once per run directory (a marker file remembers it).
+Each fault but pace fires once per run directory (a marker file remembers it).
 
 MCORE_DPO_GROUPED_STANDIN=1 installs grouped_standin.py: MoE runs on the CPU get a
 stand-in for megatron-core's grouped GEMM experts (TEGroupedMLP's parameter names).
@@ -24,6 +26,13 @@ def _install(spec: str) -> None:
     from mcore_dpo import hooks
 
     kind, _, steps = spec.partition(":")
+    if kind == "pace":
+        def pace(*, step: int, rank: int, output_dir: str) -> None:
+            if rank == 0:
+                time.sleep(float(steps))
+
+        hooks.register("train_step", pace)
+        return
     point = {"step": "train_step", "hang": "train_step", "say": "train_step", "save": "save_checkpoint"}[kind]
 
     def fault(*, step: int, rank: int, output_dir: str) -> None:

@@ -23,26 +23,74 @@ a process some other way fails and says to use the helpers, so the fast tier sta
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 import types
 from collections.abc import Callable
+from pathlib import Path
+from xml.etree import ElementTree
 
 LAUNCH_KINDS = ("cli", "ranks", "ray", "slurm")
 # At most this many tests launch and still run in the fast tier (`@pytest.mark.in_fast_tier`).
 FAST_TIER_LAUNCHES = 2
-# How many worker processes the fast tier runs on (pytest-xdist), a test file per worker so that a
-# module's fixtures are built once: its tests each keep one core busy. The launching tiers stay in
-# one process, their ranks already fill the cores.
-FAST_TIER_WORKERS = 2
+# How many worker processes the fast tier and the whole suite run on (pytest-xdist), a test file
+# per worker so that a module's fixtures are built once. A fast test keeps one core busy; a
+# launching test's ranks fill the cores only part of the time (imports, Ray start-up, waits for a
+# signal, a timeout or SLURM), so a second worker gains on both (tests/README.md has the figures).
+SUITE_WORKERS = 2
+# How long each test file takes, in seconds on 2 cores (tests/helpers/file_seconds.json, recorded
+# from a whole-suite run's junit XML: `python -m tests.helpers.tiers record JUNIT_XML`): the
+# dearest files go to the workers first, so that no long file starts last while the other worker
+# idles. A file not recorded yet is estimated from its tests' kinds.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+KIND_COST_S = {"slurm": 60.0, "cli": 25.0, "ray": 15.0, "ranks": 10.0}
+FAST_COST_S = 0.2
 
 
-def workers_for(*, markexpr: str, numprocesses, collect_only: bool, in_worker: bool) -> int | None:
-    """The workers `pytest -m fast` runs on, or None to leave the run as it is: any other
-    selection, `-n N` given (`-n 0`: one process), a collection only, or inside a worker.
-    `numprocesses` is "absent" where pytest-xdist is not installed."""
-    if markexpr != "fast" or numprocesses is not None or collect_only or in_worker:
+def workers_for(*, markexpr: str, whole_suite: bool, numprocesses, collect_only: bool, in_worker: bool) -> int | None:
+    """The workers a run goes on, or None to leave it as it is. `pytest -m fast` and the whole
+    suite (no test paths given) go on SUITE_WORKERS; anything else stays in one process: test
+    paths or node ids given (one area, or a GPU check of scripts/gpu_checks.sh), `-n N` given
+    (`-n 0`: one process), a collection only, or inside a worker. `numprocesses` is "absent"
+    where pytest-xdist is not installed."""
+    if not (markexpr == "fast" or whole_suite) or numprocesses is not None or collect_only or in_worker:
         return None
-    return FAST_TIER_WORKERS
+    return SUITE_WORKERS
+
+
+def estimated_cost(kinds_per_test: list[set[str]]) -> float:
+    """A file's cost from its tests: the dearest kind of each (KIND_COST_S), FAST_COST_S a fast one."""
+    return sum(max((KIND_COST_S[k] for k in kinds if k in KIND_COST_S), default=FAST_COST_S)
+               for kinds in kinds_per_test)
+
+
+def dearest_files_first(files: list[str], kinds_per_test: list[set[str]], recorded: dict[str, float]) -> list[int]:
+    """The order of the tests (indices) with their files (names like "test_x.py") by falling
+    cost, the recorded seconds where there are some, else estimated_cost; each file's tests in
+    their own order, files of equal cost in theirs."""
+    by_file: dict[str, list[int]] = {}
+    for index, name in enumerate(files):
+        by_file.setdefault(name, []).append(index)
+
+    def cost(name: str) -> float:
+        return recorded[name] if name in recorded else estimated_cost([kinds_per_test[i] for i in by_file[name]])
+
+    return [index for name in sorted(by_file, key=lambda name: -cost(name)) for index in by_file[name]]
+
+
+def recorded_seconds() -> dict[str, float]:
+    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+
+
+def seconds_per_file(junit_xml: Path) -> dict[str, float]:
+    """Each test file's total time (set-up, call and teardown) in a junit XML of a pytest run."""
+    totals: dict[str, float] = {}
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        name = case.get("classname", "").split(".")
+        if len(name) >= 2 and name[0] == "tests" and name[1].startswith("test_"):
+            key = f"{name[1]}.py"
+            totals[key] = totals.get(key, 0.0) + float(case.get("time", 0.0))
+    return {key: round(totals[key], 1) for key in sorted(totals, key=lambda key: -totals[key])}
 
 
 def launches(*kinds: str) -> Callable:
@@ -127,3 +175,10 @@ def kinds_of_item(item, seen: dict) -> set[str]:
             kinds |= kinds_reached(value, seen)
     kinds |= {mark.name for mark in item.iter_markers() if mark.name in LAUNCH_KINDS}
     return kinds
+
+
+if __name__ == "__main__":  # python -m tests.helpers.tiers record JUNIT_XML
+    if sys.argv[1:2] != ["record"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m tests.helpers.tiers record JUNIT_XML")
+    FILE_SECONDS.write_text(json.dumps(seconds_per_file(Path(sys.argv[2])), indent=1) + "\n")
+    print(f"wrote {FILE_SECONDS}")
