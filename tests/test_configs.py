@@ -5,14 +5,18 @@ size) matches a recomputation from the architecture numbers they state."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
 from mcore_dpo.parallel import platform as plat
+from mcore_dpo.parallel.mesh import Layout
 from mcore_dpo.config import TrainConfig, load_yaml
 from tests.helpers.config_arithmetic import (CONFIG_DIR, GPU, expert_params, header_values, is_moe, key_values,
                                              memory_gb_per_gpu, param_count)
+from tests.helpers import mla_memory
+from tests.helpers.ranks import spawn_processes
 
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 REALISTIC = [p for p in ALL_CONFIGS if p.name != "tiny.yaml"]
@@ -29,7 +33,8 @@ def config_without_paths(path: Path) -> TrainConfig:
 def test_configs_exist():
     names = {p.name for p in ALL_CONFIGS}
     assert {"tiny.yaml", "llama3_8b.yaml", "qwen2_5_7b.yaml", "llama3_70b.yaml", "qwen3_8b.yaml", "qwen3_30b_a3b.yaml",
-            "mixtral_8x7b.yaml", "llama3_1_8b_32k.yaml", "gpt_oss_20b.yaml", "gemma3_27b.yaml", "glm4_5_air.yaml"} <= names
+            "mixtral_8x7b.yaml", "llama3_1_8b_32k.yaml", "gpt_oss_20b.yaml", "gemma3_27b.yaml", "glm4_5_air.yaml",
+            "deepseek_v3.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
@@ -68,10 +73,20 @@ def test_realistic_config_header_arithmetic(path: Path):
     assert config.dtype == "bfloat16"
     if is_moe(arch):
         assert expert_params(arch) / 1e9 == pytest.approx(float(header["expert_params_b"]), abs=0.005)
-        # Experts split evenly over ep; an expert-parallel group (tp x ep ranks) stays inside one node.
-        assert int(arch["experts"]) % config.ep == 0 and config.tp * config.ep <= int(cluster["gpus_per_node"])
+        assert int(arch["experts"]) % config.ep == 0
+        # An expert-parallel group (ep consecutive ranks of a stage's tp x dp, each expert whole on
+        # its rank at ep > 1: mesh.Layout.ep_rank_of) stays inside one node (tp x ep ranks), unless
+        # the header states the nodes it spans.
+        layout = Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep)
+        group = range(config.ep * layout.etp)  # the first stage's first ranks (tp fastest, then dp)
+        ep_ranks = {layout.ep_rank_of(tp_rank=r % config.tp, dp_rank=r // config.tp) for r in group}
+        assert ep_ranks == set(range(config.ep))
+        nodes = {r // int(cluster["gpus_per_node"]) for r in group}
+        assert len(nodes) == int(header.get("expert_parallel_nodes", 1))
+        if len(nodes) == 1:
+            assert config.tp * config.ep <= int(cluster["gpus_per_node"])
     else:
-        assert config.ep == 1
+        assert config.ep == 1 and "expert_parallel_nodes" not in header
 
 
 @pytest.mark.parametrize("path", REALISTIC, ids=lambda p: p.name)
@@ -259,3 +274,164 @@ def test_dense_first_layers_and_shared_experts_in_the_arithmetic():
     # pp 2: the first stage's 2 microbatches of (1 dense + 22 MoE layers) and 2 boundary activations
     assert peak == pytest.approx(2 * (dense + 22 * moe) + 2 * boundary, rel=1e-12)
     assert dense < moe
+
+
+# deepseek-ai/DeepSeek-V3's published config.json (its auto_map, quantization_config and
+# transformers_version left out: the bf16 copy the config names has no quantization_config).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_deepseek_v3_config_is_the_published_model_in_a_layout_the_trainer_accepts():
+    """configs/deepseek_v3.yaml resolves through the real parser; the published config.json, read
+    by checkpoint_convert, is the model its arch line describes, and passes every check the driver
+    makes of a config against its model (mcore_dpo/driver/run.py `prepare`). The header's other
+    layouts do not fit: ep 64 (each expert's optimizer state over 4 ranks, 4 experts a rank),
+    max_length 2048."""
+    from checkpoint_convert.families import spec_from_hf_config
+    from checkpoint_convert.mapping import check_layout
+    from mcore_dpo.config import ConfigError, resolve
+
+    path = CONFIG_DIR / "deepseek_v3.yaml"
+    config, _ = resolve(["--config", str(path), "--model", str(CONFIG_DIR), "--data", str(path)])  # stand-ins
+    assert (config.tp, config.pp, config.dp, config.ep, config.recompute) == (8, 1, 32, 128, "none")
+    spec = spec_from_hf_config(DEEPSEEK_V3)
+    source = "DeepSeek-V3/config.json"
+    check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=source)
+    config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=source)
+    config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts, source=source)
+    config.check_rows(multi_latent_attention=spec.multi_latent_attention, source=source)
+    config.check_context_parallel(num_experts=spec.num_experts, multi_latent_attention=spec.multi_latent_attention,
+                                  family=spec.family, source=source)
+    config.resolve_moe_aux_loss_coef(num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=source)
+    with pytest.raises(ConfigError, match="full is not supported yet for mixture-of-experts"):
+        dataclasses.replace(config, recompute="full").check_recompute(
+            num_layers=spec.num_layers, num_experts=spec.num_experts, source=source)
+
+    header = header_values(path)
+    arch = key_values(header["arch"])
+    assert {k: int(arch[k]) for k in ("hidden", "layers", "heads", "kv_heads", "q_lora_rank", "kv_lora_rank",
+                                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "ffn", "dense_layers",
+                                      "experts", "topk", "moe_ffn", "shared_ffn", "vocab")} == {
+        "hidden": spec.hidden_size, "layers": spec.num_layers, "heads": spec.num_heads,
+        "kv_heads": spec.num_query_groups, "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
+        "qk_nope_head_dim": spec.head_dim - spec.qk_rope_head_dim, "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "v_head_dim": spec.v_head_dim, "ffn": spec.intermediate_size, "dense_layers": min(spec.moe_layers),
+        "experts": spec.num_experts, "topk": spec.moe_topk, "moe_ffn": spec.moe_intermediate_size,
+        "shared_ffn": spec.moe_shared_intermediate_size, "vocab": spec.vocab_size}
+    assert spec.moe_layers == tuple(range(3, 61)) and spec.moe_expert_bias and arch["router_bias"] == "true"
+    assert (arch["tied_embeddings"], arch["qkv_bias"]) == (str(spec.tie_word_embeddings).lower(), "false")
+
+    stated = float(header["memory_gb_per_gpu"])
+    assert memory_gb_per_gpu(arch=arch, config=config, attention="local") == pytest.approx(stated, abs=0.05)
+    text = path.read_text(encoding="utf-8")
+    for layout, gb in ((dict(ep=64), 153.5), (dict(max_length=2048), 160.5)):
+        other = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, **layout), attention="local")
+        assert other == pytest.approx(gb, abs=0.05) and other > float(header["gpu_memory_gb"])
+        assert f"{gb} GB" in text, layout
+
+
+def test_mla_parameter_count_is_the_models():
+    """The header arithmetic's multi-latent attention count (tests/helpers/config_arithmetic.py)
+    against a tiny DeepseekV3ForCausalLM of transformers' own, with and without a q latent: every
+    tensor of its state dict (the router's e_score_correction_bias included), the dense and the
+    expert parameters apart."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.helpers.config_arithmetic import dense_param_count
+
+    for q_lora_rank in (24, None):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**mla_memory.hf_config(q_lora_rank=q_lora_rank)))
+        sizes = {name: t.numel() for name, t in model.state_dict().items()}
+        experts = sum(n for name, n in sizes.items() if ".mlp.experts." in name)
+        arch = key_values(mla_memory.arch_line(q_lora_rank=q_lora_rank))
+        assert (dense_param_count(arch), expert_params(arch)) == (sum(sizes.values()) - experts, experts), q_lora_rank
+
+
+def test_mla_layer_bytes_are_what_autograd_saves(tmp_path):
+    """Multi-latent attention's activation count (memory_estimate.mla_attention_bytes_per_token,
+    the bulk of configs/deepseek_v3.yaml's figure) against what a tiny bf16 DeepSeek-V3 stage
+    saves for its backward on two gloo ranks (tests/helpers/mla_memory.py), at tp 1 and at tp 2
+    with sequence parallelism, with and without a q latent, byte for byte: the self-attention
+    block (its count, plus the layer input its down projections keep, counted with the norms),
+    and the whole dense layer (memory_estimate.layer_activation_bytes). Beside the per-token
+    count a layer saves only per-layer tensors: the RoPE cos/sin of q and k (4 x s x
+    qk_rope_head_dim, bf16) and the causal mask (s x s bool); and the layer's two norms (torch's
+    RMSNorm, its weight fp32, on bf16 inputs: torch's composite path) keep their input and
+    normalised tensor in fp32 and the 1/rms, 4h + 4 B per token more each than the 3h in the
+    parameter dtype the local spec's count gives them. The MoE layer
+    under sequence parallelism: each tp rank's router keeps its own s/tp tokens (half of tp 1's)
+    and the two ranks' experts together receive the k copies of every token once, which is why
+    memory_estimate divides the routed term by tp there."""
+    from mcore_dpo.parallel.ports import free_port
+    from mcore_dpo.tools import memory_estimate as me
+    from tests.helpers.config_arithmetic import layer_shape
+
+    spawn_processes(mla_memory.rank_main, nprocs=2, args=((free_port(), free_port()), str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    s, tokens, bf16 = mla_memory.SEQ_LEN, mla_memory.SEQ_LEN * mla_memory.ROWS, 2
+    for name, tp, q_lora_rank in mla_memory.CASES:
+        arch = key_values(mla_memory.arch_line(q_lora_rank=q_lora_rank))
+        shape = layer_shape(arch, tp=tp)
+        h, sp = shape.hidden, tp > 1
+        assert shape.q_lora_rank == (q_lora_rank or 0) and shape.head_dim == 18 and shape.v_head_dim == 10
+        kw = dict(seq_len=s, rows=mla_memory.ROWS, tp=tp, sequence_parallel=sp, attention="local", dtype_bytes=bf16)
+        per_layer = 4 * s * shape.qk_rope_head_dim * bf16 + s * s
+        attention = (tokens * me.mla_attention_bytes_per_token(shape, seq_len=s, tp=tp, sequence_parallel=sp,
+                                                                dtype_bytes=bf16) + tokens * h * bf16 / tp + per_layer)
+        dense = dataclasses.replace(shape, experts=0, topk=0, moe_ffn=0, shared_ffn=0, dense_layers=0)
+        norm_excess = 2 * tokens * (4 * h + 4) / tp
+        for rank in ranks:
+            measured = rank[name]
+            assert [measured[layer]["attention"] for layer in ("0", "1")] == [attention] * 2, (name, measured)
+            assert measured["0"]["layer"] == me.layer_activation_bytes(dense, **kw) + per_layer + norm_excess, name
+            # MoE layer (its input h of k copies per token, in one buffer on the rank's experts)
+            assert measured["1"]["router"] == ranks[0][name.replace("tp2_sp", "tp1")]["1"]["router"] / tp, name
+        received, expected = [rank[name]["1"]["expert_inputs"] for rank in ranks], shape.topk * tokens * h * bf16
+        assert received == [expected] * 2 if tp == 1 else sum(received) == expected, (name, received)
+    # Without a q latent the count loses the q norm and the q up projection's input, nothing else.
+    full, plain = (layer_shape(key_values(mla_memory.arch_line(q_lora_rank=q)), tp=1) for q in (24, None))
+    per_token = [me.mla_attention_bytes_per_token(x, seq_len=s, tp=1, sequence_parallel=False, dtype_bytes=bf16)
+                 for x in (full, plain)]
+    assert per_token[0] - per_token[1] == 8 * 24 + 4 + 24 * bf16
+    # The arithmetic's routed term (router, routed copies, expert MLPs: all but the shared expert)
+    # splits over tp under sequence parallelism, as the ranks above route.
+    routed = [me.mlp_activation_bytes_per_token(full, tp=tp, dtype_bytes=bf16, expert_tp=1, sequence_parallel=tp > 1)
+              - 5 * full.shared_ffn * bf16 / tp for tp in (1, 2)]
+    assert routed[1] == routed[0] / 2
+    # At tp 1 every routed copy stays on the rank: the MoE block (beside its input, counted with the
+    # norms) saves less than the arithmetic's MoE term, which the header takes as its count.
+    moe_block = ranks[0]["tp1"]["1"]["mlp"] - tokens * full.hidden * bf16
+    assert moe_block < tokens * me.mlp_activation_bytes_per_token(full, tp=1, dtype_bytes=bf16)
+
+
+def test_mla_arithmetic_refuses_what_it_does_not_model():
+    """One line each: multi-latent attention runs the local spec only, what selective recompute
+    keeps of it is not measured, and its arch line names its own head sizes (no head_dim)."""
+    from mcore_dpo.tools import memory_estimate as me
+    from tests.helpers.config_arithmetic import dense_param_count, layer_shape
+
+    arch = key_values(mla_memory.arch_line(q_lora_rank=24))
+    shape = layer_shape(arch, tp=1)
+    kw = dict(seq_len=16, rows=2, tp=1, sequence_parallel=False, dtype_bytes=2)
+    for attention, recompute in (("flash", "none"), ("local", "selective")):
+        with pytest.raises(ValueError, match=r"^multi-latent attention: modelled for the local layer spec at cp 1 "
+                                             r"without selective recompute \(got attention"):
+            me.layer_activation_bytes(shape, **kw, attention=attention, recompute=recompute)
+    with pytest.raises(ValueError, match="^arch: multi-latent attention states qk_nope_head_dim"):
+        dense_param_count({**arch, "head_dim": "18"})
+    with pytest.raises(ValueError, match="^arch: multi-latent attention has kv_heads = heads"):
+        layer_shape({**arch, "kv_heads": "2"}, tp=1)

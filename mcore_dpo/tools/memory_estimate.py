@@ -31,6 +31,14 @@ fp32 logits and probabilities (2E), the k dispatched copies the experts' fc1 kee
 k expert outputs the weighted combine keeps (kh), and each copy's expert MLP, 5 f_moe, divided
 by the expert tensor-parallel size.
 
+With sequence parallelism (tp > 1) each tp rank routes only its own s/tp tokens, so the routed
+terms are divided by tp (measured: tests/test_configs.py, test_mla_layer_bytes_are_what_autograd_saves).
+
+Multi-latent attention (DeepSeek-V3: a shape with `kv_lora_rank` > 0; the local spec only) keeps,
+in place of GQA's q, k, v: its latent norms and up-projection inputs on the rank's tokens, and q,
+k (q/k head size), v and the context (v_head_dim) with the s x s probabilities on the rank's
+heads (`mla_attention_bytes_per_token`, exact against autograd's saved tensors at tp 1 and 2).
+
 Shared experts (`shared_ffn`, DeepSeek-V3 / GLM-4.5's MoE block) add one SwiGLU MLP of every
 token, 5 shared_ffn / tp; `dense_layers` first layers of a MoE model have the dense MLP of `ffn`,
 and `plan_activation_bytes` counts each stage's own mix of them. Gemma 3's norm (`fp32_norms`:
@@ -113,6 +121,12 @@ class LayerShape:
     norms: int = 2  # hidden-size norms per layer (Gemma 3's sandwich norms: 4)
     fp32_norms: bool = False  # Gemma 3's norm (mcore_dpo/model/gemma3.py): fp32 inside, below
     qk_norm: bool = False  # per-head q/k norms; their activations are counted with fp32_norms only
+    # Multi-latent attention (DeepSeek-V3; kv_lora_rank 0: not MLA). head_dim is then the q/k head
+    # (qk_nope_head_dim + qk_rope_head_dim) and kv_heads = heads; q_lora_rank 0: q_proj from h.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 def expert_param_count(shape: LayerShape, *, moe_layers: int) -> int:
@@ -160,18 +174,47 @@ def _fp32_norm_bytes(width: int, groups: int = 1) -> int:
     return 2 * FP32_BYTES * width + FP32_BYTES * groups
 
 
-def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: int, expert_tp: int | None = None) -> float:
+def mlp_activation_bytes_per_token(shape: LayerShape, *, tp: int, dtype_bytes: int, expert_tp: int | None = None,
+                                   sequence_parallel: bool = False) -> float:
     """Bytes per token the MLP block keeps: dense SwiGLU 5f / tp; MoE: router 2E fp32, the k
-    routed copies in and out (2kh) and k expert MLPs 5 f_moe / expert tp (balanced routing)."""
+    routed copies in and out (2kh) and k expert MLPs 5 f_moe / expert tp (balanced routing).
+    With sequence parallelism each tp rank routes only its own s/tp tokens (the router's and the
+    dispatcher's input is the layer's [s/tp, b, h]; measured at tp 2 in tests/test_configs.py,
+    test_mla_layer_bytes_are_what_autograd_saves), so the routed part is divided by tp."""
     if not shape.experts:
         return 5 * shape.ffn * dtype_bytes / tp
     expert_tp = tp if expert_tp is None else expert_tp
     router = 2 * shape.experts * FP32_BYTES
     routed = 2 * shape.topk * shape.hidden * dtype_bytes
     experts = 5 * shape.topk * shape.moe_ffn * dtype_bytes / expert_tp
+    moe = (router + routed + experts) / (tp if sequence_parallel else 1)
     if shape.shared_ffn:  # the shared experts: one SwiGLU MLP of every token, split over tp
-        return router + routed + experts + 5 * shape.shared_ffn * dtype_bytes / tp
-    return router + routed + experts
+        return moe + 5 * shape.shared_ffn * dtype_bytes / tp
+    return moe
+
+
+def mla_attention_bytes_per_token(shape: LayerShape, *, seq_len: int, tp: int, sequence_parallel: bool,
+                                  dtype_bytes: int) -> float:
+    """Bytes per token multi-latent attention keeps (megatron-core's MLASelfAttention on the local
+    spec, mcore_dpo/model/mla.py), beside its input (the input norm's output, counted with the
+    norms). On the rank's tokens (s/tp with sequence parallelism: the down projections are
+    replicated): each latent norm (q_lora_rank, kv_lora_rank wide; torch's RMSNorm, whose fp32
+    weight sends bf16 inputs down torch's composite path) its fp32 input and normalised tensor and
+    fp32 1/rms (`_fp32_norm_bytes`), and its output, the up projection's input; without a q
+    latent, q_proj keeps only the layer input. On the rank's heads (heads/tp): q and k of the q/k
+    head size (the rotary part expanded to every head), v and the context of v_head_dim, and the
+    s x s probabilities (fp32, plus a copy in the parameter dtype when narrower). Exact against
+    autograd's saved tensors of a tiny bf16 layer at tp 1 and at tp 2 with sequence parallelism
+    (tests/test_configs.py, test_mla_layer_bytes_are_what_autograd_saves), beside what is per
+    layer, not per token: the RoPE cos/sin of q and k (4 x s x qk_rope_head_dim in the parameter
+    dtype) and the mask."""
+    sp = tp if sequence_parallel else 1
+    latents = _fp32_norm_bytes(shape.kv_lora_rank) + shape.kv_lora_rank * dtype_bytes
+    if shape.q_lora_rank:
+        latents += _fp32_norm_bytes(shape.q_lora_rank) + shape.q_lora_rank * dtype_bytes
+    scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
+    per_head = 2 * (shape.head_dim + shape.v_head_dim) * dtype_bytes + seq_len * scores_bytes
+    return latents / sp + shape.heads * per_head / tp
 
 
 def layer_activation_bytes(
@@ -200,7 +243,13 @@ def layer_activation_bytes(
         norms = shape.norms * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
     if shape.fp32_norms and shape.qk_norm:  # per head, on this rank's heads
         norms += (_fp32_norm_bytes(q_width, shape.heads) + _fp32_norm_bytes(kv_width, shape.kv_heads)) / tp
-    if attention == "local" and selective:  # q, k, the qkv output (v's storage), the context
+    if shape.kv_lora_rank:
+        if attention != "local" or selective or cp != 1:
+            raise ValueError(f"multi-latent attention: modelled for the local layer spec at cp 1 without selective "
+                             f"recompute (got attention {attention!r}, recompute {recompute!r}, cp {cp})")
+        attn = mla_attention_bytes_per_token(shape, seq_len=local, tp=tp, sequence_parallel=sequence_parallel,
+                                             dtype_bytes=dtype_bytes)
+    elif attention == "local" and selective:  # q, k, the qkv output (v's storage), the context
         attn = (3 * q_width + 3 * kv_width) * dtype_bytes / tp
     elif attention == "local":
         scores_bytes = FP32_BYTES + (dtype_bytes if dtype_bytes < FP32_BYTES else 0)
@@ -209,7 +258,8 @@ def layer_activation_bytes(
     else:
         lse = 0 if selective else shape.heads * FP32_BYTES
         attn = ((2 * q_width + 2 * kv_width) * dtype_bytes + lse) / tp
-    mlp = mlp_activation_bytes_per_token(shape, tp=tp, dtype_bytes=dtype_bytes, expert_tp=expert_tp)
+    mlp = mlp_activation_bytes_per_token(shape, tp=tp, dtype_bytes=dtype_bytes, expert_tp=expert_tp,
+                                         sequence_parallel=sequence_parallel)
     return tokens * (norms + attn + mlp)
 
 

@@ -19,6 +19,7 @@
     faults.py            environments that inject faults (tests/fault_hooks) into a run
     host_sync_guard.py   instruments for parity ranks: host reads and messages outside the plan fail
     config_arithmetic.py the arithmetic of configs/'s header comments
+    mla_memory.py        what a tiny DeepSeek-V3 stage saves for its backward (multi-latent attention)
     tiers.py             how each test gets its tier (`launches`, read by conftest.py)
 
 Shared set-ups built once per pytest run are fixtures in tests/conftest.py.

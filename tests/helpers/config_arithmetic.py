@@ -55,18 +55,52 @@ def moe_layers(arch: dict[str, str]) -> int:
     return int(arch["layers"]) - dense_layers(arch) if is_moe(arch) else 0
 
 
+def is_mla(arch: dict[str, str]) -> bool:
+    return "kv_lora_rank" in arch
+
+
+def _mla(arch: dict[str, str]) -> dict[str, int]:
+    """Multi-latent attention's sizes (`q_lora_rank=null`: q_proj from the hidden state, as HF's
+    config writes it); the q/k head is qk_nope_head_dim + qk_rope_head_dim, so the arch line
+    states no head_dim, and every head has its own k and v (kv_heads = heads)."""
+    if "head_dim" in arch:
+        raise ValueError("arch: multi-latent attention states qk_nope_head_dim + qk_rope_head_dim, not head_dim")
+    if arch["kv_heads"] != arch["heads"] or arch["qkv_bias"] != "false":
+        raise ValueError("arch: multi-latent attention has kv_heads = heads and no q/k/v bias")
+    q_lora = arch["q_lora_rank"]
+    return dict(q_lora_rank=0 if q_lora == "null" else int(q_lora), kv_lora_rank=int(arch["kv_lora_rank"]),
+                nope=int(arch["qk_nope_head_dim"]), rope=int(arch["qk_rope_head_dim"]), v=int(arch["v_head_dim"]))
+
+
+def mla_param_count(arch: dict[str, str]) -> int:
+    """One layer's multi-latent attention: q_a_proj h x q, q_a_layernorm q, q_b_proj q x n(nope +
+    rope) (or q_proj h x n(nope + rope)); kv_a_proj_with_mqa h x (kv + rope), kv_a_layernorm kv,
+    kv_b_proj kv x n(nope + v); o_proj n v x h."""
+    hidden, heads, m = int(arch["hidden"]), int(arch["heads"]), _mla(arch)
+    q_head = m["nope"] + m["rope"]
+    q = (hidden * m["q_lora_rank"] + m["q_lora_rank"] + m["q_lora_rank"] * heads * q_head if m["q_lora_rank"]
+         else hidden * heads * q_head)
+    kv_lora = m["kv_lora_rank"]
+    kv = hidden * (kv_lora + m["rope"]) + kv_lora + kv_lora * heads * (m["nope"] + m["v"])
+    return q + kv + heads * m["v"] * hidden
+
+
 def dense_param_count(arch: dict[str, str]) -> int:
     """Decoder-only Llama/Qwen2 layout: GQA attention, SwiGLU MLP, RMSNorm. For a MoE arch
     (every layer a MoE layer), everything but the routed experts: the MLP is the router [E, h].
     Optional keys: `dense_layers=K` (the first K layers' MLP is dense, of `ffn`), `shared_ffn=S`
     (each MoE layer's shared experts, one SwiGLU of S together: dense parameters, split over tp),
     `norms_per_layer=N` (hidden-size norms per layer, 2 unless stated; Gemma 3: 4), `qk_norm=true`
-    (per-head q and k norms, head_dim each)."""
+    (per-head q and k norms, head_dim each); `kv_lora_rank` and its keys: multi-latent attention
+    (`mla_param_count`) in place of GQA."""
     hidden, layers, vocab = (int(arch[k]) for k in ("hidden", "layers", "vocab"))
-    heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    if arch["qkv_bias"] == "true":
-        attention += (heads + 2 * kv_heads) * head_dim
+    if is_mla(arch):
+        attention, heads, head_dim = mla_param_count(arch), int(arch["heads"]), 0
+    else:
+        heads, kv_heads, head_dim = (int(arch[k]) for k in ("heads", "kv_heads", "head_dim"))
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        if arch["qkv_bias"] == "true":
+            attention += (heads + 2 * kv_heads) * head_dim
     mlp = int(arch["experts"]) * hidden if is_moe(arch) else 3 * hidden * int(arch["ffn"])
     # GPT-OSS: the o_proj bias, one sink logit per head, the router's bias.
     attention += hidden * (arch.get("o_bias") == "true") + heads * (arch.get("sinks") == "true")
@@ -83,8 +117,15 @@ def layer_shape(arch: dict[str, str], *, tp: int) -> LayerShape:
     moe = dict(experts=int(arch["experts"]), topk=int(arch["topk"]), moe_ffn=int(arch["moe_ffn"])) if is_moe(arch) else {}
     if is_moe(arch):
         moe.update(shared_ffn=int(arch.get("shared_ffn", 0)), dense_layers=dense_layers(arch))
+    if is_mla(arch):
+        m = _mla(arch)
+        head_dim = m["nope"] + m["rope"]
+        moe.update(q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"], qk_rope_head_dim=m["rope"],
+                   v_head_dim=m["v"])
+    else:
+        head_dim = int(arch["head_dim"])
     return LayerShape(hidden=int(arch["hidden"]), heads=int(arch["heads"]), kv_heads=int(arch["kv_heads"]),
-                      head_dim=int(arch["head_dim"]), ffn=int(arch.get("ffn", 0)),
+                      head_dim=head_dim, ffn=int(arch.get("ffn", 0)),
                       vocab=padded_vocab_size(int(arch["vocab"]), tp=tp), norms=int(arch.get("norms_per_layer", 2)),
                       fp32_norms=arch.get("fp32_norms") == "true", qk_norm=arch.get("qk_norm") == "true", **moe)
 

@@ -1,0 +1,120 @@
+"""What each layer of a tiny bf16 DeepSeek-V3 stage (multi-latent attention, a dense layer, then a
+MoE layer with a shared expert) saves for its backward, on two gloo ranks: at tp 1 (dp 2) and at
+tp 2 with sequence parallelism (ep 2), each with and without a q latent (`q_lora_rank` null).
+Autograd's saved-tensor hooks, the storages still held when the forward is done counted once per
+layer, parameters and buffers left out, each storage put in the groups of the module that saved
+it (`attention`: the self-attention block; `mlp`: the MLP block; `router`: the MoE router;
+`expert_inputs`: the routed copies the rank's experts received, one buffer for all of them) and
+in the layer's total. tests/test_configs.py checks the numbers against
+mcore_dpo/tools/memory_estimate.py (the config headers' arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import weakref
+from pathlib import Path
+
+import torch
+
+SEQ_LEN, ROWS = 16, 2
+# Every width distinct, so that no term of the arithmetic can stand in for another.
+OVERRIDES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                 kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, intermediate_size=48,
+                 moe_intermediate_size=22)
+# (name, tp, q_lora_rank); ep = tp, dp = 2 / tp.
+CASES = (("tp1", 1, 24), ("tp1_plain_q", 1, None), ("tp2_sp", 2, 24), ("tp2_sp_plain_q", 2, None))
+
+
+def hf_config(*, q_lora_rank: int | None) -> dict:
+    from transformers import DeepseekV3Config
+
+    from tests.helpers.deepseek import CONFIG
+
+    return DeepseekV3Config(**{**CONFIG, **OVERRIDES, "q_lora_rank": q_lora_rank}).to_dict()
+
+
+def arch_line(*, q_lora_rank: int | None) -> str:
+    """The model of `hf_config` as a config header's arch line (tests/helpers/config_arithmetic.py)."""
+    c = hf_config(q_lora_rank=q_lora_rank)
+    return (f"hidden={c['hidden_size']} layers={c['num_hidden_layers']} heads={c['num_attention_heads']} "
+            f"kv_heads={c['num_key_value_heads']} q_lora_rank={c['q_lora_rank'] or 'null'} "
+            f"kv_lora_rank={c['kv_lora_rank']} qk_nope_head_dim={c['qk_nope_head_dim']} "
+            f"qk_rope_head_dim={c['qk_rope_head_dim']} v_head_dim={c['v_head_dim']} ffn={c['intermediate_size']} "
+            f"dense_layers={c['first_k_dense_replace']} experts={c['n_routed_experts']} "
+            f"topk={c['num_experts_per_tok']} "
+            f"moe_ffn={c['moe_intermediate_size']} shared_ffn={c['n_shared_experts'] * c['moe_intermediate_size']} "
+            f"vocab={c['vocab_size']} tied_embeddings=false qkv_bias=false router_bias=true")
+
+
+def _layer_saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
+    """Per layer and group, the bytes of the storages autograd saved that are still held once the
+    forward is done (a node whose outputs die in the forward, such as the router's index
+    arithmetic, frees what it saved), each storage counted once per layer."""
+    from mcore_dpo.model.builder import causal_mask, stage_forward
+
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    stack: list[str] = []
+    records: list[tuple[str, str, weakref.ref]] = []  # (layer, innermost module, storage)
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda *_, name=name: stack.append(name))
+        module.register_forward_hook(lambda *_: (stack.pop(), None)[1])
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        layer = next((n.split(".")[2] for n in stack if n.startswith("decoder.layers.")), None)
+        if layer is not None and t.untyped_storage().data_ptr() not in skip:
+            records.append((layer, stack[-1], weakref.ref(t.untyped_storage())))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = stage_forward(model, tokens=tokens, input_tensor=None,
+                               mask=causal_mask(SEQ_LEN, device=torch.device("cpu")))
+    saved: dict[str, dict[str, int]] = {}
+    seen: set[tuple[str, int]] = set()
+    for layer, inner, ref in records:
+        storage = ref()
+        if storage is None or (layer, storage.data_ptr()) in seen:
+            continue
+        seen.add((layer, storage.data_ptr()))
+        counts = saved.setdefault(layer, dict.fromkeys(("layer", "attention", "mlp", "router", "expert_inputs"), 0))
+        counts["layer"] += storage.nbytes()
+        for group, marker in (("attention", ".self_attention"), ("mlp", ".mlp"), ("router", ".mlp.router")):
+            if marker in inner:
+                counts[group] += storage.nbytes()
+        if ".local_experts." in inner and inner.endswith(".linear_fc1"):  # the rank's routed copies, one buffer
+            counts["expert_inputs"] += storage.nbytes()
+    del output
+    return saved
+
+
+def rank_main(rank: int, ports: tuple[int, int], out_dir: str) -> None:
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        from checkpoint_convert.families import spec_from_hf_config
+        from mcore_dpo.model.builder import build_stage_model
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+
+        specs = {name: spec_from_hf_config(hf_config(q_lora_rank=q)) for name, _, q in CASES}  # transformers first
+        platform = plat.detect()
+        plat.activate(platform)
+        tokens = torch.randint(3, 100, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        results: dict[str, dict] = {}
+        for tp, port in zip((1, 2), ports):
+            plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                    timeout_s=120.0)
+            mesh = mesh_lib.initialize(mesh_lib.Layout(tp=tp, pp=1, dp=2 // tp, ep=tp))
+            plat.init_model_rng(platform, 0)
+            for name, case_tp, _ in CASES:
+                if case_tp != tp:
+                    continue
+                with plat.building_models(platform):
+                    model = build_stage_model(specs[name], mesh=mesh, dtype=torch.bfloat16, on_gpu=False, use_te=False,
+                                              sequence_parallel=tp > 1)
+                results[name] = _layer_saves(model, tokens)
+            mesh_lib.destroy()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
