@@ -9,6 +9,12 @@ between projections. Tensor-parallel splits:
                                 q/k/v's B rows split by whole query groups, like the fused weight
     row-parallel (proj, fc2):   A split on its input dim (dim 1), B whole on every tp rank
 
+Multi-latent attention (DeepSeek-V3) has no fused linear: target `qkv` adapts each of its q/kv
+projections (`q_a_proj`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`), one pair on
+each of megatron-core's linear_q_down_proj, linear_q_up_proj (linear_q_proj), linear_kv_down_proj
+and linear_kv_up_proj (rows in HF's order: the key map copies these weights as they are). The
+down projections are replicated (whole on every tp rank), the up ones column-parallel.
+
 Mixture-of-experts layers: transformers 5 holds the experts of a layer as two fused 3-D
 parameters (`mlp.experts.gate_up_proj` [E, 2I, h], `mlp.experts.down_proj` [E, h, I]), which PEFT
 adapts through `target_parameters` (its `ParamWrapper`): one lora_A [r·E, in] and one lora_B
@@ -17,7 +23,9 @@ adapts through `target_parameters` (its `ParamWrapper`): one lora_A [r·E, in] a
 per expert, which the engine keeps on each expert's linear_fc1 (gate and up share it, as they
 share the fused parameter) and linear_fc2 (`expert_fc1`, `expert_fc2`). When both are targeted
 PEFT nests the two wrappers: gate_up_proj's tensors are saved under `mlp.experts.base_layer.`,
-down_proj's under `mlp.experts.`.
+down_proj's under `mlp.experts.`. GPT-OSS stores its experts input dim first ([E, h, 2I], gate and up
+interleaved on the last dim), which PEFT reads as [E, in, out] with the same A [r·E, in] and B
+[out, r·E]: only the rows of gate_up's B alternate gate and up there (`interleaved_gate_up`).
 
 Pure functions (the key map, shard <-> whole) plus the PEFT directory reader and writer
 (`adapter_config.json`, `adapter_model.safetensors`). Only safetensors and JSON are read.
@@ -51,13 +59,23 @@ TARGET_MAP: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
     "fc1": ("mlp.linear_fc1", "column", (("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"))),
     "fc2": ("mlp.linear_fc2", "row", (("down", "mlp.down_proj"),)),
 }
+# Multi-latent attention's q/kv projections (target `qkv`), in the TARGET_MAP form; the down
+# projections are replicated linears (mcore_dpo/model/mla.py).
+MLA_Q_LORA = (("self_attention.linear_q_down_proj", "replicated", (("q_a", "self_attn.q_a_proj"),)),
+              ("self_attention.linear_q_up_proj", "column", (("q_b", "self_attn.q_b_proj"),)))
+MLA_Q_PLAIN = (("self_attention.linear_q_proj", "column", (("q", "self_attn.q_proj"),)),)
+MLA_KV = (("self_attention.linear_kv_down_proj", "replicated", (("kv_a", "self_attn.kv_a_proj_with_mqa"),)),
+          ("self_attention.linear_kv_up_proj", "column", (("kv_b", "self_attn.kv_b_proj"),)))
 # expert target -> (linear under an expert, column|row, part, HF parameter under the layer)
 EXPERT_TARGET_MAP: dict[str, tuple[str, str, str, str]] = {
     "expert_fc1": ("linear_fc1", "column", "gate_up", "mlp.experts.gate_up_proj"),
     "expert_fc2": ("linear_fc2", "row", "down", "mlp.experts.down_proj"),
 }
 PEFT_PARAMETER_TO_TARGET = {hf.split(".", 1)[1]: t for t, (_, _, _, hf) in EXPERT_TARGET_MAP.items()}
-PEFT_MODULE_TO_TARGET = {hf.rsplit(".", 1)[1]: t for t, (_, _, parts) in TARGET_MAP.items() for _, hf in parts}
+_MODULES = [(t, part, hf) for t, (_, _, parts) in TARGET_MAP.items() for part, hf in parts]
+_MODULES += [("qkv", part, hf) for _, _, parts in MLA_Q_LORA + MLA_KV for part, hf in parts]
+PEFT_MODULE_TO_TARGET = {hf.rsplit(".", 1)[1]: t for t, _, hf in _MODULES}
+PEFT_MODULE_TO_PART = {hf.rsplit(".", 1)[1]: part for _, part, hf in _MODULES}
 ADAPTER_MODULE = "adapter"  # the adapter's submodule name under a megatron-core linear
 
 
@@ -90,7 +108,7 @@ def unknown_targets(text: str) -> list[str]:
 
 
 def target_layout(target: str) -> tuple[str, tuple[str, ...]]:
-    """(column|row, the A/B parts) of one target's linear."""
+    """(column|row, the A/B parts) of one target's linear (the q/k/v attention's for `qkv`)."""
     if target in EXPERT_TARGET_MAP:
         _, parallel, part, _ = EXPERT_TARGET_MAP[target]
         return parallel, (part,)
@@ -98,14 +116,49 @@ def target_layout(target: str) -> tuple[str, tuple[str, ...]]:
     return parallel, tuple(part for part, _ in parts)
 
 
+def target_linears(spec: ModelSpec, target: str) -> tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]:
+    """The linears a dense target adapts on this base, each (megatron-core linear under a layer,
+    column|row|replicated, ((part, HF module under the layer), ...)): one, but for `qkv` on
+    multi-latent attention, its q and kv projections."""
+    if target == "qkv" and spec.multi_latent_attention:
+        return (MLA_Q_LORA if spec.q_lora_rank else MLA_Q_PLAIN) + MLA_KV
+    return (TARGET_MAP[target],)
+
+
+def peft_modules(spec: ModelSpec, targets: tuple[str, ...]) -> list[str]:
+    """PEFT's `target_modules` of these targets on this base (the experts' are parameters)."""
+    return sorted(hf.rsplit(".", 1)[1] for t in targets if t in TARGET_MAP
+                  for _, _, parts in target_linears(spec, t) for _, hf in parts)
+
+
+def interleaved_gate_up(spec: ModelSpec) -> bool:
+    """Whether the HF experts' fused gate_up rows alternate gate and up (GPT-OSS: the family's key
+    map reads expert fc1 as `fc1_interleaved`) rather than [gate; up]: the rows of PEFT's lora_B."""
+    if not spec.moe_layers:
+        return False
+    from checkpoint_convert.families import family_of
+
+    keys = family_of(spec).layer_keys(spec, layer=spec.moe_layers[0])
+    entry = keys.get("decoder.layers.{layer}.mlp.experts.local_experts.0.linear_fc1.weight")
+    return entry is not None and entry[0] == "fc1_interleaved"
+
+
+def _gate_up_rows(value: torch.Tensor, *, to_hf: bool) -> torch.Tensor:
+    """An expert's gate_up B [2I, r]: [gate; up] rows <-> rows alternating gate and up."""
+    if to_hf:
+        gate, up = value.chunk(2, dim=0)
+        return torch.stack([gate, up], dim=1).reshape(value.shape)
+    return torch.cat([value[0::2], value[1::2]], dim=0)
+
+
 def peft_name(layer: int, hf_module: str, ab: str) -> str:
     """PEFT's saved key (no adapter name) of lora_A / lora_B of one projection."""
     return f"base_model.model.model.layers.{layer}.{hf_module}.lora_{ab}.weight"
 
 
-def mcore_adapter_name(local_layer: int, target: str, part: str, ab: str) -> str:
-    """The adapter parameter's name in the stage model (`named_parameters()`)."""
-    linear = TARGET_MAP[target][0]
+def mcore_adapter_name(local_layer: int, linear: str, part: str, ab: str) -> str:
+    """The adapter parameter's name in the stage model (`named_parameters()`); `linear`: the
+    megatron-core linear under the layer (TARGET_MAP's, or `target_linears`')."""
     return f"decoder.layers.{local_layer}.{linear}.{ADAPTER_MODULE}.lora_{ab}_{part}"
 
 
@@ -126,6 +179,14 @@ def part_features(spec: ModelSpec, target: str, part: str) -> tuple[int, int]:
     q_out = spec.num_heads * spec.head_dim
     kv_out = spec.num_query_groups * spec.head_dim
     h, ffn, moe = spec.hidden_size, spec.intermediate_size, spec.moe_intermediate_size
+    if spec.multi_latent_attention and target in ("qkv", "proj"):
+        n, rope = spec.num_heads, spec.qk_rope_head_dim
+        return {
+            ("qkv", "q_a"): (h, spec.q_lora_rank), ("qkv", "q_b"): (spec.q_lora_rank, q_out), ("qkv", "q"): (h, q_out),
+            ("qkv", "kv_a"): (h, spec.kv_lora_rank + rope),
+            ("qkv", "kv_b"): (spec.kv_lora_rank, n * (spec.head_dim - rope + spec.v_head_dim)),
+            ("proj", "o"): (n * spec.v_head_dim, h),
+        }[(target, part)]
     return {
         ("qkv", "q"): (h, q_out), ("qkv", "k"): (h, kv_out), ("qkv", "v"): (h, kv_out),
         ("proj", "o"): (q_out, h), ("fc1", "gate"): (h, ffn), ("fc1", "up"): (h, ffn), ("fc2", "down"): (ffn, h),
@@ -151,10 +212,10 @@ def adapter_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int
         for target in TARGETS:
             if target not in lora.targets or (target in ("fc1", "fc2") and spec.is_moe_layer(layer)):
                 continue
-            _, parallel, parts = TARGET_MAP[target]
-            for part, hf_module in parts:
-                for ab in ("A", "B"):
-                    yield mcore_adapter_name(local, target, part, ab), peft_name(layer, hf_module, ab), ab, parallel, layer
+            for linear, parallel, parts in target_linears(spec, target):
+                for part, hf_module in parts:
+                    for ab in ("A", "B"):
+                        yield mcore_adapter_name(local, linear, part, ab), peft_name(layer, hf_module, ab), ab, parallel, layer
 
 
 def expert_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
@@ -218,6 +279,8 @@ def _expert_target(name: str) -> str:
 
 def _split_dim(ab: str, parallel: str) -> int | None:
     """The dim a tensor is split on over tp ranks, None when every rank holds it whole."""
+    if parallel == "replicated":
+        return None
     if parallel == "column":
         return 0 if ab == "B" else None
     return 1 if ab == "A" else None
@@ -236,11 +299,15 @@ def peft_to_shard(get: Callable[[str], torch.Tensor], *, spec: ModelSpec, lora: 
             value = value.chunk(tp, dim=dim)[tp_rank]
         shard[name] = value.contiguous().clone()
     fused: dict[str, torch.Tensor] = {}
+    interleaved = interleaved_gate_up(spec)
     for name, peft, ab, _, _, expert in expert_entries(spec, lora, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank):
         if peft not in fused:
             fused[peft] = get(peft)
         value = expert_piece(fused[peft], ab=ab, expert=expert, num_experts=spec.num_experts, rank=lora.rank)
-        shard[name] = _split_expert(value, target=_expert_target(name), ab=ab, tp=tp, tp_rank=tp_rank).contiguous().clone()
+        target = _expert_target(name)
+        if interleaved and target == "expert_fc1" and ab == "B":
+            value = _gate_up_rows(value, to_hf=False)
+        shard[name] = _split_expert(value, target=target, ab=ab, tp=tp, tp_rank=tp_rank).contiguous().clone()
     return shard
 
 
@@ -253,6 +320,7 @@ def shards_to_peft(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
         return shards[(t, p, e) if ep > 1 else (t, p)]
 
     out = {}
+    interleaved = interleaved_gate_up(spec)
     for pp_rank in range(pp):
         for name, peft, ab, parallel, _ in adapter_entries(spec, lora, pp=pp, pp_rank=pp_rank):
             dim = _split_dim(ab, parallel)
@@ -271,7 +339,11 @@ def shards_to_peft(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
                 except KeyError:
                     raise ConversionError(f"adapter shard of pp rank {pp_rank} ep rank {ep_rank}: tensor '{name}' "
                                           "is missing") from None
-                experts.setdefault(peft, {})[expert] = _join_expert(pieces, target=_expert_target(name), ab=ab)
+                target = _expert_target(name)
+                value = _join_expert(pieces, target=target, ab=ab)
+                if interleaved and target == "expert_fc1" and ab == "B":
+                    value = _gate_up_rows(value, to_hf=True)
+                experts.setdefault(peft, {})[expert] = value
         for peft, by_expert in experts.items():
             out[peft] = join_experts([by_expert[e] for e in sorted(by_expert)], ab="A" if ".lora_A." in peft else "B")
     return out
@@ -282,8 +354,8 @@ def peft_shapes(spec: ModelSpec, lora: LoraShape) -> dict[str, tuple[str, int, t
     in a fixed order (the dense ones, then the experts' fused ones)."""
     out = {}
     for _, peft, ab, _, _ in adapter_entries(spec, lora, pp=1, pp_rank=0):
-        target = PEFT_MODULE_TO_TARGET[peft.split(".")[-3]]
-        fan_in, fan_out = part_features(spec, target, _part_of(peft))
+        module = peft.split(".")[-3]
+        fan_in, fan_out = part_features(spec, PEFT_MODULE_TO_TARGET[module], PEFT_MODULE_TO_PART[module])
         out[peft] = (ab, fan_in, (lora.rank, fan_in) if ab == "A" else (fan_out, lora.rank))
     for name, peft, ab, _, _, _ in expert_entries(spec, lora, pp=1, pp_rank=0):
         if peft in out:
@@ -312,16 +384,10 @@ def initial_adapter(spec: ModelSpec, lora: LoraShape, *, seed: int, dtype: torch
     return out
 
 
-def _part_of(peft: str) -> str:
-    module = peft.split(".")[-3]
-    target = PEFT_MODULE_TO_TARGET[module]
-    return next(part for part, hf in TARGET_MAP[target][2] if hf.endswith(module))
-
-
 # --------------------------------------------------------------------------- PEFT directories
-def adapter_config(lora: LoraShape, *, dropout: float, base_model: str | None) -> dict:
-    """adapter_config.json of a plain LoRA adapter for a causal LM."""
-    modules = sorted(hf.rsplit(".", 1)[1] for t in lora.targets if t in TARGET_MAP for _, hf in TARGET_MAP[t][2])
+def adapter_config(lora: LoraShape, *, spec: ModelSpec, dropout: float, base_model: str | None) -> dict:
+    """adapter_config.json of a plain LoRA adapter for a causal LM on the base `spec`."""
+    modules = peft_modules(spec, lora.targets)
     parameters = sorted(EXPERT_TARGET_MAP[t][3] for t in lora.targets if t in EXPERT_TARGET_MAP)
     extra = {"target_parameters": parameters} if parameters else {}
     return {
@@ -366,10 +432,11 @@ def read_adapter_config(directory: str | Path) -> dict:
     return config
 
 
-def lora_shape_of(directory: str | Path) -> tuple[LoraShape, float]:
-    """The LoRA shape and dropout an adapter directory declares; only plain LoRA on the four
-    projection groups and the experts' fused parameters is accepted (no DoRA, rsLoRA, biases,
-    per-module ranks or saved modules)."""
+def lora_shape_of(directory: str | Path, *, spec: ModelSpec) -> tuple[LoraShape, float]:
+    """The LoRA shape and dropout an adapter directory declares for the base `spec`; only plain
+    LoRA on the four projection groups (on multi-latent attention: its q/kv projections, all of
+    them) and the experts' fused parameters is accepted (no DoRA, rsLoRA, biases, per-module
+    ranks or saved modules)."""
     path = Path(directory) / ADAPTER_CONFIG
     config = read_adapter_config(directory)
     if config.get("peft_type") != "LORA":
@@ -406,11 +473,15 @@ def lora_shape_of(directory: str | Path) -> tuple[LoraShape, float]:
                               f"{', '.join(sorted(PEFT_MODULE_TO_TARGET))}")
     targets = []
     for target in TARGETS:
-        wanted = {hf.rsplit(".", 1)[1] for _, hf in TARGET_MAP[target][2]}
-        have = wanted & set(modules)
+        wanted = set(peft_modules(spec, (target,)))
+        have = {m for m in modules if PEFT_MODULE_TO_TARGET[m] == target}
+        if have - wanted:
+            raise ConversionError(f"{path}: field 'target_modules' names {sorted(have - wanted)[0]!r}, which "
+                                  f"{spec.architecture} does not have (its {target} projections: {', '.join(sorted(wanted))})")
         if have and have != wanted:
-            raise ConversionError(f"{path}: field 'target_modules' has {sorted(have)} without {sorted(wanted - have)}; "
-                                  "the fused linears take all of their projections")
+            why = ("LoRA adapts all of multi-latent attention's q/kv projections together"
+                   if target == "qkv" and spec.multi_latent_attention else "the fused linears take all of their projections")
+            raise ConversionError(f"{path}: field 'target_modules' has {sorted(have)} without {sorted(wanted - have)}; {why}")
         if have:
             targets.append(target)
     targets += [t for t in EXPERT_TARGETS if t in expert_targets]

@@ -2,8 +2,10 @@
 DeepseekV3ForCausalLM (tiny fp32 models, tests/helpers/deepseek.py): the config translation
 and its one-line refusals, the conversion round trips at (tp, pp, ep) = (1,1,1), (2,2,1),
 (1,2,2), torch_dist in and out, the multi-token-prediction layers dropped on import, `verify`,
-the export loading and generating like the source, and one DPO step against HF + TRL's
-formulas at (tp, pp, dp, ep) = (2,2,1,1) and (1,1,2,2)."""
+the export loading and generating like the source, one DPO step against HF + TRL's formulas at
+(tp, pp, dp, ep) = (2,2,1,1) and (1,1,2,2), and one LoRA DPO step (multi-latent attention's q/kv
+projections, o_proj and the routed experts) against HF + PEFT at (1,2,2,2) and, with a plain q
+projection, (1,1,2,2) (tests/helpers/lora_families.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from checkpoint_convert.__main__ import main
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from tests.helpers.deepseek import CONFIG, YARN, check_deepseek_job, deepseek_v3
+from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
 from tests.helpers.parity import parity_job
 from tests.helpers.round_trips import assert_moe_conversions, assert_same
@@ -141,13 +144,23 @@ def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):
 def test_parity_one_step_pp2_and_ep2(tmp_path):
     """One DPO step at (tp, pp, dp, ep) = (2, 2, 1, 1) (sequence parallel, as every MoE model at
     tp > 1) and (1, 1, 2, 2): metrics, every rank's gradients and the weights after the step
-    against HF + TRL's formulas; the router biases come out as loaded."""
+    against HF + TRL's formulas; the router biases come out as loaded. In the same launches, LoRA
+    against HF + PEFT at (1, 2, 2, 2) and, on a plain q projection, (1, 1, 2, 2)."""
     policy = save_hf(deepseek_v3(seed=1), tmp_path / "policy")
     reference = save_hf(deepseek_v3(seed=2), tmp_path / "reference")
     layouts = ((2, 2, 1, 1), (1, 1, 2, 2))
+    # LoRA: q_a/q_b at pp 2 ep 2 in the launch of 4 ranks; a plain q projection (q_lora_rank null)
+    # at ep 2 in the launch of 2. That model is drawn from seed 2: at seed 1 its layer-0 q_proj
+    # adapter's step-1 gradient is a near-cancellation of the chosen and rejected terms, which fp32
+    # rounding alone puts 2e-5 (HF) and 1.2e-5 (the engine) from its float64 value.
+    plain_q = save_hf(deepseek_v3(seed=2, q_lora_rank=None), tmp_path / "plain_q")
+    lora = [(layout, lora_job(layout, model, write_init_adapter(model, tmp_path / f"adapter{k}", seed=5),
+                              name="deepseek_v3"))
+            for k, (layout, model) in enumerate((((1, 2, 2, 2), policy), ((1, 1, 2, 2), plain_q)))]
     for k, layout in enumerate(layouts):
         job = parity_job(layout, policy, reference, name="deepseek_v3", steps=1, ep=layout[3], export_hf=False,
                          distributed_optimizer=False)
         job["eval_pairs"] = []
-        run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=[job], out_dir=tmp_path / f"out{k}")
+        run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=[job, lora[k][1]], out_dir=tmp_path / f"out{k}")
         check_deepseek_job(tmp_path / f"out{k}", 0, job, layout)
+        check_lora_job(tmp_path / f"out{k}", 1, lora[k][1], lora[k][0])

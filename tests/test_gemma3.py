@@ -5,7 +5,8 @@ config translation and its one-line refusals, the conversion round trips at (tp,
 (2,2), through torch_dist and a reshard, `verify`, the export loading and generating like the
 source, and one DPO step against HF + TRL's formulas at (tp, pp, dp) = (2,2,1) (sequence
 parallel), (1,2,2) (padded, packed and with shared prompts) and (2,1,2), with activation
-recompute, in one launch."""
+recompute, and one LoRA DPO step on all four targets against HF + PEFT at (2,2,1)
+(tests/helpers/lora_families.py), in one launch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.mapping import hf_tensor_shapes
 from tests.helpers.gemma import CONFIG, ROPE, gemma3
+from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import assert_export_generates_like, save_hf
 from tests.helpers import parity
 from tests.helpers.reference import RTOL
@@ -142,7 +144,9 @@ def test_parity_one_step_at_three_layouts(tmp_path):
     packed with shared prompts (the rejected branch at the chosen one's positions: the window
     goes by positions, not row indices), and (2, 1, 2) without sequence parallelism (the
     post-norms' gradients whole on each tp rank, the q/k norms' summed), one launch: metrics,
-    every rank's gradients and the weights after the step against HF + TRL's formulas."""
+    every rank's gradients and the weights after the step against HF + TRL's formulas. In the
+    same launch, LoRA at (2, 2, 1) against HF + PEFT (the adapters' tp splits around the q/k norms
+    and the sandwich norms)."""
     policy = save_hf(gemma3(seed=1), tmp_path / "policy")
     reference = save_hf(gemma3(seed=2), tmp_path / "reference")
     layouts = ((2, 2, 1), (1, 2, 2), (1, 2, 2), (1, 2, 2), (2, 1, 2))
@@ -155,7 +159,9 @@ def test_parity_one_step_at_three_layouts(tmp_path):
     for job in jobs:
         job["config"]["export_hf"] = False
         job["eval_pairs"] = []
-    run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
+    lora_layout = (2, 2, 1, 1)
+    lora = lora_job(lora_layout, policy, write_init_adapter(policy, tmp_path / "adapter", seed=5), name="gemma3")
+    run_ranks(world_size=4, jobs=jobs + [lora], out_dir=tmp_path / "out")
     check_ran_packed(tmp_path / "out", padded=1, packed=2)
     ref = parity.cached_reference(str(policy), str(reference), "sigmoid", "interleaved", 1)
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
@@ -163,3 +169,4 @@ def test_parity_one_step_at_three_layouts(tmp_path):
         parity.check_tensors(tmp_path / "out", j, job, layout, ref, what, RTOL)  # step-1 grads, weights after it
         ours = json.loads((tmp_path / "out" / f"job{j}_metrics.json").read_text())
         parity.check_metrics(ours[0], ref["metrics"][0], names=parity.METRICS, prefix="", what=f"{what} step 1", rtol=RTOL)
+    check_lora_job(tmp_path / "out", len(jobs), lora, lora_layout)

@@ -4,7 +4,8 @@ forms, HF's defaults) and its one-line refusals, megatron-core's partial RoPE ag
 conversion round trips at (tp, pp, ep) = (1,1,1), (2,2,1), (1,2,2) and through torch_dist, the
 multi-token-prediction layers dropped on import, `verify`, the export loading and generating like
 the source, and one DPO step against HF + TRL's formulas at (tp, pp, dp, ep) = (2,2,1,1) and
-(1,2,2,2), both jobs in one launch."""
+(1,2,2,2), and one LoRA DPO step against HF + PEFT at (1,2,2,2) (tests/helpers/lora_families.py),
+the three jobs in one launch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from checkpoint_convert.__main__ import main
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from tests.helpers.glm import CONFIG, glm4_moe
+from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
 from tests.helpers.moe_parity import check_expert_bias_job, one_step_jobs
 from tests.helpers.round_trips import assert_moe_conversions, assert_same
@@ -154,11 +156,15 @@ def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):
 def test_parity_one_step_pp2_and_ep2(tmp_path):
     """One DPO step at (tp, pp, dp, ep) = (2, 2, 1, 1) (sequence parallel, as every MoE model at
     tp > 1) and (1, 2, 2, 2), one launch of 4 ranks: metrics, every rank's gradients and the
-    weights after the step against HF + TRL's formulas; the router biases come out as loaded."""
+    weights after the step against HF + TRL's formulas; the router biases come out as loaded.
+    In the same launch, LoRA on attention and the routed experts at (1, 2, 2, 2) against HF + PEFT."""
     policy = save_hf(glm4_moe(seed=1), tmp_path / "policy")
     reference = save_hf(glm4_moe(seed=2), tmp_path / "reference")
     layouts = ((2, 2, 1, 1), (1, 2, 2, 2))
     jobs = one_step_jobs(policy, reference, name="glm4_moe", layouts=layouts)
+    lora_layout = (1, 2, 2, 2)
+    jobs.append(lora_job(lora_layout, policy, write_init_adapter(policy, tmp_path / "adapter", seed=5), name="glm4_moe"))
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
         check_expert_bias_job(tmp_path / "out", j, job, layout)
+    check_lora_job(tmp_path / "out", len(layouts), jobs[-1], lora_layout)

@@ -5,7 +5,9 @@ against transformers' (an independent peer) and an import of experts stored MXFP
 round trips at (tp, pp, ep) = (1,1,1), (2,2,1), (1,2,2) and through torch_dist, the export loading
 and generating like the source, `verify`, and one DPO step against HF + TRL's formulas (in
 float64: tests/helpers/gpt_oss.float64_reference says why) at (tp, pp, dp, ep) = (1,2,2,2),
-(2,2,1,2) and (1,1,4,1), the three jobs in one launch."""
+(2,2,1,2) and (1,1,4,1), and one LoRA DPO step (attention and the biased experts, gate/up
+interleaved) against HF + PEFT at (1,2,2,2) (tests/helpers/lora_families.py), the four jobs in one
+launch."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.io import open_hf_dir
 from tests.helpers import parity
-from tests.helpers.gpt_oss import CONFIG, float64_reference, gpt_oss, mxfp4_experts, random_mxfp4
+from tests.helpers.gpt_oss import CONFIG, float64_reference, gpt_oss, mxfp4_experts, random_mxfp4, without_float32_islands
+from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
 from tests.helpers.moe_parity import one_step_jobs, rank_shard
 from tests.helpers.ranks import load_rank_tensors, run_ranks, verify
@@ -235,12 +238,17 @@ def test_parity_one_step_pp2_ep2(tmp_path):
     """One DPO step at (tp, pp, dp, ep) = (1, 2, 2, 2), (2, 2, 1, 2) (sequence parallel) and
     (1, 1, 4, 1) (expert-tp 1 without expert parallelism: the experts' output bias added after a
     no-op reduce, mcore_dpo/model/gpt_oss.py), one launch of 4 ranks: metrics, every rank's
-    gradients and the weights after the step against HF + TRL's formulas."""
+    gradients and the weights after the step against HF + TRL's formulas. In the same launch,
+    LoRA at (1, 2, 2, 2) against HF + PEFT, in float64 as the rest."""
 
     policy = save_hf(gpt_oss(seed=1), tmp_path / "policy")
     reference = save_hf(gpt_oss(seed=2), tmp_path / "reference")
     layouts = ((1, 2, 2, 2), (2, 2, 1, 2), (1, 1, 4, 1))
     jobs = one_step_jobs(policy, reference, name="gpt_oss", layouts=layouts)
+    lora_layout = (1, 2, 2, 2)
+    jobs.append(lora_job(lora_layout, policy, write_init_adapter(policy, tmp_path / "adapter", seed=5), name="gpt_oss"))
     run_ranks(world_size=4, jobs=jobs, out_dir=tmp_path / "out")
     for j, (job, layout) in enumerate(zip(jobs, layouts)):
         _check_job(tmp_path / "out", j, job, layout)
+    with without_float32_islands():
+        check_lora_job(tmp_path / "out", len(layouts), jobs[-1], lora_layout, dtype=torch.float64)

@@ -27,16 +27,16 @@ def paths(tmp_path_factory) -> dict[str, str]:
         shape = LoraShape(rank=rank, alpha=16.0, targets=TARGETS)
         found[name] = root / name
         write_adapter_dir(found[name], initial_adapter(open_hf_dir(base).spec, shape, seed=0),
-                          adapter_config(shape, dropout=0.0, base_model=str(base)))
+                          adapter_config(shape, spec=open_hf_dir(base).spec, dropout=0.0, base_model=str(base)))
     deeper = LoraShape(rank=4, alpha=4.0, targets=("qkv",))
     spec = open_hf_dir(model).spec
     from dataclasses import replace
 
     found["deeper_adapter"] = root / "deeper_adapter"  # made for a base with two more layers
     write_adapter_dir(found["deeper_adapter"], initial_adapter(replace(spec, num_layers=spec.num_layers + 2), deeper, seed=0),
-                      adapter_config(deeper, dropout=0.0, base_model=None))
+                      adapter_config(deeper, spec=spec, dropout=0.0, base_model=None))
     found["dora"] = root / "dora"
-    write_adapter_dir(found["dora"], initial_adapter(spec, deeper, seed=0), {**adapter_config(deeper, dropout=0.0, base_model=None),
+    write_adapter_dir(found["dora"], initial_adapter(spec, deeper, seed=0), {**adapter_config(deeper, spec=spec, dropout=0.0, base_model=None),
                                                                                "use_dora": True})
     found["no_config"] = root / "no_config"
     found["no_config"].mkdir()
@@ -88,11 +88,13 @@ def test_bad_lora_input_gives_one_line_and_exit_2(case, paths, capsys, tmp_path)
     assert not out.exists()
 
 
-def test_adapter_config_round_trip(tmp_path):
+def test_adapter_config_round_trip(paths, tmp_path):
     """What the exporter writes, the reader takes back: rank, alpha, targets, dropout."""
     from checkpoint_convert.peft_adapter import lora_shape_of
 
     shape = LoraShape(rank=3, alpha=6.0, targets=("qkv", "fc2"))
+    spec = open_hf_dir(paths["model"]).spec
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(adapter_config(shape, dropout=0.05, base_model=None)))
-    assert lora_shape_of(tmp_path / "a") == (shape, 0.05)
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(adapter_config(shape, spec=spec, dropout=0.05,
+                                                                                  base_model=None)))
+    assert lora_shape_of(tmp_path / "a", spec=spec) == (shape, 0.05)

@@ -76,7 +76,7 @@ def test_checkpoint_holds_adapters_and_points_at_the_base(baseline, cache):
     ckpt = baseline / "checkpoints" / "step_00000002"
     assert not (ckpt / "model").exists()  # no copy of the base
     spec = open_hf_dir(_base_dir(cache)).spec
-    shape, _ = lora_shape_of(ckpt / "adapter")
+    shape, _ = lora_shape_of(ckpt / "adapter", spec=spec)
     expected = {peft for _, peft, _, _, _ in adapter_entries(spec, shape, pp=1, pp_rank=0)}
     for kind in ("adapter", "optim/exp_avg", "optim/exp_avg_sq"):
         tensors = load_file(str(ckpt / kind / "adapter_model.safetensors"))

@@ -48,7 +48,7 @@ def setup(tmp_path_factory):
     base = save_hf(qwen3_moe(seed=1), root / "qwen3_moe")
     spec = open_hf_dir(base).spec
     fresh = root / "fresh_adapter"  # PEFT's init, as the engine draws it: the reference run's start
-    write_adapter_dir(fresh, initial_adapter(spec, SHAPE, seed=SEED), adapter_config(SHAPE, dropout=0.0, base_model=None))
+    write_adapter_dir(fresh, initial_adapter(spec, SHAPE, seed=SEED), adapter_config(SHAPE, spec=spec, dropout=0.0, base_model=None))
     return {"root": root, "base": base, "spec": spec, "fresh": fresh, "pairs": make_pairs(STEPS * GLOBAL_BATCH, seed=11)}
 
 
@@ -90,8 +90,8 @@ def test_expert_adapters_are_peft_target_parameters(family, tmp_path):
         shape = LoraShape(rank=2, alpha=6.0, targets=targets)
         whole = {k: torch.randn(v.shape, generator=gen) for k, v in initial_adapter(spec, shape, seed=0).items()}
         assert set(whole) == set(peft_shapes(spec, shape))
-        write_adapter_dir(tmp_path / "a", whole, adapter_config(shape, dropout=0.0, base_model=None))
-        assert lora_shape_of(tmp_path / "a") == (shape, 0.0)  # what --init-adapter reads back
+        write_adapter_dir(tmp_path / "a", whole, adapter_config(shape, spec=spec, dropout=0.0, base_model=None))
+        assert lora_shape_of(tmp_path / "a", spec=spec) == (shape, 0.0)  # what --init-adapter reads back
         model = _peft(base, tmp_path / "a")
         loaded = _lora_tensors(model)
         assert set(loaded) == set(whole), (targets, sorted(set(loaded) ^ set(whole))[:4])

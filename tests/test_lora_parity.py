@@ -110,7 +110,7 @@ def setup(tmp_path_factory):
         base, _ = write_models(family, root)
         spec = open_hf_dir(base).spec
         init_dir = root / f"{family}_init_adapter"
-        write_adapter_dir(init_dir, random_adapter(spec, SHAPE, seed=5), adapter_config(SHAPE, dropout=0.0, base_model=None))
+        write_adapter_dir(init_dir, random_adapter(spec, SHAPE, seed=5), adapter_config(SHAPE, spec=spec, dropout=0.0, base_model=None))
         found[family] = {"base": base, "spec": spec, "init_dir": init_dir}
     return found
 

@@ -35,7 +35,7 @@ class Adapter:
         for kind, directory in ADAPTER_DIRS.items():
             tensors = join_shard_files(tmp / LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
             write_adapter_dir(tmp / directory, tensors,
-                              adapter_config(shape, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
+                              adapter_config(shape, spec=spec, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
         shutil.rmtree(tmp / LORA_SHARDS)
         base = {"model": os.path.abspath(config.model), "fingerprint": model_fingerprint(config.model)}
         durable.write_file(tmp / BASE_FILE, json.dumps(base, indent=2) + "\n")

@@ -89,7 +89,7 @@ def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
     shape = lora.shape_of(config)
     tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
     tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
-    write_adapter_dir(tmp, tensors, adapter_config(shape, dropout=config.lora_dropout,
+    write_adapter_dir(tmp, tensors, adapter_config(shape, spec=spec, dropout=config.lora_dropout,
                                                    base_model=os.path.abspath(config.model)))
     durable.fsync_tree(tmp)
     if (out / "adapter").exists():

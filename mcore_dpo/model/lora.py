@@ -1,7 +1,8 @@
 """LoRA adapters on megatron-core's tensor-parallel linears, and the reference they give for free.
 
-Each targeted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2, and each expert's
-linear_fc1/linear_fc2 on MoE layers) gets an `Adapter`
+Each targeted linear (linear_qkv, linear_proj, linear_fc1, linear_fc2, each expert's
+linear_fc1/linear_fc2 on MoE layers; for `qkv` on multi-latent attention its four (three) q/kv
+projections, each adapted on its own) gets an `Adapter`
 submodule and a forward hook that adds the low-rank update to the linear's output. A fused
 linear holds one A/B pair per Hugging Face projection (q, k, v; gate, up), so the adapters are
 exactly PEFT's (`checkpoint_convert.peft_adapter` has the key map and the splits):
@@ -12,6 +13,8 @@ exactly PEFT's (`checkpoint_convert.peft_adapter` has the key map and the splits
         q/k/v updates are interleaved per query group as the fused weight is.
     row-parallel (proj, fc2): A [r, in/tp], B [out, r] whole; h = Σ_tp A_t·x_t is all-reduced
         (`reduce_from_tensor_model_parallel_region`), and B·h is the same on every tp rank.
+    replicated (MLA's down projections): A and B whole, as the weight; LoRA runs them at tp 1
+        only (they are on MoE models, which LoRA trains at tp 1).
 
 The reference: the same stage module with every adapter switched off (a fresh adapter: the base
 model) or switched to its frozen starting copy (--init-adapter), dropout off. `ReferenceView`
@@ -26,8 +29,8 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint_convert.families.base import ModelSpec
-from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGET_MAP, TARGETS,
-                                             LoraShape, part_features, target_layout, target_names, targets_present)
+from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGETS, LoraShape,
+                                             part_features, target_layout, target_linears, target_names, targets_present)
 
 # Adapter modes: "train" (trained weights, dropout when training), "eval" (trained weights, no
 # dropout), "off" (no update), "frozen" (the starting copy, no dropout).
@@ -35,15 +38,16 @@ MODES = ("train", "eval", "off", "frozen")
 
 
 class Adapter(torch.nn.Module):
-    """The A/B pairs of one megatron-core linear, this tp rank's pieces."""
+    """The A/B pairs of one megatron-core linear, this tp rank's pieces. `layout`: (column|row|
+    replicated, parts) of the linear, when the target has several (`target_linears`)."""
 
     def __init__(self, *, spec: ModelSpec, target: str, lora: LoraShape, dropout: float, tp: int, tp_group,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layout: tuple[str, tuple[str, ...]] | None = None):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.target = target
-        self.parallel, self.parts = target_layout(target)
+        self.parallel, self.parts = layout or target_layout(target)
         self.spec = spec
         self.scaling = lora.scaling
         self.tp, self.tp_group = tp, tp_group
@@ -52,11 +56,12 @@ class Adapter(torch.nn.Module):
         self.frozen: dict[str, torch.Tensor] | None = None  # name -> the starting copy
         for part in self.parts:
             fan_in, fan_out = part_features(spec, target, part)
-            column = self.parallel == "column"
-            a = torch.nn.Parameter(torch.zeros(lora.rank, fan_in if column else fan_in // tp, dtype=dtype, device=device))
+            column, row = self.parallel == "column", self.parallel == "row"
+            a = torch.nn.Parameter(torch.zeros(lora.rank, fan_in // tp if row else fan_in, dtype=dtype, device=device))
             b = torch.nn.Parameter(torch.zeros(fan_out // tp if column else fan_out, lora.rank, dtype=dtype, device=device))
             # The split one is tensor-parallel (counted on every tp rank in the gradient norm).
-            set_tensor_model_parallel_attributes(b if column else a, True, 0 if column else 1, 1)
+            if column or row:
+                set_tensor_model_parallel_attributes(b if column else a, True, 0 if column else 1, 1)
             self.register_parameter(f"lora_A_{part}", a)
             self.register_parameter(f"lora_B_{part}", b)
 
@@ -80,11 +85,10 @@ class Adapter(torch.nn.Module):
         x = self.dropout(x) if self.mode == "train" else x
         a_all = torch.cat([a for a, _ in pairs.values()], dim=0)  # one matmul for every part's A
         h = torch.matmul(x, a_all.t())
-        if self.tp > 1:
-            if self.parallel == "column":
-                h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            else:
-                h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        if self.tp > 1 and self.parallel == "column":
+            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        elif self.tp > 1 and self.parallel == "row":
+            h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         rank = a_all.shape[0] // len(pairs)
         outs = [torch.matmul(h[..., i * rank:(i + 1) * rank], b.t()) for i, (_, b) in enumerate(pairs.values())]
         return self._assemble(outs).mul(self.scaling)
@@ -96,7 +100,7 @@ class Adapter(torch.nn.Module):
 
     def _assemble(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """Per-part outputs (last dim) -> the fused linear's output layout on this tp rank."""
-        if self.target == "qkv":
+        if self.parts == ("q", "k", "v"):
             groups = self.spec.num_query_groups // self.tp
             lead = outs[0].shape[:-1]
             q, k, v = (o.reshape(*lead, groups, o.shape[-1] // groups) for o in outs)
@@ -118,16 +122,17 @@ def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout:
            ) -> list[Adapter]:
     """Freeze every base parameter of this stage model and give each targeted linear of each of
     its layers an adapter (zeros until `load_shard`): fc1/fc2 on dense MLP layers, expert_fc1/fc2
-    on each local expert of the MoE layers. Returns the adapters, layer by layer."""
+    on each local expert of the MoE layers, each q/kv projection of multi-latent attention.
+    Returns the adapters, layer by layer."""
     for param in model.parameters():
         param.requires_grad_(False)
     adapters = []
     for layer in model.decoder.layers:
         linears = []
         for target in TARGETS:
-            path = TARGET_MAP[target][0]
-            if target in lora.targets and (target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1])):
-                linears.append((target, layer.get_submodule(path)))
+            for path, parallel, parts in target_linears(spec, target):
+                if target in lora.targets and (target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1])):
+                    linears.append((target, (parallel, tuple(p for p, _ in parts)), layer.get_submodule(path)))
         experts_module = getattr(layer.mlp, "experts", None)
         if experts_module is not None and not hasattr(experts_module, "local_experts"):
             # Grouped GEMM experts have no per-expert linear to hook (workers build LoRA runs with
@@ -136,11 +141,12 @@ def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout:
                              "(grouped GEMM), which has no per-expert linears to adapt; build it with sequential experts")
         experts = getattr(experts_module, "local_experts", ())
         for expert in experts:
-            linears += [(t, getattr(expert, EXPERT_TARGET_MAP[t][0])) for t in EXPERT_TARGETS if t in lora.targets]
-        for target, linear in linears:
+            linears += [(t, target_layout(t), getattr(expert, EXPERT_TARGET_MAP[t][0])) for t in EXPERT_TARGETS
+                        if t in lora.targets]
+        for target, layout, linear in linears:
             ref = linear.weight
             adapter = Adapter(spec=spec, target=target, lora=lora, dropout=dropout, tp=tp, tp_group=tp_group,
-                              dtype=ref.dtype, device=ref.device)
+                              dtype=ref.dtype, device=ref.device, layout=layout)
             # An expert's adapters are expert parameters too: with ep > 1 megatron-core's DDP reduces
             # them over the expert-data-parallel group (allreduce=False), as the expert weights.
             for param in adapter.parameters():
@@ -260,11 +266,15 @@ def check_targets(config, *, spec: ModelSpec, where: str) -> None:
         if absent[0] in EXPERT_TARGETS:
             raise ConversionError(f"{where}: LoRA target {absent[0]!r} needs a mixture-of-experts model; "
                                   f"{spec.architecture} has no experts (targets: {', '.join(present)})")
+        if len(spec.moe_layers) == spec.num_layers and not spec.moe_shared_intermediate_size:
+            why = "all its MLPs are experts"
+        else:  # dense layers (DeepSeek-V3's and GLM-4.5's first ones, Qwen3-MoE's mlp_only_layers) or shared experts
+            why = "PEFT maps gate/up/down_proj onto the routed experts there, so its dense and shared-expert MLPs cannot be adapted"
         raise ConversionError(f"{where}: LoRA target {absent[0]!r} is for dense MLPs; on a mixture-of-experts model "
-                              f"use expert_fc1/expert_fc2 (PEFT maps gate/up/down_proj onto the experts there)")
+                              f"use expert_fc1/expert_fc2 ({spec.architecture}: {why})")
     if spec.num_experts and config.tp > 1:
-        raise ConversionError(f"{where}: LoRA on a mixture-of-experts model trains at tp 1 only (split the experts "
-                              f"with --ep instead), got tp {config.tp}")
+        raise ConversionError(f"{where}: LoRA on a mixture-of-experts model ({spec.architecture}) trains at tp 1 only "
+                              f"(split the experts with --ep instead), got --tp {config.tp}")
     if config.lora_dropout and any(t in EXPERT_TARGETS for t in targets):
         raise ConversionError(f"{where}: lora_dropout {config.lora_dropout:g} with expert targets: PEFT's adapters "
                               "on the fused expert parameters take no dropout (use 0)")
@@ -284,7 +294,7 @@ def resolve(config, *, spec: ModelSpec):
             config = replace(config, lora_targets=",".join(targets_present(spec)))
         check_targets(config, spec=spec, where=f"{config.model}/config.json")
         return replace(config, lora_alpha=shape_of(config).alpha)
-    declared, _ = lora_shape_of(config.init_adapter)
+    declared, _ = lora_shape_of(config.init_adapter, spec=spec)
     where = f"{config.init_adapter}/{ADAPTER_CONFIG}"
     if config.lora_rank is not None and config.lora_rank != declared.rank:
         raise ConversionError(f"{where}: the adapter has rank {declared.rank}, --lora-rank is {config.lora_rank}")

@@ -3,7 +3,8 @@
 
 - `run_ranks(world_size=, jobs=, out_dir=)`: PolicyWorker ranks run parity jobs (a job: a
   TrainConfig's fields, the batches of every step, the eval pairs); each rank writes its
-  gradients and weights per job, the reporting rank the metrics (`load_rank_tensors` reads them).
+  gradients and weights per job (and its adapters, with LoRA), the reporting rank the metrics
+  (`load_rank_tensors` reads them).
 - `spawn_ranks(target, ...)`: the same forked ranks running a rank function of the caller's.
 - `spawn_processes(fn, nprocs=, args=)`: `fn(rank, *args)` on forked (or spawned) processes;
   `start_forked(target, nprocs=, args_of=)`: forked processes the caller joins.
@@ -109,6 +110,11 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
                                                            ref_logps=ref_steps[k])))
                 save_file(worker.grad_shard(), os.path.join(out_dir, f"{tag}_grads{k + 1}.safetensors"))
             save_file(worker.policy_shard() or {}, os.path.join(out_dir, f"{tag}_weights.safetensors"))
+            if config.lora:  # every rank's adapters (at ep > 1 the dp ranks of a stage hold different experts)
+                from mcore_dpo.model.lora import adapter_parameters
+
+                save_file({n: p.detach().cpu().clone() for n, p in adapter_parameters(worker.policy.module).items()},
+                          os.path.join(out_dir, f"{tag}_adapters.safetensors"))
             if eval_pairs:
                 metrics.append(worker.evaluate(eval_pairs, ref_eval))
             if metrics[0] is not None:
