@@ -17,12 +17,20 @@ holding chunks i and 2N-1-i; keys and values all-gathered over cp in the CPU's c
   At (1,1,1,2) the jobs run 3 steps and are also compared directly with the same 3 steps at cp 1
   (dp 2 in the same world of two ranks: the same shards), metrics and gradients; so are LD-DPO
   and WPO's per-token weights on packed rows (1 step).
+- In the same two launches: the reference tables made before the step (--ref-mode precomputed
+  on packed rows, --ref-mode separate from a reference group of one rank) at (1,1,1,2), against
+  the single-process reference and against the interleaved jobs (the reference inside the
+  step); LoRA against Hugging Face + PEFT (tests/helpers/lora_parity.py) at (1,1,1,2) and
+  (2,1,1,2).
+- --save-format torch_dist at cp 2 through the command line: saved at cp 2, resumed at cp 2 (bit
+  for bit) and at cp 1 (within 1e-5), and what a cp-1 run writes against what the cp-2 run wrote.
 - The flag through the real command-line parser and its refusals, one line each.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,8 +38,12 @@ import torch
 
 from mcore_dpo.config import ConfigError, build_parser, resolve
 from mcore_dpo.parallel.context_parallel import local_part, local_positions, whole_from_parts
+from tests.helpers.data import PACKED, make_pairs
+from tests.helpers.lora_parity import (EVAL_PAIRS as LORA_EVAL_PAIRS, GLOBAL_BATCH as LORA_BATCH, SHAPE as LORA_SHAPE,
+                                       STEPS as LORA_STEPS, check_lora_job, lora_job, peft_reference, random_adapter)
 from tests.helpers.parity import check_job, jobs_for, packed_parity_job, parity_job
-from tests.helpers.ranks import load_rank_tensors, run_ranks, spawn_processes
+from tests.helpers.ranks import check_ran_packed, load_rank_tensors, run_ranks, spawn_processes
+from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import RTOL, assert_close
 from tests.helpers.cli import train_input_error
 
@@ -160,16 +172,64 @@ def _check_cp_ranks_agree(out_dir: Path, j: int, layout, steps: int) -> None:
                     assert torch.equal(one[rank][name], value), f"job {j} {kind} {name} {rank}: cp ranks differ"
 
 
+def _table_jobs(layout, models: dict) -> list[tuple[tuple[int, int, int, int], dict]]:
+    """The reference tables made before the step at cp 2: --ref-mode precomputed on packed rows
+    (its forward-only pass over the data set runs padded rows, split over cp like any others) and
+    --ref-mode separate (a reference group of one rank at cp 1 sends the tables)."""
+    jobs = []
+    for mode, extra in (("precomputed", PACKED), ("separate", {"ref_tp": 1, "ref_pp": 1, "ref_dp": 1})):
+        job = next(job for job in jobs_for(layout[:3], models, all_losses=False, losses=("sigmoid",))
+                   if job["key"] == ("llama", "precomputed" if mode == "precomputed" else "interleaved", "sigmoid"))
+        job["key"] = ("llama", mode, "sigmoid")
+        job["config"].update(cp=layout[3], ref_mode=mode, **extra)
+        jobs.append((layout, job))
+    return jobs
+
+
+def _lora_jobs(layout, lora_setup: dict, variants) -> list[tuple[tuple[int, int, int, int], dict]]:
+    """LoRA on every target at cp 2 (tests/helpers/lora_parity.py): `variants` are (start, packed),
+    start "fresh" (the reference: the adapters off) or "init" (a PEFT adapter to start from; the
+    reference: its frozen copy)."""
+    jobs = []
+    for start, packed in variants:
+        jobs.append((layout, lora_job(layout, key=(f"lora-{start}", "packed" if packed else "padded"),
+                                      base_dir=lora_setup["base"], pairs=lora_setup["pairs"],
+                                      init_dir=lora_setup["init_dir"] if start == "init" else None,
+                                      **(PACKED if packed else {}))))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def lora_setup(parity_models, tmp_path_factory):
+    """The Llama parity policy as a LoRA base, a non-zero PEFT adapter for it, the pairs of the
+    LoRA jobs (tests/helpers/lora_parity.py's shapes) and the HF + PEFT references, once."""
+    from checkpoint_convert.io import open_hf_dir
+    from checkpoint_convert.peft_adapter import adapter_config, write_adapter_dir
+
+    base = parity_models["llama"][0]
+    spec = open_hf_dir(base).spec
+    init_dir = tmp_path_factory.mktemp("lora_cp") / "init_adapter"
+    write_adapter_dir(init_dir, random_adapter(spec, LORA_SHAPE, seed=5),
+                      adapter_config(LORA_SHAPE, dropout=0.0, base_model=None))
+    pairs = make_pairs(LORA_STEPS * LORA_BATCH + LORA_EVAL_PAIRS, seed=11)
+    setup = {"base": base, "spec": spec, "init_dir": init_dir, "pairs": pairs}
+    setup["references"] = {start: peft_reference(base_dir=base, spec=spec, pairs=pairs,
+                                                 init_dir=init_dir if start == "init" else None)
+                           for start in ("fresh", "init")}
+    return setup
+
+
 # Per-token options (LD-DPO's weights over each pair's shorter completion, WPO's weights): the
 # same step at cp 2 and at cp 1 (dp 2), compared directly (the reference has neither).
 PER_TOKEN = {"ld_alpha": 0.5, "use_weighting": True}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(parity_models, tmp_path_factory):
+def two_ranks(parity_models, lora_setup, tmp_path_factory):
     """(1,1,1,2) padded and packed over STEPS steps, then the same at cp 1 (dp 2); then at cp 2
-    the distributed optimizer (sharded over dp x cp), shared prompts, full recompute, and the
-    per-token options at cp 2 and cp 1."""
+    the distributed optimizer (sharded over dp x cp), shared prompts, full recompute, the
+    per-token options at cp 2 and cp 1, the precomputed and separate reference tables, and LoRA
+    (a fresh adapter on padded rows, a PEFT adapter to start from on packed rows)."""
     out_dir = tmp_path_factory.mktemp("cp2")
     policy, ref = parity_models["llama"]
     jobs = _launch_jobs([(1, 1, 1, 2), (1, 1, 2, 1)], parity_models, steps=STEPS)
@@ -182,16 +242,19 @@ def two_ranks(parity_models, tmp_path_factory):
     for layout in ((1, 1, 1, 2), (1, 1, 2, 1)):
         jobs.append((layout, packed_parity_job(layout, policy, ref, name=f"per-token-cp{layout[3]}", cp=layout[3],
                                                steps=1, **PER_TOKEN)))
+    jobs += _table_jobs((1, 1, 1, 2), parity_models)
+    jobs += _lora_jobs((1, 1, 1, 2), lora_setup, [("fresh", False), ("init", True)])
     run_ranks(world_size=2, jobs=[job for _, job in jobs], out_dir=out_dir)
     return out_dir, jobs
 
 
 @pytest.fixture(scope="module")
-def four_ranks(parity_models, tmp_path_factory):
+def four_ranks(parity_models, lora_setup, tmp_path_factory):
     """(2,1,1,2) sequence-parallel, padded and packed; (1,2,1,2) packed, and padded with the
     precomputed reference (its forward-only table passes, Rank.reference_table); (1,1,2,2)
     packed (the pairs split by tokens over dp, the gradients reduced over dp x cp); (2,1,1,2)
-    with shared prompts; in one launch of four ranks."""
+    with shared prompts, and LoRA from a fresh adapter on packed rows (the adapters' tp
+    reductions); in one launch of four ranks."""
     out_dir = tmp_path_factory.mktemp("cp4")
     jobs = _launch_jobs([(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2)], parity_models, steps=2)
     jobs = [(layout, job) for layout, job in jobs if layout == (2, 1, 1, 2) or job["key"][0] == "packed-cp2"]
@@ -201,13 +264,14 @@ def four_ranks(parity_models, tmp_path_factory):
     assert len(precomputed) == 1
     precomputed[0]["config"]["cp"] = 2
     jobs.append(((1, 2, 1, 2), precomputed[0]))
+    jobs += _lora_jobs((2, 1, 1, 2), lora_setup, [("fresh", True)])
     run_ranks(world_size=4, jobs=[job for _, job in jobs], out_dir=out_dir)
     return out_dir, jobs
 
 
 def _check_parity(out_dir: Path, jobs) -> None:
     for j, (layout, job) in enumerate(jobs):
-        if layout[3] == 1 or job["config"].get("ld_alpha"):
+        if layout[3] == 1 or job["config"].get("ld_alpha") or job["config"].get("lora_rank"):
             continue
         check_job(out_dir, j, job, layout[:3])
         _check_cp_ranks_agree(out_dir, j, layout[:3], len(job["batches"]))
@@ -244,6 +308,147 @@ def test_three_steps_at_cp2_equal_cp1(two_ranks):
             base_grads = load_rank_tensors(out_dir, base, f"grads{step}", layout=(1, 1, 2))[(0, 0, 0)]
             for name, value in mine[(0, 0, 0)].items():
                 assert_close(value, base_grads[name], what=f"{what} step {step} grad {name}", rtol=RTOL)
+
+
+def _assert_same_steps(out_dir: Path, j: int, base: int, *, steps: int, what: str) -> None:
+    """Job j's first `steps` steps against job base's: every metric, and the gradients of both cp ranks."""
+    ours, theirs = (json.loads((out_dir / f"job{i}_metrics.json").read_text()) for i in (j, base))
+    for step in range(1, steps + 1):
+        m_ours, m_base = ours[step - 1], theirs[step - 1]
+        names = [n for n in m_base if n.split("/")[0] in ("loss", "rewards", "logps", "logits", "grad_norm")]
+        assert "rewards/chosen" in names and "rewards/margins" in names
+        for name in names:
+            assert_close(torch.tensor(m_ours[name]), torch.tensor(m_base[name]), what=f"{what} step {step} {name}")
+        for cp_rank in (0, 1):
+            mine, base_grads = (load_rank_tensors(out_dir, i, f"grads{step}", layout=(1, 1, 1), cp_rank=cp_rank)[(0, 0, 0)]
+                                for i in (j, base))
+            assert mine.keys() == base_grads.keys()
+            for name, value in mine.items():
+                assert_close(value, base_grads[name], what=f"{what} step {step} grad {name} (cp rank {cp_rank})")
+
+
+def test_reference_tables_at_cp2_equal_the_in_schedule_reference(two_ranks):
+    """--ref-mode precomputed (packed rows) and separate (padded) at cp 2 against the
+    interleaved jobs of the same launch, whose reference runs inside the step at cp 2: the same
+    rewards (the reference's log-probs enter them), loss and gradients in the steps they share.
+    (Both also equal the single-process reference: test_cp2_equals_the_reference_at_two_ranks.)"""
+    out_dir, jobs = two_ranks
+    index = {(job["key"][0], job["key"][1]): j for j, (_, job) in enumerate(jobs)}
+    check_ran_packed(out_dir, padded=index[("llama", "separate")], packed=index[("llama", "precomputed")])
+    for mode, base in (("precomputed", "packed-cp2"), ("separate", "padded-cp2")):
+        j = index[("llama", mode)]
+        assert jobs[j][1]["config"]["ref_mode"] == mode and jobs[j][1]["config"]["cp"] == 2
+        _assert_same_steps(out_dir, j, index[(base, "interleaved")], steps=len(jobs[j][1]["batches"]),
+                           what=f"--ref-mode {mode} at cp 2 against {base}")
+
+
+def test_lora_at_cp2_equals_peft(two_ranks, four_ranks, lora_setup):
+    """LoRA at cp 2 against Hugging Face + PEFT (tests/helpers/lora_parity.py: every metric of
+    both steps, every adapter gradient, the merged weights, the eval metrics): at (1,1,1,2) from a
+    fresh adapter on padded rows and from a PEFT adapter on packed rows, at (2,1,1,2) from a fresh
+    adapter on packed rows; cp rank 1's adapter gradients are cp rank 0's."""
+    # The packed job ran packed rows: the padded job's real tokens (the same batches) in fewer positions.
+    index = {job["key"]: j for j, (_, job) in enumerate(two_ranks[1])}
+    packed, padded = (json.loads((two_ranks[0] / f"job{index[key]}_metrics.json").read_text())[:2]
+                      for key in (("lora-init", "packed"), ("lora-fresh", "padded")))
+    for a, b in zip(packed, padded):
+        assert a["tokens/real"] == b["tokens/real"] and a["tokens/padded"] < b["tokens/padded"], (a, b)
+    checked = 0
+    for out_dir, jobs in (two_ranks, four_ranks):
+        for j, (layout, job) in enumerate(jobs):
+            if not job["config"].get("lora_rank"):
+                continue
+            start = "init" if job["config"]["init_adapter"] else "fresh"
+            what = f"LoRA {job['key']} at (tp, pp, dp, cp) = {layout}"
+            check_lora_job(out_dir, j, job, layout[:3], ref=lora_setup["references"][start], spec=lora_setup["spec"],
+                           what=what)
+            _check_cp_ranks_agree(out_dir, j, layout[:3], len(job["batches"]))
+            checked += 1
+    assert checked == 3
+
+
+# ----------------------------------------------------------------------------- torch_dist checkpoints
+
+# The command line in this process on the session's Ray cluster (tests/helpers/ray_runs.py), the
+# tiny default model and data: 4 steps, Megatron-LM's format, a checkpoint every 2 steps.
+TORCH_DIST_RUN = ["--max-steps", "4", "--global-batch-size", "16", "--micro-batch-size", "4", "--eval-interval", "0",
+                  "--save-format", "torch_dist", "--save-interval", "2"]  # fmt: skip
+MEASURED = ("tokens/s", "step_time_s", "bubble_fraction")  # and memory/*: measured, not computed
+PADDED_COUNTS = ("tokens/padded", "padding_fraction")  # rows are padded to a multiple of 2 x cp
+
+
+def _torch_dist_run(args: list[str], out: Path, cluster, *, resumed: bool) -> None:
+    result = main_in_process([*TORCH_DIST_RUN, *args, "--output-dir", str(out)], cluster=cluster)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("resuming from" in result.stdout) == resumed, result.stdout[-3000:]
+
+
+def _resumed_from(source: Path, out: Path) -> Path:
+    """A run directory holding `source`'s step-2 checkpoint as its latest."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / "iter_0000002", out / "checkpoints" / "iter_0000002")
+    (out / "checkpoints" / "latest").write_text("iter_0000002\n")
+    return out
+
+
+def _run_metrics(out: Path, *, skip=()) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in MEASURED + tuple(skip) and not k.startswith("memory/")}
+            for row in rows if row["step"] >= 3]
+
+
+def _checkpoint_parts(iter_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every part of a torch_dist training checkpoint through HF names: the model in the run's
+    dtype, the fp32 masters and AdamW's moments."""
+    from mcore_dpo.checkpoint.torch_dist import open_part
+    from mcore_dpo.model.builder import open_weights
+
+    views = {"model": open_weights(str(iter_dir))}
+    views.update({f"optimizer {kind}": open_part(iter_dir, kind) for kind in ("model", "exp_avg", "exp_avg_sq")})
+    return {part: {name: view.get(name) for name in view.names} for part, view in views.items()}
+
+
+def test_torch_dist_checkpoints_at_cp2(tmp_path, ray_cluster):
+    """--save-format torch_dist at cp 2 through the command line: the checkpoint says cp 2 in
+    Megatron-LM's args (the tensors hold no cp: cp rank 0 of each (tp, pp) writes). Its step-2
+    checkpoint resumed at cp 2 repeats the uninterrupted run's steps 3-4 bit for bit (metrics; the
+    step-4 checkpoint: weights, fp32 masters, moments); resumed at cp 1, it equals them within
+    1e-5 (the end eval too). The step-4 checkpoint that run writes at cp 1 holds the tensors the
+    cp-2 one holds (names, shapes, dtypes; values within 1e-5): a resume at cp 2 reads those files
+    as the resume at cp 2 above reads its own."""
+    from checkpoint_convert.safe_pickle import torch_load_file
+
+    base = tmp_path / "cp2"
+    _torch_dist_run(["--cp", "2"], base, ray_cluster, resumed=False)
+    iter2 = base / "checkpoints" / "iter_0000002"
+    assert json.loads((iter2 / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    args = torch_load_file(iter2 / "common.pt")["args"]
+    assert (args.context_parallel_size, args.data_parallel_size, args.world_size) == (2, 1, 2)
+    final = _checkpoint_parts(base / "checkpoints" / "iter_0000004")
+
+    again = _resumed_from(base, tmp_path / "again")
+    _torch_dist_run(["--cp", "2"], again, ray_cluster, resumed=True)
+    assert _run_metrics(again) == _run_metrics(base) and [m["step"] for m in _run_metrics(again)] == [3, 4]
+    for part, tensors in _checkpoint_parts(again / "checkpoints" / "iter_0000004").items():
+        assert tensors.keys() == final[part].keys(), part
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, final[part][name]), f"resumed at cp 2: {part} {name} differs"
+
+    at_cp1 = _resumed_from(base, tmp_path / "at_cp1")
+    _torch_dist_run([], at_cp1, ray_cluster, resumed=True)
+    ours, theirs = _run_metrics(at_cp1, skip=PADDED_COUNTS), _run_metrics(base, skip=PADDED_COUNTS)
+    assert [m["step"] for m in ours] == [3, 4] and all(a.keys() == b.keys() for a, b in zip(ours, theirs))
+    for a, b in zip(ours, theirs):
+        for key, value in b.items():
+            assert abs(a[key] - value) <= RTOL * max(1.0, abs(value)), (a["step"], key, a[key], value)
+    iter4 = at_cp1 / "checkpoints" / "iter_0000004"
+    assert torch_load_file(iter4 / "common.pt")["args"].context_parallel_size == 1
+    for part, tensors in _checkpoint_parts(iter4).items():
+        assert tensors.keys() == final[part].keys(), part
+        for name, tensor in tensors.items():
+            expected = final[part][name]
+            assert tensor.shape == expected.shape and tensor.dtype == expected.dtype, (part, name)
+            assert_close(tensor, expected, what=f"resumed at cp 1: step-4 {part} {name}")
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -19,6 +19,8 @@ the one its DistributedOptimizer writes as `fully_sharded_model_space`:
 This project's optimizers (optim/adamw.py, optim/zero.py) are not megatron-core's (those do not run on a
 CPU), so their state is put into that layout here: whole tensors per parameter, gathered over
 dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's sharded tensors.
+At cp > 1 the gather runs over dp x cp (the sharded optimizer's group) to its rank 0, which
+megatron-core's replica ids (by dp x cp rank) also name the main replica: cp rank 0 of dp rank 0.
 With experts the same holds, the experts under megatron-core's global expert axis: at ep > 1
 each ep rank holds other experts, replicated over the expert-data-parallel group, so every rank
 takes the whole state of its own parameters (`whole_state`) and megatron-core writes each tensor
@@ -55,16 +57,19 @@ def is_torch_dist_checkpoint(directory: str | Path) -> bool:
 
 
 def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, global_batch_size: int,
-                    lr: float, seq_length: int, ep: int = 1) -> argparse.Namespace:
+                    lr: float, seq_length: int, ep: int = 1, cp: int = 1) -> argparse.Namespace:
     """common.pt's `args`: the model fields Megatron-LM's --use-checkpoint-args reads (see
-    checkpoint_convert.megatron_args), the writer's layout and the training position."""
+    checkpoint_convert.megatron_args), the writer's layout (Megatron-LM's: data_parallel_size
+    without cp, world_size with it) and the training position. The tensors themselves hold no cp:
+    any cp reads them."""
     from checkpoint_convert.mapping import padded_vocab_size
     from checkpoint_convert.megatron_args import checkpoint_args as model_args
 
     args = model_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
                       vocab_divisor=128, dtype=dtype)  # fmt: skip
     args.data_parallel_size = dp
-    args.world_size = tp * pp * dp
+    args.context_parallel_size = cp
+    args.world_size = tp * pp * dp * cp
     args.iteration = step
     args.global_batch_size = global_batch_size
     args.consumed_train_samples = step * global_batch_size  # preference pairs
@@ -90,8 +95,9 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
     from mcore_dpo.optim.adamw import lr_at
 
     named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, dtype=config.dtype, step=step,
-                           global_batch_size=config.global_batch_size, lr=config.lr, seq_length=config.max_length)
+    args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
+                           dtype=config.dtype, step=step, global_batch_size=config.global_batch_size, lr=config.lr,
+                           seq_length=config.max_length)
     scheduler = scheduler_state(lr=config.lr, schedule=config.lr_schedule, warmup_steps=config.lr_warmup_steps,
                                 total_steps=config.max_steps, consumed=step * config.global_batch_size,
                                 weight_decay=config.weight_decay)  # fmt: skip

@@ -7,6 +7,7 @@
     parity.py            parity jobs (`jobs_for`, `parity_job`) and their checks (`check_job`)
     moe_parity.py        the same for MoE jobs: expert-parallel shares, the load-balancing loss,
                          routers with a loaded bias (`check_expert_bias_job`: DeepSeek-V3, GLM-4.5)
+    lora_parity.py       LoRA jobs (`lora_job`) against Hugging Face + PEFT (`peft_reference`, `check_lora_job`)
     deepseek.py          tiny DeepSeek-V3 models (MLA, YaRN, sigmoid router with bias)
     gemma.py             tiny Gemma 3 text models (local and global layers, sandwich (1 + w) norms)
     glm.py               tiny GLM-4.5 models (partial RoPE, q/k norm, qkv bias, sigmoid router with bias)
