@@ -17,6 +17,7 @@ Context parallelism (--cp): the arithmetic without processes (cp 2 halves a rank
 activations at the same length and adds the ring's buffers once, the local spec's scores stay
 W per query, the weights are replicated and the optimizer state sharded over dp x cp), and a cp 2
 forward + backward of the local spec (keys and values all-gathered over cp) measured on two ranks.
+The local spec's norms (fp32 inside) and Gemma 3's layer: autograd's saved tensors, byte for byte.
 """
 
 from __future__ import annotations
@@ -560,6 +561,49 @@ def test_cp_bad_values_and_padding():
         per_gpu_bytes(_moe_shape(spec), **kw, cp=2)
     with pytest.raises(ValueError, match="cp: must be a positive integer"):
         per_gpu_bytes(_dense_shape(tp=1), **kw, cp=0)
+
+
+def test_local_norms_are_what_autograd_saves(tmp_path):
+    """The local spec's norms (torch's RMSNorm: built without a dtype, its weight is fp32 whatever
+    the parameter dtype, and it normalises in fp32) against what a tiny Llama stage saves for its
+    backward on two gloo ranks (tests/helpers/norm_memory.py), at tp 1 and at tp 2 with sequence
+    parallelism, in bf16 and in fp32, byte for byte: each norm keeps its input cast to fp32 (in
+    fp32, the input itself), the normalised fp32 tensor and the fp32 1/rms, 8h + 4 B per token of
+    the rank (`_fp32_norm_bytes`), and the linear after it keeps its output (h in the parameter
+    dtype). With them the whole layer (`layer_activation_bytes`, beside its RoPE cos/sin and the
+    mask, which are per layer) and the final norm (`head_bytes` without the fp32 logits, which the
+    log-prob kernel keeps) are exact; so is a Qwen3 layer (bf16, tp 1), whose per-head q/k norms
+    keep the same fp32 tensors per head. The former count, 3h in the parameter dtype per norm,
+    was 4h + 4 B per token short in bf16 and 4 B in fp32."""
+    from mcore_dpo.tools.memory_estimate import FP32_BYTES, _fp32_norm_bytes, head_bytes
+    from tests.helpers import norm_memory
+
+    spawn_processes(norm_memory.rank_main, nprocs=2, args=((free_port(), free_port()), str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    s, rows = norm_memory.SEQ_LEN, norm_memory.ROWS
+    for name, spec, tp, dtype_name in norm_memory.CASES:
+        h, dtype_bytes = spec.hidden_size, torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
+        shape = LayerShape(hidden=h, heads=spec.num_heads, kv_heads=spec.num_query_groups, head_dim=spec.head_dim,
+                           ffn=spec.intermediate_size, vocab=padded_vocab_size(spec.vocab_size, tp=tp),
+                           qk_norm=spec.qk_layernorm)
+        kw = dict(seq_len=s, rows=rows, tp=tp, sequence_parallel=tp > 1, attention="local", dtype_bytes=dtype_bytes)
+        tokens = s * rows // tp  # the rank's tokens, on which the norms run (sequence parallel at tp 2)
+        heads, kv_heads = spec.num_heads // tp, spec.num_query_groups // tp
+        qk_norms = (tokens * (_fp32_norm_bytes(heads * spec.head_dim, heads)
+                              + _fp32_norm_bytes(kv_heads * spec.head_dim, kv_heads)) if spec.qk_layernorm else 0)
+        per_layer = 4 * s * spec.head_dim * dtype_bytes + s * s  # RoPE cos/sin of q and k, the causal mask
+        layer = layer_activation_bytes(shape, **kw) + per_layer
+        final = head_bytes(shape, **kw) - s * rows * 2 * FP32_BYTES * shape.vocab / tp
+        for rank in ranks:
+            measured = rank[name]
+            for index in ("0", "1"):
+                assert measured[index] == {"layer": layer, "norms": 2 * tokens * (8 * h + 4), "qk_norms": qk_norms,
+                                           "norm_outputs": 2 * tokens * h * dtype_bytes}, (name, index, measured)
+            assert measured["final"] == {"layer": final, "norms": tokens * (8 * h + 4), "qk_norms": 0,
+                                         "norm_outputs": tokens * h * dtype_bytes}, (name, measured)
+        # Beyond the former 3h per norm: the fp32 copy of the input (bf16) and the 1/rms.
+        norm = (ranks[0][name]["final"]["norms"] + ranks[0][name]["final"]["norm_outputs"]) / tokens
+        assert norm - 3 * h * dtype_bytes == (4 * h + 4 if dtype_bytes == 2 else 4), name
 
 
 GEMMA_SEQ_LEN, GEMMA_ROWS = 64, 2

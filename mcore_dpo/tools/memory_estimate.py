@@ -7,13 +7,20 @@ for the Llama/Qwen2 layer this project builds (RMSNorm, GQA attention with RoPE,
 Two attention implementations:
 
 - `local`: megatron-core's local layer spec (what runs on the CPU, and on GPUs without
-  Transformer Engine). torch's RMSNorm keeps its input, the normalised input and its output
-  (3h per norm); attention keeps q, k and v repeated to every head, the context, and the
-  full s x s softmax probabilities (fp32, plus a copy in the parameter dtype when that is
-  narrower); the scores are formed in one persistent s x s workspace.
+  Transformer Engine). Its norms are torch's RMSNorm (megatron-core's WrappedTorchNorm, our
+  SequenceParallelRMSNorm), built without a dtype: their weight is fp32 whatever the parameter
+  dtype, and torch normalises in fp32. Each keeps its input cast to fp32, the normalised fp32
+  tensor and the fp32 1/rms of each vector (`_fp32_norm_bytes`: 8h + 4 B per token; in fp32 the
+  cast is the input itself), and the two pre-norms' outputs are the linears' inputs (h in the
+  parameter dtype): 10h + 4 B per norm in bf16, 12h + 4 in fp32 (exact against autograd's saved
+  tensors at tp 1 and 2, tests/test_memory_estimate.py, test_local_norms_are_what_autograd_saves).
+  Attention keeps q, k and v repeated to every head, the context, and the full s x s softmax
+  probabilities (fp32, plus a copy in the parameter dtype when that is narrower); the scores
+  are formed in one persistent s x s workspace.
 - `flash`: Transformer Engine with flash/fused attention (GPU): each norm keeps its input
-  and output (2h); attention keeps q, k, v (grouped heads, not repeated), the output and
-  the fp32 log-sum-exp per head; no s x s tensor.
+  and output (2h, in the parameter dtype: TE builds its norm weights in it; assumed, not
+  measured: no Transformer Engine on the CPU); attention keeps q, k, v (grouped heads, not
+  repeated), the output and the fp32 log-sum-exp per head; no s x s tensor.
 
 Both: the MLP keeps fc1's output (2f), silu(gate) (f), the linear half (f) and their product
 (f), all divided by tp. With sequence parallelism the norm-side tensors ([s, b, h] outside the
@@ -42,10 +49,11 @@ heads (`mla_attention_bytes_per_token`, exact against autograd's saved tensors a
 Shared experts (`shared_ffn`, DeepSeek-V3 / GLM-4.5's MoE block) add one SwiGLU MLP of every
 token, 5 shared_ffn / tp; `dense_layers` first layers of a MoE model have the dense MLP of `ffn`,
 and `plan_activation_bytes` counts each stage's own mix of them. Gemma 3's norm (`fp32_norms`:
-x / rms(x) * (1 + w) in fp32, `norms` of them per layer, and the per-head q/k norms with `qk_norm`)
-keeps its input and normalised tensor in fp32 and the fp32 1/rms of each vector, not its input in
-the parameter dtype; the two pre-norms' outputs are the linears' inputs (exact against autograd's
-saved tensors of a tiny bf16 Gemma 3 layer, tests/test_memory_estimate.py).
+x / rms(x) * (1 + w) in fp32, `norms` of them per layer) keeps what the local spec's norms keep
+(exact against autograd's saved tensors of a tiny bf16 Gemma 3 layer, tests/test_memory_estimate.py).
+Per-head q/k norms (`qk_norm`: Gemma 3's, Qwen3's) keep the same fp32 tensors per head on the
+rank's heads wherever the norms compute in fp32 (exact in bf16; in fp32 the k norm's saved input
+is a view of the whole qkv output, which this count does not follow).
 
 Activation recompute (--recompute, megatron-core's own) changes what a layer keeps:
 
@@ -119,8 +127,8 @@ class LayerShape:
     shared_ffn: int = 0  # the shared experts' FFN size, all together (DeepSeek-V3 / GLM-4.5 MoE block); 0: none
     dense_layers: int = 0  # a MoE model's first layers with a dense MLP of `ffn` (first_k_dense_replace)
     norms: int = 2  # hidden-size norms per layer (Gemma 3's sandwich norms: 4)
-    fp32_norms: bool = False  # Gemma 3's norm (mcore_dpo/model/gemma3.py): fp32 inside, below
-    qk_norm: bool = False  # per-head q/k norms; their activations are counted with fp32_norms only
+    fp32_norms: bool = False  # the family's norm computes in fp32 on any layer spec (Gemma 3's, model/gemma3.py)
+    qk_norm: bool = False  # per-head q/k norms; their activations are counted where norms compute in fp32
     # Multi-latent attention (DeepSeek-V3; kv_lora_rank 0: not MLA). head_dim is then the q/k head
     # (qk_nope_head_dim + qk_rope_head_dim) and kv_heads = heads; q_lora_rank 0: q_proj from h.
     q_lora_rank: int = 0
@@ -161,16 +169,19 @@ def local_seq_len(seq_len: int, cp: int) -> int:
     return -(-seq_len // (2 * cp)) * 2
 
 
-def _norm_elems(attention: str) -> int:
-    """Elements per token (in units of hidden) one norm keeps."""
-    return 3 if attention == "local" else 2
+def _fp32_norms(shape: LayerShape, attention: str) -> bool:
+    """Whether the norms compute in fp32: every norm of the local spec (torch's RMSNorm, its weight
+    fp32) and a family's own fp32 norm (Gemma 3's); Transformer Engine's keep the parameter dtype."""
+    return attention == "local" or shape.fp32_norms
 
 
 def _fp32_norm_bytes(width: int, groups: int = 1) -> int:
-    """Bytes per token Gemma 3's norm keeps over `groups` vectors of `width` elements: its input
-    cast to fp32 and the normalised fp32 tensor (2 x 4 B per element) and the fp32 reciprocal rms
-    of each vector (4 B); not its input in the parameter dtype (measured with autograd's
-    saved-tensor hooks: tokens x (8h + 4) and the fp32 (1 + w), which is per layer, not per token)."""
+    """Bytes per token a norm computing in fp32 (torch's RMSNorm on the local spec, Gemma 3's)
+    keeps over `groups` vectors of `width` elements: its input cast to fp32 and the normalised
+    fp32 tensor (2 x 4 B per element) and the fp32 reciprocal rms of each vector (4 B); not its
+    input in the parameter dtype (measured with autograd's saved-tensor hooks: tokens x (8h + 4),
+    and Gemma's fp32 (1 + w), which is per layer, not per token). Its output, where a linear
+    takes it, is that linear's saved input, counted beside this."""
     return 2 * FP32_BYTES * width + FP32_BYTES * groups
 
 
@@ -237,11 +248,12 @@ def layer_activation_bytes(
     sp = tp if sequence_parallel else 1
     q_width = shape.heads * shape.head_dim
     kv_width = shape.kv_heads * shape.head_dim
-    if shape.fp32_norms:  # each norm's fp32 tensors; the two pre-norms' outputs are the linears' inputs
+    fp32_norms = _fp32_norms(shape, attention)
+    if fp32_norms:  # each norm's fp32 tensors; the two pre-norms' outputs are the linears' inputs
         norms = (shape.norms * _fp32_norm_bytes(shape.hidden) + 2 * shape.hidden * dtype_bytes) / sp
-    else:
-        norms = shape.norms * _norm_elems(attention) * shape.hidden * dtype_bytes / sp
-    if shape.fp32_norms and shape.qk_norm:  # per head, on this rank's heads
+    else:  # Transformer Engine's: each norm's input and output
+        norms = shape.norms * 2 * shape.hidden * dtype_bytes / sp
+    if fp32_norms and shape.qk_norm:  # per head, on this rank's heads
         norms += (_fp32_norm_bytes(q_width, shape.heads) + _fp32_norm_bytes(kv_width, shape.kv_heads)) / tp
     if shape.kv_lora_rank:
         if attention != "local" or selective or cp != 1:
@@ -299,10 +311,10 @@ def head_bytes(
     the rank's seq_len / cp positions per row)."""
     tokens = local_seq_len(seq_len, cp) * rows
     sp = tp if sequence_parallel else 1
-    if shape.fp32_norms:  # its fp32 tensors, and its output (the output layer's input)
+    if _fp32_norms(shape, attention):  # its fp32 tensors, and its output (the output layer's input)
         final_norm = (_fp32_norm_bytes(shape.hidden) + shape.hidden * dtype_bytes) / sp
-    else:
-        final_norm = _norm_elems(attention) * shape.hidden * dtype_bytes / sp
+    else:  # Transformer Engine's: its input and output
+        final_norm = 2 * shape.hidden * dtype_bytes / sp
     logits = 2 * FP32_BYTES * shape.vocab / tp
     return tokens * (final_norm + logits)
 
