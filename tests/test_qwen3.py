@@ -66,8 +66,11 @@ def test_verify_tp2_pp2(qwen3_models, tmp_path, capsys):
 @pytest.mark.parametrize("layout,tied", [((2, 2, 1), True), ((1, 1, 1), False)], ids=["tp2-pp2-tied", "tp1-pp1-untied"])
 def test_parity(qwen3_models, layout, tied, tmp_path):
     """Two steps, uneven lengths, policy != reference: every metric, every gradient, the weights;
-    padded, and packed in the same launch (`packed_parity_job`)."""
+    padded, and packed in the same launch (`packed_parity_job`); at tp 2 also padded with sequence
+    parallelism (the q/k norms then sequence-parallel norms of ours, their gradients summed over tp)."""
     jobs = [parity_job(layout, *qwen3_models[tied], name="qwen3"), packed_parity_job(layout, *qwen3_models[tied], name="qwen3")]
+    if layout[0] > 1:
+        jobs.append(parity_job(layout, *qwen3_models[tied], name="qwen3", sequence_parallel=True))
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         check_job(tmp_path, j, job, layout)

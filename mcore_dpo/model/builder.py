@@ -302,30 +302,34 @@ def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer_spec = copy.deepcopy(layer_spec)
-    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
-    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layer_spec = _layer_spec_with_sp_norms(layer_spec)
     num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def _block_spec_with_sp_norms(block_spec):
-    """A local block spec (MoE and dense layers mixed) with every norm sequence-parallel: the
-    layers' pre-attention and pre-MLP norms, the q/k norms (which megatron-core's torch-norm
-    wrapper refuses under sequence parallelism too) and the final norm."""
+    """A local block spec (MoE and dense layers mixed) with every norm sequence-parallel."""
+    block_spec = copy.deepcopy(block_spec)
+    block_spec.layer_specs = [_layer_spec_with_sp_norms(layer_spec) for layer_spec in block_spec.layer_specs]
+    block_spec.layer_norm = SequenceParallelRMSNorm
+    return block_spec
+
+
+def _layer_spec_with_sp_norms(layer_spec):
+    """A copy of a local layer spec with every norm sequence-parallel: the pre-attention and
+    pre-MLP norms and the q/k norms (which megatron-core's torch-norm wrapper refuses under
+    sequence parallelism too)."""
 
     from megatron.core.transformer.identity_op import IdentityOp
 
-    block_spec = copy.deepcopy(block_spec)
-    for layer_spec in block_spec.layer_specs:
-        layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
-        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-        attention = layer_spec.submodules.self_attention.submodules
-        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: multi-latent attention
-            if getattr(attention, name, IdentityOp) not in (None, IdentityOp):
-                setattr(attention, name, SequenceParallelRMSNorm)
-    block_spec.layer_norm = SequenceParallelRMSNorm
-    return block_spec
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = layer_spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: multi-latent attention
+        if getattr(attention, name, IdentityOp) not in (None, IdentityOp):
+            setattr(attention, name, SequenceParallelRMSNorm)
+    return layer_spec
 
 
 def allreduce_sequence_parallel_grads(model: torch.nn.Module, *, tp_group) -> None:
