@@ -13,6 +13,7 @@
     gpt_oss.py           tiny GPT-OSS models (sinks, sliding/full layers, YaRN, biased experts) and MXFP4 experts
     round_trips.py       conversion round trips checked tensor for tensor (`assert_round_trips`)
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
+    resume_ranks.py      ranks that write training checkpoints as the driver does and resume from them
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
     cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
     ray_runs.py          the session's Ray cluster and in-process training runs on it
