@@ -11,7 +11,8 @@
     gemma.py             tiny Gemma 3 text models (local and global layers, sandwich (1 + w) norms)
     glm.py               tiny GLM-4.5 models (partial RoPE, q/k norm, qkv bias, sigmoid router with bias)
     gpt_oss.py           tiny GPT-OSS models (sinks, sliding/full layers, YaRN, biased experts) and MXFP4 experts
-    round_trips.py       conversion round trips checked tensor for tensor (`assert_round_trips`)
+    round_trips.py       conversion round trips checked tensor for tensor (`assert_round_trips`), and a
+                         quantised copy refused in one line (`assert_quantised_copy_refused`)
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
     resume_ranks.py      ranks that write training checkpoints as the driver does and resume from them
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
