@@ -338,6 +338,14 @@ def test_deepseek_v3_config_is_the_published_model_in_a_layout_the_trainer_accep
     stated = float(header["memory_gb_per_gpu"])
     assert memory_gb_per_gpu(arch=arch, config=config, attention="local") == pytest.approx(stated, abs=0.05)
     text = path.read_text(encoding="utf-8")
+    # A checkpoint save: the weights, main grads and optimizer shards, plus one kind of optimizer
+    # state of the rank's parameters whole in fp32 (the experts too: expert dp 2 shards them).
+    dense, experts = (float(header["params_b"]) - float(header["expert_params_b"])) * 1e9, float(header["expert_params_b"]) * 1e9
+    expert_dp = config.tp * config.dp // config.ep
+    assert expert_dp > 1
+    held = dense * (8 + 12 / config.dp) / (config.tp * config.pp) + experts * (8 + 12 / expert_dp) / (config.ep * config.pp)
+    whole = 4 * dense / (config.tp * config.pp) + 4 * experts / (config.ep * config.pp)
+    assert config.save_interval > 0 and f"= {(held + whole) / 1e9:.1f} GB of 141 GB. Computed" in text
     for layout, gb in ((dict(ep=64), 154.4), (dict(max_length=2048), 162.3)):
         other = memory_gb_per_gpu(arch=arch, config=dataclasses.replace(config, **layout), attention="local")
         assert other == pytest.approx(gb, abs=0.05) and other > float(header["gpu_memory_gb"])

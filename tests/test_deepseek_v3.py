@@ -23,7 +23,7 @@ from tests.helpers.deepseek import CONFIG, YARN, check_deepseek_job, deepseek_v3
 from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
 from tests.helpers.parity import parity_job
-from tests.helpers.round_trips import assert_moe_conversions, assert_same
+from tests.helpers.round_trips import assert_moe_conversions, assert_quantised_copy_refused, assert_same
 from tests.helpers.ranks import run_ranks, verify
 
 
@@ -128,6 +128,15 @@ def test_multi_token_prediction_layers_are_dropped_on_import_with_one_line(hub_d
     assert len(lines) == 1 and "dropping 2 tensor(s) of layers past num_hidden_layers (3)" in lines[0], err
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "hf")]) == 0
     assert_same(tmp_path / "hf", tensors, "MTP layer dropped")
+
+
+def test_the_released_fp8_weights_are_refused_in_one_line(hub_dir, tmp_path, capsys):
+    """DeepSeek-V3's release: fp8 weights with 128 x 128 block scales (`*_scale_inv`), which read
+    as plain weights would train on the raw fp8 values: the converter and the trainer refuse
+    them, naming config.json's field."""
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert_quantised_copy_refused(hub_dir, tmp_path, capsys, quantization=fp8,
+                                  scales={"model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)})
 
 
 def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):

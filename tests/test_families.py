@@ -37,6 +37,34 @@ def test_unknown_architecture_is_one_line_listing_the_supported():
         spec_from_hf_config({"model_type": "gpt2"}, source="m/config.json")
 
 
+# DeepSeek-V3's released config.json: fp8 weights with 128 x 128 block scales (`*_scale_inv` tensors).
+DEEPSEEK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_quantization_config_the_family_does_not_dequantise_is_one_line(family):
+    """A quantised checkpoint read as plain weights would train on the stored values: every family
+    refuses a `quantization_config` whose method it does not dequantise on import (GPT-OSS
+    dequantises mxfp4, none other any), in one line naming the field; without one, or with an
+    empty one, the config reads as before."""
+    config = FAMILIES[family]().config.to_dict()
+    config.pop("quantization_config", None)
+    spec = spec_from_hf_config(config, source="m/config.json")
+    assert spec_from_hf_config({**config, "quantization_config": None}, source="m/config.json") == spec
+    readable = getattr(FAMILY_MODULES[family], "QUANT_METHODS", ())
+    for quantization, method in ((DEEPSEEK_FP8, "'fp8'"), ({"quant_method": "awq", "bits": 4}, "'awq'"),
+                                 ({"bits": 8}, "None"), ("fp8", "'fp8'")):
+        with pytest.raises(ConversionError) as error:
+            spec_from_hf_config({**config, "quantization_config": quantization}, source="m/config.json")
+        message = str(error.value)
+        assert "\n" not in message, message
+        assert message.startswith(f"m/config.json: field 'quantization_config.quant_method' is {method}; "), message
+        assert ("only 'mxfp4' (dequantised on import) is read" if readable else "quantised weights are not read") in message
+    assert readable == (("mxfp4",) if family == "gpt_oss" else ())
+    for method in readable:
+        assert spec_from_hf_config({**config, "quantization_config": {"quant_method": method}}, source="m/config.json") == spec
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_key_map_covers_the_hub_checkpoint_and_round_trips(family):
     """hf_tensor_shapes = the tensors save_pretrained writes (names and shapes); HF -> tp2 pp2

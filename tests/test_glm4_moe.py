@@ -25,7 +25,7 @@ from tests.helpers.glm import CONFIG, glm4_moe
 from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
 from tests.helpers.moe_parity import check_expert_bias_job, one_step_jobs
-from tests.helpers.round_trips import assert_moe_conversions, assert_same
+from tests.helpers.round_trips import assert_moe_conversions, assert_quantised_copy_refused, assert_same
 from tests.helpers.ranks import run_ranks, verify
 
 
@@ -141,6 +141,14 @@ def test_multi_token_prediction_layers_are_dropped_on_import_with_one_line(hub_d
     assert len(lines) == 1 and "dropping 2 tensor(s) of layers past num_hidden_layers (3)" in lines[0], err
     assert main(["mcore-to-hf", "--mcore-dir", str(tmp_path / "m"), "--out", str(tmp_path / "hf")]) == 0
     assert_same(tmp_path / "hf", tensors, "MTP layer dropped")
+
+
+def test_a_quantised_checkpoint_is_refused_in_one_line(hub_dir, tmp_path, capsys):
+    """An fp8 checkpoint in the compressed-tensors layout (a `weight_scale` beside each weight):
+    the converter and the trainer refuse it, naming config.json's field."""
+    fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    assert_quantised_copy_refused(hub_dir, tmp_path, capsys, quantization=fp8,
+                                  scales={"model.layers.1.mlp.shared_experts.gate_proj.weight_scale": torch.ones(1)})
 
 
 def test_verify_tp2_pp2(hub_dir, tmp_path, capsys):

@@ -1,6 +1,8 @@
 """Model families, one module each: its HF config -> ModelSpec translation (`spec_from_config`),
 the TransformerConfig fields that differ by family (`transformer_fields`) and its literal key
-map (`layer_keys`). A module names the `ARCHITECTURE` and `MODEL_TYPE` it serves.
+map (`layer_keys`). A module names the `ARCHITECTURE` and `MODEL_TYPE` it serves, and the
+`QUANT_METHODS` of `quantization_config` it dequantises on import (none when absent: a quantised
+checkpoint is then refused in one line, `base.refuse_quantization`).
 
 Every module of this package other than `base` is a family: adding one is adding a file.
 """
@@ -11,7 +13,7 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-from checkpoint_convert.families.base import ConversionError, ModelSpec
+from checkpoint_convert.families.base import ConversionError, ModelSpec, refuse_quantization
 
 _REQUIRED = ("ARCHITECTURE", "MODEL_TYPE", "spec_from_config", "layer_keys", "transformer_fields")
 
@@ -62,4 +64,6 @@ def spec_from_hf_config(config: dict, *, source: str = "config.json") -> ModelSp
     """Validate an HF config.json (as a dict) and extract what the model needs."""
     if not isinstance(config, dict):
         raise ConversionError(f"{source}: expected a JSON object")
-    return family_of_config(config, source=source).spec_from_config(config, source=source)
+    family = family_of_config(config, source=source)
+    refuse_quantization(config, source=source, readable=getattr(family, "QUANT_METHODS", ()))
+    return family.spec_from_config(config, source=source)

@@ -150,6 +150,24 @@ def rope_from_config(config: dict, *, source: str) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def refuse_quantization(config: dict, *, source: str, readable: tuple[str, ...] = ()) -> None:
+    """One line for a `quantization_config` whose method the family does not dequantise on import
+    (`readable`: the ones it does). Read as plain weights, quantised tensors would train on their
+    stored values (DeepSeek-V3's release: fp8 with `*_scale_inv` block scales)."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if method in readable:
+        return
+    if readable:
+        why = f"only {', '.join(map(repr, readable))} (dequantised on import) is read"
+    else:
+        why = ("quantised weights are not read (they would train as stored): use a bf16, fp16 or fp32 copy "
+               "whose config.json has no quantization_config")
+    raise ConversionError(f"{source}: field 'quantization_config.quant_method' is {method!r}; {why}")
+
+
 def refuse(config: dict, name: str, *, source: str, why: str) -> None:
     """One line when a config turns on a feature the family does not map."""
     if config.get(name):

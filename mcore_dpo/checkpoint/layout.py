@@ -8,6 +8,8 @@
                                   tp/pp/dp can read it: mcore-to-hf exports it, resume reshards it)
         optim/exp_avg/            AdamW first moments, same format and layout as the weights
         optim/exp_avg_sq/         AdamW second moments
+                                  (a tensor the optimizer does not train, the routers' expert
+                                  bias, is in model/ as it is, with zero moments)
         reference/                the reference weights, with --sync-ref-model only (TR-DPO moves them)
         (LoRA runs: no model/; adapter/ holds the adapters' fp32 masters as a PEFT adapter,
         optim/exp_avg*/adapter_model.safetensors their moments under the same PEFT names, and

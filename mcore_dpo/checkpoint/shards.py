@@ -1,7 +1,9 @@
 """The default checkpoint format: checkpoint_convert's Megatron shards. Each kind of state (the
 fp32 master weights in `model/`, AdamW's moments in `optim/exp_avg/` and `optim/exp_avg_sq/`,
 and TR-DPO's moving reference in `reference/`) is a Megatron directory of its own, with the
-model's metadata, which any tp/pp/ep layout reads back (resharded through HF names)."""
+model's metadata, which any tp/pp/ep layout reads back (resharded through HF names). Each holds
+every tensor of the model: the routers' expert bias, which the optimizer does not train, is
+written as it is in `model/` and as zeros in the moments (`Checkpointer.held_not_trained`)."""
 
 from __future__ import annotations
 

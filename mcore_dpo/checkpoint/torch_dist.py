@@ -15,7 +15,11 @@ Every rank calls megatron-core's `dist_checkpointing.save` with its GPTModel's o
 Transformer Engine norm names) plus the optimizer state in megatron-core's model-space layout,
 the one its DistributedOptimizer writes as `fully_sharded_model_space`:
 `optimizer.state.fp32_param.<key>` (the fp32 masters), `optimizer.state.exp_avg.<key>`,
-`optimizer.state.exp_avg_sq.<key>`, each sharded exactly like the model tensor `<key>`.
+`optimizer.state.exp_avg_sq.<key>`, each sharded exactly like the model tensor `<key>`. A
+tensor the optimizer does not train (the routers' expert bias, a buffer in megatron-core) is in
+every part too: its value as fp32_param, zero moments, so that each part is a whole model as
+in the safetensors format (Megatron-LM's optimizer has no such keys; a Megatron-LM load of
+these families is untested, docs/MODELS.md).
 This project's optimizers (optim/adamw.py, optim/zero.py) are not megatron-core's (those do not run on a
 CPU), so their state is put into that layout here: whole tensors per parameter, gathered over
 dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's sharded tensors.
@@ -83,9 +87,11 @@ def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, g
 
 
 def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module, optimizer, dp_rank: int, step: int,
-         platform) -> None:
+         platform, held_not_trained) -> None:
     """Collective over every rank of the group: write this rank's part of the checkpoint of
-    `step` into `directory` (which exists). `model` is this rank's GPTModel chunk (not DDP)."""
+    `step` into `directory` (which exists). `model` is this rank's GPTModel chunk (not DDP);
+    `held_not_trained(kind)`: the state of the parameters the optimizer does not hold (the
+    routers' expert bias: `Checkpointer.held_not_trained`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
@@ -94,7 +100,7 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
     from mcore_dpo.parallel import platform as plat
     from mcore_dpo.optim.adamw import lr_at
 
-    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named_params = list(model.named_parameters())  # the frozen router bias too: each part holds the whole model
     args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
                            dtype=config.dtype, step=step, global_batch_size=config.global_batch_size, lr=config.lr,
                            seq_length=config.max_length)
@@ -116,6 +122,8 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
         # dp rank 0: every rank then takes the whole state of its own parameters (its ep rank's
         # experts among them), and megatron-core writes each tensor from its main replica.
         whole = optimizer.whole_state(kind) if layout.ep > 1 else optimizer.checkpoint_tensors(kind, dp_rank=dp_rank)
+        if whole is not None:
+            whole = {**whole, **held_not_trained(kind)}
         for i, (name, param) in enumerate(named_params):
             data = whole[name] if whole is not None else torch.empty(param.shape, dtype=torch.float32)
             param_state[i][prefix.split(".")[-2]] = make_sharded_optimizer_tensor(
@@ -188,7 +196,8 @@ class TorchDist:
     def write(self, part, root: Path, *, step: int) -> None:
         rank = part.rank
         save(root, config=rank.config, spec=rank.spec, layout=rank.layout, model=part.policy.module,
-             optimizer=part.optimizer, dp_rank=rank.mesh.dp_cp_rank, step=step, platform=rank.platform)
+             optimizer=part.optimizer, dp_rank=rank.mesh.dp_cp_rank, step=step, platform=rank.platform,
+             held_not_trained=part.held_not_trained)
 
     def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
         write_hf_files(tmp, hf_config=meta.hf_config, aux_files=aux)

@@ -93,7 +93,8 @@ class Checkpointer:
         if rank.layout.ep > 1:
             # Every rank's whole state of its own parameters, its ep rank's experts among them
             # (the replicated optimizer holds it; the sharded one gathers it over dp / expert dp).
-            self.write_expert_parallel(directory, shard_names(self.optimizer.whole_state(kind)), dtype=torch.float32)
+            state = {**shard_names(self.optimizer.whole_state(kind)), **self.held_not_trained(kind)}
+            self.write_expert_parallel(directory, state, dtype=torch.float32)
             return
         shard = self.optimizer.checkpoint_tensors(kind, dp_rank=rank.mesh.dp_cp_rank)  # cp: dp x cp
         if shard is None:
@@ -102,7 +103,23 @@ class Checkpointer:
         if adapter:
             _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
         else:
+            shard.update(self.held_not_trained(kind))
             write_mcore_shard(directory, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
+
+    def held_not_trained(self, kind: str) -> dict[str, torch.Tensor]:
+        """The policy's parameters that the optimizer does not hold, as one kind of state: the
+        routers' expert bias (DeepSeek-V3's and GLM-4.5's e_score_correction_bias: loaded, never
+        trained, model/builder.py), which megatron-core keeps outside the optimizer. "model"
+        gives their values (fp32 holds any dtype exactly), a moment zeros (AdamW never steps
+        them). So every kind of a checkpoint holds every tensor of the model, as the converter
+        reads it, and a resumed policy, built from the checkpoint's weights, holds the bias it
+        had (the optimizer takes only its own parameters' state). Empty for a LoRA run, whose
+        checkpoint holds the adapters only (the base, the bias among it, is the run's --model)."""
+        if self.rank.config.lora:
+            return {}
+        held = {n: p.detach() for n, p in self.policy.module.named_parameters() if not p.requires_grad}
+        return shard_names({n: p.to("cpu", torch.float32, copy=True) if kind == "model"
+                            else torch.zeros(p.shape, dtype=torch.float32) for n, p in held.items()})
 
     def rank_shard(self, source) -> dict[str, torch.Tensor]:
         """This rank's shard, under megatron names, of whole HF-named tensors in `source` (its

@@ -13,8 +13,10 @@
     glm.py               tiny GLM-4.5 models (partial RoPE, q/k norm, qkv bias, sigmoid router with bias)
     gpt_oss.py           tiny GPT-OSS models (sinks, sliding/full layers, YaRN, biased experts) and MXFP4 experts
     lora_families.py     LoRA jobs of those four families' parity launches, their HF + PEFT reference and checks
-    round_trips.py       conversion round trips checked tensor for tensor (`assert_round_trips`)
+    round_trips.py       conversion round trips checked tensor for tensor (`assert_round_trips`), and a
+                         quantised copy refused in one line (`assert_quantised_copy_refused`)
     ranks.py             rank spawners: `run_ranks`, `spawn_ranks`, `spawn_processes`, `verify`
+    resume_ranks.py      ranks that write training checkpoints as the driver does and resume from them
     megatron_ranks.py    Megatron-LM-style ranks on megatron-core's own APIs (torch_dist tests)
     cli.py               CLI runners: `run_train`, `start_train`, `run_python`, `run`, `start`
     ray_runs.py          the session's Ray cluster and in-process training runs on it

@@ -1,6 +1,7 @@
 """Conversion round trips checked tensor for tensor: the tensors of an HF directory, an export
 equal to its source, and HF -> Megatron -> HF at several (tp, pp, ep) layouts with every rank
-file holding what the trainer's key map puts there."""
+file holding what the trainer's key map puts there; and a quantised copy of a checkpoint refused
+by the converter and the trainer alike (`assert_quantised_copy_refused`)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,42 @@ def assert_moe_conversions(hf_dir: Path, work: Path, *, reshard_flags: list[str]
                                   reshard_flags=reshard_flags)
     assert_export_generates_like(hf_dir, work / f"hf{export}", prompt=[1, 17, 42, 7, 9, 3], max_new_tokens=8)
     return source
+
+
+def assert_quantised_copy_refused(hf_dir: Path, work: Path, capsys, *, quantization: dict,
+                                  scales: dict[str, torch.Tensor]) -> None:
+    """A copy of `hf_dir` whose config.json has `quantization` and whose weights file holds the
+    `scales` tensors beside the weights (as a released quantised checkpoint does) is refused by
+    `checkpoint_convert hf-to-mcore` (the function its command line runs) and by the trainer's
+    start-up (`mcore_dpo.train.main`, before Ray starts): exit code 2, one `error:` line naming
+    config.json's field, no traceback, nothing written."""
+    import json
+    import shutil
+
+    import ray
+    from safetensors.torch import save_file
+
+    from mcore_dpo.train import main as train
+
+    quantised = work / "quantised"
+    shutil.copytree(hf_dir, quantised)
+    config = json.loads((quantised / "config.json").read_text())
+    (quantised / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    weights = quantised / "model.safetensors"
+    save_file({**load_file(str(weights)), **scales}, str(weights), metadata={"format": "pt"})
+    expected = (f"error: {quantised / 'config.json'}: field 'quantization_config.quant_method' is "
+                f"{quantization['quant_method']!r}; quantised weights are not read")
+    data = Path(__file__).resolve().parents[1] / "bad_inputs" / "valid_prefs.jsonl"
+    for what, run, out in (
+        ("hf-to-mcore", lambda out: main(["hf-to-mcore", "--hf-dir", str(quantised), "--out", str(out)]), work / "m"),
+        ("train", lambda out: train(["--model", str(quantised), "--data", str(data), "--output-dir", str(out)]),
+         work / "run"),
+    ):
+        capsys.readouterr()
+        code = run(out)
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(expected), f"{what}: exit {code}; {err}"
+        assert "Traceback" not in captured.out + captured.err, what
+        assert not out.exists(), f"{what}: wrote {out}"
+    assert not ray.is_initialized(), "Ray was started before the model was checked"
