@@ -129,9 +129,9 @@ def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout:
     adapters = []
     for layer in model.decoder.layers:
         linears = []
-        for target in TARGETS:
+        for target in (t for t in TARGETS if t in lora.targets):
             for path, parallel, parts in target_linears(spec, target):
-                if target in lora.targets and (target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1])):
+                if target not in ("fc1", "fc2") or hasattr(layer.mlp, path.split(".")[1]):
                     linears.append((target, (parallel, tuple(p for p, _ in parts)), layer.get_submodule(path)))
         experts_module = getattr(layer.mlp, "experts", None)
         if experts_module is not None and not hasattr(experts_module, "local_experts"):
