@@ -210,7 +210,7 @@ def lora_setup(parity_models, tmp_path_factory):
     spec = open_hf_dir(base).spec
     init_dir = tmp_path_factory.mktemp("lora_cp") / "init_adapter"
     write_adapter_dir(init_dir, random_adapter(spec, LORA_SHAPE, seed=5),
-                      adapter_config(LORA_SHAPE, dropout=0.0, base_model=None))
+                      adapter_config(LORA_SHAPE, spec=spec, dropout=0.0, base_model=None))
     pairs = make_pairs(LORA_STEPS * LORA_BATCH + LORA_EVAL_PAIRS, seed=11)
     setup = {"base": base, "spec": spec, "init_dir": init_dir, "pairs": pairs}
     setup["references"] = {start: peft_reference(base_dir=base, spec=spec, pairs=pairs,
