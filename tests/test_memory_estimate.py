@@ -572,8 +572,8 @@ def test_local_norms_are_what_autograd_saves(tmp_path):
     the rank (`_fp32_norm_bytes`), and the linear after it keeps its output (h in the parameter
     dtype). With them the whole layer (`layer_activation_bytes`, beside its RoPE cos/sin and the
     mask, which are per layer) and the final norm (`head_bytes` without the fp32 logits, which the
-    log-prob kernel keeps) are exact; so is a Qwen3 layer (bf16, tp 1), whose per-head q/k norms
-    keep the same fp32 tensors per head. The former count, 3h in the parameter dtype per norm,
+    log-prob kernel keeps) are exact; so is a Qwen3 layer (bf16, tp 1 and tp 2 with sequence
+    parallelism), whose per-head q/k norms keep the same fp32 tensors per head of the rank. The former count, 3h in the parameter dtype per norm,
     was 4h + 4 B per token short in bf16 and 4 B in fp32."""
     from mcore_dpo.tools.memory_estimate import FP32_BYTES, _fp32_norm_bytes, head_bytes
     from tests.helpers import norm_memory
@@ -589,8 +589,9 @@ def test_local_norms_are_what_autograd_saves(tmp_path):
         kw = dict(seq_len=s, rows=rows, tp=tp, sequence_parallel=tp > 1, attention="local", dtype_bytes=dtype_bytes)
         tokens = s * rows // tp  # the rank's tokens, on which the norms run (sequence parallel at tp 2)
         heads, kv_heads = spec.num_heads // tp, spec.num_query_groups // tp
-        qk_norms = (tokens * (_fp32_norm_bytes(heads * spec.head_dim, heads)
-                              + _fp32_norm_bytes(kv_heads * spec.head_dim, kv_heads)) if spec.qk_layernorm else 0)
+        # The q/k norms run on the rank's heads over the whole sequence (after the sequence-parallel gather).
+        qk_norms = (s * rows * (_fp32_norm_bytes(heads * spec.head_dim, heads)
+                                + _fp32_norm_bytes(kv_heads * spec.head_dim, kv_heads)) if spec.qk_layernorm else 0)
         per_layer = 4 * s * spec.head_dim * dtype_bytes + s * s  # RoPE cos/sin of q and k, the causal mask
         layer = layer_activation_bytes(shape, **kw) + per_layer
         final = head_bytes(shape, **kw) - s * rows * 2 * FP32_BYTES * shape.vocab / tp

@@ -25,6 +25,7 @@
     config_arithmetic.py the arithmetic of configs/'s header comments
     mla_memory.py        what a tiny DeepSeek-V3 stage saves for its backward (multi-latent attention)
     norm_memory.py       what the local spec's norms of a tiny Llama / Qwen3 stage save for their backward
+    saved_tensors.py     what autograd saves in a stage's forward, storage by storage, with the module that saved it
     tiers.py             how each test gets its tier (`launches`, read by conftest.py)
 
 Shared set-ups built once per pytest run are fixtures in tests/conftest.py.

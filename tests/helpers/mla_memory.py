@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import traceback
-import weakref
 from pathlib import Path
 
 import torch
@@ -50,33 +49,12 @@ def arch_line(*, q_lora_rank: int | None) -> str:
 
 def _layer_saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
     """Per layer and group, the bytes of the storages autograd saved that are still held once the
-    forward is done (a node whose outputs die in the forward, such as the router's index
-    arithmetic, frees what it saved), each storage counted once per layer."""
-    from mcore_dpo.model.builder import causal_mask, stage_forward
+    forward is done, each storage counted once per layer (tests/helpers/saved_tensors.py)."""
+    from tests.helpers.saved_tensors import saved_storages
 
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    stack: list[str] = []
-    records: list[tuple[str, str, weakref.ref]] = []  # (layer, innermost module, storage)
-    for name, module in model.named_modules():
-        module.register_forward_pre_hook(lambda *_, name=name: stack.append(name))
-        module.register_forward_hook(lambda *_: (stack.pop(), None)[1])
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        layer = next((n.split(".")[2] for n in stack if n.startswith("decoder.layers.")), None)
-        if layer is not None and t.untyped_storage().data_ptr() not in skip:
-            records.append((layer, stack[-1], weakref.ref(t.untyped_storage())))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = stage_forward(model, tokens=tokens, input_tensor=None,
-                               mask=causal_mask(SEQ_LEN, device=torch.device("cpu")))
     saved: dict[str, dict[str, int]] = {}
-    seen: set[tuple[str, int]] = set()
-    for layer, inner, ref in records:
-        storage = ref()
-        if storage is None or (layer, storage.data_ptr()) in seen:
-            continue
-        seen.add((layer, storage.data_ptr()))
+    layer_of = lambda name: name.split(".")[2] if name.startswith("decoder.layers.") else None  # noqa: E731
+    for layer, inner, storage in saved_storages(model, tokens, layer_of=layer_of):
         counts = saved.setdefault(layer, dict.fromkeys(("layer", "attention", "mlp", "router", "expert_inputs"), 0))
         counts["layer"] += storage.nbytes()
         for group, marker in (("attention", ".self_attention"), ("mlp", ".mlp"), ("router", ".mlp.router")):
@@ -84,7 +62,6 @@ def _layer_saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
                 counts[group] += storage.nbytes()
         if ".local_experts." in inner and inner.endswith(".linear_fc1"):  # the rank's routed copies, one buffer
             counts["expert_inputs"] += storage.nbytes()
-    del output
     return saved
 
 

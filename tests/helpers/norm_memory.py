@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import traceback
-import weakref
 from pathlib import Path
 
 import torch
@@ -28,10 +27,10 @@ LLAMA = ModelSpec(architecture="LlamaForCausalLM", family="llama", vocab_size=12
                   rope_scaling=None, tie_word_embeddings=False, qkv_bias=False, max_position_embeddings=64,
                   torch_dtype="float32")
 QWEN3 = dataclasses.replace(LLAMA, architecture="Qwen3ForCausalLM", family="qwen3", qk_layernorm=True)
-# (name, spec, tp, dtype); dp = 2 / tp. The dense local spec builds its q/k norms with megatron-core's
-# torch-norm wrapper, which refuses sequence parallelism: Qwen3 at tp 1 only.
+# (name, spec, tp, dtype); dp = 2 / tp.
 CASES = (("tp1_bf16", LLAMA, 1, "bfloat16"), ("tp1_fp32", LLAMA, 1, "float32"), ("tp2_sp_bf16", LLAMA, 2, "bfloat16"),
-         ("tp2_sp_fp32", LLAMA, 2, "float32"), ("qwen3_tp1_bf16", QWEN3, 1, "bfloat16"))
+         ("tp2_sp_fp32", LLAMA, 2, "float32"), ("qwen3_tp1_bf16", QWEN3, 1, "bfloat16"),
+         ("qwen3_tp2_sp_bf16", QWEN3, 2, "bfloat16"))
 NORMS = ("input_layernorm", "pre_mlp_layernorm")
 QK_NORMS = ("q_layernorm", "k_layernorm")
 _NORM_ENDS = tuple(f".{n}" for n in (*NORMS, "final_layernorm"))
@@ -40,11 +39,8 @@ _QK_ENDS = tuple(f".{n}" for n in QK_NORMS)
 
 def _saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
     """Per layer (and "final" for the final norm), the bytes in each group (module docstring)."""
-    from mcore_dpo.model.builder import causal_mask, stage_forward
+    from tests.helpers.saved_tensors import saved_storages
 
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    stack: list[str] = []
-    records: list[tuple[str, str, weakref.ref]] = []  # (layer, innermost module, storage)
     outputs: dict[str, list[int]] = {}  # layer -> the storages of its norms' outputs
 
     def layer_of(name: str) -> str | None:
@@ -52,29 +48,11 @@ def _saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
             return name.split(".")[2]
         return "final" if name.startswith(("decoder.final_layernorm", "output_layer")) else None
 
-    for name, module in model.named_modules():
-        module.register_forward_pre_hook(lambda *_, name=name: stack.append(name))
-        module.register_forward_hook(lambda *_: (stack.pop(), None)[1])
-        if name.endswith(_NORM_ENDS):
-            module.register_forward_hook(
-                lambda _m, _a, out, name=name: outputs.setdefault(layer_of(name), []).append(out.untyped_storage().data_ptr()))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        layer = next((layer_of(n) for n in reversed(stack) if layer_of(n) is not None), None)
-        if layer is not None and t.untyped_storage().data_ptr() not in skip:
-            records.append((layer, stack[-1], weakref.ref(t.untyped_storage())))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = stage_forward(model, tokens=tokens, input_tensor=None,
-                               mask=causal_mask(SEQ_LEN, device=torch.device("cpu")))
+    handles = [module.register_forward_hook(
+        lambda _m, _a, out, name=name: outputs.setdefault(layer_of(name), []).append(out.untyped_storage().data_ptr()))
+        for name, module in model.named_modules() if name.endswith(_NORM_ENDS)]
     saved: dict[str, dict[str, int]] = {}
-    seen: set[tuple[str, int]] = set()
-    for layer, inner, ref in records:
-        storage = ref()
-        if storage is None or (layer, storage.data_ptr()) in seen:
-            continue
-        seen.add((layer, storage.data_ptr()))
+    for layer, inner, storage in saved_storages(model, tokens, layer_of=layer_of):
         counts = saved.setdefault(layer, dict.fromkeys(("layer", "norms", "qk_norms", "norm_outputs"), 0))
         counts["layer"] += storage.nbytes()
         if inner.endswith(_NORM_ENDS):
@@ -83,7 +61,8 @@ def _saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
             counts["qk_norms"] += storage.nbytes()
         if storage.data_ptr() in outputs.get(layer, ()):
             counts["norm_outputs"] += storage.nbytes()
-    del output
+    for handle in handles:
+        handle.remove()
     return saved
 
 
