@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec, moe_layer_freq
 from checkpoint_convert.mapping import expert_tp_size
 
@@ -31,8 +32,8 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
                     ep: int = 1) -> argparse.Namespace:
     """The args a torch_dist checkpoint of this model, written at tp x pp (x ep), carries."""
     torch_dtype = DTYPES[dtype]
-    scaling = spec.rope_scaling
-    return argparse.Namespace(
+    scaling = spec.rope_scaling if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "llama3" else None
+    args = dict(
         # model shape
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -88,6 +89,7 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         use_dist_ckpt=True,
         **(_moe_args(spec, tp=tp, ep=ep) if spec.num_experts else {}),
     )
+    return argparse.Namespace(**{**args, **_family_args(spec)})
 
 
 def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
@@ -103,6 +105,29 @@ def _moe_args(spec: ModelSpec, *, tp: int, ep: int) -> dict:
         moe_grouped_gemm=False, moe_shared_expert_intermediate_size=None,
         expert_tensor_parallel_size=expert_tp_size(tp=tp, ep=ep),
     )  # fmt: skip
+
+
+# A family's gated activation (families/*.py `activation_func`) -> the Megatron-LM flags naming it.
+_ACTIVATION_ARGS = {"quick_gelu": {"swiglu": False, "quick_geglu": True}}
+
+
+def _family_args(spec: ModelSpec) -> dict:
+    """The family's own TransformerConfig fields (families/*.py `transformer_fields`: multi-latent
+    attention's ranks and YaRN, the sigmoid router with its groups, scale and shared experts,
+    sinks, windows, biases, the clamped GLU) under the names Megatron-LM's args give them: its
+    core_transformer_config_from_args copies every arg named like a config field, and calls the
+    experts `num_experts`. An activation function is not an arg: Megatron-LM names its gated ones
+    by flags (`swiglu`, `quick_geglu` for GPT-OSS's); Gemma 3's tanh GELU has none, and is known
+    from the checkpoint's hf_files, as Gemma 3's (1 + w) norms and sandwich norms are."""
+    args = {}
+    for name, value in family_of(spec).transformer_fields(spec).items():
+        if name == "activation_func":
+            args.update(_ACTIVATION_ARGS.get(value.__name__, {"swiglu": False}))
+            continue
+        args["num_experts" if name == "num_moe_experts" else name] = value
+    if "rotary_base" in args:
+        args["rotary_base"] = _rotary_base(args["rotary_base"])
+    return args
 
 
 def _get(args: object, name: str, kind: type | tuple[type, ...], *, source: str, default: object = ...) -> object:
@@ -134,6 +159,12 @@ def hf_config_from_args(args: object, *, source: str, padded_vocab_size: int) ->
     """
     if not isinstance(args, (argparse.Namespace,)) and not hasattr(args, "__dict__"):
         raise ConversionError(f"{source}: 'args' is not a Namespace")
+    for name, plain in (("multi_latent_attention", False), ("softmax_type", "vanilla"), ("window_size", None),
+                        ("quick_geglu", False)):  # fmt: skip
+        value = getattr(args, name, plain)
+        if value not in (plain, None):  # the families that need their HF config (their args are written above)
+            raise ConversionError(f"{source}: field 'args.{name}' is {value!r}; a model with it is read with its HF "
+                                  "config (pass --hf-config DIR)")
     _refuse(args, "normalization", "RMSNorm", source=source, default="LayerNorm")
     _refuse(args, "swiglu", True, source=source, default=False)
     _refuse(args, "add_bias_linear", False, source=source, default=True)

@@ -26,7 +26,12 @@ fc1 [gate; up] per expert; the router is `mlp.router.weight` [E, h]. A list `--m
 MoE layer's pre-MLP norm is `mlp.linear_fc1.layer_norm_weight` in the local spec (which renames
 it in every layer) but `pre_mlp_layernorm.weight` in the Transformer Engine spec (which fuses it
 only into a dense fc1); both are read, and both written (megatron-core's loader ignores the
-one a model does not ask for). Writing stacks the layers when every layer is MoE (as an int
+one a model does not ask for). Multi-latent attention renames nothing in the local spec (no
+linear_qkv: `input_layernorm.weight`, `self_attention.q_layernorm.weight`, ...), while the TE spec
+fuses the latent norms into their up projections and a dense layer's pre-MLP norm into its fc1;
+the writer stores each such norm under both names (`_sharded_names`), and every linear's (empty)
+extra state, the MLA projections' and the shared experts' included, as megatron-core's strict
+loader asks for them. Writing stacks the layers when every layer is MoE (as an int
 `--moe-layer-freq` makes megatron-core do) and uses per-layer keys otherwise, experts split over
 the expert tp of (tp, ep). Checkpoints saved with the `singleton_local_shards` metadata (expert
 index in the key, fc1 split into `weight_w` / `weight_v`) are not read (one line says so).
@@ -84,20 +89,34 @@ CHECKPOINT_VERSION = 3.0
 RELEASE_DIR = "release"
 # Vocabulary tensors are stored in chunks of at most this many bytes (one read block each).
 VOCAB_CHUNK_BYTES = 4 * 2**20
-# Local-spec layer names -> the names megatron-core's sharded state dict saves them under.
+# Local-spec layer names -> the names megatron-core's sharded state dict saves them under, one
+# per layer spec: (the local spec's, the Transformer Engine spec's). The local spec renames a
+# layer's two norms to the fused names the TE spec's layer-norm linears give them; the TE spec
+# keeps a MoE layer's pre-MLP norm unfused (its experts take no norm).
 _SHARDED_LAYER_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight",) * 2,
+    "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight",) * 2,
 }
-# A MoE layer's pre-MLP norm: the local spec saves it under the fused name above, the Transformer
-# Engine spec (which keeps the norm of a MoE layer unfused) under its own name; both are read,
-# and both written.
-_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+_MOE_SHARDED_LAYER_NAMES = {
+    **_SHARDED_LAYER_NAMES,
+    "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+}
+# With multi-latent attention the local spec renames nothing (it has no linear_qkv), and the TE
+# spec fuses the q and kv latent norms into their up projections and a dense layer's pre-MLP
+# norm into its fc1 (its input norm stays a norm: the down projections are plain linears).
+_MLA_SHARDED_LAYER_NAMES = {
+    "self_attention.q_layernorm.weight": ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+    "self_attention.kv_layernorm.weight": ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+    "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+}
+_MLA_MOE_SHARDED_LAYER_NAMES = {**_MLA_SHARDED_LAYER_NAMES, "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight",) * 2}
 # Local expert e of a layer -> megatron-core's sharded name, whose leading axis (after the layer
 # axis) is the global expert index.
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _EXPERTS_KEY = "mlp.experts.experts."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_MLA_LINEARS = ("self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
+_SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # Keys a model reader ignores: optimizer state and rng/rerun objects ride along in training checkpoints.
 _NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
@@ -157,25 +176,33 @@ def _layer_key(name: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-def _sharded_suffix(suffix: str) -> str:
-    return _SHARDED_LAYER_NAMES.get(suffix, suffix)
+def _sharded_names(spec: ModelSpec, suffix: str, *, moe_layer: bool) -> tuple[str, ...]:
+    """The names megatron-core saves the local-spec layer tensor `suffix` under, one per layer
+    spec that names it differently, the local spec's first."""
+    if spec.multi_latent_attention:
+        names = _MLA_MOE_SHARDED_LAYER_NAMES if moe_layer else _MLA_SHARDED_LAYER_NAMES
+    else:
+        names = _MOE_SHARDED_LAYER_NAMES if moe_layer else _SHARDED_LAYER_NAMES
+    return tuple(dict.fromkeys(names.get(suffix, (suffix,))))
 
 
-def _sharded_candidates(suffix: str) -> list[tuple[str, tuple[int, ...]]]:
+def _sharded_candidates(spec: ModelSpec, suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(sharded name within a layer, indices into its leading axes after the layer axis) under
-    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first
-    (a norm under the fused name, then its own: the pre-MLP norm of a MoE layer in the TE spec)."""
+    which megatron-core may have saved the local-spec layer tensor `suffix`, most usual first:
+    its names in the two layer specs, then its own (other writers' variant)."""
     expert = _LOCAL_EXPERT.fullmatch(suffix)
     if expert is not None:
         return [(_EXPERTS_KEY + expert.group(2), (int(expert.group(1)),))]
-    return [(name, ()) for name in dict.fromkeys((_sharded_suffix(suffix), suffix))]
+    return [(name, ()) for name in dict.fromkeys(_sharded_names(spec, suffix, moe_layer=moe_layer) + (suffix,))]
 
 
-def _written_suffixes(suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """The sharded names the writer stores a local-spec layer tensor under: the first candidate,
-    and for a MoE layer's pre-MLP norm both (one per layer spec)."""
-    candidates = _sharded_candidates(suffix)
-    return candidates if moe_layer and suffix == _MOE_PRE_MLP_NORM else candidates[:1]
+def _written_suffixes(spec: ModelSpec, suffix: str, *, moe_layer: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The sharded names the writer stores a local-spec layer tensor under: its name in each layer
+    spec (megatron-core's loader ignores the one a model does not ask for)."""
+    expert = _LOCAL_EXPERT.fullmatch(suffix)
+    if expert is not None:
+        return [(_EXPERTS_KEY + expert.group(2), (int(expert.group(1)),))]
+    return [(name, ()) for name in _sharded_names(spec, suffix, moe_layer=moe_layer)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,7 +226,7 @@ class _GlobalShard(Mapping):
         index, suffix = layer
         spec = self._ckpt.spec
         found = []
-        for candidate, lead in _sharded_candidates(suffix):
+        for candidate, lead in _sharded_candidates(spec, suffix, moe_layer=spec.is_moe_layer(index)):
             sizes = (spec.num_experts,) * len(lead)
             if f"{prefix}decoder.layers.{candidate}" in reader.tensors:
                 found.append((f"{prefix}decoder.layers.{candidate}", (index,) + lead, (spec.num_layers,) + sizes))
@@ -215,7 +242,8 @@ class _GlobalShard(Mapping):
                 raise ConversionError(f"{self._ckpt.dir}: saved with megatron-core's singleton_local_shards layout "
                                       "(fc1 split into weight_w / weight_v), which is not read")
             layer = _layer_key(name)
-            looked = _sharded_candidates(layer[1])[0][0] if layer else name
+            spec = self._ckpt.spec
+            looked = _sharded_candidates(spec, layer[1], moe_layer=spec.is_moe_layer(layer[0]))[0][0] if layer else name
             raise ConversionError(f"{self._ckpt.dir}: tensor for '{name}' is missing (looked for decoder.layers.{looked})")
         return found[0][:2]
 
@@ -398,7 +426,7 @@ def _layer_targets(spec: ModelSpec, *, layer: int, suffix: str) -> list[tuple[st
     tensor `suffix` under."""
     stacked = stacked_layers(spec)
     out = []
-    for candidate, lead in _written_suffixes(suffix, moe_layer=spec.is_moe_layer(layer)):
+    for candidate, lead in _written_suffixes(spec, suffix, moe_layer=spec.is_moe_layer(layer)):
         sizes = (spec.num_experts,) * len(lead)
         if stacked:
             out.append((f"decoder.layers.{candidate}", (layer,) + lead, (spec.num_layers,) + sizes))
@@ -425,7 +453,12 @@ def _extra_state_keys(spec: ModelSpec, *, layer: int) -> Iterator[str]:
     names them: key/shard_{offsets}_{shape} over the layer axis (stacked) and the expert axis."""
     stacked = stacked_layers(spec)
     moe = spec.is_moe_layer(layer)
-    linears = _LINEARS[:2] + (() if moe else _LINEARS[2:])
+    if spec.multi_latent_attention:
+        q = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj") if spec.q_lora_rank else ("self_attention.linear_q_proj",)
+        linears = q + _MLA_LINEARS
+    else:
+        linears = _LINEARS[:2]
+    linears += (_SHARED_EXPERT_LINEARS if spec.moe_shared_intermediate_size else ()) if moe else _LINEARS[2:]
     experts = [f"{_EXPERTS_KEY}linear_fc1", f"{_EXPERTS_KEY}linear_fc2"] if moe else []
     places = [(linear, ()) for linear in linears] + [(name, (e,)) for name in experts for e in range(spec.num_experts)]
     for name, expert in places:

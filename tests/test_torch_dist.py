@@ -341,6 +341,31 @@ def test_truncated_chunk_file_and_bad_tracker_are_one_line_errors(tmp_path, hf_l
     assert "latest_checkpointed_iteration.txt" in err
 
 
+@pytest.mark.parametrize("family, field", [
+    ("deepseek_v3", "args.multi_latent_attention"), ("gpt_oss", "args.softmax_type"), ("gemma3", "args.window_size"),
+    ("glm4_moe", "args.rotary_percent"),
+])
+def test_new_families_args_alone_are_one_line_asking_for_the_hf_config(tmp_path, capsys, family, field):
+    """The args of a family Megatron-LM's args cannot name (or this package cannot read from
+    args) are written, but without hf_files/ a read refuses in one line naming the first such
+    field; with --hf-config the same checkpoint converts back bit for bit."""
+    from tests.helpers.deepseek import deepseek_v3
+    from tests.helpers.gemma import gemma3
+    from tests.helpers.glm import glm4_moe
+    from tests.helpers.gpt_oss import gpt_oss
+
+    model = {"deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss, "gemma3": gemma3, "glm4_moe": glm4_moe}[family](seed=2)
+    hf = save_hf(model, tmp_path / "hf")
+    td = tmp_path / "td"
+    convert.hf_to_mcore(hf, td, tp=1, pp=1, fmt="torch_dist", **QUIET)
+    shutil.rmtree(td / "release" / "hf_files")
+    err = _bad(capsys, "mcore-to-hf", "--mcore-dir", str(td), "--out", str(tmp_path / "back"))
+    assert f"field '{field}'" in err and ("--hf-config" in err or family == "glm4_moe")
+    assert not (tmp_path / "back").exists()
+    convert.mcore_to_hf_dir(td, tmp_path / "back", hf_config_dir=hf, **QUIET)
+    _same_hf(hf, tmp_path / "back")
+
+
 # ---------------------------------------------------------------------------------------
 # The restricted unpickler
 # ---------------------------------------------------------------------------------------

@@ -53,65 +53,99 @@ def padded_vocab(vocab_size: int, *, divisor: int, tp: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def _moe_fields(args: Namespace) -> dict:
-    """Megatron-LM's MoE args as TransformerConfig fields (its core_transformer_config_from_args):
-    sequential experts, dropless all-to-all, no aux loss."""
-    if not getattr(args, "num_experts", None):
-        return {}
-    from megatron.core import parallel_state
+def transformer_config_from_args(args: Namespace):
+    """The TransformerConfig Megatron-LM makes of `args` (its core_transformer_config_from_args):
+    every arg named like a field of the config class (MLATransformerConfig when
+    `multi_latent_attention`) is copied; then its translations of the args that are named
+    otherwise (normalization's epsilon, --swiglu, --num-experts, --group-query-attention); then
+    this rank's parallel sizes and the settings a CPU needs (fp32, no fused kernels, no dropout,
+    sequential experts). Nothing here knows a model family: what the checkpoint's args say is
+    what is built."""
+    import dataclasses
 
-    return dict(
-        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_layer_freq=args.moe_layer_freq, moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_score_function=args.moe_router_score_function, moe_router_dtype="fp32",
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    from megatron.core import parallel_state
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_class) if hasattr(args, f.name)}
+    fields.update(
+        layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        num_moe_experts=getattr(args, "num_experts", None),
+    )  # fmt: skip
+    fields.update(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        context_parallel_size=1, sequence_parallel=False,  # (the local spec's torch norms refuse it)
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
     )  # fmt: skip
+    return config_class(**fields)
+
+
+def _local_spec(config, args: Namespace):
+    """The layer (block) spec Megatron-LM's model provider picks for the local implementation,
+    with one substitution megatron-core 0.16.1 needs on a CPU: multi-latent attention's core
+    attention takes the q/k and v head sizes, which only Transformer Engine's attention accepts
+    (the local DotProductAttention computes from the tensors' own sizes, so it is given them and
+    drops them, with its output's width v_head_dim per head), and its module checks isinstance
+    against Transformer Engine placeholders unless told TE is absent.""" 
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not (config.num_moe_experts or config.multi_latent_attention):
+        return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                      pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    if config.multi_latent_attention:
+        from megatron.core.extensions import transformer_engine as te_extension
+        from megatron.core.transformer import multi_latent_attention
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class HeadSizesDotProductAttention(DotProductAttention):
+            def __init__(self, *a, k_channels=None, v_channels=None, **kw):
+                super().__init__(*a, **kw)
+                # Its output is v_head_dim per head (not kv_channels).
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.config.v_head_dim
+
+        multi_latent_attention.HAVE_TE = te_extension.HAVE_TE
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = HeadSizesDotProductAttention
+    return spec
 
 
 def build_gpt(args: Namespace, *, vocab_size: int, platform):
-    """GPTModel for this rank, from Megatron-LM style args (as its gpt model provider does:
-    the local layer spec, and for MoE models the decoder block spec of this stage)."""
+    """GPTModel for this rank, from Megatron-LM style args, as its gpt model provider builds it:
+    the local layer spec (for MoE or multi-latent attention, the decoder block spec of this stage)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
     from mcore_dpo.parallel import platform as platform_lib
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=F.silu, add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, attention_softmax_in_fp32=True,
-        qk_layernorm=getattr(args, "qk_layernorm", False), **_moe_fields(args),
-    )  # fmt: skip
-    if config.num_moe_experts:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=config.qk_layernorm)
+    config = transformer_config_from_args(args)
+    spec = _local_spec(config, args)
     with platform_lib.building_models(platform):
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
-            vocab_size=padded_vocab(vocab_size, divisor=args.make_vocab_size_divisible_by, tp=tp),
+            vocab_size=padded_vocab(vocab_size, divisor=args.make_vocab_size_divisible_by,
+                                    tp=config.tensor_model_parallel_size),
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="rope",
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=getattr(args, "rotary_percent", 1.0),
             rotary_base=args.rotary_base,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         )
 
 
