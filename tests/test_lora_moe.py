@@ -16,19 +16,18 @@ expert, against Hugging Face + PEFT 0.21 (`target_parameters` on the fused exper
 from __future__ import annotations
 
 import json
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_shapes,
                                              peft_to_shard, read_adapter, shards_to_peft, write_adapter_dir)
 from tests.helpers import parity
 from tests.helpers.data import make_pairs, write_prefs
+from tests.helpers.lora_families import hub_names, lora_tensors, peft_model
 from tests.helpers.models import mixtral, qwen3_moe, save_hf
 from tests.helpers.moe_parity import check_router_metrics, engine_groups, router_metrics
 from tests.helpers.ranks import load_rank_tensors, run_ranks
@@ -52,33 +51,6 @@ def setup(tmp_path_factory):
     return {"root": root, "base": base, "spec": spec, "fresh": fresh, "pairs": make_pairs(STEPS * GLOBAL_BATCH, seed=11)}
 
 
-def _peft(base: Path, adapter: Path, *, trainable: bool = False):
-    """PeftModel.from_pretrained on an adapter directory, checked to load every tensor."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        peft = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-    problems = [str(w.message) for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
-    assert not problems, problems
-    return peft
-
-
-def _lora_tensors(model) -> dict[str, torch.Tensor]:
-    return {n.replace(".default.weight", ".weight"): p for n, p in model.named_parameters() if ".lora_" in n}
-
-
-def _hub_names(tensors: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
-    """transformers 5's fused expert tensors also under the hub's per-expert names."""
-    out = dict(tensors)
-    for name, (stored, expert, part, parts) in fused_hf_sources(spec, stored=set(tensors)).items():
-        tensor = tensors[stored] if expert is None else tensors[stored][expert]
-        out[name] = tensor.chunk(parts, dim=0)[part]
-    return out
-
-
 # --------------------------------------------------------------------------- the key map
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_expert_adapters_are_peft_target_parameters(family, tmp_path):
@@ -92,8 +64,8 @@ def test_expert_adapters_are_peft_target_parameters(family, tmp_path):
         assert set(whole) == set(peft_shapes(spec, shape))
         write_adapter_dir(tmp_path / "a", whole, adapter_config(shape, spec=spec, dropout=0.0, base_model=None))
         assert lora_shape_of(tmp_path / "a", spec=spec) == (shape, 0.0)  # what --init-adapter reads back
-        model = _peft(base, tmp_path / "a")
-        loaded = _lora_tensors(model)
+        model = peft_model(base, tmp_path / "a", trainable=False)
+        loaded = lora_tensors(model)
         assert set(loaded) == set(whole), (targets, sorted(set(loaded) ^ set(whole))[:4])
         for name, value in whole.items():
             assert torch.equal(loaded[name], value), name
@@ -160,8 +132,8 @@ def _reference(setup) -> dict:
     """HF + PEFT in one process: the fresh adapter, reference = the adapter disabled."""
     if _REFERENCE:
         return _REFERENCE
-    model = _peft(setup["base"], setup["fresh"], trainable=True)
-    params = list(_lora_tensors(model).items())
+    model = peft_model(setup["base"], setup["fresh"], trainable=True)
+    params = list(lora_tensors(model).items())
     assert len(params) == len(peft_shapes(setup["spec"], SHAPE))
 
     class Disabled:
@@ -181,7 +153,7 @@ def _reference(setup) -> dict:
         metrics.append(m)
         opt.step()
     merged = {n: p.detach().clone() for n, p in model.merge_and_unload().state_dict().items()}
-    _REFERENCE.update(metrics=metrics, grads=grads, merged=_hub_names(merged, setup["spec"]))
+    _REFERENCE.update(metrics=metrics, grads=grads, merged=hub_names(merged, setup["spec"]))
     return _REFERENCE
 
 
@@ -253,8 +225,8 @@ def test_lora_moe_cli_exports_load_in_peft(setup, tmp_path, ray_cluster):
         tensors = read_adapter(step1 / "adapter", spec=setup["spec"], lora=SHAPE) if kind == "adapter" else \
             load_file(str(step1 / kind / "adapter_model.safetensors"))
         assert set(tensors) == set(peft_shapes(setup["spec"], SHAPE)), kind
-    peft = _peft(setup["base"], out / "adapter")
-    trained = _lora_tensors(peft)
+    peft = peft_model(setup["base"], out / "adapter", trainable=False)
+    trained = lora_tensors(peft)
     assert set(trained) == set(peft_shapes(setup["spec"], SHAPE))
     assert all(v.abs().max() > 0 for n, v in trained.items() if "lora_B" in n), "the experts' B did not move"
     from transformers import AutoModelForCausalLM

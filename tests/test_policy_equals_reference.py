@@ -13,43 +13,33 @@ Padded rows at tp 2 are the control. Real gloo ranks (tests/helpers/ranks.py).
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.data import PACKED, make_pairs
-from tests.helpers.models import PAD, make_model, save_hf
+from tests.helpers.models import make_model, save_hf
 from tests.helpers.ranks import spawn_ranks
+from tests.helpers.resume_ranks import policy_jobs_rank
 
 GLOBAL_BATCH = 8
 EVAL_PAIRS = 12  # not a multiple of the global batch: the last chunk is partial
 ZERO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
-def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model.builder import open_weights
-        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
+def _first_step(worker, config, job: dict, *, rank: int, out_dir: str) -> None:
+    """The held-out metrics of the initial weights (step 0) and the first training step's."""
+    from mcore_dpo.rank.worker import StepBatch
 
-        worker = None
-        for job in jobs:
-            config = TrainConfig(**job["config"])
-            worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=PAD, rank=rank,
-                                  master_addr="127.0.0.1", master_port=port)
-            initial_eval = worker.evaluate(job["eval_pairs"])  # step 0: the initial weights
-            first_step = worker.train_step(StepBatch(step=1, pairs=job["batch"]))
-            if first_step is not None:
-                Path(out_dir, f"{job['name']}.json").write_text(json.dumps({"eval": initial_eval, "step": first_step}))
-        worker.shutdown()
-    except BaseException:
-        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    initial_eval = worker.evaluate(job["eval_pairs"])  # step 0: the initial weights
+    first_step = worker.train_step(StepBatch(step=1, pairs=job["batch"]))
+    if first_step is not None:
+        Path(out_dir, f"{job['name']}.json").write_text(json.dumps({"eval": initial_eval, "step": first_step}))
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    policy_jobs_rank(rank, port, jobs, out_dir, _first_step)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ sharded optimizer at every layout is in tests/test_parity.py (it is the default 
 from __future__ import annotations
 
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,9 @@ from safetensors.torch import save_file
 
 from mcore_dpo.optim.zero import owned_range
 from tests.helpers.data import make_pairs
-from tests.helpers.models import PAD
 from tests.helpers.ranks import spawn_ranks
 from tests.helpers.reference import assert_close
+from tests.helpers.resume_ranks import policy_jobs_rank
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -77,37 +76,29 @@ def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
         Path(directory, "trainer_state.json").write_text(json.dumps(state))
 
 
-def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        from mcore_dpo.config import TrainConfig
-        from mcore_dpo.model.builder import open_weights
-        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
+def _steps_and_states(worker, config, job: dict, *, rank: int, out_dir: str) -> None:
+    """A job's steps on its worker: the metrics of each step, the checkpoints of `save_at` and
+    each rank's optimizer state bytes."""
+    from mcore_dpo.rank.worker import StepBatch
 
-        worker = None
-        for job in jobs:
-            config = TrainConfig(**job["config"])
-            worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=PAD, rank=rank,
-                                  master_addr="127.0.0.1", master_port=port, resume_dir=job["resume"])
-            name, batches, first = job["name"], job["batches"], job["first_step"]
-            if first - 1 in job["save_at"]:  # restored, not stepped
-                _save(worker, config, os.path.join(out_dir, f"{name}_step{first - 1}"), step=first - 1, rank=rank)
-            for k in range(first, len(batches) + 1):
-                metrics = worker.train_step(StepBatch(step=k, pairs=batches[k - 1]))
-                if metrics is not None:
-                    save_file({"grad_norm": torch.tensor(metrics["grad_norm"], dtype=torch.float64),
-                               "loss": torch.tensor(metrics["loss"], dtype=torch.float64)},
-                              os.path.join(out_dir, f"{name}_metrics{k}.safetensors"))
-                if k in job["save_at"]:
-                    _save(worker, config, os.path.join(out_dir, f"{name}_step{k}"), step=k, rank=rank)
-            bytes_ = torch.tensor([worker.optimizer.state_bytes()], dtype=torch.int64)
-            save_file({"state_bytes": bytes_, "tp_rank": torch.tensor([worker.mesh.tp_rank])},
-                      os.path.join(out_dir, f"{name}_bytes_rank{rank}.safetensors"))
-        worker.shutdown()
-    except BaseException:
-        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    name, batches, first = job["name"], job["batches"], job["first_step"]
+    if first - 1 in job["save_at"]:  # restored, not stepped
+        _save(worker, config, os.path.join(out_dir, f"{name}_step{first - 1}"), step=first - 1, rank=rank)
+    for k in range(first, len(batches) + 1):
+        metrics = worker.train_step(StepBatch(step=k, pairs=batches[k - 1]))
+        if metrics is not None:
+            save_file({"grad_norm": torch.tensor(metrics["grad_norm"], dtype=torch.float64),
+                       "loss": torch.tensor(metrics["loss"], dtype=torch.float64)},
+                      os.path.join(out_dir, f"{name}_metrics{k}.safetensors"))
+        if k in job["save_at"]:
+            _save(worker, config, os.path.join(out_dir, f"{name}_step{k}"), step=k, rank=rank)
+    bytes_ = torch.tensor([worker.optimizer.state_bytes()], dtype=torch.int64)
+    save_file({"state_bytes": bytes_, "tp_rank": torch.tensor([worker.mesh.tp_rank])},
+              os.path.join(out_dir, f"{name}_bytes_rank{rank}.safetensors"))
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    policy_jobs_rank(rank, port, jobs, out_dir, _steps_and_states)
 
 
 def _run(*, world_size: int, jobs: list[dict], out_dir: Path) -> None:

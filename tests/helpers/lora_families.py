@@ -14,6 +14,9 @@ after the step (each expert-parallel rank its own experts), dp rank 0's merged w
 PEFT's `merge_and_unload()`. And the export: the ranks' adapters joined as the driver joins
 them (`shards_to_peft`, `adapter_config`) load with `PeftModel.from_pretrained` on the HF source
 with no missing or unexpected keys, as exactly the tensors written.
+
+`peft_model`, `lora_tensors` and `hub_names` (an adapter loaded in PEFT, its tensors under their
+saved names and under the hub's per-expert names) serve tests/test_lora_moe.py as well.
 """
 
 from __future__ import annotations

@@ -10,12 +10,9 @@ mcore_dpo/tools/memory_estimate.py (the config headers' arithmetic)."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from pathlib import Path
-
 import torch
+
+from tests.helpers.saved_tensors import saved_storages, write_stage_saves
 
 SEQ_LEN, ROWS = 16, 2
 # Every width distinct, so that no term of the arithmetic can stand in for another.
@@ -50,8 +47,6 @@ def arch_line(*, q_lora_rank: int | None) -> str:
 def _layer_saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
     """Per layer and group, the bytes of the storages autograd saved that are still held once the
     forward is done, each storage counted once per layer (tests/helpers/saved_tensors.py)."""
-    from tests.helpers.saved_tensors import saved_storages
-
     saved: dict[str, dict[str, int]] = {}
     layer_of = lambda name: name.split(".")[2] if name.startswith("decoder.layers.") else None  # noqa: E731
     for layer, inner, storage in saved_storages(model, tokens, layer_of=layer_of):
@@ -65,33 +60,14 @@ def _layer_saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
     return saved
 
 
-def rank_main(rank: int, ports: tuple[int, int], out_dir: str) -> None:
-    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
-    try:
-        from checkpoint_convert.families import spec_from_hf_config
-        from mcore_dpo.model.builder import build_stage_model
-        from mcore_dpo.parallel import mesh as mesh_lib
-        from mcore_dpo.parallel import platform as plat
+def _cases() -> list[tuple]:
+    """CASES as (name, tp, spec, dtype): bf16 stages of `hf_config`'s model (transformers first:
+    write_stage_saves calls this before the platform adapts megatron-core)."""
+    from checkpoint_convert.families import spec_from_hf_config
 
-        specs = {name: spec_from_hf_config(hf_config(q_lora_rank=q)) for name, _, q in CASES}  # transformers first
-        platform = plat.detect()
-        plat.activate(platform)
-        tokens = torch.randint(3, 100, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-        results: dict[str, dict] = {}
-        for tp, port in zip((1, 2), ports):
-            plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                    timeout_s=120.0)
-            mesh = mesh_lib.initialize(mesh_lib.Layout(tp=tp, pp=1, dp=2 // tp, ep=tp))
-            plat.init_model_rng(platform, 0)
-            for name, case_tp, _ in CASES:
-                if case_tp != tp:
-                    continue
-                with plat.building_models(platform):
-                    model = build_stage_model(specs[name], mesh=mesh, dtype=torch.bfloat16, on_gpu=False, use_te=False,
-                                              sequence_parallel=tp > 1)
-                results[name] = _layer_saves(model, tokens)
-            mesh_lib.destroy()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    except BaseException:
-        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    return [(name, tp, spec_from_hf_config(hf_config(q_lora_rank=q)), torch.bfloat16) for name, tp, q in CASES]
+
+
+def rank_main(rank: int, ports: tuple[int, int], out_dir: str) -> None:
+    tokens = torch.randint(3, 100, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    write_stage_saves(rank, ports, out_dir, cases=_cases, tokens=tokens, measure=_layer_saves, expert_parallel=True)

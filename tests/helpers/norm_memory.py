@@ -11,14 +11,11 @@ checks the numbers against mcore_dpo/tools/memory_estimate.py (the config header
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import traceback
-from pathlib import Path
 
 import torch
 
 from checkpoint_convert.families.base import ModelSpec
+from tests.helpers.saved_tensors import saved_storages, write_stage_saves
 
 SEQ_LEN, ROWS = 16, 2
 # Every width distinct, so that no term of the arithmetic can stand in for another.
@@ -39,8 +36,6 @@ _QK_ENDS = tuple(f".{n}" for n in QK_NORMS)
 
 def _saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
     """Per layer (and "final" for the final norm), the bytes in each group (module docstring)."""
-    from tests.helpers.saved_tensors import saved_storages
-
     outputs: dict[str, list[int]] = {}  # layer -> the storages of its norms' outputs
 
     def layer_of(name: str) -> str | None:
@@ -67,30 +62,6 @@ def _saves(model, tokens: torch.Tensor) -> dict[str, dict[str, int]]:
 
 
 def rank_main(rank: int, ports: tuple[int, int], out_dir: str) -> None:
-    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
-    try:
-        from mcore_dpo.model.builder import build_stage_model
-        from mcore_dpo.parallel import mesh as mesh_lib
-        from mcore_dpo.parallel import platform as plat
-
-        platform = plat.detect()
-        plat.activate(platform)
-        tokens = torch.randint(3, LLAMA.vocab_size, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-        results: dict[str, dict] = {}
-        for tp, port in zip((1, 2), ports):
-            plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                    timeout_s=120.0)
-            mesh = mesh_lib.initialize(mesh_lib.Layout(tp=tp, pp=1, dp=2 // tp))
-            plat.init_model_rng(platform, 0)
-            for name, spec, case_tp, dtype in CASES:
-                if case_tp != tp:
-                    continue
-                with plat.building_models(platform):
-                    model = build_stage_model(spec, mesh=mesh, dtype=getattr(torch, dtype), on_gpu=False, use_te=False,
-                                              sequence_parallel=tp > 1)
-                results[name] = _saves(model, tokens)
-            mesh_lib.destroy()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    except BaseException:
-        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    tokens = torch.randint(3, LLAMA.vocab_size, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    write_stage_saves(rank, ports, out_dir, tokens=tokens, measure=_saves,
+                      cases=lambda: [(name, tp, spec, getattr(torch, dtype)) for name, spec, tp, dtype in CASES])

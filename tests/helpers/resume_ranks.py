@@ -7,6 +7,9 @@ source weights or from the checkpoint `resume` (a checkpoint directory), and wri
 finishes it in the run's format and commits it under `output_dir`); a step before `first_step`
 in `save_at` writes the restored state before any step. The reporting rank writes
 `{name}_metrics.json` (the metrics of each step it ran).
+
+`policy_jobs_rank` is the rank loop under it (a PolicyWorker per job, the caller's function on
+each), shared by the rank functions of tests that launch policy ranks themselves.
 """
 
 from __future__ import annotations
@@ -62,14 +65,20 @@ def save_like_the_driver(worker, config, *, step: int, rank: int) -> None:
     dist.barrier()
 
 
-def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+def policy_jobs_rank(rank: int, port: int, jobs: list[dict], out_dir: str, run_job) -> None:
+    """One rank's part of a launch of policy jobs, one after another on the same world: for each
+    job a PolicyWorker of its config (TrainConfig fields) on this rank, from the checkpoint
+    `job["resume"]` when the job names one (the previous job's layout released first when it
+    differs), handed to `run_job(worker, config, job, rank=rank, out_dir=out_dir)`; the last
+    worker shut down. One thread per rank. An error is written to out_dir/error_rank{rank}.txt
+    (what spawn_ranks reports) and raised."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         from mcore_dpo.config import TrainConfig
         from mcore_dpo.model.builder import open_weights
         from mcore_dpo.parallel.mesh import Layout, release_layout
-        from mcore_dpo.rank.worker import PolicyWorker, StepBatch
+        from mcore_dpo.rank.worker import PolicyWorker
 
         worker = None
         for job in jobs:
@@ -78,21 +87,32 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
             if worker is not None and worker.layout != layout:  # another layout, the same world
                 release_layout()
             worker = PolicyWorker(config=config, spec=open_weights(config.model).spec, pad_token_id=PAD, rank=rank,
-                                  master_addr="127.0.0.1", master_port=port, resume_dir=job["resume"])
-            batches, first, metrics = job["batches"], job["first_step"], {}
-            if first - 1 in job["save_at"]:  # the restored state, before any step
-                save_like_the_driver(worker, config, step=first - 1, rank=rank)
-            for k in range(first, job["last_step"] + 1):
-                nxt = batches[k] if k < len(batches) else None
-                metrics[k] = worker.train_step(StepBatch(step=k, pairs=batches[k - 1], next_pairs=nxt))
-                if k in job["save_at"]:
-                    save_like_the_driver(worker, config, step=k, rank=rank)
-            if metrics and all(m is not None for m in metrics.values()):
-                Path(out_dir, f"{job['name']}_metrics.json").write_text(json.dumps(metrics))
+                                  master_addr="127.0.0.1", master_port=port, resume_dir=job.get("resume"))
+            run_job(worker, config, job, rank=rank, out_dir=out_dir)
         worker.shutdown()
     except BaseException:
         Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _train_and_save(worker, config, job: dict, *, rank: int, out_dir: str) -> None:
+    """A resume job's steps on its worker, the checkpoints of `save_at` and the step metrics."""
+    from mcore_dpo.rank.worker import StepBatch
+
+    batches, first, metrics = job["batches"], job["first_step"], {}
+    if first - 1 in job["save_at"]:  # the restored state, before any step
+        save_like_the_driver(worker, config, step=first - 1, rank=rank)
+    for k in range(first, job["last_step"] + 1):
+        nxt = batches[k] if k < len(batches) else None
+        metrics[k] = worker.train_step(StepBatch(step=k, pairs=batches[k - 1], next_pairs=nxt))
+        if k in job["save_at"]:
+            save_like_the_driver(worker, config, step=k, rank=rank)
+    if metrics and all(m is not None for m in metrics.values()):
+        Path(out_dir, f"{job['name']}_metrics.json").write_text(json.dumps(metrics))
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    policy_jobs_rank(rank, port, jobs, out_dir, _train_and_save)
 
 
 @launches("ranks")

@@ -1,11 +1,16 @@
 """What autograd saves for the backward of a stage's forward, storage by storage, with the module
 that saved it: the measurement behind the memory model's activation counts
-(tests/helpers/mla_memory.py, tests/helpers/norm_memory.py)."""
+(tests/helpers/mla_memory.py, tests/helpers/norm_memory.py), and the two-rank launch both measure
+on (`write_stage_saves`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import traceback
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -49,3 +54,40 @@ def saved_storages(model, tokens: torch.Tensor, *, layer_of: Callable[[str], str
         held.append((layer, inner, storage))
     del output
     return held
+
+
+def write_stage_saves(rank: int, ports: tuple[int, int], out_dir: str, *, cases: Callable[[], list[tuple]],
+                      tokens: torch.Tensor, measure: Callable, expert_parallel: bool = False) -> None:
+    """One of two gloo ranks on the CPU measuring stages. `cases()` (called first, before the
+    platform adapts megatron-core) gives (name, tp, spec, dtype) per stage. For tp 1, then tp 2,
+    each on a process group of its own port of `ports`: the layout (tp, pp 1, dp 2 / tp, ep tp
+    when `expert_parallel`, else 1), model RNG seed 0, every case of that tp built (sequence
+    parallelism at tp 2) and measured as `measure(model, tokens)`. Writes {name: measurement} to
+    out_dir/rank{rank}.json, or the error to out_dir/error_rank{rank}.txt (and raises)."""
+    os.environ["MCORE_DPO_FORCE_CPU"] = "1"
+    try:
+        stages = cases()
+        from mcore_dpo.model.builder import build_stage_model
+        from mcore_dpo.parallel import mesh as mesh_lib
+        from mcore_dpo.parallel import platform as plat
+
+        platform = plat.detect()
+        plat.activate(platform)
+        results: dict[str, dict] = {}
+        for tp, port in zip((1, 2), ports):
+            plat.init_process_group(platform, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                    timeout_s=120.0)
+            mesh = mesh_lib.initialize(mesh_lib.Layout(tp=tp, pp=1, dp=2 // tp, ep=tp if expert_parallel else 1))
+            plat.init_model_rng(platform, 0)
+            for name, case_tp, spec, dtype in stages:
+                if case_tp != tp:
+                    continue
+                with plat.building_models(platform):
+                    model = build_stage_model(spec, mesh=mesh, dtype=dtype, on_gpu=False, use_te=False,
+                                              sequence_parallel=tp > 1)
+                results[name] = measure(model, tokens)
+            mesh_lib.destroy()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    except BaseException:
+        Path(out_dir, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
