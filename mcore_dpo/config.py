@@ -422,16 +422,6 @@ class TrainConfig:
                               "once per sequence); use --no-prefix-sharing or --moe-aux-loss-coef 0")
         return coef
 
-    def check_rows(self, *, multi_latent_attention: bool, source: str) -> None:
-        """Rows of segments (--packing, --prefix-sharing) restart RoPE positions inside a row;
-        multi-latent attention applies RoPE inside its layers at 0..W-1 (ConfigError)."""
-        if not multi_latent_attention:
-            return
-        for name, on in (("packing", self.packing), ("prefix_sharing", self.prefix_sharing)):
-            if on:
-                raise ConfigError(f"{name}: {source} describes multi-latent attention, which cannot restart RoPE "
-                                  f"positions inside a row; use --no-{name.replace('_', '-')}")
-
     def check_moe_grouped_gemm(self, *, num_experts: int, source: str) -> None:
         """--moe-grouped-gemm needs experts: refused (ConfigError) for a dense model (`source`: its config)."""
         if self.moe_grouped_gemm and not num_experts:

@@ -313,7 +313,6 @@ def test_deepseek_v3_config_is_the_published_model_in_a_layout_the_trainer_accep
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=source)
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=source)
     config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts, source=source)
-    config.check_rows(multi_latent_attention=spec.multi_latent_attention, source=source)
     config.check_context_parallel(num_experts=spec.num_experts, multi_latent_attention=spec.multi_latent_attention,
                                   family=spec.family, source=source)
     config.resolve_moe_aux_loss_coef(num_experts=spec.num_experts, default=spec.router_aux_loss_coef, source=source)

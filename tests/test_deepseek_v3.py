@@ -22,9 +22,9 @@ from checkpoint_convert.families.base import ConversionError
 from tests.helpers.deepseek import CONFIG, YARN, check_deepseek_job, deepseek_v3
 from tests.helpers.lora_families import check_lora_job, lora_job, write_init_adapter
 from tests.helpers.models import save_hf, save_pretrained_with_tokenizer
-from tests.helpers.parity import parity_job
+from tests.helpers.parity import packed_parity_job, parity_job
 from tests.helpers.round_trips import assert_moe_conversions, assert_quantised_copy_refused, assert_same
-from tests.helpers.ranks import run_ranks, verify
+from tests.helpers.ranks import check_ran_packed, run_ranks, verify
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +167,17 @@ def test_parity_one_step_pp2_and_ep2(tmp_path):
                               name="deepseek_v3"))
             for k, (layout, model) in enumerate((((1, 2, 2, 2), policy), ((1, 1, 2, 2), plain_q)))]
     for k, layout in enumerate(layouts):
-        job = parity_job(layout, policy, reference, name="deepseek_v3", steps=1, ep=layout[3], export_hf=False,
-                         distributed_optimizer=False)
-        job["eval_pairs"] = []
-        run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=[job, lora[k][1]], out_dir=tmp_path / f"out{k}")
-        check_deepseek_job(tmp_path / f"out{k}", 0, job, layout)
-        check_lora_job(tmp_path / f"out{k}", 1, lora[k][1], lora[k][0])
+        common = dict(name="deepseek_v3", steps=1, ep=layout[3], export_hf=False, distributed_optimizer=False)
+        # Rows of segments: packed (RoPE restarting in each sequence) at both layouts, and packed with
+        # shared prompts (the rejected branch at the chosen one's positions) at tp 2 with sequence
+        # parallelism: each layer's rotary table comes at the tokens' positions (model/mla.py).
+        jobs = [parity_job(layout, policy, reference, **common), packed_parity_job(layout, policy, reference, **common)]
+        if layout[0] == 2:
+            jobs.append(packed_parity_job(layout, policy, reference, prefix_sharing=True, **common))
+        for job in jobs:
+            job["eval_pairs"] = []
+        run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs + [lora[k][1]], out_dir=tmp_path / f"out{k}")
+        check_ran_packed(tmp_path / f"out{k}", padded=0, packed=1)
+        for j, job in enumerate(jobs):
+            check_deepseek_job(tmp_path / f"out{k}", j, job, layout)
+        check_lora_job(tmp_path / f"out{k}", len(jobs), lora[k][1], lora[k][0])

@@ -147,12 +147,6 @@ def test_flags_parse_through_the_real_parser():
 def test_refusals(moe_models, capsys, tmp_path):
     from mcore_dpo.driver.defaults import DEFAULT_TRAIN_DATA
 
-    config = resolve(["--prefix-sharing"])[0]
-    with pytest.raises(ConfigError, match="prefix_sharing: .* multi-latent attention"):
-        config.check_rows(multi_latent_attention=True, source="x/config.json")
-    with pytest.raises(ConfigError, match="packing: .* multi-latent attention"):
-        resolve(["--packing"])[0].check_rows(multi_latent_attention=True, source="x/config.json")
-    config.check_rows(multi_latent_attention=False, source="x/config.json")
     # through the door: one line, exit 2, before anything starts
     policy_dir, _ = moe_models["qwen3_moe"]
     out = tmp_path / "out"

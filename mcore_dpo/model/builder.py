@@ -463,9 +463,21 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, nu
     position (`num_positions` = that + 1, known on the host) is computed by its own code and
     indexed per token, [W, rows, 1, d], which its rotation broadcasts over [W, rows, heads, d]."""
     rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None:  # multi-latent attention applies RoPE inside each layer, at 0..W-1
-        raise ValueError("rows of segments: multi-latent attention (DeepSeek-V3) cannot restart RoPE positions "
-                         "per sequence; run without --packing and --prefix-sharing")
+    if rope is None:  # multi-latent attention: the table goes to the decoder, which hands it to each layer (mla.py)
+        from mcore_dpo.model.mla import rotary_table_at
+
+        emb = rotary_table_at(model, position_ids, num_positions=num_positions)
+        decoder_forward = model.decoder.forward
+
+        def decoder_at_positions(*args, **kwargs):
+            return decoder_forward(*args, **{**kwargs, "rotary_pos_emb": emb})
+
+        model.decoder.forward = decoder_at_positions
+        try:
+            yield
+        finally:
+            del model.decoder.forward
+        return
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
     emb = table[:, 0][position_ids.t()]  # [W, rows, 1, d]
 

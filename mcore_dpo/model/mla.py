@@ -15,6 +15,14 @@ sequence parallelism (always on for these MoE models at tp > 1) MLA then all-gat
 key part, whose backward sums its gradient over tp, and the weights, marked sequence-parallel,
 get their gradients summed over tp with the norms' (builder.allreduce_sequence_parallel_grads).
 
+Rows of segments (packing, shared prompts) restart RoPE positions inside a row, but MLA computes
+its rotary table inside each layer for positions 0..W-1 and refuses one passed in. The model
+builder computes the table at each token's position (`builder._rope_at_positions`) and hands it
+to the decoder as its `rotary_pos_emb`, which every layer passes on to its attention (an input
+of the layer, so a layer recomputed in the backward gets it again; full recompute is refused
+for MoE models today, so that path is not exercised); `PositionedMLASelfAttention` uses it for
+that call in place of its own table (its own YaRN mscale is kept).
+
 Without Transformer Engine, megatron-core 0.16.1's extension module exports placeholders (not
 classes) under the Transformer Engine names, and its MLA module, whose import of them succeeds,
 then calls isinstance with one and fails: its `HAVE_TE` is set from the extension module's own.
@@ -22,6 +30,7 @@ then calls isinstance with one and fails: its `HAVE_TE` is set from the extensio
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 from megatron.core.extensions import transformer_engine as _te
@@ -43,11 +52,51 @@ class LatentDotProductAttention(DotProductAttention):
                              f"got {self.hidden_size_per_attention_head}")
 
 
+class PositionedMLASelfAttention(_mla.MLASelfAttention):
+    """MLASelfAttention that takes a rotary table at the tokens' positions ([W, rows, 1, d], the
+    `rotary_pos_emb` the decoder passes on) and rotates by it instead of by its own table for
+    0..W-1; without one it is megatron-core's."""
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        if rotary_pos_emb is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        with _rotary_table(self.rotary_pos_emb, rotary_pos_emb):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _rotary_table(rope, table):
+    """`rope` (megatron-core's RotaryEmbedding, or YarnRotaryEmbedding, which also returns its
+    mscale) gives `table` whatever length it is asked for."""
+    own = rope(1)  # (cached): YaRN's mscale does not depend on the positions
+    value = (table, own[1]) if isinstance(own, tuple) else table
+
+    def forward(*_args, **_kwargs):
+        return value
+
+    rope.forward = forward
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's (cached) forward
+
+
+def rotary_table_at(model, position_ids, *, num_positions: int):
+    """The rotary table of `model`'s MLA layers at `position_ids` [rows, W]: [W, rows, 1, d]
+    (every layer's rotary embedding is the same; the first one's computes it)."""
+    rope = next(m.rotary_pos_emb for m in model.modules() if isinstance(m, _mla.MLASelfAttention))
+    table = rope.get_emb(num_positions)  # [L, 1, 1, d] (YaRN: with its mscale)
+    table = table[0] if isinstance(table, tuple) else table
+    return table[:, 0][position_ids.t()]
+
+
 def with_latent_core_attention(block_spec):
-    """A copy of a local block spec whose layers' core attention is LatentDotProductAttention and
-    whose down projections are replicated linears."""
+    """A copy of a local block spec whose layers' attention is PositionedMLASelfAttention, with
+    LatentDotProductAttention as its core attention and replicated linears as its down
+    projections."""
     block_spec = copy.deepcopy(block_spec)
     for layer_spec in block_spec.layer_specs:
+        layer_spec.submodules.self_attention.module = PositionedMLASelfAttention
         attention = layer_spec.submodules.self_attention.submodules
         attention.core_attention = LatentDotProductAttention
         attention.linear_q_down_proj = Linear
