@@ -127,7 +127,8 @@ def _family_args(spec: ModelSpec) -> dict:
         args["num_experts" if name == "num_moe_experts" else name] = value
     if "rotary_base" in args:
         args["rotary_base"] = _rotary_base(args["rotary_base"])
-    return args
+    family_args = getattr(family_of(spec), "megatron_lm_args", None)  # what a family's args say otherwise
+    return {**args, **(family_args(spec) if family_args else {})}
 
 
 def _get(args: object, name: str, kind: type | tuple[type, ...], *, source: str, default: object = ...) -> object:

@@ -67,6 +67,24 @@ def test_spec_and_transformer_fields_follow_the_hf_config():
     assert spec.swiglu_limit == 7.0
 
 
+@pytest.mark.parametrize("rope", [{}, {"attention_factor": 1.3}, {"mscale": 0.9, "mscale_all_dim": 0.7}, {"factor": 1.0}],
+                         ids=["default-factor", "explicit-factor", "mscales", "no-scaling"])
+def test_megatron_lm_yarn_args_give_hf_attention_factor(rope):
+    """The args' YaRN makes megatron-core's cos/sin factor (its concentration factor of the
+    `yarn_*` values) HF's attention factor, whatever way the config gives it; the softmax scale
+    is then megatron-core's plain one."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+
+    from checkpoint_convert.families.gpt_oss import attention_factor, megatron_lm_args
+
+    spec = spec_from_hf_config({**_config(), "rope_parameters": {**CONFIG["rope_parameters"], **rope}})
+    args = megatron_lm_args(spec)
+    got = _yarn_get_concentration_factor(args["yarn_rotary_scaling_factor"], args["yarn_mscale"], args["yarn_mscale_all_dim"])
+    assert got == pytest.approx(attention_factor(spec), rel=1e-12, abs=0)
+    assert args["softmax_scale"] is None and args["position_embedding_type"] == "yarn"
+    assert args["yarn_correction_range_round_to_int"] is spec.rope_scaling["truncate"]
+
+
 def test_yarn_frequencies_and_scale_equal_hf():
     """rope_inv_freq and attention_factor = HF's YaRN (truncate false and true)."""
     from transformers import GptOssConfig

@@ -226,17 +226,24 @@ def _megatron_logits_of_our_torch_dist(tmp_path: Path, model, *, written: dict, 
 @pytest.mark.parametrize("family, loaded", [
     ("deepseek_v3", {"tp": 2, "pp": 1, "ep": 1}), ("deepseek_v3", {"tp": 1, "pp": 1, "ep": 2, "dp": 2}),
     ("glm4_moe", {"tp": 2, "pp": 1, "ep": 1}), ("glm4_moe", {"tp": 1, "pp": 1, "ep": 2, "dp": 2}),
-], ids=["deepseek_v3-tp2", "deepseek_v3-ep2", "glm4_moe-tp2", "glm4_moe-ep2"])
+    ("gpt_oss", {"tp": 2, "pp": 1, "ep": 1, "etp": 1}), ("gpt_oss", {"tp": 1, "pp": 1, "ep": 2, "dp": 2}),
+], ids=["deepseek_v3-tp2", "deepseek_v3-ep2", "glm4_moe-tp2", "glm4_moe-ep2", "gpt_oss-tp2", "gpt_oss-ep2"])
 def test_megatron_core_builds_the_new_families_from_our_args_and_loads_them(tmp_path, family, loaded):
     """DeepSeek-V3 (multi-latent attention with YaRN, a dense first layer, sigmoid routing with
     expert bias, groups, scale and a shared expert) and GLM-4.5 (partial RoPE, qkv biases, q/k
     norms, the same MoE block): the converter's torch_dist, written at one layout, is read by
     megatron-core into a GPTModel that a Megatron-LM-style builder makes from nothing but the
-    checkpoint's args, at another layout with tp 2 and ep 2, and its logits equal HF's."""
+    checkpoint's args, at another layout with tp 2 and ep 2, and its logits equal HF's. GPT-OSS
+    (sinks, biases, the clamped quick GELU with its offset, YaRN as GPTModel's position embedding)
+    with full attention in every layer: megatron-core's local attention builds its sliding-window
+    mask on a CUDA device. Its experts stay whole at tp 2 (expert tp 1): megatron-core 0.16.1 adds
+    the expert output bias once per expert-tp rank."""
     from tests.helpers.deepseek import deepseek_v3
     from tests.helpers.glm import glm4_moe
+    from tests.helpers.gpt_oss import gpt_oss
 
-    model = deepseek_v3(seed=3) if family == "deepseek_v3" else glm4_moe(seed=3)
+    model = {"deepseek_v3": lambda: deepseek_v3(seed=3), "glm4_moe": lambda: glm4_moe(seed=3),
+             "gpt_oss": lambda: gpt_oss(seed=3, layer_types=["full_attention"] * 4)}[family]()
     megatron = _megatron_logits_of_our_torch_dist(tmp_path, model, written={"tp": 1, "pp": 1, "ep": 1}, loaded=loaded)
     with torch.no_grad():
         reference = model(input_ids=load_file(str(tmp_path / "tokens.safetensors"))["tokens"]).logits

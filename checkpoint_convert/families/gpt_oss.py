@@ -246,6 +246,29 @@ def export_config(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
+def megatron_lm_args(spec: ModelSpec) -> dict:
+    """What Megatron-LM's args say otherwise than `transformer_fields`: YaRN as GPTModel's own
+    position embedding (`position_embedding_type` yarn and the `yarn_*` values megatron-core's
+    GPTModel and attention read from the config), which scales cos and sin by the attention
+    factor itself, so the softmax scale is the plain 1/sqrt(d). The factor is HF's: megatron-core
+    makes it mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), here with
+    mscale_all_dim 0 (a ratio's denominator of 1) and yarn_mscale solving 0.1 m ln(factor) + 1 =
+    attention_factor. The trainer does not take this path (model/gpt_oss.py sets HF's
+    frequencies on the local spec); megatron-core's YaRN frequencies are HF's, `truncate` being
+    its `yarn_correction_range_round_to_int`."""
+    yarn = spec.rope_scaling
+    if yarn is None:
+        return {"softmax_scale": None}
+    factor = yarn["factor"]
+    mscale = (yarn["attention_factor"] - 1.0) / (0.1 * math.log(factor)) if factor > 1 else 1.0
+    return {
+        "softmax_scale": None, "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": factor,
+        "yarn_original_max_position_embeddings": yarn["original_max_position_embeddings"],
+        "yarn_beta_fast": yarn["beta_fast"], "yarn_beta_slow": yarn["beta_slow"], "yarn_mscale": mscale,
+        "yarn_mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": yarn["truncate"],
+    }  # fmt: skip
+
+
 def transformer_fields(spec: ModelSpec) -> dict:
     """megatron-core TransformerConfig fields: biases, the sink (learnable softmax offset), the
     clamped SwiGLU with its offset, YaRN's cos/sin scale as the softmax scale, the windowed

@@ -57,20 +57,23 @@ def transformer_config_from_args(args: Namespace):
     """The TransformerConfig Megatron-LM makes of `args` (its core_transformer_config_from_args):
     every arg named like a field of the config class (MLATransformerConfig when
     `multi_latent_attention`) is copied; then its translations of the args that are named
-    otherwise (normalization's epsilon, --swiglu, --num-experts, --group-query-attention); then
+    otherwise (normalization's epsilon, --swiglu, --quick-geglu, --num-experts,
+    --group-query-attention) and the `yarn_*` values its GPT-OSS launchers set on the config; then
     this rank's parallel sizes and the settings a CPU needs (fp32, no fused kernels, no dropout,
     sequential experts). Nothing here knows a model family: what the checkpoint's args say is
     what is built."""
     import dataclasses
 
     from megatron.core import parallel_state
+    from megatron.core.activations import quick_gelu
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_class) if hasattr(args, f.name)}
+    quick_geglu = getattr(args, "quick_geglu", False)
     fields.update(
-        layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu or quick_geglu,
+        activation_func=F.silu if args.swiglu else quick_gelu if quick_geglu else F.gelu,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         num_moe_experts=getattr(args, "num_experts", None),
     )  # fmt: skip
@@ -87,7 +90,13 @@ def transformer_config_from_args(args: Namespace):
         attention_softmax_in_fp32=True, moe_grouped_gemm=False, moe_permute_fusion=False,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
     )  # fmt: skip
-    return config_class(**fields)
+    config = config_class(**fields)
+    # YaRN as GPTModel's position embedding: megatron-core reads these from the config, where
+    # Megatron-LM's GPT-OSS launchers put the args of the same names.
+    for name, value in vars(args).items():
+        if name.startswith("yarn_"):
+            setattr(config, name, value)
+    return config
 
 
 def _local_spec(config, args: Namespace):
