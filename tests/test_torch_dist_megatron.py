@@ -6,7 +6,9 @@ their logits equal the HF model's. Producer side: a GPTModel the test fills itse
 dist_checkpointing.save in Megatron-LM's layout at tp2 pp2 (with megatron-core 0.19+ the common
 state inside the .distcp files, no common.pt); the converter turns it into an HF directory
 bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's; the same for a Qwen3-MoE
-saved at ep 2 (experts under megatron-core's global expert axis).
+saved at ep 2 (experts under megatron-core's global expert axis). The new families (DeepSeek-V3,
+GLM-4.5, GPT-OSS): megatron-core builds each from nothing but the args the converter wrote, as
+Megatron-LM's core_transformer_config_from_args does, and reads the converter's output.
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ def test_megatron_core_builds_the_new_families_from_our_args_and_loads_them(tmp_
     expert bias, groups, scale and a shared expert) and GLM-4.5 (partial RoPE, qkv biases, q/k
     norms, the same MoE block): the converter's torch_dist, written at one layout, is read by
     megatron-core into a GPTModel that a Megatron-LM-style builder makes from nothing but the
-    checkpoint's args, at another layout with tp 2 and ep 2, and its logits equal HF's. GPT-OSS
+    checkpoint's args, at tp 2 and at ep 2, and its logits equal HF's. GPT-OSS
     (sinks, biases, the clamped quick GELU with its offset, YaRN as GPTModel's position embedding)
     with full attention in every layer: megatron-core's local attention builds its sliding-window
     mask on a CUDA device. Its experts stay whole at tp 2 (expert tp 1): megatron-core 0.16.1 adds
