@@ -13,7 +13,8 @@ driver's checkpoint writes and resume without Ray) runs, at (tp, pp, dp, ep) = (
 - GLM-4.5 the same way at the same layout, bit for bit;
 - DeepSeek-V3 with --save-format torch_dist: its steps 1-2 equal the safetensors run's, its
   step-2 checkpoint holds the same masters and moments, and resumed from it at the same layout,
-  step 3 and the step-3 checkpoint equal the uninterrupted safetensors run's bit for bit.
+  step 3 and the step-3 checkpoint equal the uninterrupted safetensors run's bit for bit; and
+  megatron-core's own loader reads its step-2 checkpoint (model and optimizer) at tp 2.
 """
 
 from __future__ import annotations
@@ -132,3 +133,51 @@ def test_torch_dist_checkpoints_hold_the_same_state_and_resume_bit_identically(r
     weights, want = _hf_view(step("ds_td_same", 3, "torch_dist")), _hf_view(step("ds", 3) / "model")
     for name in want.names:
         assert torch.equal(weights.get(name).float(), want.get(name)), name
+
+
+def test_megatron_core_loads_the_deepseek_training_checkpoint(runs, tmp_path):
+    """The step-2 torch_dist checkpoint of the DeepSeek-V3 run (trained at (1, 2, 2, 2)) read by
+    megatron-core's own dist_checkpointing.load into a GPTModel built from the checkpoint's args
+    alone, model and optimizer state, at tp 2 pp 1: every parameter, fp32 master and moment it
+    gets is this project's reader's, bit for bit, and its logits are those of the checkpoint
+    converted to HF (the MLA down projections' extra state and the args' MLA fields are what a
+    strict load of it needs)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_convert.__main__ import main as convert
+    from checkpoint_convert.mapping import hf_to_mcore_shard
+    from mcore_dpo.checkpoint.torch_dist import open_part
+    from tests.helpers.megatron_ranks import spawn, training_consumer_rank
+    from tests.helpers.models import VOCAB_SIZE
+    from tests.helpers.reference import assert_close
+
+    iter_dir = runs["step"]("ds_td", 2, "torch_dist")
+    tp, divisor = 2, 64
+    tokens = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    job = {"checkpoint": str(iter_dir), "tp": tp, "pp": 1, "divisor": divisor, "tokens": str(tmp_path / "tokens.safetensors"),
+           "logits": str(tmp_path / "logits.safetensors"), "state": str(tmp_path / "state_rank{rank}.safetensors")}
+    spawn(training_consumer_rank, world_size=tp, job=job)
+    model_view = _hf_view(iter_dir)
+    parts = {"model": model_view, "fp32_param": open_part(iter_dir, "model"), "exp_avg": open_part(iter_dir, "exp_avg"),
+             "exp_avg_sq": open_part(iter_dir, "exp_avg_sq")}
+    for rank in range(tp):
+        loaded = load_file(job["state"].format(rank=rank))
+        for part, view in parts.items():
+            expected = hf_to_mcore_shard(model_view.spec, tp=tp, tp_rank=rank, pp=1, pp_rank=0, get=view.get,
+                                         divisor=divisor)  # fmt: skip
+            params = {name for name in expected if not name.endswith("expert_bias")}  # a buffer, not a parameter
+            assert {key.split("/", 1)[1] for key in loaded if key.startswith(part + "/")} == params, (rank, part)
+            for name in params:
+                want = expected[name]
+                if name.endswith("_down_proj.weight"):  # whole on every rank here, split over tp in megatron-core's local spec
+                    want = want.chunk(tp, dim=0)[rank]
+                assert torch.equal(loaded[f"{part}/{name}"], want), (rank, part, name)
+    hf_out = tmp_path / "hf_step2"
+    assert convert(["mcore-to-hf", "--mcore-dir", str(iter_dir), "--out", str(hf_out)]) == 0
+    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf_model(input_ids=tokens).logits
+    megatron = load_file(job["logits"])["logits"]
+    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits of the step-2 checkpoint")

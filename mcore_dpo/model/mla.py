@@ -10,7 +10,7 @@ spec's core attention is this subclass, which takes and drops the two sizes.
 The local spec's down projections are column-parallel linears whose outputs MLA gathers over tp.
 There the rotary key part, used by every head, gets on each tp rank only its own heads' share of
 its gradient, and nothing sums the shares (megatron-core's Transformer Engine spec replicates the
-down projections instead). Here they are replicated too (megatron-core's plain `Linear`): under
+down projections instead). Here they are replicated too (megatron-core's plain `Linear`, with its extra state: `ReplicatedLinear`): under
 sequence parallelism (always on for these MoE models at tp > 1) MLA then all-gathers the rotary
 key part, whose backward sums its gradient over tp, and the weights, marked sequence-parallel,
 get their gradients summed over tp with the norms' (builder.allreduce_sequence_parallel_grads).
@@ -52,10 +52,33 @@ class LatentDotProductAttention(DotProductAttention):
                              f"got {self.hidden_size_per_attention_head}")
 
 
+class ReplicatedLinear(Linear):
+    """megatron-core's replicated `Linear`, with the (empty) extra state every other megatron-core
+    linear saves: Megatron-LM's MLA layers (the local spec's column-parallel linears, the
+    Transformer Engine spec's TELinear) ask a torch_dist checkpoint for
+    `linear_q_down_proj._extra_state` and `linear_kv_down_proj._extra_state`, and a strict load
+    fails without them."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore."""
+
+
 class PositionedMLASelfAttention(_mla.MLASelfAttention):
     """MLASelfAttention that takes a rotary table at the tokens' positions ([W, rows, 1, d], the
     `rotary_pos_emb` the decoder passes on) and rotates by it instead of by its own table for
     0..W-1; without one it is megatron-core's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # megatron-core checks the down projections' class against its own list, so they are built
+        # as its `Linear` and given their extra state here.
+        for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+            linear = getattr(self, name, None)
+            if type(linear) is Linear:
+                linear.__class__ = ReplicatedLinear
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if rotary_pos_emb is None:
