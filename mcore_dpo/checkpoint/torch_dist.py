@@ -18,8 +18,8 @@ the one its DistributedOptimizer writes as `fully_sharded_model_space`:
 `optimizer.state.exp_avg_sq.<key>`, each sharded exactly like the model tensor `<key>`. A
 tensor the optimizer does not train (the routers' expert bias, a buffer in megatron-core) is in
 every part too: its value as fp32_param, zero moments, so that each part is a whole model as
-in the safetensors format (Megatron-LM's optimizer has no such keys; a Megatron-LM resume of
-X
+in the safetensors format (Megatron-LM's optimizer has no such keys; megatron-core's loader
+reads a DeepSeek-V3 checkpoint's model and optimizer parts, tests/test_expert_bias_resume.py).
 This project's optimizers (optim/adamw.py, optim/zero.py) are not megatron-core's (those do not run on a
 CPU), so their state is put into that layout here: whole tensors per parameter, gathered over
 dp ranks to dp rank 0 (the main replica), tp/pp sharding taken from the model's sharded tensors.
