@@ -143,13 +143,11 @@ def test_megatron_core_loads_the_deepseek_training_checkpoint(runs, tmp_path):
     converted to HF (the MLA down projections' extra state and the args' MLA fields are what a
     strict load of it needs)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    from checkpoint_convert.__main__ import main as convert
     from checkpoint_convert.mapping import hf_to_mcore_shard
     from mcore_dpo.checkpoint.torch_dist import open_part
     from tests.helpers.megatron_ranks import spawn, training_consumer_rank
-    from tests.helpers.models import VOCAB_SIZE
+    from tests.helpers.models import VOCAB_SIZE, exported_logits
     from tests.helpers.reference import assert_close
 
     iter_dir = runs["step"]("ds_td", 2, "torch_dist")
@@ -174,10 +172,6 @@ def test_megatron_core_loads_the_deepseek_training_checkpoint(runs, tmp_path):
                 if name.endswith("_down_proj.weight"):  # whole on every rank here, split over tp in megatron-core's local spec
                     want = want.chunk(tp, dim=0)[rank]
                 assert torch.equal(loaded[f"{part}/{name}"], want), (rank, part, name)
-    hf_out = tmp_path / "hf_step2"
-    assert convert(["mcore-to-hf", "--mcore-dir", str(iter_dir), "--out", str(hf_out)]) == 0
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = hf_model(input_ids=tokens).logits
+    reference = exported_logits(iter_dir, tmp_path / "hf_step2", tokens)
     megatron = load_file(job["logits"])["logits"]
     assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits of the step-2 checkpoint")

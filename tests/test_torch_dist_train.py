@@ -109,7 +109,6 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
     project's restricted reader gets; mcore-to-hf converts the save directory."""
     from safetensors.torch import load_file, save_file
     from tests.helpers.megatron_ranks import spawn, training_consumer_rank
-    from transformers import AutoModelForCausalLM
 
     from checkpoint_convert.mapping import hf_to_mcore_shard
     from mcore_dpo.checkpoint.torch_dist import open_part
@@ -166,13 +165,9 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
         assert loaded["exp_avg_sq/decoder.final_layernorm.weight"].abs().sum() > 0  # trained state, not zeros
 
     # mcore-to-hf reads the save directory (Megatron-LM's pointer) and its logits are Megatron's.
-    hf_out = tmp_path / "hf_step4"
-    from checkpoint_convert.__main__ import main as convert
+    from tests.helpers.models import exported_logits
 
-    assert convert(["mcore-to-hf", "--mcore-dir", str(ckpts), "--out", str(hf_out)]) == 0
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = hf_model(input_ids=tokens).logits
+    reference = exported_logits(ckpts, tmp_path / "hf_step4", tokens)
     megatron = load_file(job["logits"])["logits"]
     assert (megatron[..., :127] - reference).abs().max().item() <= 1e-5
 

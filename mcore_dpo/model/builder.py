@@ -479,10 +479,16 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, nu
             del model.decoder.forward
         return
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
-    emb = table[:, 0][position_ids.t()]  # [W, rows, 1, d]
+    with rope_returning(rope, table[:, 0][position_ids.t()]):  # [W, rows, 1, d]
+        yield
+
+
+@contextlib.contextmanager
+def rope_returning(rope: torch.nn.Module, value):
+    """megatron-core's rotary embedding `rope` returns `value` whatever length it is asked for."""
 
     def forward(*_args, **_kwargs):
-        return emb
+        return value
 
     rope.forward = forward
     try:

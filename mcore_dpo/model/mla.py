@@ -30,7 +30,6 @@ then calls isinstance with one and fails: its `HAVE_TE` is set from the extensio
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 from megatron.core.extensions import transformer_engine as _te
@@ -87,21 +86,13 @@ class PositionedMLASelfAttention(_mla.MLASelfAttention):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
-@contextlib.contextmanager
 def _rotary_table(rope, table):
     """`rope` (megatron-core's RotaryEmbedding, or YarnRotaryEmbedding, which also returns its
     mscale) gives `table` whatever length it is asked for."""
+    from mcore_dpo.model.builder import rope_returning
+
     own = rope(1)  # (cached): YaRN's mscale does not depend on the positions
-    value = (table, own[1]) if isinstance(own, tuple) else table
-
-    def forward(*_args, **_kwargs):
-        return value
-
-    rope.forward = forward
-    try:
-        yield
-    finally:
-        del rope.forward  # back to the class's (cached) forward
+    return rope_returning(rope, (table, own[1]) if isinstance(own, tuple) else table)
 
 
 def rotary_table_at(model, position_ids, *, num_positions: int):

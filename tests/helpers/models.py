@@ -158,6 +158,19 @@ def assert_export_generates_like(original_dir: Path, exported_dir: Path, *, prom
     assert torch.equal(exported.eval().generate(tokens, **settings), original.generate(tokens, **settings))
 
 
+def exported_logits(mcore_dir: Path, out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """`checkpoint_convert mcore-to-hf` of a Megatron checkpoint or save directory (its command
+    line, in this process), then the exported model's fp32 logits on `tokens`."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_convert.__main__ import main as convert
+
+    assert convert(["mcore-to-hf", "--mcore-dir", str(mcore_dir), "--out", str(out_dir)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
 # --------------------------------------------------------------------------- parity models
 def small_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Norms around 1, matrices at 0.25 x N(0, 1): the parity models' weights."""
