@@ -479,22 +479,11 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, nu
             del model.decoder.forward
         return
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
+    from mcore_dpo.model.rope import rope_returning
+
     with rope_returning(rope, table[:, 0][position_ids.t()]):  # [W, rows, 1, d]
         yield
 
-
-@contextlib.contextmanager
-def rope_returning(rope: torch.nn.Module, value):
-    """megatron-core's rotary embedding `rope` returns `value` whatever length it is asked for."""
-
-    def forward(*_args, **_kwargs):
-        return value
-
-    rope.forward = forward
-    try:
-        yield
-    finally:
-        del rope.forward  # back to the class's (cached) forward
 
 
 def packed_seq_params(seq_lens: tuple[int, ...], *, device: torch.device):

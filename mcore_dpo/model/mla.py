@@ -37,6 +37,8 @@ from megatron.core.post_training.modelopt.layers import Linear
 from megatron.core.transformer import multi_latent_attention as _mla
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from mcore_dpo.model.rope import rope_returning
+
 if not _te.HAVE_TE:
     _mla.HAVE_TE = False
 
@@ -89,8 +91,6 @@ class PositionedMLASelfAttention(_mla.MLASelfAttention):
 def _rotary_table(rope, table):
     """`rope` (megatron-core's RotaryEmbedding, or YarnRotaryEmbedding, which also returns its
     mscale) gives `table` whatever length it is asked for."""
-    from mcore_dpo.model.builder import rope_returning
-
     own = rope(1)  # (cached): YaRN's mscale does not depend on the positions
     return rope_returning(rope, (table, own[1]) if isinstance(own, tuple) else table)
 
