@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import padded_vocab_size, sequential_expert_name, stage_layers
+from mcore_dpo.model.rope import rope_returning
 from mcore_dpo.parallel.mesh import Mesh
 from mcore_dpo.parallel.platform import fused_kernel_fields
 
@@ -479,11 +480,8 @@ def _rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor, *, nu
             del model.decoder.forward
         return
     table = rope.get_emb(num_positions)  # [L, 1, 1, d]
-    from mcore_dpo.model.rope import rope_returning
-
     with rope_returning(rope, table[:, 0][position_ids.t()]):  # [W, rows, 1, d]
         yield
-
 
 
 def packed_seq_params(seq_lens: tuple[int, ...], *, device: torch.device):
