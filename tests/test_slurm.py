@@ -1,7 +1,8 @@
 """SLURM, for real: a SLURM of this machine (munged, slurmctld and slurmd started here, with
 ProctrackType=proctrack/linuxproc and TaskPlugin=task/none) runs scripts/slurm/train.sbatch.
-The machine is two SLURM nodes, n1 and n2 (two slurmd daemons with this host's name, as
-SLURM allows for emulating larger systems), so the script runs both as one node and as two.
+The machine is three SLURM nodes (slurmd daemons with this host's name, as SLURM allows for
+emulating larger systems): n1 and n2, the default partition, where the script runs both as one
+node and as two, and n3, a partition of its own for the time-limited run (below).
 
 - a tiny run submitted with sbatch to one node completes, writes its run directory and
   leaves no Ray process behind;
@@ -14,6 +15,10 @@ SLURM allows for emulating larger systems), so the script runs both as one node 
   USR1 that the script's `#SBATCH --signal=B:USR1@120` has SLURM send before a real time
   limit, stops at a step boundary with a checkpoint of that step, the driver exits 0, the job
   completes, and no Ray process is left.
+
+The time-limited run mostly waits for SLURM's clock (its USR1 comes about 2 minutes in), so it
+is submitted when the module starts, on n3, and runs while the other tests run on n1 and n2; its
+test, the module's last, waits only for what is left of it.
 
 The tests need slurm-wlm and munge installed (.ci/run installs them); without them they skip,
 naming the missing programs. "Left behind" is judged for this job only: a process whose
@@ -43,7 +48,8 @@ SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 NODE_CPUS = 2  # logical CPUs per node SLURM and Ray hand out: two nodes of 2 on this 2-core box
-NODES = ("n1", "n2")
+NODES = ("n1", "n2")  # the default partition
+LONG_NODE = "n3"  # partition "long": the time-limited run, beside the other tests' jobs
 RAY_PORTS = 17  # the script uses MCORE_DPO_RAY_PORT .. +16
 JOB_WAIT_S = 600
 
@@ -54,9 +60,13 @@ class SlurmCluster:
     env: dict[str, str]
 
 
+def _missing_binaries() -> list[str]:
+    return [b for b in SLURM_BINARIES if shutil.which(b) is None]
+
+
 def _require_slurm() -> None:
     """The tests need SLURM and munge installed (.ci/run installs them); they never install."""
-    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
+    missing = _missing_binaries()
     if missing:
         pytest.skip(f"SLURM is not installed here: {', '.join(missing)} not found (apt-get install slurm-wlm munge)")
 
@@ -73,7 +83,7 @@ def _slurm_conf(root: Path, *, host: str, ctld_port: int) -> str:
     nodes = "".join(
         f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={ctld_port + 1 + i} CPUs={NODE_CPUS} "
         "RealMemory=2000 State=UNKNOWN\n"
-        for i, name in enumerate(NODES)
+        for i, name in enumerate((*NODES, LONG_NODE))
     )
     return f"""\
 ClusterName=mcoredpo
@@ -106,6 +116,7 @@ KillWait=10
 # The node declares more CPUs than this machine has; slurmd must take the configured value.
 SlurmdParameters=config_overrides
 {nodes}PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=long Nodes={LONG_NODE} MaxTime=INFINITE State=UP
 """
 
 
@@ -142,7 +153,7 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
-    ctld_port = free_port(count=1 + len(NODES), host="")
+    ctld_port = free_port(count=2 + len(NODES), host="")
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, host=host, ctld_port=ctld_port))
     env = dict(os.environ, SLURM_CONF=str(conf), OMP_NUM_THREADS="1")
@@ -156,21 +167,49 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
             check=True, capture_output=True, timeout=30,
         )
         subprocess.run(["slurmctld", "-f", str(conf), "-c"], env=env, check=True, capture_output=True, timeout=30)
-        for name in NODES:
+        for name in (*NODES, LONG_NODE):
             subprocess.run(["slurmd", "-f", str(conf), "-N", name], env=env, check=True, capture_output=True, timeout=30)
 
         def nodes_idle() -> bool:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True, timeout=10)
-            return out.stdout.split() == ["idle"] * len(NODES)
+            return out.stdout.split() == ["idle"] * (len(NODES) + 1)
 
-        _wait_for(nodes_idle, timeout_s=60, what=f"SLURM nodes {NODES} did not become idle (see {root}/log)")
+        _wait_for(nodes_idle, timeout_s=60, what=f"SLURM nodes {(*NODES, LONG_NODE)} did not become idle (see {root}/log)")
         yield SlurmCluster(root=root, env=env)
     finally:
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, timeout=30)
-        for name in NODES:
+        for name in (*NODES, LONG_NODE):
             _stop_pid(_pid_from(root / f"slurmd-{name}.pid"))
         _stop_pid(_pid_from(root / "slurmctld.pid"))
         _stop_pid(_pid_from(root / "munge" / "munged.pid"))
+
+
+@dataclass
+class LongRun:
+    job_id: str
+    output: Path
+    run_dir: Path
+    ray_port: int
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limited_run(request, tmp_path_factory):
+    """The time-limited run of test_the_time_limit_stops_the_run_with_a_checkpoint, submitted as
+    the module starts (module docstring); None where SLURM is missing (that test then skips).
+    Cancelled at the module's end if still running (when that test was not selected)."""
+    if _missing_binaries():
+        yield None
+        return
+    cluster = request.getfixturevalue("slurm_cluster")
+    # --time=4: the USR1 comes 120 s before the limit, 1 to 2 minutes in (SLURM may send it up to
+    # 60 s early; measured: 3 s early), after the first step, logged about 20 s in while the other
+    # tests' jobs start beside it.
+    run = _submit_long_run(cluster, tmp_path_factory.mktemp("time_limit"), name="time-limit",
+                           sbatch_args=["--partition=long", "--time=4"])
+    yield run
+    if _job_fields(run.job_id, cluster.env).get("JobState") not in TERMINAL_STATES:
+        subprocess.run(["scancel", run.job_id], env=cluster.env, capture_output=True, timeout=30)
+        _wait_until_done(cluster, run.job_id, run.output)
 
 
 def _job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
@@ -314,23 +353,23 @@ def test_scancel_signal_term_batch_stops_the_run_with_a_checkpoint(slurm_cluster
     """`scancel --signal=TERM --batch JOBID` once the first step is logged: the batch shell
     forwards SIGTERM to the driver alone, which stops at the next step boundary with a
     checkpoint of that step and exits 0 while Ray still runs; then Ray is stopped."""
-    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="stop-term")
-    _wait_for_first_step(slurm_cluster, job_id, output, run_dir)
-    cancelled = subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=slurm_cluster.env,
+    run = _submit_long_run(slurm_cluster, tmp_path, name="stop-term")
+    _wait_for_first_step(slurm_cluster, run)
+    cancelled = subprocess.run(["scancel", "--signal=TERM", "--batch", run.job_id], env=slurm_cluster.env,
                                capture_output=True, text=True, timeout=30)
     assert cancelled.returncode == 0, cancelled.stderr
-    fields, text = _wait_until_done(slurm_cluster, job_id, output)
-    _assert_stopped_with_a_checkpoint(fields, text, run_dir=run_dir, ray_port=ray_port, signal_name="TERM")
+    fields, text = _wait_until_done(slurm_cluster, run.job_id, run.output)
+    _assert_stopped_with_a_checkpoint(fields, text, run=run, signal_name="TERM")
 
 
-def test_the_time_limit_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmCluster, tmp_path: Path):
-    """A job whose run outlasts its time limit (--time=4): the script's `--signal=B:USR1@120`
-    makes SLURM send USR1 to the batch shell 120 s before the limit (SLURM may send it up to 60 s
-    earlier: 1 to 2 minutes in, after the first step, which is logged 25-35 s in), the driver
-    stops with a checkpoint and the job completes before the limit."""
-    job_id, output, run_dir, ray_port = _submit_long_run(slurm_cluster, tmp_path, name="time-limit", time_limit="4")
-    fields, text = _wait_until_done(slurm_cluster, job_id, output)
-    _assert_stopped_with_a_checkpoint(fields, text, run_dir=run_dir, ray_port=ray_port, signal_name="USR1")
+def test_the_time_limit_stops_the_run_with_a_checkpoint(slurm_cluster: SlurmCluster, time_limited_run: LongRun):
+    """A job whose run outlasts its time limit (--time=4, submitted as the module started): the
+    script's `--signal=B:USR1@120` makes SLURM send USR1 to the batch shell 120 s before the
+    limit (up to 60 s earlier), the driver stops with a checkpoint and the job completes before
+    the limit."""
+    fields, text = _wait_until_done(slurm_cluster, time_limited_run.job_id, time_limited_run.output)
+    _assert_stopped_with_a_checkpoint(fields, text, run=time_limited_run, signal_name="USR1")
+    assert fields["Partition"] == "long" and fields["NodeList"] == LONG_NODE
 
 
 LONG_RUN_STEPS = 100000
@@ -339,8 +378,7 @@ LONG_RUN_STEPS = 100000
 LONG_RUN_PACE_S = 2
 
 
-def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str,
-                     time_limit: str | None = None) -> tuple[str, Path, Path, int]:
+def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str, sbatch_args: list[str] = ()) -> LongRun:
     run_dir = tmp_path / "run"
     ray_port = free_port(count=RAY_PORTS, host="")
     job_id, output = _submit(
@@ -350,9 +388,9 @@ def _submit_long_run(cluster: SlurmCluster, tmp_path: Path, *, name: str,
                      "--output-dir", str(run_dir)],
         extra_env={"MCORE_DPO_CACHE": str(cluster.root / "model-cache"), "MCORE_DPO_RAY_PORT": str(ray_port),
                    **_paced(cluster.env)},
-        sbatch_args=[f"--time={time_limit}"] if time_limit else [],
+        sbatch_args=sbatch_args,
     )
-    return job_id, output, run_dir, ray_port
+    return LongRun(job_id=job_id, output=output, run_dir=run_dir, ray_port=ray_port)
 
 
 def _paced(env: dict[str, str]) -> dict[str, str]:
@@ -360,18 +398,17 @@ def _paced(env: dict[str, str]) -> dict[str, str]:
     return {key: paced[key] for key in ("MCORE_DPO_FAULT", "PYTHONPATH")}
 
 
-def _wait_for_first_step(cluster: SlurmCluster, job_id: str, output: Path, run_dir: Path) -> None:
-    metrics = run_dir / "metrics.jsonl"
+def _wait_for_first_step(cluster: SlurmCluster, run: LongRun) -> None:
+    metrics = run.run_dir / "metrics.jsonl"
     deadline = time.monotonic() + JOB_WAIT_S
     while not (metrics.is_file() and '"step": 1' in metrics.read_text()):
-        state = _job_fields(job_id, cluster.env).get("JobState")
-        assert state not in TERMINAL_STATES, f"{state} before step 1:\n{output.read_text(errors='replace')[-4000:]}"
+        state = _job_fields(run.job_id, cluster.env).get("JobState")
+        assert state not in TERMINAL_STATES, f"{state} before step 1:\n{run.output.read_text(errors='replace')[-4000:]}"
         assert time.monotonic() < deadline, f"no step 1 within {JOB_WAIT_S} s"
         time.sleep(0.5)
 
 
-def _assert_stopped_with_a_checkpoint(fields: dict[str, str], text: str, *, run_dir: Path, ray_port: int,
-                                      signal_name: str) -> None:
+def _assert_stopped_with_a_checkpoint(fields: dict[str, str], text: str, *, run: LongRun, signal_name: str) -> None:
     from mcore_dpo.checkpoint import layout as checkpoint
 
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields.get('JobState')} {fields.get('ExitCode')}:\n{text[-4000:]}"
@@ -381,6 +418,6 @@ def _assert_stopped_with_a_checkpoint(fields: dict[str, str], text: str, *, run_
     assert len(stopped) == 1, text[-4000:]
     step = int(stopped[0].split()[3].rstrip(";"))
     assert "train exited with status 0" in text, text[-4000:]
-    current = checkpoint.latest(run_dir)
+    current = checkpoint.latest(run.run_dir)
     assert current is not None and checkpoint.read_state(current)["step"] == step < LONG_RUN_STEPS
-    assert _leftover_processes(fields["JobId"], ray_port) == []
+    assert _leftover_processes(fields["JobId"], run.ray_port) == []
