@@ -24,7 +24,8 @@ import types
 
 def main(argv: list[str] | None = None) -> int:
     from mcore_dpo.driver import console
-    from mcore_dpo.config import ConfigError, resolve, starting_line
+    from mcore_dpo.command_line import resolve
+    from mcore_dpo.config import ConfigError, starting_line
 
     console.install()  # a closed stdout (`| tee` killed by Ctrl-C, `| head`) never ends the run
 

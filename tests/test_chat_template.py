@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from mcore_dpo.driver import defaults, outputs, run
-from mcore_dpo.config import resolve
+from mcore_dpo.command_line import resolve
 from mcore_dpo.train import main
 
 ROWS = [

@@ -12,7 +12,8 @@ import pytest
 
 from mcore_dpo.parallel import platform as plat
 from mcore_dpo.parallel.mesh import Layout
-from mcore_dpo.config import TrainConfig, load_yaml
+from mcore_dpo.command_line import load_yaml
+from mcore_dpo.config import TrainConfig
 from tests.helpers.config_arithmetic import (CONFIG_DIR, GPU, expert_params, header_values, is_moe, key_values,
                                              memory_gb_per_gpu, param_count)
 from tests.helpers import mla_memory
@@ -143,7 +144,7 @@ def test_32k_config_is_tp4_cp2_and_cp_is_in_its_arithmetic():
     parser (`cp: 2` is a file key). Its figure needs cp in the arithmetic: the same file read as
     cp 1 (the whole 32k row on each rank, the optimizer state over dp alone) is far above it. The
     header's other layouts of the same 8 GPUs: tp 4 x dp 2 (cp 1), tp 8."""
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     path = CONFIG_DIR / "llama3_1_8b_32k.yaml"
     values = load_yaml(str(path))
@@ -189,7 +190,7 @@ def test_the_collectives_timeout_defaults_by_platform_and_a_flag_sets_it():
     import torch
 
     from mcore_dpo.parallel import platform
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     assert resolve([])[0].timeout_s is None
     assert resolve(["--timeout-s", "42"])[0].timeout_s == 42.0
@@ -202,7 +203,7 @@ def test_the_collectives_timeout_defaults_by_platform_and_a_flag_sets_it():
 def test_fused_kernels_run_where_transformer_engine_provides_them():
     """On a GPU with the Transformer Engine spec every fusion is on unless --no-fused-kernels;
     elsewhere (the CPU, the local spec) none is, as the CPU parity tests check."""
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
     from mcore_dpo.parallel.platform import fused_kernel_fields
 
     import importlib.util
@@ -303,7 +304,8 @@ def test_deepseek_v3_config_is_the_published_model_in_a_layout_the_trainer_accep
     max_length 2048."""
     from checkpoint_convert.families import spec_from_hf_config
     from checkpoint_convert.mapping import check_layout
-    from mcore_dpo.config import ConfigError, resolve
+    from mcore_dpo.command_line import resolve
+    from mcore_dpo.config import ConfigError
 
     path = CONFIG_DIR / "deepseek_v3.yaml"
     config, _ = resolve(["--config", str(path), "--model", str(CONFIG_DIR), "--data", str(path)])  # stand-ins

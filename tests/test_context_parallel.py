@@ -36,7 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_dpo.config import ConfigError, build_parser, resolve
+from mcore_dpo.command_line import build_parser, resolve
+from mcore_dpo.config import ConfigError
 from mcore_dpo.parallel.context_parallel import local_part, local_positions, whole_from_parts
 from tests.helpers.data import PACKED, make_pairs
 from tests.helpers.lora_parity import (EVAL_PAIRS as LORA_EVAL_PAIRS, GLOBAL_BATCH as LORA_BATCH, SHAPE as LORA_SHAPE,

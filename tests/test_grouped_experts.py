@@ -87,7 +87,8 @@ def test_when_the_experts_are_grouped(requested, num_experts, use_te, grouped_li
 
 
 def test_the_flag_parses_and_defaults_to_unset():
-    from mcore_dpo.config import TrainConfig, build_parser
+    from mcore_dpo.command_line import build_parser
+    from mcore_dpo.config import TrainConfig
 
     assert build_parser().parse_args([]).moe_grouped_gemm is None and TrainConfig().moe_grouped_gemm is None
     assert build_parser().parse_args(["--moe-grouped-gemm"]).moe_grouped_gemm is True

@@ -47,7 +47,7 @@ def test_the_recompute_table_is_the_arithmetic():
     --recompute, with flash attention and with the local layer spec."""
     import dataclasses
 
-    from mcore_dpo.config import load_yaml
+    from mcore_dpo.command_line import load_yaml
 
     rows = RECOMPUTE_ROW.findall(GUIDE.read_text(encoding="utf-8"))
     assert {row[0] for row in rows} == {"none", "selective", "full"}, rows

@@ -165,7 +165,7 @@ def test_exports_load_in_peft_and_match(baseline, cache):
 def test_init_adapter_through_the_command_line(baseline, cache, monkeypatch):
     """--init-adapter alone: the parser takes it and `prepare` reads rank, alpha and targets from
     the adapter (here the baseline's export)."""
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
     from mcore_dpo.driver.run import prepare
 
     monkeypatch.setenv("MCORE_DPO_CACHE", str(cache))

@@ -99,7 +99,8 @@ def test_parity_with_aux_loss(moe_models, tmp_path, layout):
 
 # --------------------------------------------------------------------------- the flag, from the command line
 def test_flag_parses_and_defaults_from_the_model_config():
-    from mcore_dpo.config import TrainConfig, build_parser
+    from mcore_dpo.command_line import build_parser
+    from mcore_dpo.config import TrainConfig
 
     assert build_parser().parse_args(["--moe-aux-loss-coef", "0.02"]).moe_aux_loss_coef == 0.02
     assert build_parser().parse_args([]).moe_aux_loss_coef is None

@@ -370,7 +370,7 @@ def test_torch_dist_checkpoints_at_ep2_equal_the_safetensors_ones_and_resume(run
 def test_the_sharded_optimizer_with_expert_parallelism_passes_the_command_line_checks():
     """Once refused in one line; now the sharded optimizer runs at ep > 1 (the run above, and
     its parity with the replicated one in tests/test_sharded_optimizer.py)."""
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     config, _ = resolve(["--dp", "2", "--ep", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
                          "--distributed-optimizer"])

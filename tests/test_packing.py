@@ -251,7 +251,7 @@ def test_bad_packing_flags_are_one_line_before_anything_starts(argv, fragment, c
 
 
 def test_packing_flags_parse_from_the_command_line():
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     config, _ = resolve(["--packing", "--max-tokens-per-microbatch", "256", "--max-length", "128"])
     assert config.packing and config.max_tokens_per_microbatch == 256 and config.packing_budget == 256
@@ -264,7 +264,7 @@ def test_packing_flags_parse_from_the_command_line():
 
 
 def test_unset_packing_is_left_to_the_ranks_attention_with_the_padded_microbatch_as_its_budget():
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
     from mcore_dpo.parallel.platform import default_packing
 
     config, _ = resolve(["--micro-batch-size", "4", "--max-length", "100"])
@@ -283,7 +283,7 @@ def test_unset_packing_is_left_to_the_ranks_attention_with_the_padded_microbatch
     with pytest.raises(ConfigError, match="--packing lifts this rule"):
         resolve(["--global-batch-size", "60"])
     assert resolve(["--global-batch-size", "60", "--packing"])[0].decide_packing()[0].packing is True
-    from mcore_dpo.config import build_parser
+    from mcore_dpo.command_line import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "--packing, --no-packing Packed sequences" in text and "(default: decided by the ranks' attention" in text
@@ -297,7 +297,7 @@ def test_unset_packing_is_left_to_the_ranks_attention_with_the_padded_microbatch
     (["--moe-aux-loss-coef", "0.01"], "the MoE load-balancing loss"),
 ])
 def test_modes_packing_does_not_serve_fall_back_to_padded_in_one_line(argv, unserved):
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     config, _ = resolve(argv)
     assert not config.packed

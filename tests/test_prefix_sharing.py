@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from mcore_dpo.config import ConfigError, resolve
+from mcore_dpo.command_line import resolve
 from mcore_dpo.data.microbatches import RowLayout
 from mcore_dpo.data.packing import collate_packed, pair_tokens, plan_packed_step
 from mcore_dpo.data.pairs import TokenizedPair, collate

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_dpo.config import ConfigError, build_parser, resolve
+from mcore_dpo.command_line import build_parser, resolve
+from mcore_dpo.config import ConfigError
 from tests.helpers.parity import packed_parity_job, parity_job
 from tests.helpers.ranks import load_rank_tensors, run_ranks
 from tests.helpers.cli import train_input_error

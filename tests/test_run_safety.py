@@ -12,7 +12,8 @@ import pytest
 
 from mcore_dpo import hooks
 from mcore_dpo.driver import resume_check
-from mcore_dpo.config import ConfigError, TrainConfig, resolve
+from mcore_dpo.command_line import resolve
+from mcore_dpo.config import ConfigError, TrainConfig
 from mcore_dpo.data.pairs import global_batch_order
 from tests.helpers.models import llama_gqa_untied, save_hf
 
@@ -190,7 +191,7 @@ def test_an_output_dir_a_node_cannot_see_is_one_line_naming_the_node(tmp_path, m
 
 
 def test_help_documents_the_new_flags():
-    from mcore_dpo.config import build_parser
+    from mcore_dpo.command_line import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "--resume-with-changes, --no-resume-with-changes Resume even when --data (its content)" in text

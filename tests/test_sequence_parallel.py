@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mcore_dpo.parallel import platform as plat
-from mcore_dpo.config import ConfigError, resolve
+from mcore_dpo.command_line import resolve
+from mcore_dpo.config import ConfigError
 from mcore_dpo.data.pairs import collate, padded_seq_len, seq_len_multiple
 from tests.helpers.data import make_pairs
 

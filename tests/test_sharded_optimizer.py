@@ -334,7 +334,7 @@ def test_sharded_optimizer_at_tp2_ep2_equals_the_replicated_one(tp2_ep2_runs):
 
 
 def test_the_flag_reaches_the_config_from_the_command_line():
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     assert resolve(["--dp", "2"])[0].distributed_optimizer is True
     assert resolve(["--dp", "2", "--no-distributed-optimizer"])[0].distributed_optimizer is False

@@ -175,7 +175,8 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
 def test_save_format_flag_values_and_refusals():
     """--save-format through the CLI's parser: the allowed values are listed in --help; an
     unknown value and a combination not yet stored are one line naming the field."""
-    from mcore_dpo.config import ConfigError, build_parser, resolve
+    from mcore_dpo.command_line import build_parser, resolve
+    from mcore_dpo.config import ConfigError
 
     help_text = build_parser().format_help()
     block = help_text[help_text.index("--save-format"):].split("\n  --", 1)[0]

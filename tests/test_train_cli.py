@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore_dpo.config import ConfigError, TrainConfig, bool_flags, resolve
+from mcore_dpo.command_line import bool_flags, resolve
+from mcore_dpo.config import ConfigError, TrainConfig
 from mcore_dpo.train import main
 from mcore_dpo.driver import output_dir
 from tests.helpers.cli import command_env, run_train

@@ -173,7 +173,7 @@ def test_rerunning_a_finished_run_says_already_complete_and_does_not_train(tmp_p
 
 
 def test_checkpointing_is_on_by_default():
-    from mcore_dpo.config import resolve
+    from mcore_dpo.command_line import resolve
 
     config, _ = resolve([])
     assert config.save_interval > 0 and config.save_interval_min > 0
@@ -187,7 +187,7 @@ def test_checkpointing_is_on_by_default():
 
 
 def test_help_gives_every_option_a_description_default_and_group(capsys):
-    from mcore_dpo.config import HELP_GROUPS, build_parser
+    from mcore_dpo.command_line import HELP_GROUPS, build_parser
 
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
@@ -218,7 +218,7 @@ def test_an_abbreviated_option_is_rejected(capsys):
 def test_the_console_script_shows_its_own_name(monkeypatch):
     import sys
 
-    from mcore_dpo.config import build_parser
+    from mcore_dpo.command_line import build_parser
 
     monkeypatch.setattr(sys, "argv", ["/usr/local/bin/mcore-dpo-train", "--help"])
     assert build_parser().format_usage().startswith("usage: mcore-dpo-train ")

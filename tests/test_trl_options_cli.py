@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mcore_dpo.config import ConfigError, resolve
+from mcore_dpo.command_line import resolve
+from mcore_dpo.config import ConfigError
 from tests.helpers.ray_runs import main_in_process
 
 TIMING = ("tokens/s", "step_time_s", "bubble_fraction", "memory/peak_gib")
