@@ -36,12 +36,11 @@ from checkpoint_convert.io import (
 from checkpoint_convert.durable import atomic_output_dir
 from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
+from checkpoint_convert.gather import entry_blocks, hf_entry_index
 from checkpoint_convert.mapping import (
-    hf_entry_index,
     mcore_entries,
     mcore_name,
     check_layout,
-    entry_blocks,
     expert_tp_size,
     hf_tensor_shapes,
     padded_vocab_size,

@@ -39,25 +39,27 @@ from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.families import family_of, spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
-from checkpoint_convert.mapping import (
-    LAYER_SPECS,
-    STACKED,
+from checkpoint_convert.gather import (
     gather_stacked,
-    check_layout,
     fused_hf_sources,
-    hf_tensor_shapes,
-    mcore_shard_shapes,
     hf_entry_index,
-    expert_tp_size,
-    mcore_entries,
-    mcore_name,
     mcore_to_hf_tensor,
     tp_part_of_whole_expert,
-    padded_vocab_size,
-    qkv_group_rows,
     stored_group_pieces,
     stored_pieces,
     unfuse_groups,
+)
+from checkpoint_convert.mapping import (
+    LAYER_SPECS,
+    STACKED,
+    check_layout,
+    hf_tensor_shapes,
+    mcore_shard_shapes,
+    expert_tp_size,
+    mcore_entries,
+    mcore_name,
+    padded_vocab_size,
+    qkv_group_rows,
 )
 
 META_FILE = "mcore_checkpoint.json"
@@ -648,7 +650,7 @@ class HFView:
         """HF tensor `name` narrowed to [start, stop) on dim. The parts hf_to_mcore_shard asks
         for are read from the rank files that hold them, only their bytes: q, k and v as whole
         query groups (all three from one read of the groups' fused rows; the other two are kept
-        until asked for), the rest by mapping.stored_pieces. Any other part is cut from get(name).
+        until asked for), the rest by gather.stored_pieces. Any other part is cut from get(name).
         Experts stacked in one tensor (mapping.STACKED): the experts asked for are gathered."""
         if name not in self._index and f"{name}{STACKED}0" in self._index:
             meta = self._ckpt.meta

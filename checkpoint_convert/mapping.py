@@ -6,12 +6,10 @@ converted on the fly at model build time are identical.
 
 Each family (`checkpoint_convert/families/`) has one literal, templated key map: megatron-core
 name template -> (how the tensor is split across tensor-parallel ranks, Hugging Face name
-templates). This module holds what all families share: the split and gather primitives,
-stage layout, shapes, and the walk over a stage's entries.
-
-Over 500 lines: the single source of truth of every parameter's name, split and shape
-in both directions (dense, GQA, MoE at any ep, tied or not); one table read by every
-converter, the trainer and the tests.
+templates). This module holds what all families share: stage layout, names, shapes, the walk
+over a stage's entries, and the split of HF tensors into a stage's shards (HF -> megatron).
+The way back, shards gathered into HF tensors, is checkpoint_convert/gather.py, built on the
+same entries and splits.
 """
 
 from __future__ import annotations
@@ -269,17 +267,24 @@ def is_expert_entry(template: str) -> bool:
     return _EXPERT.search(template) is not None
 
 
-def _local_expert(template: str, *, num_experts: int, ep: int, ep_rank: int) -> str | None:
-    """An expert entry's template with the local expert index of expert-parallel rank ep_rank
-    (which holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)), or None for another rank's expert."""
-    match = _EXPERT.search(template)
+def expert_home(name: str, *, num_experts: int, ep: int) -> tuple[int, str] | None:
+    """Where an expert entry lives under expert parallelism: (the ep rank holding it, its name
+    there with the local expert index); ep rank r holds experts [r * E/ep, (r + 1) * E/ep).
+    None for a name that is not an expert's, or at ep 1."""
+    match = _EXPERT.search(name)
     if match is None or ep == 1:
-        return template
+        return None
     per_rank = num_experts // ep
     expert = int(match.group(1))
-    if expert // per_rank != ep_rank:
-        return None
-    return template[: match.start()] + f".local_experts.{expert % per_rank}." + template[match.end():]
+    return expert // per_rank, name[: match.start()] + f".local_experts.{expert % per_rank}." + name[match.end():]
+
+
+def _local_expert(template: str, *, num_experts: int, ep: int, ep_rank: int) -> str | None:
+    """An expert entry's template on expert-parallel rank ep_rank, or None for another rank's expert."""
+    home = expert_home(template, num_experts=num_experts, ep=ep)
+    if home is None:
+        return template
+    return home[1] if home[0] == ep_rank else None
 
 
 def mcore_entries(
@@ -458,266 +463,3 @@ def split_entry(spec: ModelSpec, *, kind: str, tensors: list[torch.Tensor], tp: 
     kind, tensors = canonical_tensors(kind, tensors)
     slices = entry_slices(spec, kind=kind, shapes=[tuple(t.shape) for t in tensors], tp=tp, tp_rank=tp_rank)
     return join_parts(spec, kind=kind, parts=[t.narrow(dim, a, b - a) for t, (dim, a, b) in zip(tensors, slices)])
-
-
-# ---------------------------------------------------------------------------------------
-# megatron -> HF
-# ---------------------------------------------------------------------------------------
-
-
-def _take(shard: Mapping[str, torch.Tensor], name: str, *, tp_rank: int, pp_rank: int) -> torch.Tensor:
-    try:
-        return shard[name]
-    except KeyError:
-        raise ConversionError(f"shard tp{tp_rank}_pp{pp_rank}: tensor '{name}' is missing") from None
-
-
-def entry_blocks(spec: ModelSpec, *, kind: str, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-    """A non-vocabulary entry's HF tensors from its tp ranks' parts, as (index into the entry's
-    HF names, row block) in order: each HF tensor is its blocks concatenated along dim 0. No
-    whole tensor is built, so a writer can stream the blocks."""
-    if kind == "replicated":
-        yield 0, parts[0]
-    elif kind == "row":
-        yield 0, torch.cat(parts, dim=1)
-    elif kind == "column":
-        for part in parts:
-            yield 0, part
-    elif kind == "fc1":
-        for i in (0, 1):  # gate, then up: each rank holds [gate_i; up_i]
-            for part in parts:
-                yield i, part.chunk(2, dim=0)[i]
-    elif kind == "qkv":
-        groups_per_rank = spec.num_query_groups // len(parts)
-        r, d = spec.num_heads // spec.num_query_groups, spec.head_dim
-        for i in (0, 1, 2):  # q, k, v: each rank holds whole groups of (r q heads, k, v)
-            for part in parts:
-                tail = part.shape[1:]
-                block = part.reshape(groups_per_rank, (r + 2) * d, *tail).split([r * d, d, d], dim=1)[i]
-                yield i, block.reshape(-1, *tail)
-    else:
-        raise AssertionError(kind)
-
-
-def stored_pieces(
-    spec: ModelSpec, *, kind: str, index: int, dim: int, start: int, stop: int, size: int, tp: int, padded_vocab: int
-) -> list[tuple[int, int, int]] | None:
-    """Where [start, stop) on `dim` of the `index`-th HF tensor of an entry (its extent there:
-    `size`) lies in the entry's tensors of a tp-way split: (tp rank, start, stop) on the same dim
-    of that rank's tensor, in order; the HF part is their concatenation on `dim`. Covers the parts
-    hf_to_mcore_shard asks for but q/k/v (`stored_group_pieces`): vocabulary rows (the padded
-    vocabulary split by rows), gate or up rows (each rank holds [gate part; up part]), columns of
-    a row-parallel weight, any part of a replicated one. None for any other part."""
-    if kind == "replicated":
-        return [(0, start, stop)]
-    if kind == "vocab" and dim == 0:
-        per_rank, offset = padded_vocab // tp, 0
-    elif kind == "fc1" and dim == 0:
-        per_rank = size // tp
-        offset = index * per_rank
-    elif kind == "column" and dim == 0:
-        per_rank, offset = size // tp, 0
-    elif kind == "row" and dim == 1:
-        per_rank, offset = size // tp, 0
-    else:
-        return None
-    pieces = []
-    for rank in range(tp):
-        lo, hi = max(start, rank * per_rank), min(stop, (rank + 1) * per_rank)
-        if lo < hi:
-            pieces.append((rank, offset + lo - rank * per_rank, offset + hi - rank * per_rank))
-    return pieces
-
-
-def stored_group_pieces(
-    spec: ModelSpec, *, index: int, start: int, stop: int, tp: int
-) -> tuple[tuple[int, int], list[tuple[int, int, int]]] | None:
-    """Rows [start, stop) of the `index`-th of q, k, v as whole query groups [g0, g1), and where
-    the fused rows of those groups lie in a tp-way split: (tp rank, start, stop) rows of that
-    rank's fused qkv tensor, in order (`unfuse_groups` takes their concatenation apart). None
-    unless the rows are whole groups."""
-    unit, fused_rows = qkv_group_rows(spec)[index], sum(qkv_group_rows(spec))
-    if start % unit or stop % unit:
-        return None
-    g0, g1 = start // unit, stop // unit
-    per_rank = spec.num_query_groups // tp
-    pieces = []
-    for rank in range(tp):
-        lo, hi = max(g0, rank * per_rank), min(g1, (rank + 1) * per_rank)
-        if lo < hi:
-            pieces.append((rank, (lo - rank * per_rank) * fused_rows, (hi - rank * per_rank) * fused_rows))
-    return (g0, g1), pieces
-
-
-def unfuse_groups(spec: ModelSpec, fused: torch.Tensor) -> list[torch.Tensor]:
-    """q, k and v of the whole query groups that fused qkv rows ([q_g; k_g; v_g] per group) hold."""
-    rows, tail = qkv_group_rows(spec), fused.shape[1:]
-    parts = fused.reshape(-1, sum(rows), *tail).split(list(rows), dim=1)
-    return [part.reshape(-1, *tail) for part in parts]
-
-
-def _gather_entry(
-    spec: ModelSpec,
-    *,
-    kind: str,
-    name: str,
-    hf_names: list[str],
-    tp: int,
-    pp_rank: int,
-    get_shard: Callable[[int, int], Mapping[str, torch.Tensor]],
-) -> dict[str, torch.Tensor]:
-    parts = [_take(get_shard(t, pp_rank), name, tp_rank=t, pp_rank=pp_rank) for t in range(tp)]
-    if kind == "vocab":
-        return {hf_names[0]: torch.cat(parts, dim=0)[: spec.vocab_size].contiguous().clone()}
-    canonical = CANONICAL_KIND.get(kind, kind)
-    blocks: list[list[torch.Tensor]] = [[] for _ in range(2 if canonical == "fc1" else len(hf_names))]
-    for i, block in entry_blocks(spec, kind=canonical, parts=parts):
-        blocks[i].append(block)
-    tensors = hf_form(kind, [torch.cat(b, dim=0) for b in blocks]) if kind in CANONICAL_KIND else [torch.cat(b, dim=0) for b in blocks]
-    return {n: t.contiguous().clone() for n, t in zip(hf_names, tensors)}
-
-
-def gather_stacked(
-    spec: ModelSpec, stored: str, *, index: dict, tp: int, layer_spec: str,
-    get_shard: Callable[[int, int], Mapping[str, torch.Tensor]], experts: range | None = None,
-) -> torch.Tensor:
-    """A stacked HF tensor (`STACKED`), its experts' slices gathered one by one (or `experts` of them)."""
-    slices = []
-    for expert in experts if experts is not None else range(spec.num_experts):
-        name = f"{stored}{STACKED}{expert}"
-        template, kind, hf_names, pp_rank, local, moe_layer = index[name]
-        mcore = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
-        slices.append(_gather_entry(spec, kind=kind, name=mcore, hf_names=hf_names, tp=tp, pp_rank=pp_rank,
-                                    get_shard=get_shard)[name])
-    return torch.stack(slices)
-
-
-def hf_entry_index(spec: ModelSpec, *, pp: int) -> dict[str, tuple[str, str, list[str], int, int | None, bool]]:
-    """HF name -> (mcore template, kind, HF names of the entry, pp_rank, local layer, whether
-    the layer is a mixture of experts)."""
-    index = {}
-    for pp_rank in range(pp):
-        for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
-            if template == "output_layer.weight" and spec.tie_word_embeddings:
-                continue  # the first-stage embedding is the authoritative copy
-            hf_names = [t.format(layer=global_layer) for t in hf]
-            for hf_name in hf_names:
-                index[hf_name] = (template, kind, hf_names, pp_rank, local, spec.is_moe_layer(global_layer))
-    return index
-
-
-def mcore_to_hf(
-    spec: ModelSpec,
-    *,
-    tp: int,
-    pp: int,
-    get_shard: Callable[[int, int], Mapping[str, torch.Tensor]],
-    layer_spec: str = "local",
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (HF name, tensor) pairs, vocab trimmed, in hf_tensor_names order.
-
-    get_shard(tp_rank, pp_rank) may be lazy: only the tensors of one entry are read at a time.
-    """
-    check_layout(spec, tp=tp, pp=pp)
-    order = hf_tensor_names(spec)
-    index = hf_entry_index(spec, pp=pp)
-    pending: dict[str, torch.Tensor] = {}
-    for hf_name in order:
-        if hf_name not in index:  # experts stacked in one tensor
-            yield hf_name, gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)
-            continue
-        if hf_name not in pending:
-            template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
-            name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
-            pending.update(
-                _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
-            )
-        yield hf_name, pending.pop(hf_name)
-
-
-def mcore_to_hf_tensor(
-    spec: ModelSpec,
-    hf_name: str,
-    *,
-    tp: int,
-    pp: int,
-    get_shard: Callable[[int, int], Mapping[str, torch.Tensor]],
-    layer_spec: str = "local",
-) -> dict[str, torch.Tensor]:
-    """The HF tensor hf_name gathered from megatron shards, together with its siblings from
-    the same fused entry (q/k/v, gate/up), so a caller can cache them."""
-    index = hf_entry_index(spec, pp=pp)
-    if hf_name not in index and f"{hf_name}{STACKED}0" in index:
-        return {hf_name: gather_stacked(spec, hf_name, index=index, tp=tp, layer_spec=layer_spec, get_shard=get_shard)}
-    if hf_name not in index:
-        raise ConversionError(f"tensor '{hf_name}' is not part of a {spec.architecture} checkpoint")
-    template, kind, hf_names, pp_rank, local, moe_layer = index[hf_name]
-    name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=moe_layer)
-    return _gather_entry(spec, kind=kind, name=name, hf_names=hf_names, tp=tp, pp_rank=pp_rank, get_shard=get_shard)
-
-
-def fused_hf_sources(spec: ModelSpec, *, stored: set[str]) -> dict[str, tuple[str, int | None, int, int]]:
-    """Hub tensor name -> (stored name, expert, part, parts) for the expert tensors a checkpoint
-    holds in transformers 5's in-memory form (the family's FUSED_EXPERT_KEYS: all experts in one
-    tensor, gate and up stacked) or under its in-memory names (RENAMED_KEYS). The hub tensor is
-    `stored[expert].chunk(parts, dim=0)[part]` (no expert index for a renamed tensor)."""
-    family = family_of(spec)
-    fused = getattr(family, "FUSED_EXPERT_KEYS", {})
-    renamed = getattr(family, "RENAMED_KEYS", {})
-    sources: dict[str, tuple[str, int | None, int, int]] = {}
-    for layer in spec.moe_layers:
-        for template, hubs in fused.items():
-            name = template.format(layer=layer)
-            if name in stored:
-                for expert in range(spec.num_experts):
-                    for part, hub in enumerate(hubs):
-                        sources[hub.replace("{expert}", str(expert)).format(layer=layer)] = (name, expert, part, len(hubs))
-        for template, hub in renamed.items():
-            if template.format(layer=layer) in stored:
-                sources[hub.format(layer=layer)] = (template.format(layer=layer), None, 0, 1)
-    return sources
-
-
-def tp_part_of_whole_expert(spec: ModelSpec, *, kind: str, whole: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """Tensor-parallel rank tp_rank's part of a whole expert tensor (expert tp 1) as the ep-1
-    layout splits it over tp: fc1 by its gate and up halves, fc2 ("row") on its input dim."""
-    kind = CANONICAL_KIND.get(kind, kind)
-    parts = list(whole.chunk(2, dim=0)) if kind == "fc1" else [whole]
-    return split_entry(spec, kind=kind, tensors=parts, tp=tp, tp_rank=tp_rank)
-
-
-def expert_parallel_view(
-    spec: ModelSpec, *, tp: int, pp: int, ep: int, get_shard: Callable[[int, int, int], Mapping[str, torch.Tensor]]
-) -> Callable[[int, int], Mapping[str, torch.Tensor]]:
-    """The (tp_rank, pp_rank) shards of the ep-1 layout, read from the shards of an
-    expert-parallel one (`get_shard(tp_rank, pp_rank, ep_rank)`, as `hf_to_mcore_shard` makes
-    them), so that `mcore_to_hf` gathers either. Dense tensors come from ep rank 0; expert e
-    from ep rank e // (E/ep) under its local index, its tp part cut from the whole expert (expert
-    tp 1) by the ep-1 rule. Lazy: a tensor is read when asked for."""
-    etp = expert_tp_size(tp=tp, ep=ep)
-    per_rank = spec.num_experts // ep
-
-    class _View(Mapping):
-        def __init__(self, tp_rank: int, pp_rank: int):
-            self.tp_rank, self.pp_rank = tp_rank, pp_rank
-            self.kinds = {mcore_name(t, layer=local, layer_spec="local"): kind
-                          for t, kind, _, local, _ in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
-
-        def __getitem__(self, name: str) -> torch.Tensor:
-            match = _EXPERT.search(name)
-            if match is None or ep == 1:
-                return get_shard(self.tp_rank, self.pp_rank, 0)[name]
-            expert = int(match.group(1))
-            local = name[: match.start()] + f".local_experts.{expert % per_rank}." + name[match.end():]
-            part = get_shard(self.tp_rank % etp, self.pp_rank, expert // per_rank)[local]
-            if etp == tp:
-                return part
-            return tp_part_of_whole_expert(spec, kind=self.kinds[name], whole=part, tp=tp, tp_rank=self.tp_rank)
-
-        def __iter__(self):
-            return iter(self.kinds)
-
-        def __len__(self) -> int:
-            return len(self.kinds)
-
-    return _View

@@ -9,12 +9,12 @@ import torch
 
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
+from checkpoint_convert.gather import mcore_to_hf
 from checkpoint_convert.mapping import (
     check_layout,
     hf_tensor_names,
     hf_to_mcore_shard,
     mcore_shard_shapes,
-    mcore_to_hf,
     padded_vocab_size,
     stage_layers,
 )

@@ -21,6 +21,7 @@ from checkpoint_convert import convert
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.families.base import ModelSpec
+from checkpoint_convert.gather import stored_group_pieces, stored_pieces, unfuse_groups
 from checkpoint_convert.mapping import (
     entry_slices,
     hf_tensor_shapes,
@@ -28,9 +29,6 @@ from checkpoint_convert.mapping import (
     mcore_entries,
     padded_vocab_size,
     split_entry,
-    stored_group_pieces,
-    stored_pieces,
-    unfuse_groups,
 )
 from tests.helpers.models import hf_state, llama_gqa_untied, qwen2_bias_tied, save_hf, save_tokenizer
 

@@ -15,7 +15,8 @@ from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mcore_dir import open_mcore_dir
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
-from checkpoint_convert.mapping import hf_tensor_shapes, hf_to_mcore_shard, mcore_to_hf
+from checkpoint_convert.gather import mcore_to_hf
+from checkpoint_convert.mapping import hf_tensor_shapes, hf_to_mcore_shard
 from checkpoint_convert.safetensors_stream import SafetensorsReader, SafetensorsWriter, write_tensors
 from tests.helpers.cli import command_env, run_python
 

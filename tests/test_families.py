@@ -10,9 +10,13 @@ import torch
 from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config, spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
 from checkpoint_convert.io import ep_shard_shapes
+from checkpoint_convert.gather import fused_hf_sources, hf_entry_index, mcore_to_hf
 from checkpoint_convert.mapping import (
-    fused_hf_sources, hf_entry_index, hf_tensor_shapes, hf_to_mcore_shard, mcore_shard_shapes, mcore_to_hf,
-    stacked_source, stage_layers,
+    hf_tensor_shapes,
+    hf_to_mcore_shard,
+    mcore_shard_shapes,
+    stacked_source,
+    stage_layers,
 )  # fmt: skip
 from tests.helpers import deepseek, gemma, glm, gpt_oss
 from tests.helpers.models import TINY_FAMILIES, hub_tensors

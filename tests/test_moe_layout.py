@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from checkpoint_convert.families import spec_from_hf_config
-from checkpoint_convert.mapping import expert_parallel_view, expert_tp_size, hf_to_mcore_shard, mcore_to_hf
+from checkpoint_convert.gather import expert_parallel_view, mcore_to_hf
+from checkpoint_convert.mapping import expert_tp_size, hf_to_mcore_shard
 from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.models import hub_tensors, mixtral, qwen3_moe
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
+from checkpoint_convert.gather import fused_hf_sources
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.peft_adapter import (LoraShape, adapter_config, initial_adapter, lora_shape_of, peft_to_shard,
                                              shards_to_peft, targets_present, write_adapter_dir)
 from tests.helpers import parity

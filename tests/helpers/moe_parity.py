@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from checkpoint_convert.gather import fused_hf_sources
 from checkpoint_convert.io import open_hf_dir
-from checkpoint_convert.mapping import fused_hf_sources, hf_to_mcore_shard
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from tests.helpers import parity
 from tests.helpers.ranks import load_rank_tensors
 from tests.helpers.reference import RTOL, assert_close, loss_and_metrics, sequences
