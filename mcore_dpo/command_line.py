@@ -15,7 +15,7 @@ import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES
 from mcore_dpo.config import RECOMPUTE_MODES, RUN_REF_MODES, ConfigError, TrainConfig
-from mcore_dpo.objective.loss_spec import LOSS_TYPES
+from mcore_dpo.objective.loss_spec import F_DIVERGENCE_TYPES, LOSS_TYPES
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -114,8 +114,6 @@ HELP_GROUPS = {
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of the fields that take one of a fixed set, as --help lists them."""
-    from mcore_dpo.objective.loss_spec import F_DIVERGENCE_TYPES
-
     return {
         "ref_mode": RUN_REF_MODES,
         "loss_type": tuple(LOSS_TYPES),

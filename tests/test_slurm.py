@@ -68,7 +68,7 @@ def _require_slurm() -> None:
     """The tests need SLURM and munge installed (.ci/run installs them); they never install."""
     missing = _missing_binaries()
     if missing:
-        pytest.skip(f"SLURM is not installed here: {', '.join(missing)} not found (apt-get install slurm-wlm munge)")
+        pytest.skip(f"SLURM is not installed here: {', '.join(missing)} not found (.ci/run sets up the Debian packages slurm-wlm and munge)")
 
 
 def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
