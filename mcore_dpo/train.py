@@ -40,16 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint_convert.families.base import ConversionError
     from mcore_dpo.checkpoint.layout import CheckpointError
     from mcore_dpo.data.pairs import DataError
-    from mcore_dpo.driver.run import InputError, Stopped, train
+    from mcore_dpo import io_errors
+    from mcore_dpo.driver.run import Diverged, InputError, Stopped, train
 
     try:
         out = train(config, ray_address=args.ray_address, announced=True)
     except Stopped as stopped:  # SIGINT/SIGTERM: a checkpoint of this step was written
         print(stopped, flush=True)
         return 0
-    except (ConfigError, DataError, ConversionError, InputError, CheckpointError) as error:
+    except (ConfigError, DataError, ConversionError, InputError, CheckpointError, Diverged) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # the driver's own I/O: a full disk, a read-only file system, no permission
+        print(f"error: {io_errors.describe(error)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

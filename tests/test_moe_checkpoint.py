@@ -149,12 +149,14 @@ def test_expert_parallel_checkpoints_export_eval_and_resume(run, tmp_path):
     _assert_close_metrics(by_step[4], _hf_eval(out / "hf", ref4, root / "eval.jsonl"), names=EVAL_METRICS,
                           prefix="eval/", what="eval after step 4")
 
-    # hf/ equals `checkpoint_convert mcore-to-hf` of the shards the ranks wrote for it (the
-    # converter's ep layout); transformers loads it with no missing or unexpected keys.
+    # hf/ equals `checkpoint_convert mcore-to-hf` of the last step's checkpoint (the converter's ep
+    # layout; fp32 masters, the run's dtype); the export's staging shards are gone (one copy of the
+    # final weights); transformers loads it with no missing or unexpected keys.
     from checkpoint_convert.__main__ import main as convert
     from transformers import AutoModelForCausalLM
 
-    final = out / "checkpoints" / "final"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step_00000002", "step_00000004"]
+    final = out / "checkpoints" / "step_00000004" / "model"
     assert sorted(p.name for p in final.glob("tp*")) == ["tp0_pp0_ep0", "tp0_pp0_ep1", "tp1_pp0_ep0", "tp1_pp0_ep1"]
     assert convert(["mcore-to-hf", "--mcore-dir", str(final), "--out", str(tmp_path / "final")]) == 0
     exported, converted = _tensors(out / "hf"), _tensors(tmp_path / "final")
@@ -221,7 +223,7 @@ def test_grouped_experts_write_and_resume_as_sequential_experts_bit_for_bit(run,
     assert "moe_grouped_gemm: true" in (out / "config.yaml").read_text().splitlines()
     sequential_rows = _metrics(run["out"])
     assert _metrics(out) == sequential_rows
-    for part in ("checkpoints/step_00000002", "checkpoints/final", "hf"):
+    for part in ("checkpoints/step_00000002", "checkpoints/step_00000004", "hf"):
         want, got = _files(run["out"] / part), _files(out / part)
         assert want and got.keys() == want.keys(), part
         for key in want:

@@ -117,7 +117,7 @@ def test_torch_dist_training_checkpoints(tmp_path, ray_cluster):
     result = _train(["--save-interval", "1", "--keep-last", "2"], base, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpts = base / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["final", "iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004"]
     assert (ckpts / "latest").read_text().strip() == "iter_0000004"
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     iter_dir = ckpts / "iter_0000004"

@@ -13,6 +13,20 @@ from pathlib import Path
 from checkpoint_convert import durable
 
 
+# What a step must keep finite (as Megatron-LM's --check-for-nan-in-loss-and-grad checks): the
+# loss, and the gradient norm the optimizer step used.
+FINITE_METRICS = ("loss", "grad_norm")
+
+
+def first_non_finite(metrics: dict, *, keys: tuple[str, ...] = FINITE_METRICS) -> tuple[str, float] | None:
+    """(name, value) of the first of `keys` in `metrics` that is NaN or infinite, else None."""
+    for key in keys:
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            return key, float(value)
+    return None
+
+
 class MetricsLog:
     def __init__(self, out_dir: Path, *, total_steps: int, keep_up_to_step: int = 0, wandb_project: str | None = None,
                  run_config: dict | None = None, note=None):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from checkpoint_convert import durable
+from mcore_dpo.driver.run_lock import LOCK_FILE
 
 RUN_FILE = "run.json"  # the run identity of the run that owns the directory
 
@@ -64,7 +65,8 @@ def owner_identity(out: Path) -> dict | None:
 
 
 def is_empty(out: Path) -> bool:
-    return not out.exists() or (out.is_dir() and not any(out.iterdir()))
+    """Nothing in `out` but the run lock (run_lock.py) the driver takes before it asks."""
+    return not out.exists() or (out.is_dir() and all(p.name == LOCK_FILE for p in out.iterdir()))
 
 
 def door_problem(out: Path, *, identity: dict, checkpoint_identity: dict | None, has_checkpoint: bool,
@@ -98,8 +100,10 @@ def door_problem(out: Path, *, identity: dict, checkpoint_identity: dict | None,
 def claim(out: Path, *, identity: dict, overwrite: bool, command: dict | None = None) -> None:
     """Empty `out` when overwriting, create it, and record the run that owns it (its identity,
     and the resolved configuration that `same_command_dir` looks for)."""
-    if overwrite and out.exists():
-        shutil.rmtree(out)
+    if overwrite and out.exists():  # everything but the lock this driver holds
+        for path in out.iterdir():
+            if path.name != LOCK_FILE:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     record = {"run": identity} if command is None else {"run": identity, "command": command}
     durable.replace_file(out / RUN_FILE, json.dumps(record, indent=2) + "\n")

@@ -82,20 +82,20 @@ def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
     from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
     from mcore_dpo.model import lora
 
-    shards = out / "checkpoints" / "final_adapter"
-    if shards.exists():
-        shutil.rmtree(shards)
-    group.call("write_adapter", str(shards))
-    shape = lora.shape_of(config)
-    tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
-    tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
-    write_adapter_dir(tmp, tensors, adapter_config(shape, spec=spec, dropout=config.lora_dropout,
-                                                   base_model=os.path.abspath(config.model)))
-    durable.fsync_tree(tmp)
-    if (out / "adapter").exists():
-        shutil.rmtree(out / "adapter")
-    durable.move(tmp, out / "adapter")
-    shutil.rmtree(shards)
+    shards = _staging_dir(out, "adapter")
+    try:
+        group.call("write_adapter", str(shards))
+        shape = lora.shape_of(config)
+        tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+        tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
+        write_adapter_dir(tmp, tensors, adapter_config(shape, spec=spec, dropout=config.lora_dropout,
+                                                       base_model=os.path.abspath(config.model)))
+        durable.fsync_tree(tmp)
+        if (out / "adapter").exists():
+            shutil.rmtree(out / "adapter")
+        durable.move(tmp, out / "adapter")
+    finally:
+        shutil.rmtree(shards, ignore_errors=True)
 
 
 def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
@@ -103,11 +103,20 @@ def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
     them to OUT/hf (atomic)."""
     from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta
 
-    final = out / "checkpoints" / "final"
-    if final.exists():
-        shutil.rmtree(final)
-    final.mkdir(parents=True)
-    group.call("write_policy", str(final))
-    meta, aux = model_meta(config, spec, dtype=config.dtype, layer_spec=layer_spec_of(group))
-    write_mcore_meta(final, meta=meta, aux_files=aux)
-    mcore_to_hf_dir(final, out / "hf", overwrite=True, log=lambda _msg: None)
+    staging = _staging_dir(out, "export")
+    try:
+        group.call("write_policy", str(staging))
+        meta, aux = model_meta(config, spec, dtype=config.dtype, layer_spec=layer_spec_of(group))
+        write_mcore_meta(staging, meta=meta, aux_files=aux)
+        mcore_to_hf_dir(staging, out / "hf", overwrite=True, log=lambda _msg: None)
+    finally:  # one copy of the final weights stays: OUT/hf (besides the checkpoints' fp32 masters)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_dir(out: Path, what: str) -> Path:
+    """A fresh directory for the ranks' shards of an export, under checkpoints/ with a
+    `.partial-` name: removed when the export ends, and by the next start after a kill
+    (`checkpoint.remove_partials`)."""
+    staging = checkpoint.root(out) / f"{what}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    return staging

@@ -23,8 +23,10 @@ from mcore_dpo.driver.outputs import export_adapter, export_policy, save_checkpo
 from mcore_dpo.driver import output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data.pairs import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
-from mcore_dpo.driver.metrics_log import MetricsLog
+from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
 from mcore_dpo.driver.resume_check import run_identity
+from mcore_dpo.driver.run_lock import LockHeld, RunLock
+from mcore_dpo import io_errors
 
 
 class InputError(ValueError):
@@ -36,6 +38,17 @@ class Stopped(Exception):
 
     def __init__(self, step: int):
         super().__init__(f"stopped at step {step}; rerun the same command to resume")
+        self.step = step
+
+
+class Diverged(Exception):
+    """A step's loss or gradient norm was not finite; str() is one line naming the step and the
+    metric. The step is not checkpointed and nothing is exported."""
+
+    def __init__(self, step: int, metric: str, value: float, *, newest: Path | None):
+        kept = f"the newest checkpoint, {newest}, is from before it" if newest else "no checkpoint was written"
+        super().__init__(f"step {step}: {metric} is {value} (non-finite); the run stopped without saving this step and "
+                         f"{kept} (a lower --lr or --clip-grad, or the data, may be the cause)")
         self.step = step
 
 
@@ -197,7 +210,7 @@ def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
 def train(config: TrainConfig, *, ray_address: str | None = None, log=print, announced: bool = False) -> Path:
     """Run DPO as configured; returns the output directory. `announced`: the caller already
     printed `starting_line` (the command line does, before the slow imports)."""
-    from mcore_dpo.driver import console, ray_workers
+    from mcore_dpo.driver import console
 
     log = console.RunLog(log)  # also into OUTPUT/train.log, once that directory is claimed
     if announced:
@@ -215,9 +228,28 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
         prep.config = replace(prep.config, output_dir=str(earlier or output_dir.fresh_dir(model=config.model)))
         if earlier:
             log(f"the same command ran in {earlier} before: continuing there (--no-resume for a separate run)")
-    config = prep.config
-    out = Path(config.output_dir)
+    out = Path(prep.config.output_dir)
     log(f"output directory: {out}")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output_dir: {out} is a file, not a directory")
+    try:  # one run per directory, from here to the end (run_lock.py)
+        lock = RunLock(out, log=log)
+        lock.acquire()
+    except LockHeld as held:
+        raise InputError(str(held)) from None
+    except OSError as error:  # a file in the path, a read-only or full file system, no permission
+        raise InputError(f"output_dir: cannot use {out} ({io_errors.describe(error)})") from None
+    try:
+        return _train_locked(prep, out=out, command=command, ray_address=ray_address, log=log)
+    finally:
+        lock.release()
+
+
+def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str | None, log) -> Path:
+    """`train` once this process holds OUTPUT's lock: the directory's door, then the attempts."""
+    from mcore_dpo.driver import ray_workers
+
+    config = prep.config
     prep.identity = run_identity(config)
     # a broken pointer or state file is reported now, before any worker
     current = None if config.overwrite else checkpoint.latest(out)
@@ -263,6 +295,9 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
                 break
             except Stopped as stopped:
                 log.note(str(stopped))  # the command line shows it
+                raise
+            except Diverged as diverged:
+                log.note(f"error: {diverged}")
                 raise
             except ray_workers.WorkerGroupError as error:
                 if restarts >= config.max_restarts:
@@ -354,6 +389,10 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                 ref_logps=ref_logps,
             )
             metrics = _one(group.call("train_step", batch))
+            non_finite = first_non_finite(metrics)  # on the host, where the step already synchronised
+            if non_finite:
+                metrics_log.write(step, metrics)
+                raise Diverged(step, *non_finite, newest=checkpoint.latest(out))
             if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
                 metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
             metrics_log.write(step, metrics)
@@ -380,7 +419,11 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
                 g.stop()
     from mcore_dpo.plot import plot_run
 
-    plot_run(str(out))
+    try:  # best-effort: the run's results are written; a plot never fails it
+        plot_run(str(out))
+    except Exception as error:  # noqa: BLE001 - a full disk, a matplotlib back-end, bad metrics
+        detail = io_errors.describe(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        log(f"warning: plots not written ({detail.splitlines()[0] if detail else type(error).__name__})")
 
 
 class _StopRequest:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_dpo import hooks
+from mcore_dpo import hooks, io_errors
 from mcore_dpo.checkpoint import formats
 from mcore_dpo.model import lora
 from mcore_dpo.parallel import platform as plat
@@ -269,13 +269,16 @@ class PolicyWorker(Rank):
         return self.evaluator.evaluate(pairs, ref_logps)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
-        self.checkpointer.save_checkpoint(directory, step=step)
+        with io_errors.naming(directory):  # a full disk's error names the checkpoint
+            self.checkpointer.save_checkpoint(directory, step=step)
 
     def write_policy(self, directory: str) -> None:
-        self.checkpointer.write_policy(directory)
+        with io_errors.naming(directory):
+            self.checkpointer.write_policy(directory)
 
     def write_adapter(self, directory: str) -> None:
-        self.checkpointer.write_adapter(directory)
+        with io_errors.naming(directory):
+            self.checkpointer.write_adapter(directory)
 
     def policy_shard(self) -> dict[str, torch.Tensor] | None:
         return self.checkpointer.policy_shard()
