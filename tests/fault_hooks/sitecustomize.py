@@ -12,6 +12,11 @@ Ray's worker processes inherit it). It fills mcore_dpo's hook points from MCORE_
 
 Each fault but pace fires once per run directory (a marker file remembers it).
 
+MCORE_DPO_IO_FAULT="ENOSPC:/\.hf\.tmp-" makes every opening for writing (and every mkdir) of a
+path in which the regular expression after the colon is found fail with that errno, as a full disk (ENOSPC), a
+read-only file system (EROFS) or a denied permission (EACCES) would: root, which the tests run
+as, is never denied by file modes. Several faults are separated by ";".
+
 MCORE_DPO_GROUPED_STANDIN=1 installs grouped_standin.py: MoE runs on the CPU get a
 stand-in for megatron-core's grouped GEMM experts (TEGroupedMLP's parameter names).
 """
@@ -62,6 +67,49 @@ if os.environ.get("MCORE_DPO_FAULT"):
         _install(os.environ["MCORE_DPO_FAULT"])
     except ImportError:  # a helper process of Ray's without the project on its path
         pass
+
+def _install_io_fault(spec: str) -> None:
+    import builtins
+    import errno
+    import io
+    import re
+
+    rules = []
+    for part in spec.split(";"):
+        name, _, fragment = part.partition(":")
+        rules.append((getattr(errno, name.rstrip("!")), re.compile(fragment), not name.endswith("!")))
+
+    def check(path) -> None:
+        try:
+            text = os.fsdecode(os.fspath(path))
+        except TypeError:  # a file descriptor
+            return
+        for code, pattern, named in rules:
+            if pattern.search(text):
+                raise OSError(code, os.strerror(code), *([text] if named else []))
+
+    real_open, real_os_open, real_mkdir = io.open, os.open, os.mkdir
+
+    def fault_open(file, mode="r", *args, **kwargs):
+        if any(flag in mode for flag in "wax+"):
+            check(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fault_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            check(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def fault_mkdir(path, *args, **kwargs):
+        check(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    builtins.open = io.open = fault_open
+    os.open, os.mkdir = fault_os_open, fault_mkdir
+
+
+if os.environ.get("MCORE_DPO_IO_FAULT"):
+    _install_io_fault(os.environ["MCORE_DPO_IO_FAULT"])
 
 if os.environ.get("MCORE_DPO_GROUPED_STANDIN") == "1":
     # Before the worker imports build_stage_model by name (grouped_standin.py says what it does).

@@ -19,6 +19,13 @@ def with_fault(env: dict, fault: str | None) -> dict:
     return env
 
 
+def with_io_fault(env: dict, spec: str) -> dict:
+    """Environment for a run whose writes to paths matching a regular expression fail with an
+    errno (MCORE_DPO_IO_FAULT, "ENOSPC:/\\.hf\\.tmp-"; tests/fault_hooks/sitecustomize.py), in the driver and
+    in every Ray worker process."""
+    return _with_hooks_dir(dict(env, MCORE_DPO_IO_FAULT=spec))
+
+
 def with_grouped_standin(env: dict) -> dict:
     """Environment for a CPU run whose MoE experts are fault_hooks/grouped_standin.py's stand-in
     for megatron-core's grouped GEMM experts."""
