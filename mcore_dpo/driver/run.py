@@ -23,6 +23,7 @@ from mcore_dpo.driver.outputs import export_adapter, export_policy, save_checkpo
 from mcore_dpo.driver import output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data.pairs import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
+from mcore_dpo.data.tokenizer_check import check_tokenizer
 from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
 from mcore_dpo.driver.resume_check import run_identity
 from mcore_dpo.driver.run_lock import LockHeld, RunLock
@@ -113,6 +114,8 @@ def prepare(config: TrainConfig) -> Prepared:
         raise InputError(f"{tok_dir}: cannot load the tokenizer ({detail})") from None
     if config.chat_template:
         _use_chat_template(tokenizer, config.chat_template)
+    check_tokenizer(tokenizer, tokenizer_dir=tok_dir, data_paths=[config.data, config.eval_data],
+                    vocab_size=spec.vocab_size, warn=print)  # reads a data sample back, before load_pairs
     if len(tokenizer) > spec.vocab_size:
         raise InputError(
             f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
