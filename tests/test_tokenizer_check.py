@@ -273,3 +273,4 @@ def test_a_small_tokenizer_for_a_large_vocabulary_warns_in_a_real_run(tmp_path, 
     warning = (f"warning: {model}: the tokenizer (TokenizersBackend) has 127 tokens, under half of the model's "
                f"vocab_size 300; {ADVICE}")
     assert warning in proc.stdout.splitlines(), proc.stdout
+    assert warning in (tmp_path / "o" / "train.log").read_text().splitlines()  # in the run's log too

@@ -64,6 +64,7 @@ class Prepared:
     eval_stats: DataStats | None = None
     identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
     packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
+    warnings: list[str] = dataclasses.field(default_factory=list)  # said once the run log is open
 
 
 def prepare(config: TrainConfig) -> Prepared:
@@ -82,6 +83,7 @@ def prepare(config: TrainConfig) -> Prepared:
     if config.data is None:
         raise InputError("data: --data is required when --model is given")
     config.validate()
+    warnings: list[str] = []
     if config.wandb:
         try:
             import wandb  # noqa: F401
@@ -115,7 +117,7 @@ def prepare(config: TrainConfig) -> Prepared:
     if config.chat_template:
         _use_chat_template(tokenizer, config.chat_template)
     check_tokenizer(tokenizer, tokenizer_dir=tok_dir, data_paths=[config.data, config.eval_data],
-                    vocab_size=spec.vocab_size, warn=print)  # reads a data sample back, before load_pairs
+                    vocab_size=spec.vocab_size, warn=warnings.append)  # reads a data sample back, before load_pairs
     if len(tokenizer) > spec.vocab_size:
         raise InputError(
             f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
@@ -141,7 +143,7 @@ def prepare(config: TrainConfig) -> Prepared:
                 f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
             )
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
-                    eval_pairs=eval_pairs, eval_stats=eval_stats, packing_note=packing_note)
+                    eval_pairs=eval_pairs, eval_stats=eval_stats, packing_note=packing_note, warnings=warnings)
 
 
 def _adapter_shape_change(saved: dict, current: dict) -> str | None:
@@ -223,6 +225,8 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
     prep = prepare(config)
     if prep.packing_note:
         log(prep.packing_note)
+    for warning in prep.warnings:
+        log(warning)
     command = _command_of(prep.config)
     if prep.config.output_dir is None:  # a fresh directory per run, but the same command continues its own
         earlier = None
