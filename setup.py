@@ -23,6 +23,7 @@ setup(
         "tensorboard>=2.21,<2.22",
         "matplotlib>=3.10,<3.12",
         "packaging>=24.2",
+        "xxhash>=3",  # checkpoint checksums (checkpoint_convert/integrity.py); also a dependency of datasets
     ],
     extras_require={
         # Everything the test suite imports beyond install_requires.

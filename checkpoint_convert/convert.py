@@ -7,6 +7,12 @@ one entry, never a shard or the model. hf-to-mcore and reshard write the tp rank
 stage side by side (with ep > 1, every ep rank's file of each: an expert's tensor goes to
 the rank that holds it, every other tensor to all of them), so each source tensor is read once. Output goes into a temporary
 directory that replaces the target only when everything has been written.
+
+Every rank file written records its rank in its header, and the directory's metadata the
+checksums of its rank files (`write_mcore_meta`, once they are all written). mcore-to-hf and
+reshard refuse a source rank file whose record or checksum differs (io.McoreCheckpoint: the
+record on open, the checksum before the file's first tensor is read), in one line naming it;
+the target is then left as it was.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from checkpoint_convert.io import (
     expert_rank_name,
     meta_json,
     open_hf_dir,
+    shard_metadata,
     shard_relpath,
+    shard_relpaths,
 )
 from checkpoint_convert.durable import atomic_output_dir
+from checkpoint_convert.integrity import checksum_entry
 from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.gather import entry_blocks, hf_entry_index
@@ -82,22 +91,31 @@ def checkpoint_format(source: object) -> str:
 def write_mcore_shard(
     directory: Path, *, tp_rank: int, pp_rank: int, shard: dict[str, torch.Tensor], ep: int = 1, ep_rank: int = 0
 ) -> None:
-    """Write one rank's tensors (used by the converter and by the trainer's checkpointer); with
-    ep > 1, `shard` holds ep rank ep_rank's experts under their local index."""
+    """Write one rank's tensors (used by the converter and by the trainer's checkpointer), its
+    rank recorded in the header; with ep > 1, `shard` holds ep rank ep_rank's experts under
+    their local index."""
     path = directory / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_tensors(path, {k: v.detach() for k, v in shard.items()}, metadata={"format": "pt"})
+    write_tensors(path, {k: v.detach() for k, v in shard.items()},
+                  metadata=shard_metadata(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank))
 
 
 def write_mcore_meta(directory: Path, *, meta: McoreMeta, aux_files: Iterable[Path]) -> None:
-    """Write the meta JSON and hf_files/ (source config.json + tokenizer/generation files)."""
-    (directory / META_FILE).write_text(json.dumps(meta_json(meta), indent=2) + "\n")
+    """Write hf_files/ (source config.json + tokenizer/generation files) and the meta JSON with
+    the checksum of every rank file: called once all of them are written (by this process or by
+    the trainer's ranks), it reads each once."""
     hf_files = directory / HF_FILES_DIR
     hf_files.mkdir(parents=True, exist_ok=True)
     (hf_files / "config.json").write_text(json.dumps(meta.hf_config, indent=2) + "\n")
     for path in aux_files:
         if path.name != "config.json":
             shutil.copy2(path, hf_files / path.name)
+    checksums = {}
+    for rel in shard_relpaths(tp=meta.tp, pp=meta.pp, ep=meta.ep):
+        if not (directory / rel).is_file():
+            raise ConversionError(f"{directory / rel}: file is missing (every rank file is written before the metadata)")
+        checksums[rel] = checksum_entry(directory / rel)
+    (directory / META_FILE).write_text(json.dumps({**meta_json(meta), "checksums": checksums}, indent=2) + "\n")
 
 
 def _row_blocks(start: int, stop: int, *, row_bytes: int) -> Iterator[tuple[int, int]]:
@@ -155,7 +173,8 @@ def _write_mcore(
                     declared = [(name, torch_dtype, shape) for name, shape in shapes.items()]
                     path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"})))
+                    metadata = shard_metadata(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
+                    writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata=metadata)))
             for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
                 name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
                 hf_names = [t.format(layer=global_layer) for t in hf]

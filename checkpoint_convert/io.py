@@ -6,7 +6,8 @@ tokenizer files, optional generation_config.json.
 Megatron checkpoint directory (this project's format, safetensors + JSON only):
 
     mcore_checkpoint.json        meta: format, format_version, tp, pp, ep, dtype, layer_spec,
-                                 vocab_divisor, padded_vocab_size, hf_config (source config.json)
+                                 vocab_divisor, padded_vocab_size, hf_config (source config.json),
+                                 checksums (each rank file's size and XXH3-64, integrity.py)
     hf_files/                    config.json, generation_config.json (when the source had one)
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
@@ -15,6 +16,14 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
     tp{t}_pp{p}_ep{e}/model.safetensors   the same with experts split over ep > 1 ranks: rank e
                                  holds experts [e*E/ep, (e+1)*E/ep) as its local experts
                                  0..E/ep-1 and a copy of every other tensor of its tp rank
+
+Each rank file records the rank it belongs to in its header's metadata (tp_rank, pp_rank,
+ep_rank: `shard_metadata`). McoreCheckpoint checks that record against the file's path when it
+opens the directory (the header only: free), and the file's checksum the first time it reads a
+tensor from it, so a process reads each file once more at most, just before the reads that
+follow (whose pages the check has just brought into the cache); a process that only opens the
+directory for its metadata reads no tensor bytes. Directories written before the checksums and
+records (no `checksums` field, no record in a header) are read as before, unchecked.
 
 Tensors are read one at a time with plain reads (safetensors_stream), never memory-mapped,
 so file pages a conversion touches are not charged to its resident memory.
@@ -35,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.integrity import HASH, IntegrityError, verify_file
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.families import family_of, spec_from_hf_config
@@ -333,6 +343,49 @@ def shard_relpath(*, tp_rank: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) 
     return f"tp{tp_rank}_pp{pp_rank}/model.safetensors"
 
 
+def shard_relpaths(*, tp: int, pp: int, ep: int = 1) -> list[str]:
+    """Every rank file of a tp x pp x ep directory."""
+    return [shard_relpath(tp_rank=t, pp_rank=p, ep=ep, ep_rank=e) for p in range(pp) for t in range(tp) for e in range(ep)]
+
+
+RANK_KEYS = ("tp_rank", "pp_rank", "ep_rank")
+
+
+def shard_metadata(*, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, str]:
+    """The safetensors header metadata of a rank file: the rank it belongs to, recorded so that
+    a file copied over another's is refused by name (`check_rank_record`)."""
+    return {"format": "pt", "tp_rank": str(tp_rank), "pp_rank": str(pp_rank), "ep_rank": str(ep_rank)}
+
+
+def check_rank_record(path: Path, metadata: Mapping[str, str], *, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> None:
+    """A rank file's recorded rank must be the rank of the path it was opened as (a file
+    without a record, written before records, passes)."""
+    if not any(key in metadata for key in RANK_KEYS):
+        return
+    expected = (str(tp_rank), str(pp_rank), str(ep_rank))
+    recorded = tuple(metadata.get(key) for key in RANK_KEYS)
+    if recorded != expected:
+        def ranks(values: tuple) -> str:
+            return f"(tp {values[0]}, pp {values[1]}, ep {values[2]})"
+        raise IntegrityError(path, f"holds the shard of rank {ranks(recorded)}, not of its path's rank {ranks(expected)} "
+                                   "(a rank file copied over another?)")
+
+
+def read_checksums(path: Path, raw: dict, *, shard_files: list[str]) -> dict[str, dict] | None:
+    """The `checksums` field of a meta JSON: relative path -> {"bytes", "xxh3_64"} of every rank
+    file; None when the directory was written before checksums were recorded."""
+    checksums = raw.get("checksums")
+    if checksums is None:
+        return None
+    if not isinstance(checksums, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get(HASH), str) for e in checksums.values()):
+        raise ConversionError(f"{path}: field 'checksums' must map file names to {{'bytes': int, '{HASH}': str}}")
+    for rel in shard_files:
+        if rel not in checksums:
+            raise ConversionError(f"{path}: field 'checksums' does not list {rel}")
+    return checksums
+
+
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -394,20 +447,27 @@ def meta_json(meta: McoreMeta) -> dict:
 
 
 class _LazyShard(Mapping):
-    """One rank's tensors, each read on access into a fresh tensor."""
+    """One rank's tensors, each read on access into a fresh tensor. `checksum`: the file's
+    recorded entry, checked (integrity.verify_file) before the first tensor is read."""
 
-    def __init__(self, path: Path, handle: SafetensorsReader) -> None:
-        self._path, self._handle = path, handle
+    def __init__(self, path: Path, handle: SafetensorsReader, *, checksum: dict | None = None) -> None:
+        self._path, self._handle, self._checksum = path, handle, checksum
         self._names = list(handle.keys())
+
+    def _reader(self) -> SafetensorsReader:
+        if self._checksum is not None:
+            verify_file(self._path, self._checksum)
+            self._checksum = None
+        return self._handle
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        return self._handle.read(name)
+        return self._reader().read(name)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` without reading the rest."""
-        return self._handle.read(name, rows=(start, stop))
+        return self._reader().read(name, rows=(start, stop))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._handle.shape(name)
@@ -415,7 +475,7 @@ class _LazyShard(Mapping):
     def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Tensor `name` narrowed to [start, stop) on dim, reading only those bytes."""
         offsets, sizes = narrowed_box(self._handle.shape(name), dim, start, stop)
-        return self._handle.read_box(name, offsets=offsets, sizes=sizes)
+        return self._reader().read_box(name, offsets=offsets, sizes=sizes)
 
     @property
     def bytes_read(self) -> int:
@@ -494,9 +554,13 @@ class _ExpertParallelShard(Mapping):
 
 
 class McoreCheckpoint:
-    """A validated Megatron checkpoint directory written by this package (or the trainer)."""
+    """A validated Megatron checkpoint directory written by this package (or the trainer).
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    Each rank file's recorded rank is checked on open; its size too, and its checksum before
+    the first tensor is read from it, unless `verify_checksums` is False (a caller that has
+    just checked the whole directory, e.g. the trainer's driver before a resume)."""
+
+    def __init__(self, directory: str | os.PathLike, *, verify_checksums: bool = True) -> None:
         self.dir = Path(directory)
         meta_path = self.dir / META_FILE
         if not self.dir.is_dir():
@@ -530,6 +594,12 @@ class McoreCheckpoint:
             format_version=raw["format_version"],
             ep=ep,
         )
+        rank_files = shard_relpaths(tp=self.meta.tp, pp=self.meta.pp, ep=ep)
+        checksums = read_checksums(meta_path, raw, shard_files=rank_files)
+        if checksums is not None:
+            for path in sorted(self.dir.glob("tp*_pp*/*.safetensors")):
+                if path.relative_to(self.dir).as_posix() not in checksums:
+                    raise IntegrityError(path, f"is not listed in {meta_path} (a rank file of another layout, left behind?)")
         self._shards: dict[tuple[int, int], _LazyShard | _ExpertParallelShard] = {}
         for pp_rank in range(self.meta.pp):
             per_ep_rank = ep_shard_shapes(
@@ -539,8 +609,10 @@ class McoreCheckpoint:
             for tp_rank in range(self.meta.tp):
                 ranks = []
                 for ep_rank, expected in enumerate(per_ep_rank):
-                    path = self.dir / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+                    rel = shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+                    path = self.dir / rel
                     handle = _open_safetensors(path)
+                    check_rank_record(path, handle.metadata, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
                     names = list(handle.keys())
                     for name in expected:
                         if name not in names:
@@ -549,7 +621,10 @@ class McoreCheckpoint:
                         if name not in expected:
                             raise ConversionError(f"{path}: unexpected tensor '{name}'")
                     _check_shapes(path, handle, names, expected)
-                    ranks.append(_LazyShard(path, handle))
+                    if checksums is not None and path.stat().st_size != checksums[rel]["bytes"]:
+                        verify_file(path, checksums[rel])  # the size now (free), the checksum on first read
+                    checksum = checksums[rel] if checksums is not None and verify_checksums else None
+                    ranks.append(_LazyShard(path, handle, checksum=checksum))
                 shard = ranks[0] if ep == 1 else _ExpertParallelShard(
                     ranks, spec=spec, tp=self.meta.tp, tp_rank=tp_rank, pp=self.meta.pp, pp_rank=pp_rank,
                     layer_spec=self.meta.layer_spec)

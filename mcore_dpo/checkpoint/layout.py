@@ -16,6 +16,7 @@
         base.json the base model's path and fingerprint)
         rng/rank{r}.safetensors   each rank's RNG states
         trainer_state.json        step, data position, layout, resolved config
+        manifest.json             every other file's size and XXH3-64 checksum (checkpoint_convert/integrity.py)
       step_00000012.partial-*     a checkpoint being written (never current; removed on resume)
 
 With --save-format torch_dist a checkpoint is a Megatron-LM iteration directory instead
@@ -27,16 +28,26 @@ A checkpoint is written into a `.partial-*` directory, fsynced, renamed to its f
 only then made current by replacing `latest` (a new file renamed over it; see durable.py). A kill at any moment leaves the previous checkpoint
 current and loadable. The safetensors format holds only safetensors and JSON; the pickles of a
 torch_dist one are read back only through checkpoint_convert's restricted unpickler.
+
+A resume trusts no file blindly: `resume_point` checks the current checkpoint against its
+manifest on the driver (one read of its files: at the hash's 7 GB/s the disk sets the cost) and
+falls back to the newest older one that checks, saying so in one line; `make_current` then
+points `latest` at it, so the run's next save of a step that failed replaces that checkpoint
+(commit's same-step rule) and pruning counts from it. The ranks then read the checked files
+without checking their checksums again (the rank record in each Megatron file is still
+checked: checkpoint_convert.io). A checkpoint written before manifests resumes unchecked.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
 
-from checkpoint_convert import durable
+from checkpoint_convert import durable, integrity
+from checkpoint_convert.io import META_FILE
 
 FORMAT = "mcore_dpo.trainer_checkpoint"
 FORMAT_VERSION = 1
@@ -84,6 +95,7 @@ def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict,
     base = root(output_dir)
     state = {"format": FORMAT, "format_version": FORMAT_VERSION, **trainer_state}
     durable.write_file(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+    integrity.write_manifest(tmp, known=_recorded_checksums(tmp))
     durable.fsync_tree(tmp)
     final = base / tmp.name.split(".partial-", 1)[0]
     aside = None
@@ -97,8 +109,24 @@ def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict,
     _point_megatron_tracker(base, final)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    _checked[final] = _signature(final)  # written and checksummed by this process just now
     prune(output_dir, keep_last=keep_last)
     return final
+
+
+def _recorded_checksums(directory: Path) -> dict[str, dict]:
+    """The checksums the Megatron directories inside a checkpoint (model/, optim/*/) recorded
+    when their metadata was written moments ago, by path relative to `directory`: the manifest
+    takes them instead of reading those files a second time."""
+    known = {}
+    for meta in directory.rglob(META_FILE):
+        try:
+            recorded = json.loads(meta.read_text()).get("checksums") or {}
+        except (OSError, ValueError):
+            continue
+        prefix = meta.parent.relative_to(directory).as_posix()
+        known.update({f"{prefix}/{rel}": entry for rel, entry in recorded.items() if isinstance(entry, dict)})
+    return known
 
 
 def _point_megatron_tracker(base: Path, current: Path) -> None:
@@ -126,6 +154,66 @@ def latest(output_dir: str | Path) -> Path | None:
     if not (path / "trainer_state.json").is_file():
         raise CheckpointError(f"{pointer}: points at {path.name}, which is not a complete checkpoint")
     return path
+
+
+# Checkpoints this process has checked (or written), with the size and mtime of each file then:
+# the driver checks the resume point before the first attempt and again at each attempt.
+_checked: dict[Path, tuple] = {}
+
+
+def _signature(path: Path) -> tuple:
+    return tuple(sorted((os.path.relpath(os.path.join(d, f), path), os.stat(os.path.join(d, f)).st_size,
+                         os.stat(os.path.join(d, f)).st_mtime_ns) for d, _, files in os.walk(path) for f in files))
+
+
+def check(path: Path) -> None:
+    """Raise CheckpointError (one line naming the file) unless every file of the checkpoint at
+    `path` matches its manifest; a checkpoint without one (written before manifests) passes."""
+    signature = _signature(path)
+    if _checked.get(path) == signature:
+        return
+    try:
+        integrity.verify_manifest(path)
+    except integrity.IntegrityError as error:
+        raise CheckpointError(str(error)) from None
+    _checked[path] = signature
+
+
+def resume_point(output_dir: str | Path) -> tuple[Path | None, str | None]:
+    """The checkpoint a resume starts from: the current one when its files match its manifest,
+    else the newest older one that does, with a one-line note saying so (None when it is the
+    current one). (None, None) when the run has no checkpoint; CheckpointError naming the
+    current checkpoint's bad file when none is intact."""
+    current = latest(output_dir)
+    if current is None:
+        return None, None
+    try:
+        check(current)
+        return current, None
+    except CheckpointError as error:
+        first = error
+    older = sorted((p for p in root(output_dir).iterdir() if p.is_dir() and (p / "trainer_state.json").is_file()
+                    and _step_of(p.name) is not None and _step_of(p.name) < _step_of(current.name)), key=lambda p: _step_of(p.name), reverse=True)
+    for candidate in older:
+        try:
+            check(candidate)
+        except CheckpointError:
+            continue
+        return candidate, (f"{first}; resuming from the older intact checkpoint {candidate.name} (step "
+                           f"{_step_of(candidate.name)}) instead")
+    also = f" (and the {len(older)} older one{'s' if len(older) != 1 else ''} too)" if older else ""
+    raise CheckpointError(f"{first}; no intact checkpoint to resume from{also}; pass --overwrite to start "
+                          "afresh there, or choose another --output-dir")
+
+
+def make_current(output_dir: str | Path, path: Path) -> None:
+    """Point `latest` (and Megatron-LM's pointer) at the checkpoint `path`, an older one a
+    resume falls back to: the newer checkpoints that failed stay until the run saves their step
+    again (commit moves a non-current one of the same step aside) or pruning removes them."""
+    base = root(output_dir)
+    if _current_name(base) != path.name:
+        durable.replace_file(base / "latest", path.name + "\n")
+        _point_megatron_tracker(base, path)
 
 
 def read_state(path: Path) -> dict:

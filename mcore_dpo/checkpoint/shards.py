@@ -3,7 +3,9 @@ fp32 master weights in `model/`, AdamW's moments in `optim/exp_avg/` and `optim/
 and TR-DPO's moving reference in `reference/`) is a Megatron directory of its own, with the
 model's metadata, which any tp/pp/ep layout reads back (resharded through HF names). Each holds
 every tensor of the model: the routers' expert bias, which the optimizer does not train, is
-written as it is in `model/` and as zeros in the moments (`Checkpointer.held_not_trained`)."""
+written as it is in `model/` and as zeros in the moments (`Checkpointer.held_not_trained`).
+Each rank file records its rank, and each directory's metadata the checksums of its rank files
+(checkpoint_convert.convert.write_mcore_meta, on the driver once every rank has written)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.convert import write_mcore_meta, write_mcore_shard
+from checkpoint_convert.io import McoreCheckpoint
 from mcore_dpo.checkpoint.layout import KINDS
-from mcore_dpo.model.builder import open_weights, shard_names
+from mcore_dpo.model.builder import shard_names
 
 
 class Shards:
@@ -49,4 +52,6 @@ class Shards:
         return path if os.path.isdir(path) else None
 
     def read(self, directory: str | Path, kind: str, *, part) -> dict[str, torch.Tensor]:
-        return part.rank_shard(open_weights(os.path.join(directory, kind)))
+        # The driver checked every file against the checkpoint's manifest before resuming from it
+        # (layout.resume_point): the checksums are not read again here, the rank records are.
+        return part.rank_shard(McoreCheckpoint(os.path.join(directory, kind), verify_checksums=False).hf_view())

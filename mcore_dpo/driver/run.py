@@ -259,7 +259,8 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
     config = prep.config
     prep.identity = run_identity(config)
     # a broken pointer or state file is reported now, before any worker
-    current = None if config.overwrite else checkpoint.latest(out)
+    # (a resume's: checked against its manifest, an older intact one when it fails; _attempt says so)
+    current = None if config.overwrite else checkpoint.resume_point(out)[0] if config.resume else checkpoint.latest(out)
     if not config.overwrite:
         saved = checkpoint.read_state(current).get("run", {}) if current is not None else None
         problem, changed = output_dir.door_problem(
@@ -346,9 +347,12 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
 
     config = prep.config
     checkpoint.remove_partials(out)
-    resume_dir = checkpoint.latest(out) if config.resume else None
+    resume_dir, fallback = checkpoint.resume_point(out) if config.resume else (None, None)
     start_step = int(checkpoint.read_state(resume_dir)["step"]) if resume_dir else 0
-    if resume_dir:
+    if fallback:  # the newest checkpoint failed its manifest: the older one becomes current
+        checkpoint.make_current(out, resume_dir)
+        log(fallback)
+    elif resume_dir:
         log(f"resuming from {resume_dir} (step {start_step})")
     steps = step_batches(config, len(prep.train_pairs))
     metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,

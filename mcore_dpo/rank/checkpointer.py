@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
-from checkpoint_convert.io import shard_relpath
+from checkpoint_convert.io import shard_metadata, shard_relpath
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import hooks
@@ -168,7 +168,8 @@ class Checkpointer:
                                                  ep_rank=job.ep_rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
-                with SafetensorsWriter(path, tensors=declared, metadata={"format": "pt"}) as writer:
+                metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep_rank=job.ep_rank)
+                with SafetensorsWriter(path, tensors=declared, metadata=metadata) as writer:
                     for name, tensor in tensors.items():
                         if job.source is not None and _EXPERT.search(name):
                             tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
