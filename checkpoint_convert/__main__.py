@@ -3,6 +3,7 @@
     python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--ep 2] [--dtype bfloat16] [--format torch_dist]
     python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB] [--hf-config DIR]
     python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--ep 1] [--format torch_dist] [--hf-config DIR]
+    (each of the three also takes [--trust-remote-code]: copy the model's custom *.py code along)
     python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
 
 --mcore-dir reads either format: this package's (safetensors per rank) or torch_dist
@@ -12,10 +13,12 @@ model when a torch_dist checkpoint has no HF config of its own and its args do n
 --ep N splits the experts of a MoE model over N expert-parallel ranks (one file per tp, pp and
 ep rank; default 1: every rank file holds all experts). reshard reads any ep and writes --ep.
 verify builds the Megatron model with a trainer's runner (mcore_dpo's, found through an entry
-point: checkpoint_convert/verify.py); the other commands need no trainer.
+point: checkpoint_convert/verify.py); the other commands need no trainer. The config and tokenizer
+files travel with the weights (tokenizer.json checked as training loads it); custom code (*.py,
+what an `auto_map` names) only with --trust-remote-code, else a line on stderr names what was left out.
 
 (also installed as `mcore-convert`). Bad input, or verify without a runner, prints one line and
-exits with code 2.
+exits with code 2; verify exits with 1 when the logits differ.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ _HF_CONFIG_HELP = ("directory whose config.json describes the model, for a torch
 _MCORE_DIR_HELP = ("Megatron checkpoint to read (either format): its folder, or a trainer's "
                    "OUTPUT/checkpoints/step_N, .../checkpoints or .../latest")
 _OVERWRITE_HELP = "replace --out if it already holds files (default: refuse a non-empty --out)"
+_TRUST_HELP = ("copy the model's custom code (*.py files, what an auto_map names) into --out "
+               "(default: leave it out, saying which files on stderr)")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -77,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                         "'te' for Transformer Engine's")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help=_FORMAT_HELP)
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
 
     p = command("mcore-to-hf", "Megatron checkpoint -> HF directory")
     p.add_argument("--mcore-dir", required=True, metavar="DIR", help=_MCORE_DIR_HELP)
@@ -85,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest model-*.safetensors file to write, e.g. 500MB or 5GB")
     p.add_argument("--hf-config", default=None, metavar="DIR", help=_HF_CONFIG_HELP)
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
 
     p = command("reshard", "Megatron checkpoint -> Megatron checkpoint at a new tp x pp x ep")
     p.add_argument("--mcore-dir", required=True, metavar="DIR", help=_MCORE_DIR_HELP)
@@ -95,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, default=None, help=_FORMAT_HELP + " (default: the input's)")
     p.add_argument("--hf-config", default=None, metavar="DIR", help=_HF_CONFIG_HELP)
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help=_TRUST_HELP)
 
     p = command("verify", "compare HF and Megatron logits at the checkpoint's tp x pp")
     p.add_argument("--hf-dir", required=True, metavar="DIR", help="Hugging Face model directory (the reference side)")
@@ -148,20 +156,21 @@ def run(argv: list[str] | None = None) -> int:
         hf_to_mcore(
             args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
             layer_spec=args.layer_spec, overwrite=args.overwrite, fmt=args.format,
+            trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
     elif args.command == "mcore-to-hf":
         from checkpoint_convert.convert import mcore_to_hf_dir, parse_size_bytes
 
         mcore_to_hf_dir(
             args.mcore_dir, args.out, max_shard_bytes=parse_size_bytes(args.max_shard_size), overwrite=args.overwrite,
-            hf_config_dir=args.hf_config,
+            hf_config_dir=args.hf_config, trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
     elif args.command == "reshard":
         from checkpoint_convert.convert import reshard
 
         reshard(
             args.mcore_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, overwrite=args.overwrite, fmt=args.format,
-            hf_config_dir=args.hf_config,
+            hf_config_dir=args.hf_config, trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
     elif args.command == "verify":
         from checkpoint_convert.verify import verify

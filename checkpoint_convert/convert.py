@@ -22,6 +22,7 @@ import functools
 import json
 import re
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -86,6 +87,44 @@ def parse_size_bytes(text: str) -> int:
 def checkpoint_format(source: object) -> str:
     """The format name of an opened Megatron checkpoint."""
     return getattr(source, "format", "safetensors")
+
+
+def carried_files(paths: Iterable[Path], *, trust_remote_code: bool, command: str) -> list[Path]:
+    """The config/tokenizer files a conversion copies into its output, checked before anything
+    is written: tokenizer.json must load as training loads it and every other JSON file must
+    parse (else one line naming the file). Custom code (*.py: the modules an `auto_map` names) is
+    copied only with trust_remote_code, as the trainer's own export does; else it is left out,
+    saying so in one line on stderr."""
+    paths = sorted(paths)
+    for path in paths:
+        if path.suffix == ".json":
+            _check_json_file(path)
+    code = [p.name for p in paths if p.suffix == ".py"]
+    if code and not trust_remote_code:
+        print(f"{command}: left out custom code {', '.join(code)}; pass --trust-remote-code to copy it",
+              file=sys.stderr)
+    return [p for p in paths if trust_remote_code or p.suffix != ".py"]
+
+
+def _check_json_file(path: Path) -> None:
+    try:
+        json.loads(path.read_bytes())
+    except OSError as error:
+        raise ConversionError(f"{path}: cannot read it ({error.strerror or error})") from None
+    except ValueError as error:  # bad JSON or bad UTF-8
+        raise ConversionError(f"{path}: not valid JSON ({error}); training could not load it") from None
+    if path.name != "tokenizer.json":
+        return
+    try:
+        from tokenizers import Tokenizer  # installed with transformers
+    except ImportError:
+        return
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as error:  # the tokenizers library raises plain Exception
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConversionError(f"{path}: the tokenizers library cannot load it ({detail}); training could not "
+                              "either") from None
 
 
 def write_mcore_shard(
@@ -233,21 +272,24 @@ def hf_to_mcore(
     divisor: int = 128,
     overwrite: bool = False,
     fmt: str = DEFAULT_FORMAT,
+    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
     """Convert an HF directory into a Megatron checkpoint sharded tp x pp, its experts over ep
-    (format `fmt`), stored in `dtype` (either spelling, bfloat16 or bf16; None: the source's)."""
+    (format `fmt`), stored in `dtype` (either spelling, bfloat16 or bf16; None: the source's);
+    custom code travels only with trust_remote_code (`carried_files`)."""
     source = open_hf_dir(hf_dir)
     check_layout(source.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir / "config.json"), divisor=divisor)
     target_dtype = canonical_dtype(dtype) if dtype else source.spec.torch_dtype
     if target_dtype not in DTYPES:
         raise ConversionError(f"dtype: {dtype!r} is not {DTYPE_HELP}")
+    aux = carried_files(source.aux_files(), trust_remote_code=trust_remote_code, command="hf-to-mcore")
     write = _writer(fmt, ep=ep)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         write(
             tmp, spec=source.spec, hf_config=source.config, get=source.get, get_rows=source.get_rows, tp=tp, pp=pp,
             dtype=target_dtype,
-            layer_spec=layer_spec, divisor=divisor, aux_files=source.aux_files(), log=log,
+            layer_spec=layer_spec, divisor=divisor, aux_files=aux, log=log,
         )  # fmt: skip
     log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp} ep={ep} dtype={target_dtype})")
 
@@ -262,16 +304,18 @@ def reshard(
     overwrite: bool = False,
     fmt: str | None = None,
     hf_config_dir: str | Path | None = None,
+    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
     """Re-split a Megatron checkpoint for a new tp x pp x ep by going through HF names (each
-    expert read from the ep rank that holds it); the output format is `fmt`, by default the input's."""
+    expert read from the ep rank that holds it); the output format is `fmt`, by default the input's;
+    custom code travels only with trust_remote_code (`carried_files`)."""
     source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
     fmt = fmt or checkpoint_format(source)
     check_layout(meta.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir), divisor=meta.vocab_divisor)
     write = _writer(fmt, ep=ep)
-    aux = sorted(p for p in source.hf_files_dir.iterdir() if p.is_file()) if source.hf_files_dir.is_dir() else []
+    aux = carried_files(_hf_files(source), trust_remote_code=trust_remote_code, command="reshard")
     view = source.hf_view()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(getattr(source, "root", source.dir),)) as tmp:
         write(
@@ -281,6 +325,12 @@ def reshard(
         )  # fmt: skip
     log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
         f"({fmt}, tp={tp} pp={pp} ep={ep})")
+
+
+def _hf_files(source: object) -> list[Path]:
+    """The files in a Megatron checkpoint's hf_files/ (none when it has no such folder)."""
+    folder = source.hf_files_dir
+    return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
 
 
 def _plan_hf_shards(spec: ModelSpec, *, dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
@@ -376,11 +426,14 @@ def mcore_to_hf_dir(
     max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
     hf_config_dir: str | Path | None = None,
+    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Export a Megatron checkpoint (either format) as an HF directory (sharded safetensors + index)."""
+    """Export a Megatron checkpoint (either format) as an HF directory (sharded safetensors + index);
+    custom code travels only with trust_remote_code (`carried_files`)."""
     source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
+    aux = carried_files(_hf_files(source), trust_remote_code=trust_remote_code, command="mcore-to-hf")
     torch_dtype = DTYPES[meta.dtype]
     plan = _plan_hf_shards(meta.spec, dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
@@ -415,10 +468,9 @@ def mcore_to_hf_dir(
         writer.close()
         index = {"metadata": {"total_size": total_bytes}, "weight_map": file_of}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        if source.hf_files_dir.is_dir():
-            for path in sorted(source.hf_files_dir.iterdir()):
-                if path.is_file() and path.name != "config.json":
-                    shutil.copy2(path, tmp / path.name)
+        for path in aux:
+            if path.name != "config.json":
+                shutil.copy2(path, tmp / path.name)
         config = _export_config(meta.hf_config, dtype=meta.dtype)
         config = getattr(family_of(meta.spec), "export_config", lambda c: c)(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -10,7 +10,10 @@ finds and never imports by name. A runner is a callable
 given the checkpoint directory (either format), the token ids [batch, seq] (int64) and the HF
 directory whose config.json reads a torch_dist checkpoint that carries none of its own; it
 returns fp32 logits [batch, seq, vocab_size] (the unpadded vocabulary), computed on the CPU so
-that the comparison measures the conversion, not the precision. `find_runner` takes, in order:
+that the comparison measures the conversion, not the precision. A runner may carry a `check`
+attribute, `check(mcore_dir, *, hf_config_dir)`, that raises ConversionError for a checkpoint it
+cannot run: verify calls it before the runner starts anything. Any other failure of the runner
+or of the HF side is one line too (ConversionError). `find_runner` takes, in order:
 
 1. the runner registered in this process with `register_runner` (in-process callers, tests);
 2. the first entry point, by name, of the group `checkpoint_convert.megatron_runners` that
@@ -41,6 +44,11 @@ NO_RUNNER = "verify needs a Megatron model runner; install mcore_dpo alongside c
 
 class MegatronRunner(Protocol):
     def __call__(self, mcore_dir: Path, tokens: torch.Tensor, *, hf_config_dir: Path) -> torch.Tensor: ...
+
+
+def _one_line(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 _registered: MegatronRunner | None = None
@@ -91,10 +99,13 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # verify prints its result line, not a loading bar
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+        model.eval()
+        with torch.no_grad():
+            return model(input_ids=tokens).logits.float()
+    except Exception as error:  # transformers raises many types here
+        raise ConversionError(f"{hf_dir}: transformers cannot run the HF model ({_one_line(error)})") from None
 
 
 def _same_model(hf_spec, mcore_spec) -> bool:
@@ -119,13 +130,21 @@ def verify(
             f"verify: --seq-len must be in [1, {meta.spec.max_position_embeddings}] and --batch-size >= 1"
         )
     runner = find_runner()
+    check = getattr(runner, "check", None)
+    if check is not None:  # the runner's refusals, before it starts its ranks
+        check(Path(checkpoint.dir), hf_config_dir=Path(hf.dir))
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, meta.spec.vocab_size, (batch_size, seq_len), generator=generator)
     world_size = meta.tp * meta.pp
     started = time.monotonic()
     log(f"verify: building the megatron model at tp={meta.tp} pp={meta.pp} from {checkpoint.dir} "
         f"({world_size} CPU rank{'s' if world_size > 1 else ''}) and running {batch_size} x {seq_len} random tokens")
-    mcore_logits = runner(Path(checkpoint.dir), tokens, hf_config_dir=Path(hf.dir))
+    try:
+        mcore_logits = runner(Path(checkpoint.dir), tokens, hf_config_dir=Path(hf.dir))
+    except ConversionError:
+        raise
+    except Exception as error:  # a runner's own bug or an I/O failure: one line, no traceback
+        raise ConversionError(f"verify: the megatron runner failed on {checkpoint.dir} ({_one_line(error)})") from None
     log(f"verify: megatron logits done ({time.monotonic() - started:.1f} s); loading the HF model from {hf.dir}")
     started = time.monotonic()
     hf_logits = _hf_logits(hf.dir, tokens)

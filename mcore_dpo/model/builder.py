@@ -20,7 +20,7 @@ from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import padded_vocab_size, sequential_expert_name, stage_layers
 from mcore_dpo.model.rope import rope_returning
-from mcore_dpo.parallel.mesh import Mesh
+from mcore_dpo.parallel.mesh import Layout, Mesh
 from mcore_dpo.parallel.platform import fused_kernel_fields
 
 
@@ -129,6 +129,26 @@ def _family_fields(spec: ModelSpec, *, grouped_experts: bool) -> dict:
     return fields
 
 
+def check_buildable(spec: ModelSpec, *, layout: Layout, use_te: bool, grouped_experts: bool = False) -> None:
+    """Raise ValueError (one line) where `build_stage_model` cannot build `spec` at `layout`: every
+    refusal of the builder, callable before any rank starts (verify's parent does)."""
+    if spec.family in ("gpt_oss", "gemma3_text") and use_te:
+        name, module = ("GPT-OSS", "gpt_oss") if spec.family == "gpt_oss" else ("Gemma 3", "gemma3")
+        raise ValueError(f"{name}: the Transformer Engine layer spec is not supported; build the local spec "
+                         f"(mcore_dpo/model/{module}.py)")
+    if spec.family == "gpt_oss" and layout.etp > 1:
+        # megatron-core 0.16.1's expert MLP adds its fc2 bias on every expert-tp rank before the sum.
+        raise ValueError(f"GPT-OSS: experts split over {layout.etp} tensor-parallel ranks would add each "
+                         "expert's output bias that many times in megatron-core; at tp > 1 use --ep > 1 "
+                         "(experts whole on their rank)")
+    if layout.cp > 1 and (spec.family == "gemma3_text" or spec.num_experts or spec.multi_latent_attention):
+        raise ValueError(f"context parallelism: not supported for {spec.architecture} (dense models of the "
+                         "standard layer spec only)")
+    if grouped_experts and not use_te:
+        # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
+        raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
+
+
 def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
     grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
@@ -144,29 +164,13 @@ def build_stage_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if spec.family == "gpt_oss" and use_te:
-        raise ValueError("GPT-OSS: the Transformer Engine layer spec is not supported; build the local spec "
-                         "(mcore_dpo/model/gpt_oss.py)")
-    if spec.family == "gpt_oss" and mesh.layout.etp > 1:
-        # megatron-core 0.16.1's expert MLP adds its fc2 bias on every expert-tp rank before the sum.
-        raise ValueError(f"GPT-OSS: experts split over {mesh.layout.etp} tensor-parallel ranks would add each "
-                         "expert's output bias that many times in megatron-core; at tp > 1 use --ep > 1 "
-                         "(experts whole on their rank)")
-    if mesh.layout.cp > 1 and (spec.family == "gemma3_text" or spec.num_experts or spec.multi_latent_attention):
-        raise ValueError(f"context parallelism: not supported for {spec.architecture} (dense models of the "
-                         "standard layer spec only)")
-    if grouped_experts and not use_te:
-        # The local spec's grouped experts are megatron-core's legacy GroupedMLP (bf16 only, other weights).
-        raise ValueError("grouped_experts: needs the Transformer Engine layer spec (use_te)")
+    check_buildable(spec, layout=mesh.layout, use_te=use_te, grouped_experts=grouped_experts)
     config = transformer_config(spec, mesh=mesh, dtype=dtype, on_gpu=on_gpu, sequence_parallel=sequence_parallel,
                                 grouped_experts=grouped_experts, deterministic=deterministic,
                                 recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
                                                           moe=bool(spec.num_experts)))
     if spec.family == "gemma3_text":  # sandwich (1 + w) norms, local/global layers: a spec module of ours
-        if use_te:
-            raise ValueError("Gemma 3: the Transformer Engine layer spec is not supported; build the local spec "
-                             "(mcore_dpo/model/gemma3.py)")
         from mcore_dpo.model import gemma3
 
         layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank)
