@@ -108,7 +108,9 @@ def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
         group.call("write_policy", str(staging))
         meta, aux = model_meta(config, spec, dtype=config.dtype, layer_spec=layer_spec_of(group))
         write_mcore_meta(staging, meta=meta, aux_files=aux)
-        mcore_to_hf_dir(staging, out / "hf", overwrite=True, log=lambda _msg: None)
+        # model_meta already left custom code out unless --trust-remote-code: carry what it kept.
+        mcore_to_hf_dir(staging, out / "hf", overwrite=True, trust_remote_code=config.trust_remote_code,
+                        log=lambda _msg: None)
     finally:  # one copy of the final weights stays: OUT/hf (besides the checkpoints' fp32 masters)
         shutil.rmtree(staging, ignore_errors=True)
 
