@@ -1,17 +1,25 @@
 """The only module that knows about Ray: the cluster connection, one placement group and one
 worker group per role, rendezvous, and turning actor failures into one clear error.
+
+A rank's exception, at start-up or in a method, never crosses Ray as an exception: the actor
+keeps it as a `_Failure` (type, message, traceback) and returns it, and `WorkerGroup.gather`
+raises WorkerGroupError("<rank> failed: <Type>: <message>") with the traceback in `.detail`.
+So the user's line carries the rank's own message, never Ray's wrapping (ANSI-coloured, the
+cause cut off or missing), and Ray prints no traceback of its own. A process that died is
+still Ray's RayActorError: "the worker process died".
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +41,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mcore_dpo.driver import reaper
+from mcore_dpo.driver import local_ray, reaper
 from mcore_dpo.parallel import platform
 from mcore_dpo.parallel.ports import free_port
 
@@ -43,7 +51,15 @@ platform.quiet_known_warnings()
 
 
 class WorkerGroupError(RuntimeError):
-    """A worker failed; str() names the role, the rank and the worker's error."""
+    """A worker failed; str() is one line naming the role, the rank and the worker's error.
+    `detail`: more for OUTPUT/train.log (the rank's traceback), "" when there is none."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+    def __reduce__(self):
+        return type(self), (str(self), self.detail)
 
 
 HEAD_START_TIMEOUT_S = 180
@@ -61,6 +77,7 @@ class _LocalHead:
     temp_dir: str
     reaper: subprocess.Popen | None
     address: str = ""  # the GCS address, once the head is up
+    auth_env_before: dict | None = None  # what `local_ray.private_token` changed in os.environ, to restore
 
 
 _local_head: _LocalHead | None = None
@@ -102,24 +119,17 @@ def _start_local_head(*, num_cpus: int) -> _LocalHead:
     `timeout`, `kill -TERM -PGID`) reaches this process alone, which stops at a step boundary
     while Ray keeps running; Ray's worker processes are the raylet's children, in its session.
     Every port is a free one (two runs on one machine do not collide), and the temporary
-    directory is private, so `ray.init()` elsewhere on the machine never joins this cluster."""
-    _token_auth_as_ray_init_does()
-    temp_dir = tempfile.mkdtemp(prefix="mcore_dpo-ray-")
-    port = free_port(count=4, host="")  # GCS, dashboard, dashboard agent, Ray client server
-    command = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-        f"--port={port}", f"--dashboard-port={port + 1}", f"--dashboard-agent-listen-port={port + 2}",
-        "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}",
-    ]
-    if importlib.util.find_spec("grpc") is not None:  # `ray start` runs a client server then (default port 10001)
-        command.append(f"--ray-client-server-port={port + 3}")
-    # No draining on SIGTERM: the head stops its processes at once when this process stops it.
-    head_env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_USAGE_STATS_ENABLED="0")
-    log_path = os.path.join(temp_dir, "ray_start.log")
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env=head_env, start_new_session=True, close_fds=True)
-    head = _LocalHead(process=process, temp_dir=temp_dir, reaper=reaper.start(roots={process.pid}))
+    directory is private, so `ray.init()` elsewhere on the machine never joins this cluster;
+    the directories that killed drivers left behind are removed first (local_ray.py)."""
+    local_ray.sweep_temp_dirs()
+    auth_env_before = local_ray.private_token()
+    try:
+        head = _spawn_head(num_cpus=num_cpus)
+    except BaseException:
+        local_ray.restore_env(auth_env_before)
+        raise
+    head.auth_env_before = auth_env_before
+    process, temp_dir, log_path = head.process, head.temp_dir, os.path.join(head.temp_dir, "ray_start.log")
     address_file = os.path.join(temp_dir, "ray_current_cluster")  # `ray start` writes it once the head is up
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
     try:
@@ -136,6 +146,25 @@ def _start_local_head(*, num_cpus: int) -> _LocalHead:
     return head
 
 
+def _spawn_head(*, num_cpus: int) -> _LocalHead:
+    """`ray start --head --block` with a fresh temporary directory, and its reaper."""
+    temp_dir = local_ray.make_temp_dir()
+    port = free_port(count=4, host="")  # GCS, dashboard, dashboard agent, Ray client server
+    command = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        f"--port={port}", f"--dashboard-port={port + 1}", f"--dashboard-agent-listen-port={port + 2}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}",
+    ]
+    if importlib.util.find_spec("grpc") is not None:  # `ray start` runs a client server then (default port 10001)
+        command.append(f"--ray-client-server-port={port + 3}")
+    # No draining on SIGTERM: the head stops its processes at once when this process stops it.
+    head_env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_USAGE_STATS_ENABLED="0")
+    with open(os.path.join(temp_dir, "ray_start.log"), "wb") as log_file:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=head_env, start_new_session=True, close_fds=True)
+    return _LocalHead(process=process, temp_dir=temp_dir, reaper=reaper.start(roots={process.pid}))
+
+
 def _stop_local_head(head: _LocalHead, *, keep_temp_dir: bool = False) -> None:
     """SIGTERM to `ray start`, which stops the processes it started; then SIGKILL to whatever
     of its session is left (the raylet's workers and agents)."""
@@ -150,25 +179,9 @@ def _stop_local_head(head: _LocalHead, *, keep_temp_dir: bool = False) -> None:
     if head.process.poll() is None:
         head.process.wait()
     reaper.release(head.reaper)
+    local_ray.restore_env(head.auth_env_before)
     if not keep_temp_dir:
         shutil.rmtree(head.temp_dir, ignore_errors=True)
-
-
-def _token_auth_as_ray_init_does() -> None:
-    """What `ray.init()` does before it starts a new cluster: token authentication on unless
-    RAY_AUTH_MODE says otherwise (the cluster listens on every interface), a token in
-    ~/.ray/auth_token when there is none. `ray start` reads the same environment and file, and
-    this process, which connects to it, must agree. Releases without token authentication have
-    nothing to set."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            enable_token_auth_by_default,
-            ensure_token_if_auth_enabled,
-        )
-    except ImportError:
-        return
-    enable_token_auth_by_default()
-    ensure_token_if_auth_enabled({}, create_token_if_missing=True)
 
 
 def _read_text(path: str) -> str:
@@ -208,15 +221,43 @@ def _node_address_and_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port(host="")
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """A rank's exception as plain data, returned where a result was expected: Ray wraps a
+    raised exception (ANSI-coloured, the message cut) and prints its traceback when nobody
+    fetches it; a returned value crosses as it is."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> _Failure:
+        return cls(type_name=type(error).__name__, message=str(error),
+                   traceback="".join(traceback.format_exception(error)).rstrip())
+
+
 class _RayWorker:
-    """Actor body: builds the rank's worker inside the actor process."""
+    """Actor body: builds the rank's worker inside the actor process. Its exceptions, from the
+    factory and from the methods, come back as `_Failure`s (the factory's from `describe`, the
+    first method the driver calls, and from every later call)."""
 
     def __init__(self, factory: Callable[..., object], kwargs: dict):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        self.worker = factory(**kwargs)
+        self.worker = None
+        self.failure: _Failure | None = None
+        try:
+            self.worker = factory(**kwargs)
+        except Exception as error:  # noqa: BLE001 - reported by describe(), naming this rank
+            self.failure = _Failure.of(error)
 
     def call(self, method: str, *args, **kwargs):
-        return getattr(self.worker, method)(*args, **kwargs)
+        if self.failure is not None:
+            return self.failure
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the driver reports it, naming this rank
+            return _Failure.of(error)
 
     def read_text(self, path: str) -> tuple[str, str | None]:
         """(this node's address, the file's text as this process sees it, None when unreadable)."""
@@ -227,7 +268,9 @@ class _RayWorker:
             text = None
         return ray.util.get_node_ip_address(), text
 
-    def describe(self) -> dict:
+    def describe(self) -> dict | _Failure:
+        if self.failure is not None:
+            return self.failure
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address()}
 
@@ -259,11 +302,18 @@ class WorkerGroup:
                 i = pending.pop(ref)
                 try:
                     results[i] = ray.get(ref)
-                except (RayTaskError, RayActorError, RayError) as error:
-                    if not isinstance(error, RayActorError):  # a peer's failure is often the first sign of a death
-                        i, error = _death_among(pending, grace_s=DEATH_GRACE_S) or (i, error)
+                    if not isinstance(results[i], _Failure):
+                        continue
+                    error = results[i]
+                except RayActorError as death:
                     self.stop()
-                    raise WorkerGroupError(f"{self.names[i]} failed: {_first_line(error)}") from None
+                    raise _group_error(self.names[i], death) from None
+                except RayError as ray_error:
+                    error = ray_error
+                # A peer's failure is often the first sign of a death: the death is the cause then.
+                i, error = _death_among(pending, grace_s=DEATH_GRACE_S) or (i, error)
+                self.stop()
+                raise _group_error(self.names[i], error) from None
             if deadline is not None and time.monotonic() > deadline and pending:
                 self.stop()
                 raise WorkerGroupError(f"{self.role}: no answer within {timeout_s:.0f} s from {self.names[next(iter(pending.values()))]}")
@@ -307,15 +357,46 @@ def ranks_not_seeing(group: WorkerGroup, *, path: str, text: str) -> list[tuple[
     return [(name, node) for name, (node, found) in zip(group.names, seen) if found != text]
 
 
-def _first_line(error: BaseException) -> str:
-    """The worker's own exception, not Ray's wrapping, in one line."""
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def _plain(text: str) -> str:
+    """`text` without ANSI escape sequences (Ray colours its wrapping of workers' errors)."""
+    return _ANSI.sub("", text)
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in _plain(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _exception_line(type_name: str, message: str) -> str:
+    """"Type: first line of the message", as Python prints an exception's last line."""
+    first = _first_line(message)
+    return f"{type_name}: {first}" if first else type_name
+
+
+def _group_error(name: str, error: _Failure | RayError) -> WorkerGroupError:
+    """WorkerGroupError("<name> failed: <cause>"): one line with the rank's own exception (type
+    and message), not Ray's wrapping; the traceback, where there is one, in `detail`."""
+    if isinstance(error, _Failure):
+        return WorkerGroupError(f"{name} failed: {_exception_line(error.type_name, error.message)}",
+                                detail=_plain(error.traceback))
+    text = _plain(str(error)).strip()
+    if isinstance(error, RayActorError) and getattr(error, "actor_init_failed", False):
+        # Raised before _RayWorker.__init__ could catch it (its class or arguments did not load):
+        # Ray's text ends in the traceback, whose last line is the exception.
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        cause = lines[-1] if len(lines) > 1 else "an error in its creation task"
+        return WorkerGroupError(f"{name} failed at start-up: {cause}", detail=text)
+    if isinstance(error, RayActorError):
+        return WorkerGroupError(f"{name} failed: the worker process died ({_first_line(text) or 'no detail'})",
+                                detail=text)
     cause = getattr(error, "cause", None)
     if isinstance(error, RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
-    if isinstance(error, RayActorError):
-        return "the worker process died (" + (str(error).strip().splitlines() or ["no detail"])[0][:200] + ")"
-    text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
+        return WorkerGroupError(f"{name} failed: {_exception_line(type(cause).__name__, str(cause))}", detail=text)
+    lines = text.splitlines()
+    return WorkerGroupError(f"{name} failed: {lines[-1] if lines else type(error).__name__}", detail=text)
 
 
 def bundle_order(node_of: Sequence[str], *, tp: int, ep: int = 1, role: str) -> list[int]:

@@ -26,7 +26,7 @@ import sys
 POLL_S = 0.5
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
+def stat(pid: int) -> tuple[int, int] | None:
     """(parent pid, start time in clock ticks) of `pid`, None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
@@ -41,9 +41,9 @@ def _processes() -> dict[int, tuple[int, int]]:
     found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            stat = _stat(int(name))
-            if stat is not None:
-                found[int(name)] = stat
+            found_stat = stat(int(name))
+            if found_stat is not None:
+                found[int(name)] = found_stat
     return found
 
 
@@ -82,8 +82,8 @@ def in_session(sid: int) -> dict[int, int]:
 def kill(recorded: dict[int, int]) -> None:
     """SIGKILL each recorded process (pid -> start time) that is still that process."""
     for pid, start in recorded.items():
-        stat = _stat(pid)
-        if stat is not None and stat[1] == start:  # the same process, not a reused pid
+        now = stat(pid)
+        if now is not None and now[1] == start:  # the same process, not a reused pid
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -103,7 +103,7 @@ def watch(roots: set[int], *, pipe) -> None:
                 recorded.update(tree(set(recorded)))
                 kill(recorded)
                 return
-        recorded = {pid: start for pid, start in recorded.items() if _stat(pid) is not None}
+        recorded = {pid: start for pid, start in recorded.items() if stat(pid) is not None}
         recorded.update(tree(roots | set(recorded)))
 
 

@@ -310,9 +310,13 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
             except ray_workers.WorkerGroupError as error:
                 if restarts >= config.max_restarts:
                     log.note(f"error: {error}")
+                    if error.detail:  # the rank's traceback: train.log only, the command line shows the line
+                        log.note(error.detail)
                     raise
                 restarts += 1
                 log(f"restart {restarts}/{config.max_restarts} from the latest checkpoint after: {error}")
+                if error.detail:
+                    log.note(error.detail)
     finally:
         ray_workers.disconnect(started)
     output_dir.mark_complete(out, identity=prep.identity, step=config.max_steps)
