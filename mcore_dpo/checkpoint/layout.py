@@ -33,9 +33,11 @@ A resume trusts no file blindly: `resume_point` checks the current checkpoint ag
 manifest on the driver (one read of its files: at the hash's 7 GB/s the disk sets the cost) and
 falls back to the newest older one that checks, saying so in one line; `make_current` then
 points `latest` at it, so the run's next save of a step that failed replaces that checkpoint
-(commit's same-step rule) and pruning counts from it. The ranks then read the checked files
-without checking their checksums again (the rank record in each Megatron file is still
-checked: checkpoint_convert.io). A checkpoint written before manifests resumes unchecked.
+(commit's same-step rule) and pruning counts from it. The ranks then read the optimizer state
+without checking checksums again (shards.Shards.read; the rank each Megatron file records is
+still checked: checkpoint_convert.io); the policy's weights, opened like any --model, are
+checked again as each rank reads its own files of model/. A checkpoint written before manifests
+resumes unchecked.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def commit(output_dir: str | Path, tmp: Path, *, step: int, trainer_state: dict,
     _point_megatron_tracker(base, final)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _checked[final] = _signature(final)  # written and checksummed by this process just now
+    _checked[final] = (_signature(final), None)  # written and checksummed by this process just now
     prune(output_dir, keep_last=keep_last)
     return final
 
@@ -156,9 +158,10 @@ def latest(output_dir: str | Path) -> Path | None:
     return path
 
 
-# Checkpoints this process has checked (or written), with the size and mtime of each file then:
-# the driver checks the resume point before the first attempt and again at each attempt.
-_checked: dict[Path, tuple] = {}
+# Checkpoints this process has checked (or written): the size and mtime of each file then, and
+# the check's error (None: intact). The driver picks the resume point before the first attempt
+# and again at each attempt; a checkpoint whose files did not change is not read again.
+_checked: dict[Path, tuple[tuple, str | None]] = {}
 
 
 def _signature(path: Path) -> tuple:
@@ -170,13 +173,14 @@ def check(path: Path) -> None:
     """Raise CheckpointError (one line naming the file) unless every file of the checkpoint at
     `path` matches its manifest; a checkpoint without one (written before manifests) passes."""
     signature = _signature(path)
-    if _checked.get(path) == signature:
-        return
-    try:
-        integrity.verify_manifest(path)
-    except integrity.IntegrityError as error:
-        raise CheckpointError(str(error)) from None
-    _checked[path] = signature
+    if path not in _checked or _checked[path][0] != signature:
+        try:
+            integrity.verify_manifest(path)
+            _checked[path] = (signature, None)
+        except integrity.IntegrityError as error:
+            _checked[path] = (signature, str(error))
+    if _checked[path][1] is not None:
+        raise CheckpointError(_checked[path][1])
 
 
 def resume_point(output_dir: str | Path) -> tuple[Path | None, str | None]:
@@ -192,8 +196,9 @@ def resume_point(output_dir: str | Path) -> tuple[Path | None, str | None]:
         return current, None
     except CheckpointError as error:
         first = error
-    older = sorted((p for p in root(output_dir).iterdir() if p.is_dir() and (p / "trainer_state.json").is_file()
-                    and _step_of(p.name) is not None and _step_of(p.name) < _step_of(current.name)), key=lambda p: _step_of(p.name), reverse=True)
+    steps = {p: _step_of(p.name) for p in root(output_dir).iterdir() if (p / "trainer_state.json").is_file()}
+    older = sorted((p for p, step in steps.items() if step is not None and step < steps[current]),
+                   key=steps.get, reverse=True)
     for candidate in older:
         try:
             check(candidate)
