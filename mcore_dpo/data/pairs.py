@@ -25,7 +25,7 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -114,20 +114,22 @@ def _utf8_problem(raw: bytes) -> tuple[int, str] | None:
     return None
 
 
+def _jsonl_row(raw_line: bytes) -> Any:
+    """One JSONL line's row: the parsed value, or a _BadRow (not raised) saying why not."""
+    problem = _utf8_problem(raw_line)
+    if problem is not None:
+        return _BadRow(problem[1])
+    try:
+        return json.loads(raw_line.decode("utf-8"))
+    except json.JSONDecodeError as error:
+        return _BadRow(_json_problem(error))
+
+
 def _jsonl_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
     """Yields (line number, parsed row or _BadRow); blank lines are not rows."""
     for index, raw_line in enumerate(raw.split(b"\n")):
-        line = index + 1
-        if not raw_line.strip():
-            continue
-        problem = _utf8_problem(raw_line)
-        if problem is not None:
-            yield line, _BadRow(problem[1])
-            continue
-        try:
-            yield line, json.loads(raw_line.decode("utf-8"))
-        except json.JSONDecodeError as error:
-            yield line, _BadRow(_json_problem(error))
+        if raw_line.strip():
+            yield index + 1, _jsonl_row(raw_line)
 
 
 def _json_rows(raw: bytes, *, path: str) -> Iterator[tuple[int, Any]]:
@@ -191,14 +193,20 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
         yield index + 1, row
 
 
-def _read_rows(path: str) -> Iterator[tuple[int, Any]]:
+def _check_source(path: str) -> str:
+    """The data file's extension (lower case), or DataError: no such file, or an unknown type."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     extension = os.path.splitext(path)[1].lower()
+    if extension not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"{path}: unknown file type {extension or '(none)'!r}; expected .jsonl, .json or .parquet")
+    return extension
+
+
+def _read_rows(path: str) -> Iterator[tuple[int, Any]]:
+    extension = _check_source(path)
     if extension == ".parquet":
         return _parquet_rows(path)
-    if extension not in (".jsonl", ".json"):
-        raise DataError(f"{path}: unknown file type {extension or '(none)'!r}; expected .jsonl, .json or .parquet")
     with open(path, "rb") as handle:
         raw = handle.read()
     return _jsonl_rows(raw, path=path) if extension == ".jsonl" else _json_rows(raw, path=path)
@@ -317,6 +325,11 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
 # ----------------------------------------------------------------------------- tokenizing
 
 
+# Part of every token store's key (data/store.py): bump it with any change here, or in
+# `_RowScan`, that could change a pair's ids, its split, its cut or the counts.
+TOKENIZATION_VERSION = 1
+
+
 def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -346,17 +359,6 @@ def split_at_prompt(
     return list(prompt_ids[:cut]), list(prompt_chosen_ids[cut:]), list(prompt_rejected_ids[cut:])
 
 
-def _tokenize_text_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
-    # As TRL: the EOS *string* closes each completion unless it already ends with it; the
-    # tokenizer's own special tokens (the BOS) come once, at the start of the prompt.
-    eos = tokenizer.eos_token
-    full = [
-        _encode(tokenizer, pair.prompt + (text if text.endswith(eos) else text + eos), add_special_tokens=True)
-        for text in (pair.chosen, pair.rejected)
-    ]
-    return split_at_prompt(_encode(tokenizer, pair.prompt, add_special_tokens=True), *full)
-
-
 def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -364,15 +366,41 @@ def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt:
         raise _BadRow(f"chat template rejected the conversation ({_first_line(error)})") from None
 
 
-def _tokenize_conversation_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
-    # As TRL (and apply_chat_template(tokenize=True)): the rendered text is tokenized without
-    # adding special tokens; the template writes the BOS if the model wants one.
-    prompt_ids = _encode(tokenizer, _render(tokenizer, pair.prompt, add_generation_prompt=True), add_special_tokens=False)
-    full = [
-        _encode(tokenizer, _render(tokenizer, pair.prompt + messages, add_generation_prompt=False), add_special_tokens=False)
-        for messages in (pair.chosen, pair.rejected)
-    ]
-    return split_at_prompt(prompt_ids, *full)
+def _pair_texts(tokenizer, pair: _RawPair) -> tuple[tuple[str, str, str], bool]:
+    """The texts a pair is tokenized from, (prompt, prompt + chosen, prompt + rejected), and whether
+    the tokenizer adds its special tokens to them. load_pairs encodes them one by one, the token
+    store (data/tokenize.py) in batches: the same ids."""
+    if pair.is_conversation:
+        # As TRL (and apply_chat_template(tokenize=True)): the rendered text is tokenized without
+        # adding special tokens; the template writes the BOS if the model wants one.
+        texts = (_render(tokenizer, pair.prompt, add_generation_prompt=True),
+                 *(_render(tokenizer, pair.prompt + messages, add_generation_prompt=False)
+                   for messages in (pair.chosen, pair.rejected)))
+        return texts, False
+    # As TRL: the EOS *string* closes each completion unless it already ends with it; the
+    # tokenizer's own special tokens (the BOS) come once, at the start of the prompt.
+    eos = tokenizer.eos_token
+    texts = (pair.prompt, *(pair.prompt + (text if text.endswith(eos) else text + eos)
+                            for text in (pair.chosen, pair.rejected)))
+    return texts, True
+
+
+def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> None:
+    if not len(prompt_ids):
+        # Without a prompt token nothing predicts the first completion token.
+        raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
+    for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        if not len(ids):
+            raise _BadRow(f"'{key}' tokenizes to no tokens after the prompt")
+
+
+def _tokenize_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids of a valid pair, or _BadRow (the template rejects it, or a
+    part tokenizes to nothing)."""
+    texts, add_special_tokens = _pair_texts(tokenizer, pair)
+    ids = split_at_prompt(*(_encode(tokenizer, text, add_special_tokens=add_special_tokens) for text in texts))
+    _check_split(*ids)
+    return ids
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -390,79 +418,106 @@ def load_pairs(
     has >= max_length tokens is dropped and counted; the others are cut to max_length tokens,
     keeping the start (the prompt, then the completion's head); the cuts are counted. A file
     that mixes plain-text and conversational rows is refused (DataError, whatever on_bad_row).
+    The single-process reference of the token store (data/store.py), which gives the same pairs.
     """
+    _check_arguments(tokenizer, max_length=max_length, on_bad_row=on_bad_row)
+    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row)
+    pairs: list[TokenizedPair] = []
+    for line, row in _read_rows(path):
+        try:
+            raw = scan.validate(line, row)
+            prompt_ids, chosen_ids, rejected_ids = _tokenize_pair(tokenizer, raw)
+        except _BadRow as problem:
+            scan.bad_row(line, problem)
+            continue
+        fitted = scan.fit(prompt_ids, chosen_ids, rejected_ids)
+        if fitted is not None:
+            chosen_ids, rejected_ids = fitted
+            pairs.append(TokenizedPair(prompt_ids=tuple(prompt_ids), chosen_ids=tuple(chosen_ids),
+                                       rejected_ids=tuple(rejected_ids), source_line=line))
+    return pairs, scan.stats()
+
+
+def _check_arguments(tokenizer, *, max_length: int, on_bad_row: str) -> None:
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row: must be 'error' or 'skip', got {on_bad_row!r}")
     if not isinstance(max_length, int) or max_length < 2:
         raise DataError(f"max_length: must be an integer >= 2, got {max_length!r}")
     _check_tokenizer(tokenizer)
 
-    pairs: list[TokenizedPair] = []
-    num_rows = 0
-    num_dropped = 0
-    num_truncated_pairs = num_truncated_tokens = 0
-    bad_lines: list[int] = []
-    unused: dict[str, None] = {}  # an ordered set: the columns not in COLUMNS, first seen first
-    first_line_of_kind: dict[bool, int] = {}  # is_conversation -> line of the first such row
+
+@dataclass
+class _RowScan:
+    """What reading one file's rows in order decides and counts, shared by load_pairs and the token
+    store so that both keep, skip, drop and cut the same rows: the format (the first object
+    decides whether rows have a prompt), the unused columns, one kind of row per file, bad rows
+    (raised or recorded), and the fit to max_length."""
+
+    path: str
+    tokenizer: Any
+    max_length: int
+    on_bad_row: str
+    num_rows: int = 0
+    num_pairs: int = 0
+    num_dropped: int = 0
+    num_truncated_pairs: int = 0
+    num_truncated_tokens: int = 0
     has_prompt: bool | None = None
-    for line, row in _read_rows(path):
-        num_rows += 1
+    bad_lines: list[int] = field(default_factory=list)
+    unused: dict[str, None] = field(default_factory=dict)  # an ordered set: the columns not in COLUMNS
+    first_line_of_kind: dict[bool, int] = field(default_factory=dict)  # is_conversation -> line of the first such row
+
+    def validate(self, line: int, row: Any) -> _RawPair:
+        """Counts the row and checks it: _BadRow for a bad row, DataError for a file that mixes kinds
+        or a conversation the tokenizer cannot render."""
+        self.num_rows += 1
         if isinstance(row, dict):
-            if has_prompt is None:
+            if self.has_prompt is None:
                 # The first object decides the format, so a row that lost its prompt is an error.
-                has_prompt = "prompt" in row
-            unused.update((str(key), None) for key in row if key not in COLUMNS)
-        try:
-            raw = _validate_row(row, has_prompt=bool(has_prompt))
-            _check_one_kind(first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=path)
-            if raw.is_conversation:
-                if not getattr(tokenizer, "chat_template", None):
-                    raise DataError(f"{path}:{line}: conversational row but the tokenizer has no chat_template; "
-                                    "pass --chat-template FILE (a Jinja template, see docs/DATA.md)")
-                prompt_ids, chosen_ids, rejected_ids = _tokenize_conversation_pair(tokenizer, raw)
-            else:
-                prompt_ids, chosen_ids, rejected_ids = _tokenize_text_pair(tokenizer, raw)
-            if not prompt_ids:
-                # Without a prompt token nothing predicts the first completion token.
-                raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
-            for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
-                if not ids:
-                    raise _BadRow(f"'{key}' tokenizes to no tokens after the prompt")
-        except _BadRow as problem:
-            if on_bad_row == "error":
-                raise DataError(f"{path}:{line}: {problem}") from None
-            bad_lines.append(line)
-            continue
-        completion_budget = max_length - len(prompt_ids)
+                self.has_prompt = "prompt" in row
+            self.unused.update((str(key), None) for key in row if key not in COLUMNS)
+        raw = _validate_row(row, has_prompt=bool(self.has_prompt))
+        _check_one_kind(self.first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=self.path)
+        if raw.is_conversation and not getattr(self.tokenizer, "chat_template", None):
+            raise DataError(f"{self.path}:{line}: conversational row but the tokenizer has no chat_template; "
+                            "pass --chat-template FILE (a Jinja template, see docs/DATA.md)")
+        return raw
+
+    def bad_row(self, line: int, problem: object) -> None:
+        """DataError naming the file and line (on_bad_row 'error'), else the row is counted as skipped."""
+        if self.on_bad_row == "error":
+            raise DataError(f"{self.path}:{line}: {problem}") from None
+        self.bad_lines.append(line)
+
+    def fit(self, prompt_ids: Sequence[int], chosen_ids: Sequence[int],
+            rejected_ids: Sequence[int]) -> tuple[Sequence[int], Sequence[int]] | None:
+        """The completions cut to max_length with their prompt (the cut counted), or None when the
+        prompt alone fills max_length (the pair is dropped and counted)."""
+        completion_budget = self.max_length - len(prompt_ids)
         if completion_budget <= 0:
-            num_dropped += 1
-            continue
+            self.num_dropped += 1
+            return None
         cut = max(len(chosen_ids) - completion_budget, 0) + max(len(rejected_ids) - completion_budget, 0)
         if cut:
-            num_truncated_pairs += 1
-            num_truncated_tokens += cut
-        pairs.append(
-            TokenizedPair(
-                prompt_ids=tuple(prompt_ids),
-                chosen_ids=tuple(chosen_ids[:completion_budget]),
-                rejected_ids=tuple(rejected_ids[:completion_budget]),
-                source_line=line,
-            )
+            self.num_truncated_pairs += 1
+            self.num_truncated_tokens += cut
+        self.num_pairs += 1
+        return chosen_ids[:completion_budget], rejected_ids[:completion_budget]
+
+    def stats(self) -> DataStats:
+        if self.num_rows == 0:
+            raise DataError(f"{self.path}: contains no rows")
+        return DataStats(
+            num_rows=self.num_rows,
+            num_pairs=self.num_pairs,
+            num_dropped_prompt_too_long=self.num_dropped,
+            num_bad_rows_skipped=len(self.bad_lines),
+            first_bad_lines=tuple(self.bad_lines[:MAX_BAD_LINES_RECORDED]),
+            num_truncated_pairs=self.num_truncated_pairs,
+            num_truncated_tokens=self.num_truncated_tokens,
+            unused_columns=tuple(self.unused),
+            has_prompt=bool(self.has_prompt),
         )
-    if num_rows == 0:
-        raise DataError(f"{path}: contains no rows")
-    stats = DataStats(
-        num_rows=num_rows,
-        num_pairs=len(pairs),
-        num_dropped_prompt_too_long=num_dropped,
-        num_bad_rows_skipped=len(bad_lines),
-        first_bad_lines=tuple(bad_lines[:MAX_BAD_LINES_RECORDED]),
-        num_truncated_pairs=num_truncated_pairs,
-        num_truncated_tokens=num_truncated_tokens,
-        unused_columns=tuple(unused),
-        has_prompt=bool(has_prompt),
-    )
-    return pairs, stats
 
 
 def _check_one_kind(first_line_of_kind: dict[bool, int], *, is_conversation: bool, line: int, path: str) -> None:
