@@ -371,7 +371,7 @@ def check_rank_record(path: Path, metadata: Mapping[str, str], *, tp_rank: int, 
                                    "(a rank file copied over another?)")
 
 
-def read_checksums(path: Path, raw: dict, *, shard_files: list[str]) -> dict[str, dict] | None:
+def read_checksums(path: Path, raw: dict) -> dict[str, dict] | None:
     """The `checksums` field of a meta JSON: relative path -> {"bytes", "xxh3_64"} of every rank
     file; None when the directory was written before checksums were recorded."""
     checksums = raw.get("checksums")
@@ -380,9 +380,6 @@ def read_checksums(path: Path, raw: dict, *, shard_files: list[str]) -> dict[str
     if not isinstance(checksums, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get(HASH), str) for e in checksums.values()):
         raise ConversionError(f"{path}: field 'checksums' must map file names to {{'bytes': int, '{HASH}': str}}")
-    for rel in shard_files:
-        if rel not in checksums:
-            raise ConversionError(f"{path}: field 'checksums' does not list {rel}")
     return checksums
 
 
@@ -594,12 +591,7 @@ class McoreCheckpoint:
             format_version=raw["format_version"],
             ep=ep,
         )
-        rank_files = shard_relpaths(tp=self.meta.tp, pp=self.meta.pp, ep=ep)
-        checksums = read_checksums(meta_path, raw, shard_files=rank_files)
-        if checksums is not None:
-            for path in sorted(self.dir.glob("tp*_pp*/*.safetensors")):
-                if path.relative_to(self.dir).as_posix() not in checksums:
-                    raise IntegrityError(path, f"is not listed in {meta_path} (a rank file of another layout, left behind?)")
+        checksums = read_checksums(meta_path, raw)
         self._shards: dict[tuple[int, int], _LazyShard | _ExpertParallelShard] = {}
         for pp_rank in range(self.meta.pp):
             per_ep_rank = ep_shard_shapes(
@@ -621,6 +613,8 @@ class McoreCheckpoint:
                         if name not in expected:
                             raise ConversionError(f"{path}: unexpected tensor '{name}'")
                     _check_shapes(path, handle, names, expected)
+                    if checksums is not None and rel not in checksums:
+                        raise ConversionError(f"{meta_path}: field 'checksums' does not list {rel}")
                     if checksums is not None and path.stat().st_size != checksums[rel]["bytes"]:
                         verify_file(path, checksums[rel])  # the size now (free), the checksum on first read
                     checksum = checksums[rel] if checksums is not None and verify_checksums else None
@@ -629,6 +623,11 @@ class McoreCheckpoint:
                     ranks, spec=spec, tp=self.meta.tp, tp_rank=tp_rank, pp=self.meta.pp, pp_rank=pp_rank,
                     layer_spec=self.meta.layer_spec)
                 self._shards[(tp_rank, pp_rank)] = shard
+        rank_files = set(shard_relpaths(tp=self.meta.tp, pp=self.meta.pp, ep=ep))
+        for path in sorted(self.dir.glob("tp*_pp*/*.safetensors")) if checksums is not None else ():
+            if path.relative_to(self.dir).as_posix() not in rank_files:
+                raise IntegrityError(path, f"is not a rank file of the layout {meta_path} records (tp {self.meta.tp}, "
+                                           f"pp {self.meta.pp}, ep {ep}): left from another layout?")
 
     @property
     def spec(self) -> ModelSpec:

@@ -155,7 +155,7 @@ def test_a_rank_file_of_another_layout_left_behind_is_refused(mcore_tp2):
     extra = mcore_tp2 / "tp2_pp0" / "model.safetensors"
     extra.parent.mkdir()
     shutil.copy(mcore_tp2 / RANK_FILE, extra)
-    with pytest.raises(ConversionError, match=f"{extra}: is not listed in"):
+    with pytest.raises(ConversionError, match=f"{extra}: is not a rank file of the layout"):
         McoreCheckpoint(mcore_tp2)
 
 

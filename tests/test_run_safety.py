@@ -79,9 +79,10 @@ class _FakeGroup:
         self.calls.append(method)
         if method == "layer_spec":
             return [self.layer_spec, None]
-        if method == "save_checkpoint":  # the workers create the shard directories
+        if method == "save_checkpoint":  # the workers write their rank files (tp 1, pp 1; not read here)
             for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
-                (Path(args[0]) / kind).mkdir(parents=True)
+                (Path(args[0]) / kind / "tp0_pp0").mkdir(parents=True)
+                (Path(args[0]) / kind / "tp0_pp0" / "model.safetensors").write_bytes(b"")
         return [None, None]
 
 

@@ -68,6 +68,9 @@ def _save(worker, config, directory: str, *, step: int, rank: int) -> None:
     from mcore_dpo.driver.outputs import model_meta
 
     worker.save_checkpoint(directory, step=step)
+    # Every rank's files are written before the metadata records their checksums (the driver's
+    # group.call waits for every rank the same way).
+    torch.distributed.barrier()
     if rank == 0:
         meta, aux = model_meta(config, worker.spec, dtype="float32", layer_spec=worker.layer_spec())
         for kind in ("model",) + tuple(f"optim/{m}" for m in checkpoint.MOMENTS):
