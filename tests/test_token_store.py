@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
+import re
 import shutil
 import time
 import tracemalloc
@@ -29,6 +31,7 @@ from tests.test_bad_inputs import CHAT_TEMPLATE
 from tests.test_data import BAD_LINES, CHAT_ROW, GOOD_LINE, STANDARD_ROWS
 
 REPO = Path(__file__).resolve().parents[1]
+DATA_DOC = (REPO / "docs" / "DATA.md").read_text(encoding="utf-8")
 CORPUS = REPO / "tests" / "bad_inputs"
 REPO_FILES = sorted([*Path(ASSETS_DIR).glob("*.jsonl"), CORPUS / "valid_prefs.jsonl", *(CORPUS / "data").iterdir()])
 
@@ -246,6 +249,15 @@ def test_several_sources_keep_their_order_stats_and_source_index(case_files, tok
     assert store.sequence(store.sample(0)["prompt"]).dtype == np.int32
 
 
+def test_a_store_pickles_as_its_path(case_files, tokenizers, tmp_path):
+    """Handed to a Ray actor or a process, a store is opened there, not copied."""
+    store = _build(Path(ASSETS_DIR) / "prefs_train.jsonl", tokenizers, tmp_path)
+    payload = pickle.dumps(store)
+    assert len(payload) < 1000 < store.num_tokens
+    again = pickle.loads(payload)
+    assert again.path == store.path and again[1999] == store[1999] and again.stats == store.stats
+
+
 def test_a_store_with_no_pairs_opens(case_files, tokenizers, tmp_path):
     tokenizer_dir, tokenizer = tokenizers["default"]
     store = open_or_build([str(case_files["standard"])], tokenizer_dir=tokenizer_dir, tokenizer=tokenizer,
@@ -331,7 +343,9 @@ def _rebuilt_after(damage, case_files, tokenizers, tmp_path) -> list[str]:
 
 def test_a_store_without_meta_json_is_rebuilt(case_files, tokenizers, tmp_path):
     lines = _rebuilt_after(lambda path: (path / "meta.json").unlink(), case_files, tokenizers, tmp_path)
-    assert "no meta.json (an unfinished store); rebuilding the token store" in lines[0]
+    assert lines[0].startswith(f"data: {tmp_path}/") and lines[0].endswith(
+        ": no meta.json (an unfinished store); rebuilding the token store")
+    assert ": no meta.json (an unfinished store); rebuilding the token store\n" in DATA_DOC
 
 
 def test_a_truncated_file_is_rebuilt_never_read(case_files, tokenizers, tmp_path):
@@ -411,6 +425,7 @@ def test_a_row_over_the_bound_is_one_line_read_in_bounded_memory(tokenizers, tmp
         tracemalloc.stop()
     assert str(caught.value) == (f"{path}:2: row is longer than 1,048,576 bytes, the bound at this --max-length "
                                  "(max(1 MiB, 1 KiB x max_length); docs/DATA.md)")
+    assert f"    {str(caught.value).replace(str(path), 'prefs.jsonl')}\n" in DATA_DOC  # docs/DATA.md quotes it
     assert peak < 8 << 20, peak
     assert [p.source_line for p in store] == [1, 4]
     assert store.stats[0].num_rows == 3 and store.stats[0].first_bad_lines == (2,)
@@ -435,8 +450,11 @@ def test_progress_is_a_plain_line_in_a_log(case_files, tokenizers):
                                 on_bad_row="error", pool=pool, write=lambda *pair: written.append(pair[0]),
                                 progress=Progress(log=lines.append, bar=False, interval_s=0.0))
     assert stats.num_pairs == len(written) == 2000
-    assert lines and all(line.startswith("data: tokenizing ") and " pairs/s, ETA " in line for line in lines)
-    assert lines[-1].endswith("(100%)")
+    assert lines and all(re.fullmatch(r"data: tokenizing \S+: [\d,]+ pairs of [\d,]+ rows, [\d,]+ pairs/s, "
+                                      r"ETA \d+ s \(\d+%\)", line) for line in lines), lines
+    assert ": 2,000 pairs of 2,000 rows, " in lines[-1] and lines[-1].endswith("(100%)")
+    assert re.search(r"\n    data: tokenizing prefs\.jsonl: [\d,]+ pairs of [\d,]+ rows, [\d,]+ pairs/s, ETA \d+ s "
+                     r"\(\d+%\)\n", DATA_DOC)
 
 
 def test_workers_must_be_a_positive_integer(tokenizers):

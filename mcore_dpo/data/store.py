@@ -105,12 +105,12 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
     import tokenizers
     import transformers
 
+    template = getattr(tokenizer, "chat_template", None)  # a text, None, or a dict of named templates
     fingerprint = {
         "class": type(tokenizer).__qualname__,
         "special_tokens": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
         "eos_token": str(tokenizer.eos_token),
-        "chat_template": _text_digest(tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str)
-                                      else json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)),
+        "chat_template": _text_digest(template if isinstance(template, str) else json.dumps(template, sort_keys=True)),
         "libraries": {"tokenizers": tokenizers.__version__, "transformers": transformers.__version__},
     }
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -199,6 +199,11 @@ class TokenStore:
             raise StoreError(f"{self.path}: the last sequence ends at token {int(self._sequences[-1].sum())}, "
                              f"tokens.bin holds {meta['num_tokens']}")
 
+    def __reduce__(self):
+        # Pickled (to a Ray actor, a process) as its path and key: the receiver opens the files,
+        # where pickling the memory maps would copy the whole data set.
+        return _reopen, (self.path, self.meta["key"])
+
     def __len__(self) -> int:
         return self.meta["num_samples"]
 
@@ -235,6 +240,10 @@ class TokenStore:
 
     def __iter__(self):
         return (self.pair(i) for i in range(len(self)))
+
+
+def _reopen(path: str, key: str) -> TokenStore:
+    return TokenStore.open(path, key=key)
 
 
 def _check_store(path: str, *, key: str | None) -> dict:

@@ -156,8 +156,8 @@ class BatchIds:
 
     def pair(self, index: int, offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ids of pair `index`, which starts at `offset` in `ids`."""
-        p, c, r = (int(n) for n in self.lengths[index])
-        return self.ids[offset:offset + p], self.ids[offset + p:offset + p + c], self.ids[offset + p + c:offset + p + c + r]
+        prompt_end, chosen_end, rejected_end = (offset + int(n) for n in np.cumsum(self.lengths[index]))
+        return self.ids[offset:prompt_end], self.ids[prompt_end:chosen_end], self.ids[chosen_end:rejected_end]
 
 
 def tokenize_batch(tokenizer, pairs: list[_RawPair]) -> BatchIds:
