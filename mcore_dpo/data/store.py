@@ -387,6 +387,8 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     _remove_stale_partials(root)
     if workers is None:
         workers = default_workers(sum(os.path.getsize(path) for path in sources))
+    pool = TokenizerPool(tokenizer, workers=workers)
+    workers = pool.workers
     partial = root / f"{key}.partial-{uuid.uuid4().hex[:12]}"
     partial.mkdir()
     started = time.monotonic()
@@ -396,7 +398,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
         try:
             stats = []
             progress = Progress(log=log, bar=progress_bar)
-            with TokenizerPool(tokenizer, workers=workers) as pool:
+            with pool:
                 for index, path in enumerate(sources):
                     def write(line, prompt, chosen, rejected, _source=index):
                         writer.add_pair(_source, line, prompt, chosen, rejected)

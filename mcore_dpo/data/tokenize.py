@@ -221,7 +221,10 @@ class TokenizerPool:
         if not isinstance(workers, int) or workers < 1:
             raise DataError(f"data_workers: must be an integer >= 1, got {workers!r}")
         self.tokenizer = tokenizer
-        self.workers = workers
+        # A spawned process first imports the parent's main script; one it cannot find (`python -`
+        # reading stdin) would stop every worker, so such a parent tokenizes in its own process.
+        main_path = getattr(sys.modules.get("__main__"), "__file__", None)
+        self.workers = 1 if main_path is not None and not os.path.isfile(main_path) else workers
         self._executor: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> TokenizerPool:
@@ -275,8 +278,8 @@ def tokenize_source(path: str, *, tokenizer, max_length: int, on_bad_row: str, p
     try:
         return _tokenize_rows(rows, scan=scan, pool=pool, write=write, progress=progress)
     except BrokenProcessPool:
-        raise DataError(f"{path}: a tokenization worker stopped (out of memory, killed, or it could not load the "
-                        "tokenizer); try fewer --data-workers") from None
+        raise DataError(f"{path}: a tokenization worker stopped (out of memory, killed, or it could not start or "
+                        "load the tokenizer); try fewer --data-workers, or 1") from None
     finally:
         if progress is not None:
             progress.end_source()
