@@ -40,15 +40,18 @@ def test_verify_tp2_pp2_matches_hf_logits(factory, tmp_path, capsys):
 
 
 def test_verify_fails_on_a_corrupted_checkpoint(tmp_path, capsys):
-    """The comparison must be able to fail: perturb one layer norm and expect a non-zero exit."""
+    """The comparison must be able to fail: perturb one layer norm on the HF side (the Megatron
+    side's files are checksummed, and a changed shard is refused before any comparison) and
+    expect exit 1."""
     from safetensors.torch import load_file, save_file
 
     hf_dir = save_hf(llama3_rope_scaled(), tmp_path / "hf")
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "m")]) == 0
-    shard = tmp_path / "m" / "tp0_pp0" / "model.safetensors"
-    tensors = load_file(str(shard))
-    tensors["decoder.layers.2.pre_mlp_layernorm.weight"] += 0.5
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    for shard in hf_dir.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if "model.layers.2.post_attention_layernorm.weight" in tensors:
+            tensors["model.layers.2.post_attention_layernorm.weight"] += 0.5
+            save_file(tensors, str(shard), metadata={"format": "pt"})
     capsys.readouterr()
     assert verify(["--hf-dir", str(hf_dir), "--mcore-dir", str(tmp_path / "m")]) == 1
     assert "FAILED" in capsys.readouterr().err

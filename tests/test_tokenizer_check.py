@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
 from mcore_dpo.data.tokenizer_check import _matches, check_tokenizer, sample_texts
 from mcore_dpo.driver import defaults
-from mcore_dpo.driver.run import InputError
+from mcore_dpo.data.pairs import DataError
 from tests.helpers.cli import train_input_error
 from tests.helpers.data import write_prefs
 from tests.helpers.models import save_hf
@@ -186,7 +186,7 @@ def test_the_shipped_files_loaded_as_qwen2_are_refused_with_an_example(tmp_path)
     misread = Qwen2Tokenizer.from_pretrained(defaults.DEFAULT_TOKENIZER_DIR)
     assert misread.tokenize("hello cat dog . sheep") == ["a", "."]  # the finding
     path = str(write_prefs(tmp_path / "d.jsonl", WORD_ROWS))
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(DataError) as caught:
         _check(misread, [path])
     assert str(caught.value) == (
         f"TOK: the tokenizer (Qwen2Tokenizer) does not read the data back: 'hello cat dog . sheep' -> 'a.'; {ADVICE}")
@@ -198,7 +198,7 @@ def test_mostly_unknown_tokens_are_refused(tmp_path):
     save_tokenizer(tmp_path / "tok")  # words w3..w99 only
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     path = str(write_prefs(tmp_path / "d.jsonl", WORD_ROWS))
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(DataError) as caught:
         _check(tokenizer, [path])
     message = str(caught.value)
     assert message.startswith("TOK: the tokenizer (TokenizersBackend) reads most of the data as its unknown token "
@@ -215,7 +215,7 @@ def test_a_few_texts_that_lose_characters_are_a_warning_not_a_refusal(tmp_path):
         "warning: TOK: the tokenizer (TokenizersBackend) does not read 1 of 18 sampled texts back, "
         "e.g. 'abc ab bä<eos>' -> 'abc ab b'"]
     path = str(write_prefs(tmp_path / "most.jsonl", [{"prompt": "abc ab", "chosen": " bä", "rejected": " cä"}] * 4))
-    with pytest.raises(InputError, match="does not read the data back: 'abc ab bä<eos>' -> "):
+    with pytest.raises(DataError, match="does not read the data back: 'abc ab bä<eos>' -> "):
         _check(tokenizer, [path])  # the prompts come back, the completions do not: 8 of 12 texts
 
 

@@ -14,7 +14,7 @@ pair still tokenizes. `check_tokenizer` encodes and decodes a sample of the data
   tokenizers are allowed to change: special tokens (a BOS added, a template's markers), the
   tokenizer's own normaliser (unicode forms, lowercasing), whitespace (all of it is dropped, and
   SentencePiece's U+2581), and an unknown token in place of any text;
-- refused (InputError, one line naming the tokenizer directory, its class and one example) when
+- refused (DataError, one line naming the tokenizer directory, its class and one example) when
   half or more of the sample's texts do not come back, or when most of its tokens are the
   unknown token; fewer texts that do not come back, and a tokenizer with under half as many
   tokens as the model's vocabulary, are one `warning:` line each.
@@ -154,10 +154,8 @@ def _cut(text: str) -> str:
 
 def check_tokenizer(tokenizer, *, tokenizer_dir: str, data_paths: Sequence[str | None], vocab_size: int,
                     warn: Callable[[str], object] = print) -> None:
-    """Refuse a tokenizer that does not read a sample of the data back (InputError); `warn` one
+    """Refuse a tokenizer that does not read a sample of the data back (DataError); `warn` one
     line each for a partial loss and for a tokenizer with under half the model's vocabulary."""
-    from mcore_dpo.driver.run import InputError  # the driver's error; run.py imports this module
-
     name = f"the tokenizer ({type(tokenizer).__name__})"
     advice = "check --tokenizer / the model directory's tokenizer files"
     if len(tokenizer) < vocab_size / 2:
@@ -172,7 +170,7 @@ def check_tokenizer(tokenizer, *, tokenizer_dir: str, data_paths: Sequence[str |
     num_unknown = sum(ids.count(reader.unk_id) for ids in encoded) if reader.unk_id is not None else 0
     if num_unknown * 2 > num_tokens:
         index = max(range(len(samples)), key=lambda i: encoded[i].count(reader.unk_id))
-        raise InputError(
+        raise DataError(
             f"{tokenizer_dir}: {name} reads most of the data as its unknown token {tokenizer.unk_token!r} "
             f"({num_unknown} of {num_tokens} tokens of a sample): {_cut(samples[index].text)!r} -> "
             f"{_cut(reader.shown(encoded[index]))!r}; {advice}")
@@ -181,6 +179,6 @@ def check_tokenizer(tokenizer, *, tokenizer_dir: str, data_paths: Sequence[str |
         return
     example = f"{_cut(samples[lost[0]].text)!r} -> {_cut(reader.shown(encoded[lost[0]]))!r}"
     if len(lost) * 2 >= len(samples):
-        raise InputError(f"{tokenizer_dir}: {name} does not read the data back: {example}; {advice}")
+        raise DataError(f"{tokenizer_dir}: {name} does not read the data back: {example}; {advice}")
     warn(f"warning: {tokenizer_dir}: {name} does not read {len(lost)} of {len(samples)} sampled texts back, "
          f"e.g. {example}")
