@@ -24,6 +24,7 @@ setup(
         "matplotlib>=3.10,<3.12",
         "packaging>=24.2",
         "xxhash>=3",  # checkpoint checksums (checkpoint_convert/integrity.py); also a dependency of datasets
+        "numpy>=1.26",  # the token store's memory-mapped arrays (mcore_dpo/data/store.py)
     ],
     extras_require={
         # Everything the test suite imports beyond install_requires.

@@ -43,6 +43,8 @@ REQUIRED: dict[str, tuple[str, str]] = {
     "tensorboard": (">=2.21,<2.22", "tensorboard"),
     "matplotlib": (">=3.10,<3.12", "matplotlib"),
     "packaging": (">=24.2", "packaging"),
+    "xxhash": (">=3", "xxhash"),
+    "numpy": (">=1.26", "numpy"),
 }
 # Imported to check they load (a container's torch or megatron-core can be built against another
 # CUDA); the rest are only looked up, which keeps the report to a few seconds.
