@@ -143,15 +143,9 @@ def test_implicit_prompt_from_conversations(tmp_path, tokenizer):
 def merging_tokenizer():
     """A character BPE with one merge, "a" + "b" -> "ab": a prompt ending in "a" followed by a
     completion starting with "b" (no space between) tokenizes differently together than apart."""
-    from tokenizers import Tokenizer, models, processors
-    from transformers import PreTrainedTokenizerFast
+    from tests.helpers.data import merging_bpe_tokenizer
 
-    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "<bos>", "<eos>", *"abcxy ", "ab"])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
-    backend.add_special_tokens(["<pad>", "<unk>", "<bos>", "<eos>"])
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>", unk_token="<unk>")
+    tokenizer = merging_bpe_tokenizer()
     assert tokenizer("x a")["input_ids"] == [2, 7, 9, 4]  # <bos> x ' ' a
     assert tokenizer("x ab")["input_ids"] == [2, 7, 9, 10]  # <bos> x ' ' ab: the merge crosses the boundary
     return tokenizer

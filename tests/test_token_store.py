@@ -59,18 +59,10 @@ def tokenizers(tmp_path_factory) -> dict:
 def _merging_tokenizer():
     """tests/test_data.py's character BPE with one merge ("a" + "b"), built in memory, with a
     template that writes no separator after the prompt."""
-    from tokenizers import Tokenizer, models, processors
-    from transformers import PreTrainedTokenizerFast
+    from tests.helpers.data import merging_bpe_tokenizer
 
-    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "<bos>", "<eos>", *"abcxy ", "ab"])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
-    backend.add_special_tokens(["<pad>", "<unk>", "<bos>", "<eos>"])
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>", unk_token="<unk>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}"
-                               "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
-    return tokenizer
+    return merging_bpe_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}"
+                                               "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

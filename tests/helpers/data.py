@@ -36,3 +36,21 @@ def write_prefs(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def merging_bpe_tokenizer(*, chat_template: str | None = None):
+    """A character BPE with one merge, "a" + "b" -> "ab", built in memory: a prompt ending in "a"
+    followed by a completion starting with "b" (no space between) tokenizes differently together
+    than apart. `chat_template`: set as the tokenizer's template."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "<bos>", "<eos>", *"abcxy ", "ab"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
+    backend.add_special_tokens(["<pad>", "<unk>", "<bos>", "<eos>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
