@@ -43,7 +43,7 @@ from checkpoint_convert.io import (
     shard_relpaths,
 )
 from checkpoint_convert.durable import atomic_output_dir
-from checkpoint_convert.integrity import checksum_entry
+from checkpoint_convert.integrity import written_entry
 from checkpoint_convert.families import family_of
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.gather import entry_blocks, hf_entry_index
@@ -136,13 +136,14 @@ def write_mcore_shard(
     path = directory / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_tensors(path, {k: v.detach() for k, v in shard.items()},
-                  metadata=shard_metadata(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank))
+                  metadata=shard_metadata(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank), record_checksum=True)
 
 
 def write_mcore_meta(directory: Path, *, meta: McoreMeta, aux_files: Iterable[Path]) -> None:
     """Write hf_files/ (source config.json + tokenizer/generation files) and the meta JSON with
     the checksum of every rank file: called once all of them are written (by this process or by
-    the trainer's ranks), it reads each once."""
+    the trainer's ranks), it takes the checksum each writer computed as it wrote
+    (integrity.written_entry), reading a file only when its writer left none."""
     hf_files = directory / HF_FILES_DIR
     hf_files.mkdir(parents=True, exist_ok=True)
     (hf_files / "config.json").write_text(json.dumps(meta.hf_config, indent=2) + "\n")
@@ -153,7 +154,7 @@ def write_mcore_meta(directory: Path, *, meta: McoreMeta, aux_files: Iterable[Pa
     for rel in shard_relpaths(tp=meta.tp, pp=meta.pp, ep=meta.ep):
         if not (directory / rel).is_file():
             raise ConversionError(f"{directory / rel}: file is missing (every rank file is written before the metadata)")
-        checksums[rel] = checksum_entry(directory / rel)
+        checksums[rel] = written_entry(directory / rel)
     (directory / META_FILE).write_text(json.dumps({**meta_json(meta), "checksums": checksums}, indent=2) + "\n")
 
 
@@ -213,7 +214,8 @@ def _write_mcore(
                     path = tmp / shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     metadata = shard_metadata(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
-                    writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata=metadata)))
+                    writers[-1].append(stack.enter_context(SafetensorsWriter(path, tensors=declared, metadata=metadata,
+                                                                                  record_checksum=True)))
             for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
                 name = mcore_name(template, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(global_layer))
                 hf_names = [t.format(layer=global_layer) for t in hf]

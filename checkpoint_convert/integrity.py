@@ -62,6 +62,32 @@ def checksum_entry(path: str | os.PathLike) -> dict:
     return {"bytes": os.path.getsize(path), HASH: file_checksum(path)}
 
 
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """Where a writer leaves the entry of a file it has just written (hidden: no manifest lists it)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{HASH}")
+
+
+def write_sidecar(path: str | os.PathLike, entry: Mapping) -> None:
+    """Leave `entry`, computed while `path` was written, for `written_entry` to take."""
+    sidecar_path(path).write_text(json.dumps(dict(entry)) + "\n")
+
+
+def written_entry(path: str | os.PathLike) -> dict:
+    """The entry of a file written moments ago: the one its writer left beside it (the bytes were
+    hashed as they were written, so they are not read again), taken and removed; else (no such
+    note, or the file's size changed since) the file is read and hashed."""
+    path, note = Path(path), sidecar_path(path)
+    try:
+        entry = json.loads(note.read_text())
+        note.unlink()
+    except (OSError, ValueError):
+        entry = None
+    if isinstance(entry, dict) and entry.get("bytes") == path.stat().st_size and isinstance(entry.get(HASH), str):
+        return {"bytes": entry["bytes"], HASH: entry[HASH]}
+    return checksum_entry(path)
+
+
 def verify_file(path: str | os.PathLike, entry: Mapping) -> None:
     """Raise IntegrityError unless the file at `path` has the size and checksum of `entry`."""
     path = Path(path)

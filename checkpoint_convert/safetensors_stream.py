@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from checkpoint_convert.families.base import ConversionError
+from checkpoint_convert.integrity import HASH, write_sidecar
 
 # Safetensors dtype code -> torch dtype (and back).
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -241,7 +243,10 @@ class SafetensorsWriter:
 
     The header goes first, so tensors must arrive in the declared order; a tensor may also
     arrive as consecutive row blocks (write_rows) so that a large one never sits whole in
-    memory. close() checks that everything declared was written.
+    memory. close() checks that everything declared was written. With `record_checksum` the
+    bytes are hashed as they are written and close() leaves the file's checksum entry beside it
+    (integrity.write_sidecar), for the Megatron directory's metadata to take without reading
+    the file back.
     """
 
     def __init__(
@@ -250,6 +255,7 @@ class SafetensorsWriter:
         *,
         tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
+        record_checksum: bool = False,
     ) -> None:
         self.path = Path(path)
         self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -268,7 +274,9 @@ class SafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
         encoded += b" " * (-len(encoded) % 8)  # keeps the data section 8-byte aligned, as the reference writer does
         self._file = open(self.path, "wb")
-        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+        self._digest = xxhash.xxh3_64() if record_checksum else None
+        self._bytes = 0
+        self._put(len(encoded).to_bytes(8, "little") + encoded)
         self._next = 0  # index into _order of the tensor being written
         self._rows_done = 0  # rows of that tensor written so far
 
@@ -305,11 +313,17 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: tensor '{name}' has dtype {tensor.dtype}, declared {dtype}")
         flat = tensor.detach().contiguous().reshape(-1)
         if flat.numel():
-            self._file.write(memoryview(flat.view(torch.uint8).numpy()).cast("B"))
+            self._put(memoryview(flat.view(torch.uint8).numpy()).cast("B"))
         self._rows_done += rows
         if self._rows_done >= (shape[0] if shape else 1):
             self._next += 1
             self._rows_done = 0
+
+    def _put(self, data) -> None:
+        self._file.write(data)
+        if self._digest is not None:
+            self._digest.update(data)
+        self._bytes += len(data)
 
     def close(self) -> None:
         """Finish the file; raises if declared tensors are missing (the file is then incomplete)."""
@@ -319,6 +333,8 @@ class SafetensorsWriter:
         self._file = None
         if self._next < len(self._order):
             raise ValueError(f"{self.path}: closed before tensor '{self._order[self._next][0]}' was written")
+        if self._digest is not None:
+            write_sidecar(self.path, {"bytes": self._bytes, HASH: self._digest.hexdigest()})
 
     def abort(self) -> None:
         """Close without checks (the caller discards the file)."""
@@ -336,9 +352,10 @@ class SafetensorsWriter:
             self.abort()
 
 
-def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None) -> None:
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None,
+                  record_checksum: bool = False) -> None:
     """Write a dict of tensors (in dict order) through SafetensorsWriter."""
     declared = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    with SafetensorsWriter(path, tensors=declared, metadata=metadata) as writer:
+    with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=record_checksum) as writer:
         for name, tensor in tensors.items():
             writer.write(name, tensor)

@@ -126,6 +126,21 @@ def test_rank_files_record_their_rank_and_the_meta_their_checksums(mcore_tp2):
         assert recorded == integrity.checksum_entry(mcore_tp2 / rel)
 
 
+def test_rank_file_checksums_are_taken_from_the_writer_not_read_back(hf_dir, tmp_path, monkeypatch):
+    """The rank files are hashed as they are written: recording their checksums in the metadata
+    reads no file back, and no note of the writer's is left in the directory."""
+    def no_reading(path):
+        raise AssertionError(f"{path} was read back to be hashed")
+
+    monkeypatch.setattr(integrity, "file_checksum", no_reading)
+    out = tmp_path / "m"
+    hf_to_mcore(hf_dir, out, tp=2, pp=1, log=lambda _msg: None)
+    monkeypatch.undo()
+    recorded = json.loads((out / META_FILE).read_text())["checksums"]
+    assert recorded == {rel: integrity.checksum_entry(out / rel) for rel in recorded} and len(recorded) == 2
+    assert not [p.name for p in out.rglob(".*")]
+
+
 def test_a_rank_file_copied_over_another_is_refused_on_open(mcore_tp2):
     shutil.copy(mcore_tp2 / "tp1_pp0/model.safetensors", mcore_tp2 / RANK_FILE)
     with pytest.raises(ConversionError) as caught:

@@ -169,7 +169,7 @@ class Checkpointer:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
                 metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep_rank=job.ep_rank)
-                with SafetensorsWriter(path, tensors=declared, metadata=metadata) as writer:
+                with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=True) as writer:
                     for name, tensor in tensors.items():
                         if job.source is not None and _EXPERT.search(name):
                             tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
