@@ -33,11 +33,10 @@ A resume trusts no file blindly: `resume_point` checks the current checkpoint ag
 manifest on the driver (one read of its files: at the hash's 7 GB/s the disk sets the cost) and
 falls back to the newest older one that checks, saying so in one line; `make_current` then
 points `latest` at it, so the run's next save of a step that failed replaces that checkpoint
-(commit's same-step rule) and pruning counts from it. The ranks then read the optimizer state
-without checking checksums again (shards.Shards.read; the rank each Megatron file records is
-still checked: checkpoint_convert.io); the policy's weights, opened like any --model, are
-checked again as each rank reads its own files of model/. A checkpoint written before manifests
-resumes unchecked.
+(commit's same-step rule) and pruning counts from it. The ranks then read the checkpoint's
+weights and optimizer state without reading checksums again (Rank.build(checked=True),
+shards.Shards.read; the rank each Megatron file records is still checked:
+checkpoint_convert.io). A checkpoint written before manifests resumes unchecked.
 """
 
 from __future__ import annotations

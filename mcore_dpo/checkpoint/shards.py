@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.convert import write_mcore_meta, write_mcore_shard
-from checkpoint_convert.io import McoreCheckpoint
 from mcore_dpo.checkpoint.layout import KINDS
-from mcore_dpo.model.builder import shard_names
+from mcore_dpo.model.builder import open_weights, shard_names
 
 
 class Shards:
@@ -54,4 +53,4 @@ class Shards:
     def read(self, directory: str | Path, kind: str, *, part) -> dict[str, torch.Tensor]:
         # The driver checked every file against the checkpoint's manifest before resuming from it
         # (layout.resume_point): the checksums are not read again here, the rank records are.
-        return part.rank_shard(McoreCheckpoint(os.path.join(directory, kind), verify_checksums=False).hf_view())
+        return part.rank_shard(open_weights(os.path.join(directory, kind), verify_checksums=False))

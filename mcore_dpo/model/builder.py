@@ -411,15 +411,18 @@ def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
             param.copy_(value.to(param.dtype))
 
 
-def open_weights(path: str):
+def open_weights(path: str, *, verify_checksums: bool = True):
     """HF-named lazy tensors of an HF directory or of a checkpoint_convert Megatron directory
     (any tp/pp: the latter is read through HF names). Has `.spec`, `.get(name)` and
     `.get_part(name, dim, start, stop)`, which reads only that part's bytes (a rank's own rows
-    or columns, see mapping.hf_to_mcore_shard)."""
+    or columns, see mapping.hf_to_mcore_shard). verify_checksums=False: a checkpoint the driver
+    has just checked against its manifest (its rank files' checksums are not read again)."""
     from checkpoint_convert.io import open_hf_dir
     from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
-    return open_mcore_dir(path).hf_view() if is_mcore_dir(path) else open_hf_dir(path)
+    if is_mcore_dir(path):
+        return open_mcore_dir(path, verify_checksums=verify_checksums).hf_view()
+    return open_hf_dir(path)
 
 
 def tokenizer_dir(path: str) -> str:

@@ -105,8 +105,10 @@ class Rank:
             raise ValueError("prefix_sharing: shared-prompt rows on Transformer Engine's attention are not wired with "
                              f"context parallelism (--cp {layout.cp}) yet; use --no-prefix-sharing")
 
-    def build(self, weights_dir: str) -> torch.nn.Module:
-        """This rank's stage of the model in `weights_dir`, on its device, loaded."""
+    def build(self, weights_dir: str, *, checked: bool = False) -> torch.nn.Module:
+        """This rank's stage of the model in `weights_dir`, on its device, loaded. `checked`: a
+        checkpoint the driver has checked against its manifest before resuming from it
+        (checkpoint.layout.resume_point), whose checksums are not read again here."""
         with plat.building_models(self.platform):
             model = place_on_device(build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
@@ -117,7 +119,7 @@ class Rank:
                 recompute=self.config.recompute, recompute_num_layers=self.config.recompute_num_layers,
                 arbitrary_masks=bool(self.config.prefix_sharing),
             ), self.platform.device)
-        weights = open_weights(weights_dir)
+        weights = open_weights(weights_dir, verify_checksums=not checked)
         shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
             tp=self.layout.tp,

@@ -74,7 +74,8 @@ class PolicyWorker(Rank):
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         # With LoRA the base never changes: the checkpoint holds the adapters only.
         saved = formats.of_checkpoint(resume_dir, config) if resume_dir else None
-        policy = self.build((saved.policy_weights(resume_dir) if saved else None) or config.model)
+        saved_weights = saved.policy_weights(resume_dir) if saved else None
+        policy = self.build(saved_weights or config.model, checked=saved_weights is not None)
         if config.lora:
             self._attach_adapters(policy)  # before DDP: only the adapters require gradients
         moved = saved.moving_reference(resume_dir) if saved and config.sync_ref_model else None  # TR-DPO
@@ -137,7 +138,7 @@ class PolicyWorker(Rank):
             return None
         if config.lora and not config.ref_model:
             return lora.ReferenceView(policy, frozen=config.init_adapter is not None)
-        return freeze(self.build(moved or config.ref_model or config.model))
+        return freeze(self.build(moved or config.ref_model or config.model, checked=moved is not None))
 
     def _optimizer(self):
         config = self.config
