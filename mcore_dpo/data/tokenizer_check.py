@@ -31,7 +31,8 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mcore_dpo.data.pairs import DataError, _BadRow, _read_rows, _render, _validate_row
+from mcore_dpo.data.pairs import DataError, _BadRow, _pair_texts, _validate_row
+from mcore_dpo.data.tokenize import SourceRows, max_row_bytes
 
 NUM_SAMPLE_ROWS = 32  # per data file: a few dozen rows, not the data set
 _SHOWN_CHARS = 60  # an example's texts are cut to this many characters
@@ -45,34 +46,29 @@ class SampleText:
 
 
 def sample_texts(path: str, tokenizer, *, num_rows: int = NUM_SAMPLE_ROWS) -> list[SampleText]:
-    """The texts training tokenizes for the first `num_rows` usable rows of `path`; [] when the
-    file cannot be read (load_pairs reports that, with its line)."""
+    """The texts training tokenizes for the first `num_rows` usable rows of `path` (pairs.py's
+    `_pair_texts`, read as the token store reads: a JSONL file only as far as the sample, rows
+    over 1 MiB passed over); [] when the file cannot be read or the tokenizer has no EOS
+    (load_pairs reports those, with the line)."""
     texts: list[SampleText] = []
+    if tokenizer.eos_token is None:
+        return texts
     has_prompt: bool | None = None
     num_used = 0
     try:
-        for _, row in _read_rows(path):
+        for _, row in SourceRows(path, row_limit=max_row_bytes(1)):
             if num_used >= num_rows:
                 break
             if isinstance(row, dict) and has_prompt is None:
                 has_prompt = "prompt" in row  # the first object decides the format, as in load_pairs
             try:
                 raw = _validate_row(row, has_prompt=bool(has_prompt))
-                if raw.is_conversation:
-                    if not getattr(tokenizer, "chat_template", None):
-                        continue
-                    rendered = [_render(tokenizer, raw.prompt, add_generation_prompt=True)]
-                    rendered += [_render(tokenizer, raw.prompt + messages, add_generation_prompt=False)
-                                 for messages in (raw.chosen, raw.rejected)]
-                    texts += [SampleText(text, add_special_tokens=False) for text in rendered]
-                else:
-                    eos = tokenizer.eos_token or ""
-                    full = [raw.prompt + (text if text.endswith(eos) else text + eos) for text in (raw.chosen, raw.rejected)]
-                    texts += [SampleText(text, add_special_tokens=True) for text in (raw.prompt, *full)]
-            except _BadRow:
+                pair_texts, add_special_tokens = _pair_texts(tokenizer, raw)
+            except _BadRow:  # as load_pairs: a bad row, or a conversation the template cannot render
                 continue
+            texts += [SampleText(text, add_special_tokens=add_special_tokens) for text in pair_texts]
             num_used += 1
-    except DataError:
+    except (DataError, OSError):
         pass
     return texts
 
