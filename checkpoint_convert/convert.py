@@ -34,14 +34,10 @@ from checkpoint_convert.io import (
     META_FILE,
     FORMAT_VERSION,
     McoreMeta,
-    ep_shard_shapes,
-    expert_rank_name,
     meta_json,
     open_hf_dir,
-    shard_metadata,
-    shard_relpath,
-    shard_relpaths,
 )
+from checkpoint_convert.rank_files import ep_shard_shapes, expert_rank_name, shard_metadata, shard_relpath, shard_relpaths
 from checkpoint_convert.durable import atomic_output_dir
 from checkpoint_convert.integrity import written_entry
 from checkpoint_convert.families import family_of

@@ -18,7 +18,7 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
                                  0..E/ep-1 and a copy of every other tensor of its tp rank
 
 Each rank file records the rank it belongs to in its header's metadata (tp_rank, pp_rank,
-ep_rank: `shard_metadata`). McoreCheckpoint checks that record against the file's path when it
+ep_rank: `rank_files.shard_metadata`). McoreCheckpoint checks that record against the file's path when it
 opens the directory (the header only: free), and the file's checksum the first time it reads a
 tensor from it, so a process reads each file once more at most, just before the reads that
 follow (whose pages the check has just brought into the cache); a process that only opens the
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.integrity import HASH, IntegrityError, verify_file
+from checkpoint_convert.integrity import IntegrityError, verify_file
 from checkpoint_convert.names import hub_name_hint
 from checkpoint_convert.safetensors_stream import SafetensorsReader
 from checkpoint_convert.families import family_of, spec_from_hf_config
@@ -59,12 +58,20 @@ from checkpoint_convert.gather import (
     stored_pieces,
     unfuse_groups,
 )
+from checkpoint_convert.rank_files import (
+    check_rank_record,
+    ep_shard_shapes,
+    global_expert_name,
+    is_local_expert,
+    read_checksums,
+    shard_relpath,
+    shard_relpaths,
+)
 from checkpoint_convert.mapping import (
     LAYER_SPECS,
     STACKED,
     check_layout,
     hf_tensor_shapes,
-    mcore_shard_shapes,
     expert_tp_size,
     mcore_entries,
     mcore_name,
@@ -336,98 +343,6 @@ class McoreMeta:
     ep: int = 1  # expert-parallel ranks the experts are split over
 
 
-def shard_relpath(*, tp_rank: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> str:
-    """One rank's file; the ep rank is part of the name only when the experts are split (ep > 1)."""
-    if ep > 1:
-        return f"tp{tp_rank}_pp{pp_rank}_ep{ep_rank}/model.safetensors"
-    return f"tp{tp_rank}_pp{pp_rank}/model.safetensors"
-
-
-def shard_relpaths(*, tp: int, pp: int, ep: int = 1) -> list[str]:
-    """Every rank file of a tp x pp x ep directory."""
-    return [shard_relpath(tp_rank=t, pp_rank=p, ep=ep, ep_rank=e) for p in range(pp) for t in range(tp) for e in range(ep)]
-
-
-RANK_KEYS = ("tp_rank", "pp_rank", "ep_rank")
-
-
-def shard_metadata(*, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, str]:
-    """The safetensors header metadata of a rank file: the rank it belongs to, recorded so that
-    a file copied over another's is refused by name (`check_rank_record`)."""
-    return {"format": "pt", "tp_rank": str(tp_rank), "pp_rank": str(pp_rank), "ep_rank": str(ep_rank)}
-
-
-def check_rank_record(path: Path, metadata: Mapping[str, str], *, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> None:
-    """A rank file's recorded rank must be the rank of the path it was opened as (a file
-    without a record, written before records, passes)."""
-    if not any(key in metadata for key in RANK_KEYS):
-        return
-    expected = (str(tp_rank), str(pp_rank), str(ep_rank))
-    recorded = tuple(metadata.get(key) for key in RANK_KEYS)
-    if recorded != expected:
-        def ranks(values: tuple) -> str:
-            return f"(tp {values[0]}, pp {values[1]}, ep {values[2]})"
-        raise IntegrityError(path, f"holds the shard of rank {ranks(recorded)}, not of its path's rank {ranks(expected)} "
-                                   "(a rank file copied over another?)")
-
-
-def read_checksums(path: Path, raw: dict) -> dict[str, dict] | None:
-    """The `checksums` field of a meta JSON: relative path -> {"bytes", "xxh3_64"} of every rank
-    file; None when the directory was written before checksums were recorded."""
-    checksums = raw.get("checksums")
-    if checksums is None:
-        return None
-    if not isinstance(checksums, dict) or not all(
-            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get(HASH), str) for e in checksums.values()):
-        raise ConversionError(f"{path}: field 'checksums' must map file names to {{'bytes': int, '{HASH}': str}}")
-    return checksums
-
-
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-def expert_rank_name(name: str, *, num_experts: int, ep: int) -> tuple[int, str] | None:
-    """(ep rank, name there) of a tensor of expert e named by its global index: rank e // (E/ep)
-    holds it as local expert e % (E/ep). None for a tensor that is not an expert's."""
-    match = _LOCAL_EXPERT.search(name)
-    if match is None:
-        return None
-    per_rank = num_experts // ep
-    expert = int(match.group(1))
-    return expert // per_rank, f"{name[: match.start()]}.local_experts.{expert % per_rank}.{name[match.end():]}"
-
-
-def global_expert_name(name: str, *, num_experts: int, ep: int, ep_rank: int) -> str:
-    """The inverse: a local expert's tensor on ep rank ep_rank under its global index."""
-    match = _LOCAL_EXPERT.search(name)
-    if match is None:
-        return name
-    expert = ep_rank * (num_experts // ep) + int(match.group(1))
-    return f"{name[: match.start()]}.local_experts.{expert}.{name[match.end():]}"
-
-
-def ep_shard_shapes(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, ep: int, layer_spec: str, divisor: int) -> list[
-        dict[str, tuple[int, ...]]]:
-    """Name -> shape of each ep rank's file of one (tp rank, stage), in streaming order: the
-    stage's tensors with the experts of that rank under their local index."""
-    shapes = mcore_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
-    if ep == 1:
-        return [shapes]
-    # The experts are split over expert tp (mapping.expert_tp_size: whole on their rank at ep > 1).
-    etp = expert_tp_size(tp=tp, ep=ep)
-    expert_shapes = mcore_shard_shapes(spec, tp=etp, pp=pp, pp_rank=pp_rank, layer_spec=layer_spec, divisor=divisor)
-    shapes = {name: expert_shapes[name] if _LOCAL_EXPERT.search(name) else shape for name, shape in shapes.items()}
-    ranks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(ep)]
-    for name, shape in shapes.items():
-        owner = expert_rank_name(name, num_experts=spec.num_experts, ep=ep)
-        if owner is None:
-            for rank in ranks:
-                rank[name] = shape
-        else:
-            ranks[owner[0]][owner[1]] = shape
-    return ranks
-
-
 def meta_json(meta: McoreMeta) -> dict:
     return {
         "format": FORMAT_NAME,
@@ -507,7 +422,7 @@ class _ExpertParallelShard(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shard, local = self._where[name]
-        if not (self._whole_experts and _LOCAL_EXPERT.search(name)):
+        if not (self._whole_experts and is_local_expert(name)):
             return shard[local]
         return tp_part_of_whole_expert(self._spec, kind=self._kinds[name], whole=shard[local], tp=self._tp,
                                        tp_rank=self._tp_rank)
@@ -520,7 +435,7 @@ class _ExpertParallelShard(Mapping):
         """self[name] narrowed to [start, stop) on dim. A whole expert's tp part is read as its
         rows (fc1: this rank's gate rows, then its up rows) or columns (fc2) of the whole."""
         shard, local = self._where[name]
-        if not (self._whole_experts and _LOCAL_EXPERT.search(name)):
+        if not (self._whole_experts and is_local_expert(name)):
             return shard.part(local, dim, start, stop)
         kind, whole = self._kinds[name], shard.shape(local)
         if kind == "row" and dim == 1:

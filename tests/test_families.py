@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_convert.families import ARCHITECTURES, FAMILY_MODULES, family_of_config, spec_from_hf_config
 from checkpoint_convert.families.base import ConversionError
-from checkpoint_convert.io import ep_shard_shapes
+from checkpoint_convert.rank_files import ep_shard_shapes
 from checkpoint_convert.gather import fused_hf_sources, hf_entry_index, mcore_to_hf
 from checkpoint_convert.mapping import (
     hf_tensor_shapes,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from checkpoint_convert.convert import write_mcore_shard
-from checkpoint_convert.io import shard_metadata, shard_relpath
+from checkpoint_convert.rank_files import shard_metadata, shard_relpath
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from checkpoint_convert.safetensors_stream import SafetensorsWriter
 from mcore_dpo import hooks
