@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 
 from checkpoint_convert import durable
+from checkpoint_convert.integrity import file_checksum
 from mcore_dpo.data.pairs import (
     TOKENIZATION_VERSION,
     DataError,
@@ -58,7 +59,6 @@ STALE_PARTIAL_S = 6 * 3600  # a .partial- directory untouched this long is a dea
 # Files of a tokenizer directory (often the model's) that are weights, not tokenizer: not hashed.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz",
                    ".distcp")
-_HASH_CHUNK = 1 << 20
 
 
 class StoreError(Exception):
@@ -66,16 +66,6 @@ class StoreError(Exception):
 
 
 # ----------------------------------------------------------------------------- the key
-
-
-def _file_digest(path: str | os.PathLike) -> str:
-    digest = xxhash.xxh3_128()
-    buffer = bytearray(_HASH_CHUNK)  # one buffer, refilled: the memory stays one chunk
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while size := handle.readinto(buffer):
-            digest.update(view[:size])
-    return digest.hexdigest()
 
 
 def _text_digest(text: str | None) -> str | None:
@@ -94,7 +84,7 @@ def _tokenizer_files(tokenizer_dir: str | None) -> dict[str, str]:
                     or ".bin.index" in name:
                 continue
             path = os.path.join(root, name)
-            found[os.path.relpath(path, tokenizer_dir)] = _file_digest(path)
+            found[os.path.relpath(path, tokenizer_dir)] = file_checksum(path)
     return found
 
 
@@ -130,7 +120,7 @@ def key_inputs(sources: Sequence[str], *, tokenizer_dir: str | None, tokenizer, 
     return {
         "format_version": FORMAT_VERSION,
         "tokenization_version": TOKENIZATION_VERSION,
-        "sources": [_file_digest(path) for path in sources],  # the content only: a moved file still hits
+        "sources": [file_checksum(path) for path in sources],  # the content only: a moved file still hits
         "tokenizer_files": _tokenizer_files(tokenizer_dir),
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
