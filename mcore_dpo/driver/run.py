@@ -259,8 +259,12 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
     config = prep.config
     prep.identity = run_identity(config)
     # a broken pointer or state file is reported now, before any worker
-    # (a resume's: checked against its manifest, an older intact one when it fails; _attempt says so)
-    current = None if config.overwrite else checkpoint.resume_point(out)[0] if config.resume else checkpoint.latest(out)
+    if config.overwrite:
+        current = None
+    elif config.resume:  # checked against its manifest; an older intact one when it fails (_attempt says so)
+        current, _ = checkpoint.resume_point(out)
+    else:
+        current = checkpoint.latest(out)
     if not config.overwrite:
         saved = checkpoint.read_state(current).get("run", {}) if current is not None else None
         problem, changed = output_dir.door_problem(
