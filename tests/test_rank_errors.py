@@ -127,6 +127,38 @@ def test_a_rank_failing_inside_a_step_names_its_cause(tmp_path):
     assert steps[-1] == 1, steps  # step 0: the evaluation before training
 
 
+def test_a_torch_dist_resume_with_a_pickle_payload_says_refusing_to_unpickle(tmp_path):
+    """A torch_dist checkpoint whose `.metadata` pickle would run code, without a manifest (as one
+    written before manifests, which resumes unchecked): the rank's restricted unpickler refuses
+    it, the payload never runs, and the driver's one line says so (the line used to read only
+    "the worker process died")."""
+    import pickle
+
+    out, marker = tmp_path / "run", tmp_path / "payload-ran"
+    args = ["--max-steps", "2", "--save-interval", "1", "--save-format", "torch_dist", "--output-dir", str(out)]
+    first = run_train(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = out / "checkpoints" / "iter_0000002"
+    (newest / "manifest.json").unlink()
+    (newest / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    result = run_train([*args[:1], "3", *args[2:]])
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"error: policy/tp0-pp0-dp0 failed: RefusedPickle: {newest / '.metadata'}: refusing to unpickle "
+                    "'posix.system' (not an allowed checkpoint class)"), result.stderr[-3000:]
+    assert not marker.exists()
+
+
+class _RunsCode:
+    """A pickle that would create `path` when loaded by a plain unpickler."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
 def test_a_local_cluster_prints_no_token_warning_and_writes_nothing_under_home(tmp_path):
     """Ray's own start of a local cluster warns that token authentication is on and writes the
     token to ~/.ray/auth_token; the driver's local cluster keeps its token in memory."""
