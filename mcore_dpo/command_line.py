@@ -20,6 +20,8 @@ from mcore_dpo.objective.loss_spec import F_DIVERGENCE_TYPES, LOSS_TYPES
 
 def _field_type(f: dataclasses.Field) -> type:
     text = str(f.type)
+    if text.startswith("str | list[str]"):  # --data: one source or several
+        return list
     for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if text.startswith(name):
             return kind
@@ -30,6 +32,10 @@ def _coerce(name: str, value, kind: type, *, source: str):
     """Accept YAML/JSON values of the field's type (ints for floats too); reject the rest."""
     if value is None:
         return None
+    if kind is list:  # one string, or a list of strings
+        if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            return value
+        raise ConfigError(f"{source}: {name}: expected a path or a list of paths, got {value!r}")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is bool and not isinstance(value, bool):
@@ -95,7 +101,8 @@ def bool_flags(name: str) -> tuple[str, str]:
 
 # --help groups: each field's group (the fields not named here are run settings).
 HELP_GROUPS = {
-    "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code"),
+    "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code", "data_workers",
+             "data_cache"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
     "parallelism": ("tp", "pp", "dp", "cp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "prefix_sharing", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
@@ -174,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
             # as a negation, so --no-shuffle would set no_shuffle to false.
             on, off = bool_flags(f.name)
             group.add_argument(on, off, dest=f.name, action=_BoolPair, default=None, help=text)
+        elif kind is list:
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, nargs="+", default=None, help=text,
+                               metavar=f.name.upper())
         else:
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None, help=text,
                                metavar=f.name.upper())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
+from mcore_dpo.data.mix import as_list, parse_sources
 from mcore_dpo.objective.loss_spec import LOSS_TYPES, LossSpec
 from mcore_dpo.pipeline.plan import REF_MODES
 
@@ -46,8 +47,11 @@ class TrainConfig:
     """Jinja chat template file for conversational rows, replacing the tokenizer's (needed when it has none)."""
     ref_model: str | None = None
     """Reference model directory; defaults to --model."""
-    data: str | None = None
-    """Preference data (JSONL, JSON or Parquet); None = the embedded default data set."""
+    data: str | list[str] | None = None
+    """Preference data: a JSONL, JSON or Parquet file or a saved Hugging Face dataset directory; several
+    make a mix, each with an optional weight (--data a.jsonl:0.7 b.parquet:0.3: 70% and 30% of each
+    epoch's samples, drawn by --seed; without weights every pair of every file once). None = the
+    embedded default data set."""
     eval_data: str | None = None
     """Held-out preference pairs for eval/ metrics; None = none (the embedded default has one)."""
     output_dir: str | None = None
@@ -102,7 +106,13 @@ class TrainConfig:
     max_length: int = 64
     """Maximum tokens of prompt + completion; longer pairs keep their start."""
     seed: int = 1234
-    """Seed of the data order."""
+    """Seed of the data order (and of a weighted mix's draw)."""
+    data_workers: int | None = None
+    """Processes that tokenize the data into the token store, in batched calls (None = the cores of the
+    machine, at most 8, and one per 4 MB of data). A store already built is opened, not tokenized again."""
+    data_cache: str | None = None
+    """Directory of the token stores (None = $MCORE_DPO_CACHE/data, default ~/.cache/mcore_dpo/data).
+    Multi-node runs need one every node sees, as --output-dir (docs/DATA.md)."""
     no_shuffle: bool = False
     """Keep the file order instead of a seeded shuffle."""
 
@@ -330,6 +340,9 @@ class TrainConfig:
         # One internal name per dtype, whichever spelling came in (bf16 and bfloat16 are one run).
         if isinstance(self.dtype, str):
             self.dtype = canonical_dtype(self.dtype)
+        # --data: one source is a string, a mix a list (of two or more)
+        if isinstance(self.data, (list, tuple)):
+            self.data = self.data[0] if len(self.data) == 1 else list(self.data)
 
     @property
     def num_microbatches(self) -> int:
@@ -392,8 +405,17 @@ class TrainConfig:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         self._validate_trl_options()
         self._validate_lora()
-        for name in ("model", "ref_model", "tokenizer", "data", "eval_data", "chat_template", "init_adapter"):
-            path = getattr(self, name)
+        try:
+            sources = [s.path for s in parse_sources(self.data)] if self.data is not None else []
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.data_workers is not None and self.data_workers <= 0:
+            raise ConfigError(f"data_workers: must be a positive integer, got {self.data_workers}")
+        if self.data_cache is not None and os.path.exists(self.data_cache) and not os.path.isdir(self.data_cache):
+            raise ConfigError(f"data_cache: {self.data_cache} is a file, not a directory")
+        for name, path in [("data", source) for source in sources] + [
+                (name, getattr(self, name)) for name in ("model", "ref_model", "tokenizer", "eval_data", "chat_template",
+                                                          "init_adapter")]:
             if path is not None and not os.path.exists(path):
                 hint = hub_name_hint(path) if name in ("model", "ref_model", "tokenizer") else ""
                 raise ConfigError(f"{name}: {path} does not exist{hint}")
@@ -592,5 +614,5 @@ def starting_line(config: TrainConfig, *, ray_address: str | None) -> str:
     workers += f" x cp {config.cp}" if config.cp > 1 else ""
     workers += f", + ref tp {config.ref_tp} x pp {config.ref_pp} x dp {config.ref_dp})" if config.ref_mode == "separate" else ")"
     model = config.model or "the tiny default model"
-    data = config.data or ("the default preference data" if config.model is None else "no --data")
+    data = " ".join(as_list(config.data)) or ("the default preference data" if config.model is None else "no --data")
     return f"preparing {workers} on {ray}; loading {model} and {data}"

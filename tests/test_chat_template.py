@@ -41,8 +41,8 @@ def test_chat_template_makes_conversational_rows_work_with_a_tokenizer_without_o
     bare, template, _, argv = setup
     config, _ = resolve([*argv, "--tokenizer", str(bare), "--chat-template", str(template)])
     assert config.chat_template == str(template)
-    with_flag = run.prepare(config).train_pairs
-    shipped = run.prepare(resolve([*argv, "--tokenizer", defaults.DEFAULT_TOKENIZER_DIR])[0]).train_pairs
+    with_flag = list(run.prepare(config).train_data)
+    shipped = list(run.prepare(resolve([*argv, "--tokenizer", defaults.DEFAULT_TOKENIZER_DIR])[0]).train_data)
     assert len(with_flag) == len(ROWS)
     assert [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in with_flag] == \
         [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in shipped]

@@ -92,10 +92,10 @@ def test_resume_refuses_a_changed_run_unless_asked(tmp_path, ray_cluster):
 
     data.write_text(data.read_text().replace('"', '"', 1) + data.read_text().splitlines(keepends=True)[0])
     refused = main_in_process([*SMALL, *base, "--max-steps", "3"], cluster=ray_cluster)
-    assert refused.returncode == 2 and "--data (its content) changed" in refused.stderr, refused.stderr[-2000:]
+    assert refused.returncode == 2 and "--data (its content or weights) changed" in refused.stderr, refused.stderr[-2000:]
 
     resumed = main_in_process([*SMALL, *base, "--max-steps", "3", "--seed", "5", "--resume-with-changes"],
                               cluster=ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming despite changes (--resume-with-changes): --data (its content) changed; --seed 1234 -> 5" in resumed.stdout
+    assert "resuming despite changes (--resume-with-changes): --data (its content or weights) changed; --seed 1234 -> 5" in resumed.stdout
     assert "resuming from" in resumed.stdout

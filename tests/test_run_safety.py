@@ -56,7 +56,7 @@ def test_resume_identity_names_each_change(tmp_path, hf_llama):
     for expected, config in cases.items():
         assert resume_check.changes(saved, resume_check.run_identity(config)) == [expected]
     Path(base.data).write_text(Path(base.data).read_text().replace("p3", "p4"))
-    assert resume_check.changes(saved, resume_check.run_identity(base)) == ["--data (its content) changed"]
+    assert resume_check.changes(saved, resume_check.run_identity(base)) == ["--data (its content or weights) changed"]
     other_model = save_hf(llama_gqa_untied(), tmp_path / "other")
     config = json.loads((other_model / "config.json").read_text())
     (other_model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))

@@ -41,7 +41,7 @@ def prepared(tmp_path_factory):
     config = TrainConfig(data=str(data), global_batch_size=16, micro_batch_size=4, dp=1, pp=2, ref_mode="separate",
                          ref_pp=2, ref_dp=1, output_dir=str(root / "out"), timeout_s=60)
     prep = prepare(config)
-    assert len(prep.train_pairs) == NUM_PAIRS
+    assert len(list(prep.train_data)) == NUM_PAIRS
     return prep
 
 
@@ -92,7 +92,7 @@ def _worker_rank(rank: int, world_size: int, port: int, jobs: list[dict], out_di
 def _run_group(role: str, prep, out_dir: Path, *, pp: int, dp: int) -> Path:
     """The group's ranks at tp 1; the one result file (exactly one rank returns a result)."""
     job = {"role": role, "config": prep.config, "spec": prep.spec, "pad_token_id": prep.pad_token_id,
-           "pairs": prep.train_pairs}
+           "pairs": list(prep.train_data)}
     out_dir.mkdir(parents=True, exist_ok=True)
     spawn_ranks(_worker_rank, world_size=pp * dp, jobs=[job], out_dir=out_dir)
     (found,) = sorted(out_dir.glob("result_rank*"))
@@ -110,7 +110,7 @@ def test_separate_reference_group_at_pp2_on_unaligned_data(prepared, ref_dp, tmp
     config = replace(prepared.config, ref_dp=ref_dp)
     prep = Prepared(**{**prepared.__dict__, "config": config})
     table = load_file(str(_run_group("ref", prep, tmp_path, pp=2, dp=ref_dp)))["table"]
-    expected = _hf_reference_logps(config.model, prep.train_pairs)
+    expected = _hf_reference_logps(config.model, list(prep.train_data))
     assert table.shape == (NUM_PAIRS, 2)
     err = (table.double() - expected).abs().max().item()
     assert err <= 1e-5 * expected.abs().max().item(), err

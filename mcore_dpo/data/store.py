@@ -201,6 +201,12 @@ class TokenStore:
     def num_tokens(self) -> int:
         return self.meta["num_tokens"]
 
+    def source_counts(self) -> list[int]:
+        """The samples of each source, in order (they are stored source after source)."""
+        if not len(self):
+            return [0] * len(self.stats)
+        return [int(n) for n in np.bincount(self._samples[:, 3], minlength=len(self.stats))]
+
     def sequence(self, index: int) -> np.ndarray:
         offset, length = self._sequences[index]
         return self._tokens[offset:offset + length]

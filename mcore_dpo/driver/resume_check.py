@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 
 from mcore_dpo.config import TrainConfig
+from mcore_dpo.data.mix import parse_sources
 
 IDENTITY_VERSION = 2  # 2: model fingerprints sample the weights' content
 
@@ -59,11 +60,30 @@ def model_fingerprint(directory: str | Path) -> str:
     return digest.hexdigest()
 
 
+def source_sha256(path: str | Path) -> str:
+    """A data file's SHA-256; a saved dataset directory's: of its files' relative names and SHA-256s."""
+    if not Path(path).is_dir():
+        return file_sha256(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file_sha256(file).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def data_identity(data: str | list[str]) -> str | list:
+    """--data by content: one source's digest (a weight on a single source changes nothing), or
+    a mix's [digest, weight] per source, in order (a weight changes the data order)."""
+    sources = parse_sources(data)
+    if len(sources) == 1:
+        return source_sha256(sources[0].path)
+    return [[source_sha256(s.path), s.weight] for s in sources]
+
+
 def run_identity(config: TrainConfig) -> dict:
     """The fields a resume must agree on, as stored in trainer_state.json."""
     return {
         "version": IDENTITY_VERSION,
-        "data": file_sha256(config.data),
+        "data": data_identity(config.data),
         "seed": config.seed,
         "global_batch_size": config.global_batch_size,
         "shuffle": not config.no_shuffle,
@@ -86,7 +106,7 @@ def run_identity(config: TrainConfig) -> dict:
 
 
 _FLAGS = {
-    "data": "--data (its content)",
+    "data": "--data (its content or weights)",
     "seed": "--seed",
     "global_batch_size": "--global-batch-size",
     "shuffle": "shuffle",

@@ -19,10 +19,13 @@ from pathlib import Path
 from checkpoint_convert import durable
 from checkpoint_convert.mapping import check_layout
 from mcore_dpo.checkpoint import layout as checkpoint
+from mcore_dpo.checkpoint import reference_tables
 from mcore_dpo.driver.outputs import export_adapter, export_policy, save_checkpoint
 from mcore_dpo.driver import output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
-from mcore_dpo.data.pairs import DataStats, TokenizedPair, data_notes, global_batch_order, load_pairs
+from mcore_dpo.data.mix import Source, epoch_samples, parse_sources, weights_of
+from mcore_dpo.data.pairs import DataStats, data_notes, global_batch_order
+from mcore_dpo.data.store import TokenStore, open_or_build
 from mcore_dpo.data.tokenizer_check import check_tokenizer
 from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
 from mcore_dpo.driver.resume_check import run_identity
@@ -58,17 +61,19 @@ class Prepared:
     config: TrainConfig
     spec: object
     pad_token_id: int
-    train_pairs: list[TokenizedPair]
-    train_stats: DataStats
-    eval_pairs: list[TokenizedPair]
+    sources: list[Source]  # --data, parsed
+    train_data: TokenStore  # every source's pairs, source after source (the ranks open it too)
+    train_stats: tuple[DataStats, ...]  # one per source
+    eval_data: TokenStore | None = None
     eval_stats: DataStats | None = None
     identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
     packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
     warnings: list[str] = dataclasses.field(default_factory=list)  # said once the run log is open
 
 
-def prepare(config: TrainConfig) -> Prepared:
-    """Resolve the defaults and validate model, layout, tokenizer and data."""
+def prepare(config: TrainConfig, *, log=print) -> Prepared:
+    """Resolve the defaults and validate model, layout, tokenizer and data; the data tokenized
+    into its token store, or the store of an earlier run opened (`log` says which)."""
     from transformers import AutoTokenizer
 
     from mcore_dpo.driver import defaults
@@ -116,8 +121,9 @@ def prepare(config: TrainConfig) -> Prepared:
         raise InputError(f"{tok_dir}: cannot load the tokenizer ({detail})") from None
     if config.chat_template:
         _use_chat_template(tokenizer, config.chat_template)
-    check_tokenizer(tokenizer, tokenizer_dir=tok_dir, data_paths=[config.data, config.eval_data],
-                    vocab_size=spec.vocab_size, warn=warnings.append)  # reads a data sample back, before load_pairs
+    sources = parse_sources(config.data)
+    check_tokenizer(tokenizer, tokenizer_dir=tok_dir, data_paths=[s.path for s in sources] + [config.eval_data],
+                    vocab_size=spec.vocab_size, warn=warnings.append)  # reads a data sample back, before tokenizing
     if len(tokenizer) > spec.vocab_size:
         raise InputError(
             f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {spec.vocab_size}"
@@ -125,25 +131,40 @@ def prepare(config: TrainConfig) -> Prepared:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise InputError(f"{tok_dir}: tokenizer has neither a pad nor an eos token")
-    train_pairs, stats = load_pairs(config.data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row)
-    if len(train_pairs) < config.global_batch_size:
+    # The token stores (data/store.py): tokenized here once, by --data-workers processes, then
+    # opened by every later run and by the ranks, which read their own rows.
+    stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
+                  cache_dir=config.data_cache, workers=config.data_workers, log=log)
+    try:
+        train_data = open_or_build([s.path for s in sources], **stores)
+    except OSError as error:  # the cache directory: read-only, full, a file in its path
+        raise InputError(f"data_cache: cannot write the token store ({io_errors.describe(error)})") from None
+    counts = train_data.source_counts()
+    if weights_of(sources):
+        for source, count in zip(sources, counts):
+            if not count:
+                raise InputError(f"{source.path}: no usable pairs, but it has a weight in the mix")
+    what = sources[0].path if len(sources) == 1 else f"data ({len(sources)} sources)"
+    if len(train_data) < config.global_batch_size:
         raise InputError(
-            f"{config.data}: {len(train_pairs)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
+            f"{what}: {len(train_data)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
         )
-    eval_pairs: list[TokenizedPair] = []
-    eval_stats = None
+    eval_data = eval_stats = None
     if config.eval_data:
-        eval_pairs, eval_stats = load_pairs(
-            config.eval_data, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row
-        )
+        try:
+            eval_data = open_or_build([config.eval_data], **stores)
+        except OSError as error:
+            raise InputError(f"data_cache: cannot write the token store ({io_errors.describe(error)})") from None
+        eval_stats = eval_data.stats[0]
         # Any number of held-out pairs evaluates (the last chunk may be partial), but not none.
-        if not eval_pairs:
+        if not len(eval_data):
             raise InputError(
                 f"{config.eval_data}: no usable pairs to evaluate ({eval_stats.num_dropped_prompt_too_long} with a "
                 f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
             )
-    return Prepared(config=config, spec=spec, pad_token_id=int(pad), train_pairs=train_pairs, train_stats=stats,
-                    eval_pairs=eval_pairs, eval_stats=eval_stats, packing_note=packing_note, warnings=warnings)
+    return Prepared(config=config, spec=spec, pad_token_id=int(pad), sources=sources, train_data=train_data,
+                    train_stats=train_data.stats, eval_data=eval_data, eval_stats=eval_stats,
+                    packing_note=packing_note, warnings=warnings)
 
 
 def _adapter_shape_change(saved: dict, current: dict) -> str | None:
@@ -194,14 +215,19 @@ def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
         raise InputError(str(error)) from None
 
 
-def step_batches(config: TrainConfig, num_pairs: int) -> list[list[int]]:
-    """Pair indices of every step's global batch, epoch after epoch: the same for any layout."""
+def step_batches(config: TrainConfig, counts: int | list[int], weights: list[float] | None = None) -> list[list[int]]:
+    """Pair indices (into the token store) of every step's global batch, epoch after epoch: the
+    same for any layout. `counts`: the pairs of each source (an int: one source); `weights`: a
+    weighted mix's (data/mix.py), None for every pair of every source once an epoch."""
+    counts = [counts] if isinstance(counts, int) else list(counts)
     steps: list[list[int]] = []
     epoch = 0
     while len(steps) < config.max_steps:
+        samples = epoch_samples(counts=counts, weights=weights, seed=config.seed, epoch=epoch)
         steps.extend(
-            global_batch_order(
-                num_pairs=num_pairs,
+            [samples[i] for i in batch]
+            for batch in global_batch_order(
+                num_pairs=len(samples),
                 global_batch_size=config.global_batch_size,
                 seed=config.seed,
                 shuffle=not config.no_shuffle,
@@ -222,7 +248,7 @@ def train(config: TrainConfig, *, ray_address: str | None = None, log=print, ann
         log.note(starting_line(config, ray_address=ray_address))
     else:
         log(starting_line(config, ray_address=ray_address))
-    prep = prepare(config)
+    prep = prepare(config, log=log)
     if prep.packing_note:
         log(prep.packing_note)
     for warning in prep.warnings:
@@ -285,14 +311,13 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
     output_dir.claim(out, identity=prep.identity, overwrite=config.overwrite, command=command)
     log.open(out)
     write_resolved(config, str(out))
-    data_stats = {name: stats for name, stats in (("data", prep.train_stats), ("eval_data", prep.eval_stats)) if stats}
-    durable.replace_file(out / "data_stats.json", json.dumps(
-        {name: {"path": getattr(config, name), **dataclasses.asdict(stats)} for name, stats in data_stats.items()},
-        indent=2) + "\n")
+    durable.replace_file(out / "data_stats.json", json.dumps(_data_stats(prep), indent=2) + "\n")
     if config.chat_template:
         durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
-    for name, stats in data_stats.items():  # unused columns; truncated, dropped and skipped pairs
-        for note in data_notes(getattr(config, name), stats, max_length=config.max_length):
+    named = [(s.path, stats) for s, stats in zip(prep.sources, prep.train_stats)]
+    named += [(config.eval_data, prep.eval_stats)] if prep.eval_stats else []
+    for path, stats in named:  # unused columns; truncated, dropped and skipped pairs
+        for note in data_notes(path, stats, max_length=config.max_length):
             log(note)
     world = world_size(config)
     num_cpus = max(world, os.cpu_count() or 1)
@@ -325,6 +350,19 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
         ray_workers.disconnect(started)
     output_dir.mark_complete(out, identity=prep.identity, step=config.max_steps)
     return out
+
+
+def _data_stats(prep: Prepared) -> dict:
+    """OUTPUT/data_stats.json: each data source's counts (one source: an object, a mix: a list of
+    them with their weights), the held-out set's, and the token stores they are in."""
+    per_source = [{"path": s.path, **({"weight": s.weight} if len(prep.sources) > 1 else {}),
+                   **dataclasses.asdict(stats)} for s, stats in zip(prep.sources, prep.train_stats)]
+    found = {"data": per_source[0] if len(per_source) == 1 else per_source}
+    if prep.eval_stats:
+        found["eval_data"] = {"path": prep.config.eval_data, **dataclasses.asdict(prep.eval_stats)}
+    found["token_stores"] = {"data": prep.train_data.path,
+                             **({"eval_data": prep.eval_data.path} if prep.eval_data is not None else {})}
+    return found
 
 
 def _record_experts(prep: Prepared, kinds: set[str | None], *, out: Path) -> None:
@@ -362,7 +400,8 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         log(fallback)
     elif resume_dir:
         log(f"resuming from {resume_dir} (step {start_step})")
-    steps = step_batches(config, len(prep.train_pairs))
+    steps = step_batches(config, prep.train_data.source_counts(), weights_of(prep.sources))
+    reference_tables.remove_partials(out)
     metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
                              run_config=config.to_dict(), note=getattr(log, "note", None))
@@ -382,38 +421,34 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         for g in (ref_group, group):
             if g is not None:
                 check_shared_output_dir(g, out)
+                check_shared_stores(g, prep)
                 workers.update(zip(g.names, g.processes))
         durable.replace_file(out / "workers.json", json.dumps(workers, indent=2) + "\n")
-        pairs = prep.train_pairs
-        if config.ref_mode == "precomputed":
-            group.call("precompute_reference", pairs, prep.eval_pairs)
-        eval_ref = _one(ref_group.call("reference_logps", prep.eval_pairs)) if ref_group and prep.eval_pairs else None
-        if prep.eval_pairs and start_step == 0:
-            metrics_log.write(0, _one(group.call("evaluate", prep.eval_pairs, eval_ref)))
+        if config.ref_mode == "precomputed":  # the ranks read the stores; the tables stay with the run
+            _precompute_reference(group, prep, out=out, log=log)
+        has_eval = prep.eval_data is not None
+        eval_ref = _one(ref_group.call("reference_logps", eval_set=True)) if ref_group and has_eval else None
+        if has_eval and start_step == 0:
+            metrics_log.write(0, _one(group.call("evaluate", None, eval_ref)))
         # Separate reference group: batch k+1's reference runs on its own devices while the
-        # policy group trains on batch k.
-        ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[start_step]]) if ref_group else None
+        # policy group trains on batch k. Every group is sent pair indices; the ranks read the pairs.
+        ref_pending = ref_group.submit("reference_logps", pair_ids=steps[start_step]) if ref_group else None
         last_save = time.monotonic()
         for k in range(start_step, len(steps)):
             step = k + 1
             last = step == len(steps)
             ref_logps = _one(ref_group.gather(ref_pending)) if ref_group else None
             if ref_group and not last:
-                ref_pending = ref_group.submit("reference_logps", [pairs[i] for i in steps[k + 1]])
-            batch = StepBatch(
-                step=step,
-                pairs=[pairs[i] for i in steps[k]],
-                next_pairs=None if last else [pairs[i] for i in steps[k + 1]],
-                pair_ids=steps[k],
-                ref_logps=ref_logps,
-            )
+                ref_pending = ref_group.submit("reference_logps", pair_ids=steps[k + 1])
+            batch = StepBatch(step=step, pair_ids=steps[k], next_pair_ids=None if last else steps[k + 1],
+                              ref_logps=ref_logps)
             metrics = _one(group.call("train_step", batch))
             non_finite = first_non_finite(metrics)  # on the host, where the step already synchronised
             if non_finite:
                 metrics_log.write(step, metrics)
                 raise Diverged(step, *non_finite, newest=checkpoint.latest(out))
-            if prep.eval_pairs and (last or (config.eval_interval and step % config.eval_interval == 0)):
-                metrics.update(_one(group.call("evaluate", prep.eval_pairs, eval_ref)))
+            if has_eval and (last or (config.eval_interval and step % config.eval_interval == 0)):
+                metrics.update(_one(group.call("evaluate", None, eval_ref)))
             metrics_log.write(step, metrics)
             by_step = config.save_interval and step % config.save_interval == 0
             by_time = config.save_interval_min and time.monotonic() - last_save >= 60 * config.save_interval_min
@@ -489,11 +524,54 @@ def _start_group(role: str, factory, prep: Prepared, *, tp: int, pp: int, dp: in
         factory=factory,
         kwargs_of_rank=lambda rank, addr, port: dict(
             config=config, spec=prep.spec, pad_token_id=prep.pad_token_id, rank=rank, master_addr=addr,
-            master_port=port, **worker_kwargs,
+            master_port=port, stores=_store_places(prep), **worker_kwargs,
         ),
         use_gpus=ray_workers.cluster_has_gpus(),
         placement_timeout_s=config.placement_timeout_s,
     )
+
+
+def _store_places(prep: Prepared) -> dict[str, tuple[str, str]]:
+    """What the ranks are told of the token stores: each one's path and key (they open them)."""
+    stores = {"data": prep.train_data, "eval_data": prep.eval_data}
+    return {name: (store.path, store.meta["key"]) for name, store in stores.items() if store is not None}
+
+
+def _precompute_reference(group, prep: Prepared, *, out: Path, log) -> None:
+    """--ref-mode precomputed: the reference log-probs of every pair, computed by the ranks over
+    their shares of the stores into OUTPUT/reference_logps, or reused from there (a resume, a
+    restart) when they were computed for the same data and reference."""
+    config = prep.config
+    table_dir = out / reference_tables.DIRECTORY
+    key = reference_tables.table_key(
+        data_key=prep.train_data.meta["key"], eval_key=prep.eval_data.meta["key"] if prep.eval_data else None,
+        reference_model=prep.identity["ref_model"] or prep.identity["model"], dtype=config.dtype,
+        ld_alpha=config.ld_alpha, use_weighting=config.use_weighting)
+    reuse = reference_tables.is_complete(table_dir, key=key)
+    if reuse:
+        log(f"reference log-probs: reusing {table_dir} (the same data and reference)")
+    started = time.monotonic()
+    group.call("precompute_reference", table_dir=str(table_dir), key=key, reuse=reuse)
+    if not reuse:
+        log(f"reference log-probs: computed for {len(prep.train_data):,} pairs in {time.monotonic() - started:.1f} s "
+            f"into {table_dir}")
+
+
+def check_shared_stores(group, prep: Prepared) -> None:
+    """Every rank must read the token stores the driver built: each rank reads a store's
+    meta.json (its key and sizes) and must find what the driver finds."""
+    from mcore_dpo.driver import ray_workers
+
+    for store in (prep.train_data, prep.eval_data):
+        if store is None:
+            continue
+        meta_path = Path(store.path) / "meta.json"
+        missing = ray_workers.ranks_not_seeing(group, path=str(meta_path), text=meta_path.read_text(encoding="utf-8"))
+        if missing:
+            name, node = missing[0]
+            raise InputError(
+                f"data_cache: the token store {store.path} is not on node {node} ({name}); a multi-node run needs "
+                "--data-cache (or $MCORE_DPO_CACHE) on a file system every node shares (scripts/slurm/README.md)")
 
 
 def _one(results: list) -> dict:

@@ -17,6 +17,7 @@ from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo.parallel import platform as plat
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data.pairs import Microbatch, TokenizedPair, seq_len_multiple
+from mcore_dpo.data.store import TokenStore
 from mcore_dpo.data.even_passes import rank_passes
 from mcore_dpo.objective.logprobs import LogpsOptions
 from mcore_dpo.parallel.mesh import Layout, Mesh, destroy, initialize
@@ -57,8 +58,12 @@ class Rank:
         master_addr: str,
         master_port: int,
         local_rank: int = 0,
+        stores: dict[str, tuple[str, str]] | None = None,
     ):
         self.config = config
+        # The token stores the driver built ("data", "eval_data" -> (path, key)), opened on first use.
+        self._store_places = dict(stores or {})
+        self._stores: dict[str, TokenStore] = {}
         self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
@@ -104,6 +109,21 @@ class Rank:
         if layout.cp > 1 and self.use_te and config.prefix_sharing:  # TE's arbitrary mask has no CP
             raise ValueError("prefix_sharing: shared-prompt rows on Transformer Engine's attention are not wired with "
                              f"context parallelism (--cp {layout.cp}) yet; use --no-prefix-sharing")
+
+    def store(self, name: str) -> TokenStore:
+        """The token store of "data" or "eval_data" as the driver built it, opened once (memory
+        maps: this rank reads the rows it uses, nothing else)."""
+        if name not in self._stores:
+            if name not in self._store_places:
+                raise RuntimeError(f"this rank was given no {name} token store")
+            path, key = self._store_places[name]
+            self._stores[name] = TokenStore.open(path, key=key)
+        return self._stores[name]
+
+    def pairs_of(self, pair_ids: Sequence[int]) -> list[TokenizedPair]:
+        """Pairs of the training data by their store indices, read from the store."""
+        data = self.store("data")
+        return [data[i] for i in pair_ids]
 
     def build(self, weights_dir: str, *, checked: bool = False) -> torch.nn.Module:
         """This rank's stage of the model in `weights_dir`, on its device, loaded. `checked`: a

@@ -21,7 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from mcore_dpo.checkpoint import reference_tables
 from mcore_dpo.objective.logprobs import SequenceLogps, table_rows
 
 
@@ -97,11 +99,22 @@ class ReferenceSource:
 
     # ------------------------------------------------------------------ the rest of the run
     def precompute(self, table_of: Callable[[Sequence], torch.Tensor | None], pairs: Sequence,
-                   eval_pairs: Sequence = ()) -> None:
+                   eval_pairs: Sequence = (), *, mesh=None, table_dir: str | None = None, key: str | None = None,
+                   reuse: bool = False) -> None:
         """`--ref-mode precomputed`: the tables of the data set and of the held-out pairs (from a
-        forward-only reference pass, `table_of`), then the model is released."""
-        self.table = table_of(pairs)
-        self.eval_table = table_of(eval_pairs) if eval_pairs else None
+        forward-only reference pass, `table_of`), then the model is released. With `table_dir`
+        the tables live on disk (checkpoint/reference_tables.py): computed and written by the
+        reporting rank (`mesh.returns_result`) unless `reuse`, then memory-mapped on the last stage."""
+        if not (table_dir and reuse):
+            self.table = table_of(pairs)
+            self.eval_table = table_of(eval_pairs) if eval_pairs else None
+        if table_dir:
+            if not reuse:
+                if mesh.returns_result:
+                    reference_tables.write(table_dir, key=key, train=self.table, eval_table=self.eval_table)
+                dist.barrier()  # written before any rank maps them
+            if mesh.is_last_stage:
+                self.table, self.eval_table = reference_tables.read(table_dir)
         self.release()
 
     def release(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,24 @@ from mcore_dpo.optim.zero import ShardedOptimizer
 
 @dataclass(frozen=True)
 class StepBatch:
-    """What the driver sends for one step: this step's global batch and, when the reference
-    runs interleaved, the next step's (its reference forwards fill this step's bubbles)."""
+    """What the driver sends for one step: this step's global batch and the next step's (when
+    the reference runs interleaved, its forwards fill this step's bubbles), as pair indices
+    into the training data's token store; each rank reads the pairs from the store (`read`).
+    Tests may give the pairs themselves instead."""
 
     step: int
-    pairs: Sequence[TokenizedPair]
+    pairs: Sequence[TokenizedPair] | None = None  # None: read pair_ids from the store
     next_pairs: Sequence[TokenizedPair] | None = None
-    pair_ids: Sequence[int] = ()  # indices into the data set (precomputed reference lookup)
+    pair_ids: Sequence[int] = ()  # indices into the data set (the store; the precomputed reference table)
+    next_pair_ids: Sequence[int] | None = None
     ref_logps: torch.Tensor | None = None  # [pairs, 2] from the "ref" worker group (--ref-mode separate)
+
+    def read(self, rank: Rank) -> StepBatch:
+        """This batch with its pairs (and the next batch's) read from `rank`'s token store."""
+        if self.pairs is not None:
+            return self
+        return replace(self, pairs=rank.pairs_of(self.pair_ids),
+                       next_pairs=None if self.next_pair_ids is None else rank.pairs_of(self.next_pair_ids))
 
 
 class ReferenceWorker(Rank):
@@ -58,8 +68,13 @@ class ReferenceWorker(Rank):
         super().__init__(config=config, layout=Layout(tp=config.ref_tp, pp=config.ref_pp, dp=config.ref_dp), **kwargs)
         self.reference = freeze(self.build(config.ref_model or config.model))
 
-    def reference_logps(self, pairs: Sequence[TokenizedPair]) -> torch.Tensor | None:
-        """[pairs, 2] on the CPU from the reporting rank (tp 0 of the last stage, dp 0)."""
+    def reference_logps(self, pairs: Sequence[TokenizedPair] | None = None, *, pair_ids: Sequence[int] | None = None,
+                        eval_set: bool = False) -> torch.Tensor | None:
+        """[pairs, 2] on the CPU from the reporting rank (tp 0 of the last stage, dp 0), of
+        `pairs`, of the training pairs `pair_ids` or of the whole held-out set (`eval_set`), the
+        last two read from the token stores."""
+        if pairs is None:
+            pairs = self.store("eval_data") if eval_set else self.pairs_of(pair_ids)
         table = self.reference_table(pairs, model=self.reference)
         return table.cpu() if self.mesh.returns_result else None
 
@@ -184,6 +199,7 @@ class PolicyWorker(Rank):
         step_clock = plat.IntervalClock(self.platform)
         step_clock.start()
         spec = config.loss_spec()
+        batch = batch.read(self)  # the pairs from the token store
         mbs, groups = self.local_microbatches(batch.pairs)
         microbatches_of = {0: mbs}
         sync_now = config.sync_ref_model and batch.step % config.ref_model_sync_steps == 0  # TR-DPO
@@ -266,8 +282,10 @@ class PolicyWorker(Rank):
         return max_over_ranks(self.memory_report, world_size=self.layout.world_size, device=self.platform.device)
 
     # ------------------------------------------------------------------ the driver's other calls
-    def evaluate(self, pairs: Sequence[TokenizedPair], ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
-        return self.evaluator.evaluate(pairs, ref_logps)
+    def evaluate(self, pairs: Sequence[TokenizedPair] | None = None,
+                 ref_logps: torch.Tensor | None = None) -> dict[str, float] | None:
+        """Held-out metrics over `pairs` (default: the eval set's token store)."""
+        return self.evaluator.evaluate(self.store("eval_data") if pairs is None else pairs, ref_logps)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
         with io_errors.naming(directory):  # a full disk's error names the checkpoint
@@ -287,10 +305,19 @@ class PolicyWorker(Rank):
     def adapter_shard(self) -> dict[str, torch.Tensor] | None:
         return self.checkpointer.adapter_shard()
 
-    def precompute_reference(self, pairs: Sequence[TokenizedPair], eval_pairs: Sequence[TokenizedPair] = ()) -> None:
-        """`--ref-mode precomputed`: one forward-only reference pass over the data set (and the
-        held-out pairs); the last stage keeps the log-probs, then the reference is released."""
-        self.reference.precompute(lambda p: self.reference_table(p, model=self.reference.model), pairs, eval_pairs)
+    def precompute_reference(self, pairs: Sequence[TokenizedPair] | None = None,
+                             eval_pairs: Sequence[TokenizedPair] | None = None, *, table_dir: str | None = None,
+                             key: str | None = None, reuse: bool = False) -> None:
+        """`--ref-mode precomputed`: one forward-only reference pass over the data set and the
+        held-out pairs (default: the token stores'), dp ranks taking shares; the last stage keeps
+        the log-probs, then the reference is released. `table_dir`: the run's tables on disk
+        (checkpoint/reference_tables.py), written by the reporting rank under `key`, or read
+        from there without a pass when the driver found them complete (`reuse`)."""
+        if pairs is None:
+            pairs = self.store("data")
+            eval_pairs = self.store("eval_data") if "eval_data" in self._store_places else ()
+        self.reference.precompute(lambda p: self.reference_table(p, model=self.reference.model), pairs,
+                                  eval_pairs or (), mesh=self.mesh, table_dir=table_dir, key=key, reuse=reuse)
 
     def release_reference(self) -> None:
         self.reference.release()

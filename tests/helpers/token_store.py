@@ -12,3 +12,12 @@ def build_with_workers(sources, *, workers: int = 2, **kwargs):
     from mcore_dpo.data.store import open_or_build
 
     return open_or_build(sources, workers=workers, **kwargs)
+
+
+@launches("ranks")
+def prepare_run(config, **kwargs):
+    """mcore_dpo.driver.run.prepare, whose token store may be built on spawned tokenizer processes
+    (--data-workers)."""
+    from mcore_dpo.driver.run import prepare
+
+    return prepare(config, **kwargs)
