@@ -47,6 +47,8 @@ from mcore_dpo.data.pairs import (
     TokenizedPair,
     _check_arguments,
     _check_source,
+    source_bytes,
+    source_checksum,
 )
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, max_row_bytes, tokenize_source
 
@@ -120,7 +122,7 @@ def key_inputs(sources: Sequence[str], *, tokenizer_dir: str | None, tokenizer, 
     return {
         "format_version": FORMAT_VERSION,
         "tokenization_version": TOKENIZATION_VERSION,
-        "sources": [file_checksum(path) for path in sources],  # the content only: a moved file still hits
+        "sources": [source_checksum(path) for path in sources],  # the content only: a moved file still hits
         "tokenizer_files": _tokenizer_files(tokenizer_dir),
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
@@ -352,9 +354,10 @@ class _StoreWriter:
 def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
                   on_bad_row: str = "error", cache_dir: str | None = None, workers: int | None = None,
                   log: Callable[[str], None] = print, progress_bar: bool | None = None) -> TokenStore:
-    """The store of `sources` (data files, their samples in this order) tokenized by `tokenizer` as
-    `load_pairs` tokenizes each: opened when `<cache_dir>/<key>` holds a complete one, else built
-    there (cache_dir: default `default_store_root()`; workers: default `default_workers`).
+    """The store of `sources` (data files or saved dataset directories, their samples in this
+    order) tokenized by `tokenizer` as `load_pairs` tokenizes each: opened when `<cache_dir>/<key>`
+    holds a complete one, else built there (cache_dir: default `default_store_root()`; workers:
+    default `default_workers`).
 
     `tokenizer` is the loaded tokenizer, with the chat template it renders (--chat-template is set
     on it before); `tokenizer_dir` the directory it was loaded from (None for one built in memory).
@@ -382,7 +385,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(root)
     if workers is None:
-        workers = default_workers(sum(os.path.getsize(path) for path in sources))
+        workers = default_workers(sum(source_bytes(path) for path in sources))
     pool = TokenizerPool(tokenizer, workers=workers)
     workers = pool.workers
     partial = root / f"{key}.partial-{uuid.uuid4().hex[:12]}"

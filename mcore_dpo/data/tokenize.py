@@ -8,7 +8,8 @@ rows, one kind per file, the fit to max_length), `_pair_texts` and `split_at_pro
 
 How the work is shared:
 - the parent reads the file as a stream (JSONL line by line, a row bounded by `max_row_bytes`;
-  .json and Parquet are read whole, as `load_pairs` reads them), validates each row in order
+  a saved dataset directory a batch of rows at a time; .json and Parquet are read whole, as
+  `load_pairs` reads them), validates each row in order
   with `_RowScan.validate` and sends batches of valid rows to the workers;
 - a worker renders the chat template, encodes each batch's texts in one fast-tokenizer call,
   cuts at the prompt and returns int32 arrays;
@@ -45,6 +46,7 @@ from mcore_dpo.data.pairs import (
     _RawPair,
     _read_rows,
     _RowScan,
+    source_bytes,
     split_at_prompt,
 )
 
@@ -84,15 +86,16 @@ class SourceRows:
     """The rows of one data file as (line, row or _BadRow), with how far the reading got.
 
     JSONL is read a line at a time and a line is never held longer than `row_limit` bytes: a longer
-    one becomes a _BadRow and the rest of it is passed over in pieces. .json and Parquet are read
-    whole by pairs.py's readers (a JSON document is one value; Parquet is read by `datasets`); their
-    rows are bounded after parsing, by the bytes of their texts (`oversize`)."""
+    one becomes a _BadRow and the rest of it is passed over in pieces. The other kinds are read by
+    pairs.py's readers: .json and Parquet whole (a JSON document is one value; Parquet is read by
+    `datasets`), a saved dataset directory in batches of rows from its memory-mapped Arrow files;
+    their rows are bounded after parsing, by the bytes of their texts (`oversize`)."""
 
     def __init__(self, path: str, *, row_limit: int) -> None:
         self.path = path
         self.row_limit = row_limit
         self.is_jsonl = _check_source(path) == ".jsonl"
-        self.total_bytes = os.path.getsize(path)
+        self.total_bytes = source_bytes(path)
         self.bytes_read = 0
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
@@ -335,7 +338,7 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
             bytes_before = rows.bytes_read
             if len(slots) >= BATCH_ROWS or batch_bytes >= BATCH_BYTES:
                 send()
-    except DataError as error:  # a kind mixed in, no chat template, or an unreadable .json/Parquet file
+    except DataError as error:  # a kind mixed in, no chat template, or an unreadable .json/Parquet/dataset
         fatal = error
     if slots:
         send()

@@ -22,7 +22,8 @@ pair still tokenizes. `check_tokenizer` encodes and decodes a sample of the data
 Cost, measured on the default job (`prepare(TrainConfig())`: the embedded tokenizer, 32 rows of
 prefs_train.jsonl and 32 of prefs_eval.jsonl, 192 texts) on the 2-core development machine:
 14 ms idle, 25-50 ms at load 7, of a prepare() of about 1 s (load_pairs of the 2,000 training rows
-alone takes about 0.45 s). A Parquet file is read whole once more (its reader has no row limit).
+alone takes about 0.45 s). A Parquet file is read whole once more (its reader has no row limit);
+a saved dataset directory only as far as the sample, a batch of rows at a time.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class SampleText:
 
 def sample_texts(path: str, tokenizer, *, num_rows: int = NUM_SAMPLE_ROWS) -> list[SampleText]:
     """The texts training tokenizes for the first `num_rows` usable rows of `path` (pairs.py's
-    `_pair_texts`, read as the token store reads: a JSONL file only as far as the sample, rows
-    over 1 MiB passed over); [] when the file cannot be read or the tokenizer has no EOS
-    (load_pairs reports those, with the line)."""
+    `_pair_texts`, read as the token store reads: a JSONL file or a saved dataset directory only
+    as far as the sample, JSONL rows over 1 MiB passed over); [] when the source cannot be read or
+    the tokenizer has no EOS (load_pairs reports those, with the line)."""
     texts: list[SampleText] = []
     if tokenizer.eos_token is None:
         return texts

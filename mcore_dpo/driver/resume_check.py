@@ -9,6 +9,7 @@ extended), the output and logging settings.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from mcore_dpo.config import TrainConfig
@@ -23,6 +24,16 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def data_digest(path: str | Path) -> str:
+    """A data source's identity: a file's SHA-256 (as checkpoints have always recorded it), or a
+    saved dataset directory's `source_checksum` (its files' relative paths and checksums)."""
+    if os.path.isdir(path):
+        from mcore_dpo.data.pairs import source_checksum  # imported here: pairs imports torch
+
+        return "dataset:" + source_checksum(str(path))
+    return file_sha256(path)
 
 
 SAMPLE_BLOCKS = 8  # blocks of every weight file a fingerprint reads, spread evenly, first and last included
@@ -60,23 +71,13 @@ def model_fingerprint(directory: str | Path) -> str:
     return digest.hexdigest()
 
 
-def source_sha256(path: str | Path) -> str:
-    """A data file's SHA-256; a saved dataset directory's: of its files' relative names and SHA-256s."""
-    if not Path(path).is_dir():
-        return file_sha256(path)
-    digest = hashlib.sha256()
-    for file in sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith(".")):
-        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file_sha256(file).encode() + b"\0")
-    return digest.hexdigest()
-
-
 def data_identity(data: str | list[str]) -> str | list:
     """--data by content: one source's digest (a weight on a single source changes nothing), or
     a mix's [digest, weight] per source, in order (a weight changes the data order)."""
     sources = parse_sources(data)
     if len(sources) == 1:
-        return source_sha256(sources[0].path)
-    return [[source_sha256(s.path), s.weight] for s in sources]
+        return data_digest(sources[0].path)
+    return [[data_digest(s.path), s.weight] for s in sources]
 
 
 def run_identity(config: TrainConfig) -> dict:
