@@ -89,7 +89,8 @@ def compute_floor(*, steps: int, cache_dir: Path) -> dict:
     torch.set_num_threads(1)
     from mcore_dpo.config import TrainConfig
     from mcore_dpo.data.pairs import collate, padded_seq_len
-    from mcore_dpo.driver.run import prepare, step_batches
+    from mcore_dpo.data.order import StepOrder
+    from mcore_dpo.driver.run import prepare
 
     prep = prepare(TrainConfig(max_steps=steps))
     config = prep.config
@@ -104,8 +105,8 @@ def compute_floor(*, steps: int, cache_dir: Path) -> dict:
         return (token_logps * micro.loss_mask).sum(-1)
 
     times = []
-    for ids in step_batches(config, len(prep.train_pairs)):
-        pairs = [prep.train_pairs[i] for i in ids]
+    for ids in StepOrder.of(config, prep.train_data.source_counts()):
+        pairs = [prep.train_data[i] for i in ids]
         seq_len = padded_seq_len(pairs)
         micros = [collate(pairs[k:k + b], pad_token_id=prep.pad_token_id, seq_len=seq_len) for k in range(0, len(pairs), b)]
         start = time.perf_counter()

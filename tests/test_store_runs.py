@@ -130,6 +130,7 @@ def test_a_weighted_mix_of_two_files_draws_its_shares_and_is_part_of_the_run(tmp
     16 of b (a's are every a pair once, b's every b pair once); data_stats.json lists both with
     their weights; a resume with other weights is refused as a change of --data."""
     from mcore_dpo.command_line import resolve
+    from mcore_dpo.data.order import StepOrder
     from mcore_dpo.driver import run
 
     pool = _rows(defaults.DEFAULT_TRAIN_DATA)
@@ -140,12 +141,12 @@ def test_a_weighted_mix_of_two_files_draws_its_shares_and_is_part_of_the_run(tmp
     assert config.data == [f"{a}:3", f"{b}:1"]
     prep = run.prepare(config)
     assert prep.train_data.source_counts() == [48, 16]
-    steps = run.step_batches(dataclasses.replace(config, max_steps=16), [48, 16], [3.0, 1.0])
+    steps = list(StepOrder.of(dataclasses.replace(config, max_steps=16), [48, 16], [3.0, 1.0]))
     epoch = sorted(i for batch in steps for i in batch)
     assert epoch == list(range(64))  # quotas 48 and 16: every pair once
 
     # Weights 1:1 over the same files: 32 of each, a drawn without repeats, b twice over.
-    halves = run.step_batches(dataclasses.replace(config, max_steps=16), [48, 16], [1.0, 1.0])
+    halves = list(StepOrder.of(dataclasses.replace(config, max_steps=16), [48, 16], [1.0, 1.0]))
     drawn = [i for batch in halves for i in batch]
     from_a = [i for i in drawn if i < 48]
     assert len(from_a) == 32 and len(set(from_a)) == 32

@@ -23,8 +23,9 @@ from mcore_dpo.checkpoint import reference_tables
 from mcore_dpo.driver.outputs import export_adapter, export_policy, save_checkpoint
 from mcore_dpo.driver import output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
-from mcore_dpo.data.mix import Source, epoch_samples, parse_sources, weights_of
-from mcore_dpo.data.pairs import DataStats, data_notes, global_batch_order
+from mcore_dpo.data.mix import Source, parse_sources, weights_of
+from mcore_dpo.data.order import StepOrder
+from mcore_dpo.data.pairs import DataStats, data_notes
 from mcore_dpo.data.store import TokenStore, open_or_build
 from mcore_dpo.data.tokenizer_check import check_tokenizer
 from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
@@ -215,29 +216,6 @@ def _resolve_lora(config: TrainConfig, spec) -> TrainConfig:
         raise InputError(str(error)) from None
 
 
-def step_batches(config: TrainConfig, counts: int | list[int], weights: list[float] | None = None) -> list[list[int]]:
-    """Pair indices (into the token store) of every step's global batch, epoch after epoch: the
-    same for any layout. `counts`: the pairs of each source (an int: one source); `weights`: a
-    weighted mix's (data/mix.py), None for every pair of every source once an epoch."""
-    counts = [counts] if isinstance(counts, int) else list(counts)
-    steps: list[list[int]] = []
-    epoch = 0
-    while len(steps) < config.max_steps:
-        samples = epoch_samples(counts=counts, weights=weights, seed=config.seed, epoch=epoch)
-        steps.extend(
-            [samples[i] for i in batch]
-            for batch in global_batch_order(
-                num_pairs=len(samples),
-                global_batch_size=config.global_batch_size,
-                seed=config.seed,
-                shuffle=not config.no_shuffle,
-                epoch=epoch,
-            )
-        )
-        epoch += 1
-    return steps[: config.max_steps]
-
-
 def train(config: TrainConfig, *, ray_address: str | None = None, log=print, announced: bool = False) -> Path:
     """Run DPO as configured; returns the output directory. `announced`: the caller already
     printed `starting_line` (the command line does, before the slow imports)."""
@@ -400,7 +378,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
         log(fallback)
     elif resume_dir:
         log(f"resuming from {resume_dir} (step {start_step})")
-    steps = step_batches(config, prep.train_data.source_counts(), weights_of(prep.sources))
+    steps = StepOrder.of(config, prep.train_data.source_counts(), weights_of(prep.sources))
     reference_tables.remove_partials(out)
     metrics_log = MetricsLog(out, total_steps=config.max_steps, keep_up_to_step=start_step,
                              wandb_project=(config.wandb_project or "mcore_dpo") if config.wandb else None,
