@@ -224,9 +224,15 @@ class TokenStore:
     def pair(self, index: int) -> TokenizedPair:
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} of a store of {len(self)}")
-        prompt, first, num_completions, _, line = (int(v) for v in self._samples[index])
+        prompt, first, num_completions, _, line = self._samples[index].tolist()
         if num_completions != 2:
             raise ValueError(f"{self.path}: sample {index} has {num_completions} completions, not a pair")
+        (start, n_prompt), (chosen_start, n_chosen), (rejected_start, n_rejected) = (
+            self._sequences[prompt].tolist(), *self._sequences[first:first + 2].tolist())
+        if chosen_start == start + n_prompt and rejected_start == chosen_start + n_chosen:  # as written: one read
+            ids = self._tokens[start:start + n_prompt + n_chosen + n_rejected].tolist()
+            return TokenizedPair(prompt_ids=tuple(ids[:n_prompt]), chosen_ids=tuple(ids[n_prompt:n_prompt + n_chosen]),
+                                 rejected_ids=tuple(ids[n_prompt + n_chosen:]), source_line=line)
         return TokenizedPair(prompt_ids=tuple(self.sequence(prompt).tolist()),
                              chosen_ids=tuple(self.sequence(first).tolist()),
                              rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line)

@@ -64,6 +64,7 @@ class Rank:
         # The token stores the driver built ("data", "eval_data" -> (path, key)), opened on first use.
         self._store_places = dict(stores or {})
         self._stores: dict[str, TokenStore] = {}
+        self._last_read: tuple[tuple[int, ...] | None, list[TokenizedPair]] = (None, [])
         self.rank = rank
         self.spec = spec
         self.pad_token_id = pad_token_id
@@ -121,9 +122,13 @@ class Rank:
         return self._stores[name]
 
     def pairs_of(self, pair_ids: Sequence[int]) -> list[TokenizedPair]:
-        """Pairs of the training data by their store indices, read from the store."""
-        data = self.store("data")
-        return [data[i] for i in pair_ids]
+        """Pairs of the training data by their store indices, read from the store. The last
+        batch read is kept: a step reads the next step's batch, which that step reads again."""
+        ids = tuple(pair_ids)
+        if self._last_read[0] != ids:
+            data = self.store("data")
+            self._last_read = (ids, [data[i] for i in ids])
+        return self._last_read[1]
 
     def build(self, weights_dir: str, *, checked: bool = False) -> torch.nn.Module:
         """This rank's stage of the model in `weights_dir`, on its device, loaded. `checked`: a
