@@ -135,13 +135,6 @@ def store_key(inputs: dict) -> str:
     return xxhash.xxh3_128(json.dumps(inputs, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def default_store_root() -> str:
-    """$MCORE_DPO_CACHE/data (default ~/.cache/mcore_dpo/data)."""
-    from mcore_dpo.driver.defaults import default_cache_dir  # the cache root is the driver's setting
-
-    return os.path.join(default_cache_dir(), "data")
-
-
 # ----------------------------------------------------------------------------- reading
 
 
@@ -358,12 +351,12 @@ class _StoreWriter:
 
 
 def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
-                  on_bad_row: str = "error", cache_dir: str | None = None, workers: int | None = None,
+                  cache_dir: str | os.PathLike, on_bad_row: str = "error", workers: int | None = None,
                   log: Callable[[str], None] = print, progress_bar: bool | None = None) -> TokenStore:
     """The store of `sources` (data files or saved dataset directories, their samples in this
     order) tokenized by `tokenizer` as `load_pairs` tokenizes each: opened when `<cache_dir>/<key>`
-    holds a complete one, else built there (cache_dir: default `default_store_root()`; workers:
-    default `default_workers`).
+    holds a complete one, else built there (the train command's --data-cache, default
+    `driver.defaults.default_data_cache()`; workers: default `default_workers`).
 
     `tokenizer` is the loaded tokenizer, with the chat template it renders (--chat-template is set
     on it before); `tokenizer_dir` the directory it was loaded from (None for one built in memory).
@@ -377,7 +370,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     inputs = key_inputs(sources, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer, max_length=max_length,
                         on_bad_row=on_bad_row)
     key = store_key(inputs)
-    root = Path(cache_dir if cache_dir is not None else default_store_root()).absolute()
+    root = Path(cache_dir).absolute()
     final = root / key
     if final.exists():
         try:

@@ -30,6 +30,11 @@ def default_cache_dir() -> str:
     return os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "mcore_dpo")
 
 
+def default_data_cache() -> str:
+    """Where the token stores go without --data-cache: $MCORE_DPO_CACHE/data."""
+    return os.path.join(default_cache_dir(), "data")
+
+
 def _build_model(out_dir: str) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -135,7 +135,7 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     # The token stores (data/store.py): tokenized here once, by --data-workers processes, then
     # opened by every later run and by the ranks, which read their own rows.
     stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
-                  cache_dir=config.data_cache, workers=config.data_workers, log=log)
+                  cache_dir=config.data_cache or defaults.default_data_cache(), workers=config.data_workers, log=log)
     try:
         train_data = open_or_build([s.path for s in sources], **stores)
     except OSError as error:  # the cache directory: read-only, full, a file in its path

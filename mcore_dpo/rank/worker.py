@@ -32,7 +32,8 @@ from mcore_dpo.rank.base import Rank
 from mcore_dpo.rank.metrics import max_over_ranks, mean_and_max_over_ranks, reduce_metrics
 from mcore_dpo.rank.reference import ReferenceSource
 from mcore_dpo.pipeline.schedule import build_plan
-from mcore_dpo.objective.step_loss import StepLoss, sort_batch
+from mcore_dpo.objective.step_loss import StepLoss
+from mcore_dpo.rank.batch_sort import sort_batch
 from mcore_dpo.rank.checkpointer import Checkpointer
 from mcore_dpo.rank.evaluate import Evaluator
 from mcore_dpo.optim.zero import ShardedOptimizer
