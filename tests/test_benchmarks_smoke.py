@@ -16,6 +16,14 @@ from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_s
                         optimizer_memory, ref_cost, vs_trl)
 from tests.helpers.cli import REPO, run_python
 from tests.helpers.ranks import run_benchmark
+from tests.helpers.tiers import launches
+
+
+@launches("cli", "ray")
+def _run_training_script(args: list[str], **kwargs):
+    """A benchmark script that runs `python -m mcore_dpo.train` (with its own local Ray cluster)
+    in a subprocess of its own."""
+    return run_python(args, **kwargs)
 
 
 def _weights(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -178,3 +186,26 @@ def test_packing_decompose_counts_and_splits_the_step(tmp_path):
     for layout in ("padded", "packed"):
         assert math.isclose(sum(result["timed"]["class_share"][layout].values()), 1.0)
         assert result["timed"]["step_compute_cpu_s"][layout]["median"] > 0
+
+
+def test_data_scale_measures_the_store_and_the_train_command(tmp_path):
+    """--tiny: 200 pairs, the store's measurements and one cold and one warm run of the train
+    command (time to step 1, total time, the driver's peak RSS) and their plot."""
+    out, plot = tmp_path / "d.json", tmp_path / "d.png"
+    args = [str(REPO / "benchmarks" / "data_scale.py"), "--tiny", "--work-dir", str(tmp_path / "w"), "--out",
+            str(out), "--plot", str(plot)]
+    _run_training_script(args, check=True, timeout=900)
+    result = json.loads(out.read_text())
+    figures = result["sizes"]["200"]
+    assert figures["cold_1"]["built"] and not figures["warm"]["built"] and figures["load_pairs"]["pairs"] == 200
+    assert result["e2e"]["repeats"] == 1 and result["e2e"]["plot"] == str(plot)
+    for mode in ("cold", "warm"):
+        entry = figures["e2e"][mode]
+        assert len(entry["runs"]) == 1
+        run = entry["runs"][0]
+        assert run["step_reached"] == 1
+        assert 0 < run["step1_s"] <= run["total_s"] and run["driver_peak_rss"] > 0
+        assert (entry["step1_s"], entry["total_s"], entry["driver_peak_rss"]) == (
+            run["step1_s"], run["total_s"], run["driver_peak_rss"])  # the median of one run
+        assert "--max-steps" in run["command"] and "--no-export-hf" in run["command"]
+    assert plot.stat().st_size > 0
