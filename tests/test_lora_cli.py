@@ -71,7 +71,7 @@ def _base_dir(cache: Path) -> Path:
 def test_checkpoint_holds_adapters_and_points_at_the_base(baseline, cache):
     from checkpoint_convert.peft_adapter import adapter_entries, lora_shape_of
     from checkpoint_convert.io import open_hf_dir
-    from mcore_dpo.driver.resume_check import model_fingerprint
+    from mcore_dpo.checkpoint.fingerprint import model_fingerprint
 
     ckpt = baseline / "checkpoints" / "step_00000002"
     assert not (ckpt / "model").exists()  # no copy of the base

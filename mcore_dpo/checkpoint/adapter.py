@@ -28,7 +28,7 @@ class Adapter:
 
     def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
         from checkpoint_convert.peft_adapter import adapter_config, join_shard_files, write_adapter_dir
-        from mcore_dpo.driver.resume_check import model_fingerprint
+        from mcore_dpo.checkpoint.fingerprint import model_fingerprint
         from mcore_dpo.model import lora
 
         shape = lora.shape_of(config)
