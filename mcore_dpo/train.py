@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoint_convert.families.base import ConversionError
     from mcore_dpo.checkpoint.layout import CheckpointError
-    from mcore_dpo.data.pairs import DataError
+    from mcore_dpo.data.sources import DataError
     from mcore_dpo import io_errors
     from mcore_dpo.driver.run import Diverged, InputError, Stopped, train
 

@@ -400,9 +400,9 @@ def test_on_bad_row_skip_counts_and_records_the_first_lines(paths):
     config = TrainConfig(model=paths["model"], data=str(SOME_BAD_ROWS), on_bad_row="skip",
                          global_batch_size=8, micro_batch_size=8)  # fmt: skip
     prep = prepare(config)
-    assert prep.train_stats[0].num_rows == 40
-    assert prep.train_stats[0].num_bad_rows_skipped == len(SOME_BAD_LINES)
-    assert prep.train_stats[0].first_bad_lines == SOME_BAD_LINES
+    assert prep.train_data.stats[0].num_rows == 40
+    assert prep.train_data.stats[0].num_bad_rows_skipped == len(SOME_BAD_LINES)
+    assert prep.train_data.stats[0].first_bad_lines == SOME_BAD_LINES
     assert len(prep.train_data) == 40 - len(SOME_BAD_LINES)
     assert not {pair.source_line for pair in prep.train_data} & set(SOME_BAD_LINES)
 

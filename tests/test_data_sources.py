@@ -14,8 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from checkpoint_convert.integrity import file_checksum
-from mcore_dpo.data import pairs as pairs_module
-from mcore_dpo.data.pairs import DataError, _read_rows, load_pairs, source_checksum
+from mcore_dpo.data import sources as sources_module
+from mcore_dpo.data.pairs import load_pairs
+from mcore_dpo.data.sources import DataError, _read_rows, source_checksum
 from mcore_dpo.data.store import open_or_build
 from mcore_dpo.data.tokenizer_check import sample_texts
 from mcore_dpo.driver.defaults import DEFAULT_TOKENIZER_DIR
@@ -80,6 +81,17 @@ def _store_outcome(path: str, tokenizer, cache_dir: Path, *, max_length: int, on
 # ----------------------------------------------------------------------------- the same rows as JSONL
 
 
+def _assert_both_refuse(path: str, tokenizer, cache_dir: Path, *, expected: str) -> None:
+    """load_pairs and the store's build both raise DataError with exactly `expected`."""
+    with pytest.raises(DataError) as caught:
+        load_pairs(path, tokenizer=tokenizer, max_length=64)
+    assert str(caught.value) == expected
+    with pytest.raises(DataError) as caught:
+        open_or_build([path], tokenizer_dir=DEFAULT_TOKENIZER_DIR, tokenizer=tokenizer, max_length=64,
+                      cache_dir=str(cache_dir), workers=1, log=lambda line: None)
+    assert str(caught.value) == expected
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_saved_dataset_gives_the_jsonl_rows_pairs_and_stats(name, tokenizer, tmp_path):
     """Rows (conversations as lists of dicts), pairs and DataStats of a save_to_disk directory equal the
@@ -116,7 +128,7 @@ def test_rows_are_read_in_batches_and_numbered_on_across_them(tokenizer, tmp_pat
     """Batches of 2 rows (5 rows: 3 batches), no whole-set to_list(): row numbers run 1..5."""
     rows = STANDARD_ROWS + LONG_ROWS
     directory = _saved(tmp_path / "d", rows)
-    monkeypatch.setattr(pairs_module, "DATASET_BATCH_ROWS", 2)
+    monkeypatch.setattr(sources_module, "DATASET_BATCH_ROWS", 2)
 
     def refused(self, *args, **kwargs):
         raise AssertionError("to_list() of the whole data set")
@@ -173,13 +185,7 @@ def test_a_dataset_dict_without_train_is_refused_naming_its_splits(tokenizer, tm
                           "test": datasets.Dataset.from_list(STANDARD_ROWS)}).save_to_disk(str(directory))
     expected = (f"{directory}: a saved DatasetDict with splits validation, test and no 'train'; "
                 f"give one split's directory (e.g. {directory / 'validation'})")
-    with pytest.raises(DataError) as caught:
-        load_pairs(str(directory), tokenizer=tokenizer, max_length=64)
-    assert str(caught.value) == expected
-    with pytest.raises(DataError) as caught:
-        open_or_build([str(directory)], tokenizer_dir=DEFAULT_TOKENIZER_DIR, tokenizer=tokenizer, max_length=64,
-                      cache_dir=str(tmp_path / "cache"), workers=1, log=lambda line: None)
-    assert str(caught.value) == expected
+    _assert_both_refuse(str(directory), tokenizer, tmp_path / "cache", expected=expected)
     assert not (tmp_path / "cache").exists()  # refused before any store directory is made
     assert load_pairs(str(directory / "validation"), tokenizer=tokenizer, max_length=64)[1].num_pairs == 3
 
@@ -193,13 +199,7 @@ def test_a_directory_that_is_no_saved_dataset_is_refused_in_one_line(contents, t
         (directory / name).write_text(text)
     expected = (f"{directory}: a directory, not a saved Hugging Face dataset "
                 "(no dataset_info.json/state.json or dataset_dict.json)")
-    with pytest.raises(DataError) as caught:
-        load_pairs(str(directory), tokenizer=tokenizer, max_length=64)
-    assert str(caught.value) == expected
-    with pytest.raises(DataError) as caught:
-        open_or_build([str(directory)], tokenizer_dir=DEFAULT_TOKENIZER_DIR, tokenizer=tokenizer, max_length=64,
-                      cache_dir=str(tmp_path / "cache"), workers=1, log=lambda line: None)
-    assert str(caught.value) == expected
+    _assert_both_refuse(str(directory), tokenizer, tmp_path / "cache", expected=expected)
     assert sample_texts(str(directory), tokenizer) == []
     data_doc = (Path(__file__).resolve().parents[1] / "docs" / "DATA.md").read_text(encoding="utf-8")
     assert f"    error: {expected.replace(str(directory), 'prefs')}\n" in data_doc  # docs/DATA.md quotes it

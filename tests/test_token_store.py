@@ -21,7 +21,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from mcore_dpo.data import store as store_module
-from mcore_dpo.data.pairs import DataError, _tokenize_pair, _validate_row, load_pairs
+from mcore_dpo.data.pairs import _tokenize_pair, _validate_row, load_pairs
+from mcore_dpo.data.sources import DataError
 from mcore_dpo.data.store import TokenStore, StoreError, open_or_build
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, max_row_bytes, tokenize_batch, tokenize_source
 from mcore_dpo.driver.defaults import ASSETS_DIR, DEFAULT_TOKENIZER_DIR

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
 from mcore_dpo.data.tokenizer_check import _matches, check_tokenizer, sample_texts
 from mcore_dpo.driver import defaults
-from mcore_dpo.data.pairs import DataError
+from mcore_dpo.data.sources import DataError
 from tests.helpers.cli import train_input_error
 from tests.helpers.data import write_prefs
 from tests.helpers.models import save_hf

@@ -40,16 +40,8 @@ import xxhash
 
 from checkpoint_convert import durable
 from checkpoint_convert.integrity import file_checksum
-from mcore_dpo.data.pairs import (
-    TOKENIZATION_VERSION,
-    DataError,
-    DataStats,
-    TokenizedPair,
-    _check_arguments,
-    _check_source,
-    source_bytes,
-    source_checksum,
-)
+from mcore_dpo.data.pairs import TOKENIZATION_VERSION, DataStats, TokenizedPair, _check_arguments
+from mcore_dpo.data.sources import DataError, _check_source, source_bytes, source_checksum
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, max_row_bytes, tokenize_source
 
 FORMAT = "mcore_dpo.token_store"

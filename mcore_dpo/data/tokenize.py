@@ -35,20 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from mcore_dpo.data.pairs import (
-    DataError,
-    DataStats,
-    _BadRow,
-    _check_split,
-    _check_source,
-    _jsonl_row,
-    _pair_texts,
-    _RawPair,
-    _read_rows,
-    _RowScan,
-    source_bytes,
-    split_at_prompt,
-)
+from mcore_dpo.data.pairs import DataStats, _check_split, _pair_texts, _RawPair, _RowScan, split_at_prompt
+from mcore_dpo.data.sources import DataError, _BadRow, _check_source, _jsonl_row, _read_rows, source_bytes
 
 # A row over max_row_bytes(max_length) is refused (skipped with on_bad_row 'skip'): 1 KiB of
 # JSON per token that max_length lets through is far more than any tokenizer needs, and 1 MiB

@@ -32,7 +32,8 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mcore_dpo.data.pairs import DataError, _BadRow, _pair_texts, _validate_row
+from mcore_dpo.data.pairs import _pair_texts, _validate_row
+from mcore_dpo.data.sources import DataError, _BadRow
 from mcore_dpo.data.tokenize import SourceRows, max_row_bytes
 
 NUM_SAMPLE_ROWS = 32  # per data file: a few dozen rows, not the data set

@@ -15,6 +15,7 @@ from pathlib import Path
 from mcore_dpo.checkpoint.fingerprint import model_fingerprint
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data.mix import parse_sources
+from mcore_dpo.data.sources import source_checksum
 
 IDENTITY_VERSION = 2  # 2: model fingerprints sample the weights' content
 
@@ -31,8 +32,6 @@ def data_digest(path: str | Path) -> str:
     """A data source's identity: a file's SHA-256 (as checkpoints have always recorded it), or a
     saved dataset directory's `source_checksum` (its files' relative paths and checksums)."""
     if os.path.isdir(path):
-        from mcore_dpo.data.pairs import source_checksum  # imported here: pairs imports torch
-
         return "dataset:" + source_checksum(str(path))
     return file_sha256(path)
 

@@ -25,7 +25,7 @@ from mcore_dpo.driver import output_dir
 from mcore_dpo.config import TrainConfig, starting_line, world_size, write_resolved
 from mcore_dpo.data.mix import Source, parse_sources, weights_of
 from mcore_dpo.data.order import StepOrder
-from mcore_dpo.data.pairs import DataStats, data_notes
+from mcore_dpo.data.pairs import data_notes
 from mcore_dpo.data.store import TokenStore, open_or_build
 from mcore_dpo.data.tokenizer_check import check_tokenizer
 from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
@@ -63,10 +63,8 @@ class Prepared:
     spec: object
     pad_token_id: int
     sources: list[Source]  # --data, parsed
-    train_data: TokenStore  # every source's pairs, source after source (the ranks open it too)
-    train_stats: tuple[DataStats, ...]  # one per source
+    train_data: TokenStore  # every source's pairs, source after source (the ranks open it too); .stats per source
     eval_data: TokenStore | None = None
-    eval_stats: DataStats | None = None
     identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
     packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
     warnings: list[str] = dataclasses.field(default_factory=list)  # said once the run log is open
@@ -136,10 +134,7 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     # opened by every later run and by the ranks, which read their own rows.
     stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
                   cache_dir=config.data_cache or defaults.default_data_cache(), workers=config.data_workers, log=log)
-    try:
-        train_data = open_or_build([s.path for s in sources], **stores)
-    except OSError as error:  # the cache directory: read-only, full, a file in its path
-        raise InputError(f"data_cache: cannot write the token store ({io_errors.describe(error)})") from None
+    train_data = _open_store([s.path for s in sources], **stores)
     counts = train_data.source_counts()
     if weights_of(sources):
         for source, count in zip(sources, counts):
@@ -150,12 +145,9 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
         raise InputError(
             f"{what}: {len(train_data)} usable pairs, fewer than global_batch_size {config.global_batch_size}"
         )
-    eval_data = eval_stats = None
+    eval_data = None
     if config.eval_data:
-        try:
-            eval_data = open_or_build([config.eval_data], **stores)
-        except OSError as error:
-            raise InputError(f"data_cache: cannot write the token store ({io_errors.describe(error)})") from None
+        eval_data = _open_store([config.eval_data], **stores)
         eval_stats = eval_data.stats[0]
         # Any number of held-out pairs evaluates (the last chunk may be partial), but not none.
         if not len(eval_data):
@@ -164,8 +156,15 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
                 f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
             )
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), sources=sources, train_data=train_data,
-                    train_stats=train_data.stats, eval_data=eval_data, eval_stats=eval_stats,
-                    packing_note=packing_note, warnings=warnings)
+                    eval_data=eval_data, packing_note=packing_note, warnings=warnings)
+
+
+def _open_store(paths: list[str], **stores) -> TokenStore:
+    """open_or_build, a cache directory that cannot be written refused in one line."""
+    try:
+        return open_or_build(paths, **stores)
+    except OSError as error:  # read-only, full, a file in its path
+        raise InputError(f"data_cache: cannot write the token store ({io_errors.describe(error)})") from None
 
 
 def _adapter_shape_change(saved: dict, current: dict) -> str | None:
@@ -292,8 +291,8 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
     durable.replace_file(out / "data_stats.json", json.dumps(_data_stats(prep), indent=2) + "\n")
     if config.chat_template:
         durable.replace_file(out / "chat_template.jinja", Path(config.chat_template).read_text(encoding="utf-8"))
-    named = [(s.path, stats) for s, stats in zip(prep.sources, prep.train_stats)]
-    named += [(config.eval_data, prep.eval_stats)] if prep.eval_stats else []
+    named = [(s.path, stats) for s, stats in zip(prep.sources, prep.train_data.stats)]
+    named += [(config.eval_data, prep.eval_data.stats[0])] if prep.eval_data is not None else []
     for path, stats in named:  # unused columns; truncated, dropped and skipped pairs
         for note in data_notes(path, stats, max_length=config.max_length):
             log(note)
@@ -334,10 +333,10 @@ def _data_stats(prep: Prepared) -> dict:
     """OUTPUT/data_stats.json: each data source's counts (one source: an object, a mix: a list of
     them with their weights), the held-out set's, and the token stores they are in."""
     per_source = [{"path": s.path, **({"weight": s.weight} if len(prep.sources) > 1 else {}),
-                   **dataclasses.asdict(stats)} for s, stats in zip(prep.sources, prep.train_stats)]
+                   **dataclasses.asdict(stats)} for s, stats in zip(prep.sources, prep.train_data.stats)]
     found = {"data": per_source[0] if len(per_source) == 1 else per_source}
-    if prep.eval_stats:
-        found["eval_data"] = {"path": prep.config.eval_data, **dataclasses.asdict(prep.eval_stats)}
+    if prep.eval_data is not None:
+        found["eval_data"] = {"path": prep.config.eval_data, **dataclasses.asdict(prep.eval_data.stats[0])}
     found["token_stores"] = {"data": prep.train_data.path,
                              **({"eval_data": prep.eval_data.path} if prep.eval_data is not None else {})}
     return found

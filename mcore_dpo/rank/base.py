@@ -111,6 +111,10 @@ class Rank:
             raise ValueError("prefix_sharing: shared-prompt rows on Transformer Engine's attention are not wired with "
                              f"context parallelism (--cp {layout.cp}) yet; use --no-prefix-sharing")
 
+    def has_store(self, name: str) -> bool:
+        """Whether the driver gave this rank a token store of `name` ("eval_data": a held-out set)."""
+        return name in self._store_places
+
     def store(self, name: str) -> TokenStore:
         """The token store of "data" or "eval_data" as the driver built it, opened once (memory
         maps: this rank reads the rows it uses, nothing else)."""

@@ -316,7 +316,7 @@ class PolicyWorker(Rank):
         from there without a pass when the driver found them complete (`reuse`)."""
         if pairs is None:
             pairs = self.store("data")
-            eval_pairs = self.store("eval_data") if "eval_data" in self._store_places else ()
+            eval_pairs = self.store("eval_data") if self.has_store("eval_data") else ()
         self.reference.precompute(lambda p: self.reference_table(p, model=self.reference.model), pairs,
                                   eval_pairs or (), mesh=self.mesh, table_dir=table_dir, key=key, reuse=reuse)
 
