@@ -94,8 +94,8 @@ def _microbatches(worker, config, batch):
 
 
 def _context(worker, mbs):
-    ctx = worker.stage_context({0: mbs, 1: mbs}, policy=worker.policy, reference=worker.reference.model)
-    ctx.loss_fn = lambda mb, logps: logps.logp_sum.sum()
+    ctx = worker.stage_context({0: mbs, 1: mbs}, policy=worker.policy, reference=worker.reference.model,
+                               loss_fn=lambda mb, logps: logps.logp_sum.sum())
     ctx.stage_inputs()  # what run_ops does before the first op
     return ctx
 

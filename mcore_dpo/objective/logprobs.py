@@ -195,11 +195,11 @@ def sequence_logps(
 
 
 def table_rows(table: torch.Tensor, rows: list[int], *, device: torch.device) -> torch.Tensor:
-    """Reference summed log-probs of some pairs from a [pairs, 2] table, as a microbatch's
-    rows (chosen first, then rejected). No host sync: the row index and a host table's rows go
-    to the device as non-blocking copies."""
+    """Reference summed log-probs of some samples from a [samples, sequences] table, as a
+    microbatch's rows (every sample's first sequence, then every sample's second, ...). No host
+    sync: the row index and a host table's rows go to the device as non-blocking copies."""
     picked = table[to_device(torch.tensor(rows, dtype=torch.long), table.device)]
-    return to_device(torch.cat([picked[:, 0], picked[:, 1]]), device)
+    return to_device(picked.T.reshape(-1), device)
 
 
 def pair_logps(

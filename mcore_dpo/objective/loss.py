@@ -422,16 +422,18 @@ def metric_sum_vector(
     num_pairs_global: int,
     chosen_tokens_global: int,
     sort: BatchSort | None = None,
+    losses: Tensor | None = None,
 ) -> torch.Tensor:
     """Additive metric sums of one microbatch: float64 [len(METRIC_SUM_KEYS)], on the device.
 
     Add the vectors over microbatches and data-parallel ranks, then read them once and call
-    finalize_metrics: nothing here waits for the device.
+    finalize_metrics: nothing here waits for the device. `losses`: the microbatch's
+    `pair_losses`, when the caller has them already (the loss then runs once).
     """
     with torch.no_grad():
-        losses = pair_losses(
-            logps, spec=spec, num_pairs_global=num_pairs_global, chosen_tokens_global=chosen_tokens_global, sort=sort
-        )
+        if losses is None:
+            losses = pair_losses(logps, spec=spec, num_pairs_global=num_pairs_global,
+                                 chosen_tokens_global=chosen_tokens_global, sort=sort)
         terms = _terms(logps, spec=spec)
         # Sums in float64: they are added over many microbatches and ranks before division.
         dtype = torch.float64

@@ -19,6 +19,7 @@ from mcore_dpo.config import TrainConfig
 from mcore_dpo.data.pairs import Microbatch, TokenizedPair, seq_len_multiple
 from mcore_dpo.data.store import TokenStore
 from mcore_dpo.data.even_passes import rank_passes
+from mcore_dpo.objective import registry
 from mcore_dpo.objective.logprobs import LogpsOptions
 from mcore_dpo.parallel.mesh import Layout, Mesh, destroy, initialize
 from mcore_dpo.data.microbatches import RowLayout
@@ -61,6 +62,7 @@ class Rank:
         stores: dict[str, tuple[str, str]] | None = None,
     ):
         self.config = config
+        self.objective = registry.build(config)  # what is trained: its sample shape, reference, loss
         # The token stores the driver built ("data", "eval_data" -> (path, key)), opened on first use.
         self._store_places = dict(stores or {})
         self._stores: dict[str, TokenStore] = {}
@@ -187,7 +189,8 @@ class Rank:
     @torch.no_grad()
     def reference_table(self, pairs: Sequence[TokenizedPair], *, model: torch.nn.Module) -> torch.Tensor | None:
         """Forward-only passes of `model` (a reference) over `pairs` (dp ranks take them round-robin):
-        on the last stage, [pairs, 2] summed log-probs of chosen and rejected; None elsewhere.
+        on the last stage, [samples, sequences] summed log-probs, one column per sequence of the
+        objective's sample (a pair: chosen, rejected); None elsewhere.
 
         Chunks hold this group's share of a global batch (its own dp, which for the "ref" group
         need not be the policy's), in whole padded microbatches; a chunk's last microbatch may be
@@ -203,7 +206,8 @@ class Rank:
 
         # ep > 1: the same forwards on every rank (expert all-to-all); the dummies' results are dropped.
         passes = rank_passes(passes_of, dp=dp, dp_rank=mesh.dp_rank, even=self.layout.ep > 1)
-        table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.platform.device)
+        k = self.objective.shape.count
+        table = torch.zeros(len(pairs), k, dtype=torch.float64, device=self.platform.device)
         for _, groups, num_real in passes:
             mbs = self.rows.padded().microbatches(pairs, groups)
             ctx = self.stage_context({0: mbs}, reference=model, forward_only=True)
@@ -211,8 +215,7 @@ class Rank:
             if mesh.is_last_stage:
                 for mb, ids in enumerate(groups[:num_real]):
                     logps = ctx.ref_logps.pop((0, mb))
-                    table[ids, 0] = logps.logp_sum[: len(ids)].double()
-                    table[ids, 1] = logps.logp_sum[len(ids) :].double()
+                    table[ids] = logps.logp_sum.view(k, len(ids)).T.double()  # rows: sequence-major
         if not mesh.is_last_stage:
             return None
         if dp > 1:

@@ -14,11 +14,10 @@ import torch
 from mcore_dpo.model import lora
 from mcore_dpo.data.pairs import TokenizedPair, eval_passes
 from mcore_dpo.data.even_passes import rank_passes
-from mcore_dpo.objective.logprobs import SequenceLogps, pair_logps, table_rows
-from mcore_dpo.objective.loss import METRIC_SUM_KEYS, PairLogps, metric_sum_vector
+from mcore_dpo.objective.logprobs import SequenceLogps, table_rows
 from mcore_dpo.data.packing import eval_microbatches
 from mcore_dpo.pipeline.executor import forward_only_ops, run_ops
-from mcore_dpo.rank.metrics import global_sort, reduce_metrics
+from mcore_dpo.rank.metrics import reduce_metrics, whole_batch_prepass
 from mcore_dpo.rank.reference import ReferenceSource
 
 
@@ -45,9 +44,9 @@ class Evaluator:
         config, mesh, device = rank.config, rank.mesh, rank.platform.device
         if ref_logps is None:
             ref_logps = self.reference.eval_table
-        spec = config.loss_spec()
+        objective = rank.objective
         # The whole held-out set is the "global batch" of the metrics (sft: its token mean).
-        num_pairs, chosen_tokens = len(pairs), max(1, sum(len(p.chosen_ids) for p in pairs))
+        num_pairs, totals = len(pairs), objective.totals(pairs)
         rows = rank.rows
         costs = [rows.cost(p) for p in pairs] if rows.packing else None
 
@@ -61,33 +60,35 @@ class Evaluator:
         # ep > 1: the same forwards on every rank; the dummies' results are dropped.
         passes = rank_passes(passes_of, dp=rank.layout.dp, dp_rank=mesh.dp_rank, even=rank.layout.ep > 1)
         with_reference = self.reference.model is not None and ref_logps is None
-        parts: list[PairLogps] = []
+        parts: list = []
         for chunk, groups, num_real in passes:
             mbs = rows.microbatches(pairs, groups, pad_over=chunk)
-            ctx = rank.stage_context({0: mbs}, policy=self.policy, reference=self.reference.model, forward_only=True)
-            ctx.loss_fn = _Collect(parts, groups=groups, num_real=num_real, table=ref_logps,
-                                   computed=ctx.ref_logps if with_reference else None, device=device)
+            computed: dict = {}  # the pass's reference log-probs, by (batch offset, microbatch)
+            collect = _Collect(parts, groups=groups, num_real=num_real, table=ref_logps,
+                               computed=computed if with_reference else None, device=device)
+            ctx = rank.stage_context({0: mbs}, policy=self.policy, reference=self.reference.model, forward_only=True,
+                                     loss_fn=collect, ref_logps=computed)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=True, reference=with_reference), ctx)
-        sums = torch.zeros(len(METRIC_SUM_KEYS), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(objective.metric_keys), dtype=torch.float64, device=device)
         if mesh.is_last_stage:
             # aot sorts over the whole held-out set: the metrics wait for every microbatch.
-            sort = (global_sort(dict(enumerate(parts)), num_pairs=num_pairs, spec=spec, mesh=mesh, device=device)
-                    if spec.needs_batch_sort else None)
-            for pl in parts:
-                sums.add_(metric_sum_vector(pl, spec=spec, num_pairs_global=num_pairs, chosen_tokens_global=chosen_tokens,
-                                            sort=sort))
-        metrics = reduce_metrics(sums, spec=spec, mesh=mesh)
+            prepass = (whole_batch_prepass(parts, objective=objective, num_samples=num_pairs, mesh=mesh, device=device)
+                       if objective.needs_prepass else None)
+            for logps, reference, positions in parts:
+                sums.add_(objective.microbatch(logps, reference, positions=positions, totals=totals,
+                                               prepass=prepass)[1])
+        metrics = reduce_metrics(sums, objective=objective, mesh=mesh)
         if metrics is None:
             return None
         return {f"eval/{k}": v for k, v in metrics.items()}
 
 
 class _Collect:
-    """The "loss" of an evaluation pass: each real microbatch's pair log-probs, kept for the
-    metrics (the reference's from `table` by pair index, as the pass computed them into
-    `computed`, or none: a reference-free run)."""
+    """The "loss" of an evaluation pass: each real microbatch's policy log-probs, reference
+    rows and sample positions, kept for the metrics (the reference's from `table` by sample
+    index, as the pass computed them into `computed`, or none: a reference-free run)."""
 
-    def __init__(self, parts: list[PairLogps], *, groups: list[list[int]], num_real: int,
+    def __init__(self, parts: list, *, groups: list[list[int]], num_real: int,
                  table: torch.Tensor | None, computed: dict | None, device: torch.device):
         self.parts, self.groups, self.num_real = parts, groups, num_real
         self.table, self.computed, self.device = table, computed, device
@@ -99,5 +100,5 @@ class _Collect:
         else:
             ref = self.computed.pop((0, mb)).logp_sum if self.computed is not None else None
         if mb < self.num_real:
-            self.parts.append(pair_logps(logps, ref, b=len(ids), positions=ids))
+            self.parts.append((logps, ref, ids))
         return torch.zeros(())

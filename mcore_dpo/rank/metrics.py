@@ -1,43 +1,48 @@
 """Metrics across the ranks of a group: a step's metric sums reduced over data-parallel ranks
-and read once, the whole batch's order for the losses that sort it, figures taken as their
-largest or mean over every rank."""
+and read once, the whole batch's pre-pass tables for the objectives that need one, figures
+taken as their largest or mean over every rank."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from mcore_dpo.objective.loss import METRIC_SUM_KEYS, BatchSort, PairLogps, batch_sort, finalize_metrics
-from mcore_dpo.objective.loss_spec import LossSpec
+from mcore_dpo.objective.contract import Objective
+from mcore_dpo.objective.logprobs import SequenceLogps
 from mcore_dpo.parallel.mesh import Mesh
+from mcore_dpo.parallel.platform import to_device
 
 
-def reduce_metrics(sums: torch.Tensor, *, spec: LossSpec, mesh: Mesh) -> dict[str, float] | None:
-    """Sum the last stage's metric sums ([METRIC_SUM_KEYS] on the device) over dp ranks and
-    read them; tp rank 0 of the last stage of dp replica 0 reports (None elsewhere)."""
+def reduce_metrics(sums: torch.Tensor, *, objective: Objective, mesh: Mesh) -> dict[str, float] | None:
+    """Sum the last stage's metric sums ([objective.metric_keys] on the device) over dp ranks
+    and read them; tp rank 0 of the last stage of dp replica 0 reports (None elsewhere)."""
     if not mesh.is_last_stage:
         return None
     if mesh.layout.dp > 1:
         dist.all_reduce(sums, group=mesh.dp_group)
     if not mesh.returns_result:
         return None
-    return finalize_metrics(dict(zip(METRIC_SUM_KEYS, sums.tolist())), spec=spec)
+    return objective.finalize(dict(zip(objective.metric_keys, sums.tolist())))
 
 
-def global_sort(parts: dict[int, PairLogps], *, num_pairs: int, spec: LossSpec, mesh: Mesh,
-                device: torch.device) -> BatchSort:
-    """Every pair's log-probs of the global batch, gathered over dp ranks, sorted once."""
-    table = torch.zeros(num_pairs, 4, dtype=torch.float64, device=device)
-    for pl in parts.values():
-        table[pl.pair_index] = torch.stack(
-            [pl.chosen_logps, pl.rejected_logps, pl.ref_chosen_logps, pl.ref_rejected_logps], dim=1
-        ).double()
+def whole_batch_prepass(parts: Iterable[tuple[SequenceLogps, torch.Tensor | None, Sequence[int]]], *,
+                        objective: Objective, num_samples: int, mesh: Mesh, device: torch.device) -> object:
+    """The objective's `prepass` over the global batch: every sample's per-sequence log-prob
+    sums, of the policy and of the reference (zeros without one), from this rank's microbatches
+    (`parts`: policy log-probs, reference rows, the samples' positions) gathered over dp ranks."""
+    k = objective.shape.count
+    table = torch.zeros(num_samples, 2 * k, dtype=torch.float64, device=device)
+    for logps, reference, positions in parts:
+        b = len(positions)
+        index = to_device(torch.tensor(positions, dtype=torch.long), device)  # without blocking the host
+        table[index, :k] = logps.logp_sum.detach().view(k, b).T.double()
+        if reference is not None:
+            table[index, k:] = reference.detach().view(k, b).T.double()
     if mesh.layout.dp > 1:
         dist.all_reduce(table, group=mesh.dp_group)
-    values = table.float()  # the loss's own dtype: sorted values match the live ones exactly
-    zeros = torch.zeros(num_pairs, device=table.device)
-    whole = PairLogps(values[:, 0], values[:, 1], values[:, 2], values[:, 3], zeros, zeros, zeros, zeros)
-    return batch_sort(whole, spec=spec)
+    return objective.prepass(table[:, :k], table[:, k:])
 
 
 def max_over_ranks(figures: dict[str, int], *, world_size: int, device: torch.device) -> dict[str, int]:

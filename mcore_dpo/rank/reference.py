@@ -66,15 +66,14 @@ class ReferenceSource:
         """The log-probs of this batch's microbatch `mb` that the previous step computed."""
         return self._next.get(mb)
 
-    def open_step(self, ctx, *, computed: dict[tuple[int, int], SequenceLogps]) -> None:
-        """Hand the executor context what this step starts from: the activations carried in,
-        this batch's log-probs computed last step (batch offset 0), and any computed by a pass
-        before the plan (`computed`, the sort pass)."""
-        ctx.kept_in = self._kept_acts
-        self._kept_acts = {}
-        ctx.ref_logps.update({(0, mb): logps for mb, logps in self._next.items()})
-        ctx.ref_logps.update(computed)
-        self._next = {}
+    def open_step(self, *, computed: dict[tuple[int, int], SequenceLogps]) -> dict:
+        """What this step's executor context starts from (its `kept_in` and `ref_logps`): the
+        activations carried in, this batch's log-probs computed last step (batch offset 0), and
+        any computed by a pass before the plan (`computed`, the pre-pass)."""
+        ref_logps = {(0, mb): logps for mb, logps in self._next.items()}
+        ref_logps.update(computed)
+        kept_in, self._kept_acts, self._next = self._kept_acts, {}, {}
+        return {"kept_in": kept_in, "ref_logps": ref_logps}
 
     def close_step(self, ctx, *, plan, computed_next: bool) -> None:
         """Keep what the next step needs: the next batch's log-probs (batch offset 1) and the

@@ -33,7 +33,7 @@ from mcore_dpo.rank.metrics import max_over_ranks, mean_and_max_over_ranks, redu
 from mcore_dpo.rank.reference import ReferenceSource
 from mcore_dpo.pipeline.schedule import build_plan
 from mcore_dpo.objective.step_loss import StepLoss
-from mcore_dpo.rank.batch_sort import sort_batch
+from mcore_dpo.rank.prepass import run_prepass
 from mcore_dpo.rank.checkpointer import Checkpointer
 from mcore_dpo.rank.evaluate import Evaluator
 from mcore_dpo.optim.zero import ShardedOptimizer
@@ -150,7 +150,7 @@ class PolicyWorker(Rank):
         (`moved`: TR-DPO's, as a resumed checkpoint keeps it); none for a reference group of its
         own or none at all."""
         config = self.config
-        if not config.loss_spec().needs_reference or config.ref_mode == "separate":
+        if not self.objective.needs_reference or config.ref_mode == "separate":
             return None
         if config.lora and not config.ref_model:
             return lora.ReferenceView(policy, frozen=config.init_adapter is not None)
@@ -199,7 +199,7 @@ class PolicyWorker(Rank):
         start = time.perf_counter()  # host clock: the op trace's origin
         step_clock = plat.IntervalClock(self.platform)
         step_clock.start()
-        spec = config.loss_spec()
+        objective = self.objective
         batch = batch.read(self)  # the pairs from the token store
         mbs, groups = self.local_microbatches(batch.pairs)
         microbatches_of = {0: mbs}
@@ -207,31 +207,32 @@ class PolicyWorker(Rank):
         ref = self.reference.plan(has_next_batch=batch.next_pairs is not None, sync_now=sync_now)
         if ref.next:  # the next batch's reference forwards fill this step's bubbles
             microbatches_of[1] = self.local_microbatches(batch.next_pairs)[0]
-        sort, computed = None, {}
-        if spec.needs_batch_sort:  # aot: the whole batch's order first (a forward-only pass)
-            sort, computed, ref = sort_batch(self, policy=self.policy, reference=self.reference, batch=batch, mbs=mbs,
-                                             groups=groups, spec=spec, ref=ref)
+        prepass, computed = None, {}
+        if objective.needs_prepass:  # aot: the whole batch's order first (a forward-only pass)
+            prepass, computed, ref = run_prepass(self, policy=self.policy, reference=self.reference, batch=batch,
+                                                 mbs=mbs, groups=groups, objective=objective, ref=ref)
         plan = build_plan(  # the same on every stage, so that all stages build the same plan
             num_stages=self.layout.pp, num_microbatches=len(mbs),
             num_next_microbatches=len(microbatches_of[1]) if ref.next else None,
             ref_mode=ref.plan_mode, ref_current=ref.current, ref_next=ref.next, carry_in=self.reference.carried,
-            carry_out=ref.next and not spec.needs_batch_sort,  # aot reads a batch's whole reference first
+            carry_out=ref.next and not objective.needs_prepass,  # aot reads a batch's whole reference first
         )  # fmt: skip
         self.last_plan = plan
         account = config.accounts_memory(batch.step)  # the same on every rank
-        ctx = self.stage_context(microbatches_of, policy=self.policy, reference=self.reference.model,
-                                 trace=[] if self.trace_ops else None, memory=self.memory if account else None)
-        self.reference.open_step(ctx, computed=computed)
+        carried = self.reference.open_step(computed=computed)  # kept_in and this batch's ref_logps so far
+        loss = StepLoss(objective=objective, samples=batch.pairs, groups=groups, dp=self.layout.dp,
+                        reference=self.reference, computed=carried["ref_logps"], sample_ids=batch.pair_ids,
+                        given=batch.ref_logps, prepass=prepass, device=self.platform.device)
+        riders = None
+        if self.moe is not None:  # the aux loss's gradient joins each stage's backward (rank/moe_step.py)
+            self.moe.begin(mbs, coef=config.moe_aux_loss_coef or 0.0)
+            riders = self.moe.riders()  # its counts ride on the plan's act and grad messages
+        ctx = self.stage_context(microbatches_of, policy=self.policy, reference=self.reference.model, loss_fn=loss,
+                                 riders=riders, trace=[] if self.trace_ops else None,
+                                 memory=self.memory if account else None, **carried)
         if account:
             self.memory.start_step(exclude=self._all_params())
             self.memory.observe(ctx)
-        loss = StepLoss(spec=spec, pairs=batch.pairs, groups=groups, dp=self.layout.dp, reference=self.reference,
-                        computed=ctx.ref_logps, pair_ids=batch.pair_ids, given=batch.ref_logps, sort=sort,
-                        device=self.platform.device)
-        ctx.loss_fn = loss
-        if self.moe is not None:  # the aux loss's gradient joins each stage's backward (rank/moe_step.py)
-            self.moe.begin(mbs, coef=config.moe_aux_loss_coef or 0.0)
-            ctx.riders = self.moe.riders()  # its counts ride on the plan's act and grad messages
         self.policy.zero_grad_buffer()
         run_ops(plan.stages[mesh.pp_rank], ctx)
         moe_metrics = self.moe.finish(mbs) if self.moe is not None else None
@@ -247,7 +248,7 @@ class PolicyWorker(Rank):
         if ctx.trace is not None:
             ctx.trace.append(("optimizer", -1, 0, optimizer_start, time.perf_counter()))
             self.last_trace = [(kind, mb, b_, t0 - start, t1 - start) for kind, mb, b_, t0, t1 in ctx.trace]
-        metrics = reduce_metrics(loss.sums, spec=spec, mesh=mesh)
+        metrics = reduce_metrics(loss.sums, objective=objective, mesh=mesh)
         step_clock.stop()
         elapsed = step_clock.total_s()
         # Time blocked in transfers (device time on a GPU, see IntervalClock) over the step time.
