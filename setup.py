@@ -30,7 +30,8 @@ setup(
         # Everything the test suite imports beyond install_requires.
         # peft: the LoRA parity and export tests (tested with 0.21.2). pytest-xdist: the fast tier's two
         # worker processes (tests/conftest.py; tested with 3.8.0).
-        "test": ["pytest>=9.0,<10", "pytest-xdist>=3.8,<4", "pyarrow>=15", "tokenizers>=0.22,<1", "wandb>=0.31,<0.32", "peft==0.21.2"],
+        "test": ["pytest>=9.0,<10", "pytest-xdist>=3.8,<4", "pyarrow>=15", "tokenizers>=0.22,<1", "wandb>=0.31,<0.32", "peft==0.21.2",
+                 "trl==1.16.0"],  # the objectives' parity tests call TRL 1.16's own trainers
         # Weights & Biases logging (--wandb).
         "wandb": ["wandb>=0.31,<0.32"],
         # benchmarks/vs_trl.py (TRL's DPOTrainer as the baseline); never imported by the package.
