@@ -1,0 +1,489 @@
+"""Tests for mcore_dpo.objective.reward against TRL 1.16's own code: `RewardTrainer.compute_loss`
+and `RewardTrainer.log` run on given rewards (a stand-in model returns them as its logits), the
+reward position against transformers' LlamaForSequenceClassification built here (tiny, random,
+nothing downloaded), the data conventions against `RewardTrainer._prepare_dataset` with the
+project's tokenizer, split invariance of the metric sums, and the spec's errors."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from mcore_dpo.objective.reward import (
+    ADDITIVE_KEY_COUNT,
+    MAX_REDUCED_KEYS,
+    METRIC_NAMES,
+    METRIC_SUM_KEYS,
+    RewardSpec,
+    chosen_rejected,
+    combine_metric_sums,
+    finalize_metrics,
+    last_token_index,
+    metric_sum_vector,
+    pair_losses,
+    reward_inputs,
+    sequence_rewards,
+)
+
+trl_reward = pytest.importorskip("trl.trainer.reward_trainer")
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-6
+TOKENIZER_DIR = "mcore_dpo/assets/tokenizer"
+SPECS = {
+    "plain": RewardSpec(),
+    "center": RewardSpec(center_rewards_coefficient=0.01),
+    "center_big": RewardSpec(center_rewards_coefficient=0.7),
+}
+
+
+# --------------------------------------------------------------------------- TRL 1.16 on given rewards
+
+
+class _GivenRewards(nn.Module):
+    """Stands in for a sequence-classification model: returns the given [2b] rewards as its
+    logits [2b, 1], whatever the inputs (TRL passes input_ids, attention_mask, margin, use_cache)."""
+
+    def __init__(self, rewards: torch.Tensor):
+        super().__init__()
+        self.rewards = rewards
+
+    def forward(self, **inputs):
+        assert inputs["input_ids"].shape[0] == self.rewards.shape[0]
+        return SimpleNamespace(logits=self.rewards.unsqueeze(-1))
+
+
+class _OneProcess:
+    """accelerate's gathers in a single process: the tensor itself."""
+
+    @staticmethod
+    def gather(tensor):
+        return tensor
+
+    @staticmethod
+    def gather_for_metrics(tensor):
+        return tensor
+
+
+def _trl_trainer(spec: RewardSpec, model: nn.Module):
+    """A RewardTrainer with only what compute_loss and log read (no Trainer.__init__)."""
+    trainer = trl_reward.RewardTrainer.__new__(trl_reward.RewardTrainer)
+    model.train()
+    trainer.model = model
+    trainer.args = SimpleNamespace(center_rewards_coefficient=spec.center_rewards_coefficient)
+    trainer.accelerator = _OneProcess()
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer._total_train_tokens = 0
+    trainer._tp_size = 1
+    return trainer
+
+
+def _trl_step(spec, chosen, rejected, margin=None, *, attention_mask=None):
+    """TRL 1.16's compute_loss on the given rewards: (loss tensor, the trainer, after the call)."""
+    b = chosen.shape[0]
+    rewards = torch.cat([chosen, rejected])
+    model = _GivenRewards(rewards)
+    trainer = _trl_trainer(spec, model)
+    if attention_mask is None:
+        attention_mask = torch.ones(2 * b, 5, dtype=torch.int64)
+    inputs = {"input_ids": torch.zeros_like(attention_mask), "attention_mask": attention_mask}
+    if margin is not None:
+        inputs["margin"] = margin
+    loss = trl_reward.RewardTrainer.compute_loss(trainer, model, inputs)
+    return loss, trainer
+
+
+def _trl_logged(trainer, monkeypatch, loss_value: float) -> dict[str, float]:
+    """What TRL 1.16's RewardTrainer.log hands to transformers' Trainer.log."""
+    seen = {}
+    monkeypatch.setattr(transformers.Trainer, "log", lambda self, logs, start_time=None: seen.update(logs))
+    trainer.log({"loss": loss_value})
+    return seen
+
+
+def _random_rewards(b: int, *, seed: int, dtype=torch.float64, with_margin: bool = False, ties: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    chosen = 2.0 * torch.randn(b, generator=gen, dtype=dtype) + 0.3
+    rejected = 2.0 * torch.randn(b, generator=gen, dtype=dtype)
+    if ties:  # equal rewards are not wins (r+ > r- strictly)
+        rejected[: b // 3] = chosen[: b // 3]
+    margin = torch.rand(b, generator=gen, dtype=dtype) * 3.0 if with_margin else None
+    return chosen, rejected, margin
+
+
+def _metrics_of(chosen, rejected, margin, spec, num_tokens, before=0.0):
+    vec = metric_sum_vector(chosen, rejected, margin, spec=spec, num_tokens=num_tokens)
+    return finalize_metrics(dict(zip(METRIC_SUM_KEYS, vec.tolist())), spec=spec, num_tokens_before=before)
+
+
+def _close(a: float, b: float, rtol: float = RTOL) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("with_margin", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_loss_and_gradient_match_trl(spec_name, with_margin, dtype):
+    spec = SPECS[spec_name]
+    chosen, rejected, margin = _random_rewards(16, seed=3, dtype=dtype, with_margin=with_margin)
+    if margin is not None:
+        margin = margin.float()  # TRL's collator makes the margin float32
+    trl_c = chosen.clone().requires_grad_(True)
+    trl_r = rejected.clone().requires_grad_(True)
+    trl_loss, _ = _trl_step(spec, trl_c, trl_r, margin)
+    trl_loss.backward()
+
+    ours_c = chosen.clone().requires_grad_(True)
+    ours_r = rejected.clone().requires_grad_(True)
+    losses = pair_losses(ours_c, ours_r, margin, spec=spec)
+    assert losses.shape == (16,)
+    loss = losses.sum() / 16
+    loss.backward()
+    assert _close(loss.item(), trl_loss.item())
+    torch.testing.assert_close(ours_c.grad, trl_c.grad, rtol=RTOL, atol=1e-9)
+    torch.testing.assert_close(ours_r.grad, trl_r.grad, rtol=RTOL, atol=1e-9)
+
+
+def test_margin_and_center_terms_by_hand():
+    # One pair, every term written out: a sign or a misplaced margin shows here.
+    chosen, rejected, margin = torch.tensor([1.5]), torch.tensor([0.25]), torch.tensor([2.0])
+    gap = 1.5 - 0.25 - 2.0
+    bt = math.log1p(math.exp(-gap))
+    assert _close(pair_losses(chosen, rejected, margin, spec=RewardSpec()).item(), bt)
+    expected = bt + 0.1 * (1.5 + 0.25) ** 2
+    got = pair_losses(chosen, rejected, margin, spec=RewardSpec(center_rewards_coefficient=0.1)).item()
+    assert _close(got, expected)
+    assert _close(pair_losses(chosen, rejected, spec=RewardSpec()).item(), math.log1p(math.exp(-1.25)))
+    # κ = 0 is the same as None.
+    assert _close(pair_losses(chosen, rejected, margin, spec=RewardSpec(center_rewards_coefficient=0.0)).item(), bt)
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("with_margin", [False, True])
+def test_metrics_match_trl_logs(spec_name, with_margin, monkeypatch):
+    spec = SPECS[spec_name]
+    chosen, rejected, margin = _random_rewards(12, seed=11, with_margin=with_margin, ties=True)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 9, (24,), generator=gen)
+    attention_mask = (torch.arange(9) < lengths[:, None]).to(torch.int64)
+    trl_loss, trainer = _trl_step(spec, chosen, rejected, margin, attention_mask=attention_mask)
+    logged = _trl_logged(trainer, monkeypatch, trl_loss.item())
+
+    num_tokens = lengths[:12] + lengths[12:]  # per pair, chosen + rejected
+    ours = _metrics_of(chosen, rejected, margin, spec, num_tokens)
+    assert tuple(ours) == METRIC_NAMES
+    assert set(ours) == set(logged), "the metric names differ from TRL 1.16's"
+    for name in METRIC_NAMES:
+        assert _close(ours[name], float(logged[name])), (name, ours[name], logged[name])
+    # The ties are losses for accuracy, and the data margin is not taken off "margin".
+    assert ours["accuracy"] < 1.0
+
+
+def test_num_tokens_is_cumulative_like_trl(monkeypatch):
+    spec = RewardSpec()
+    chosen, rejected, _ = _random_rewards(4, seed=2)
+    mask = torch.ones(8, 6, dtype=torch.int64)
+    mask[:, 4:] = 0
+    _, trainer = _trl_step(spec, chosen, rejected, attention_mask=mask)
+    trainer._total_train_tokens += 1000  # earlier steps
+    trl_reward.RewardTrainer.compute_loss(trainer, trainer.model, {"input_ids": torch.zeros_like(mask),
+                                                                    "attention_mask": mask})
+    logged = _trl_logged(trainer, monkeypatch, 0.0)
+    ours = _metrics_of(chosen, rejected, None, spec, torch.tensor(32), before=1032.0)
+    assert ours["num_tokens"] == logged["num_tokens"] == 1064
+
+
+def test_trl_logs_mean_of_microbatch_min_max(monkeypatch):
+    # The difference the module docstring states: with two microbatches in one logging step, TRL
+    # 1.16 logs the mean of their minima (maxima); the means agree for equal microbatches.
+    spec = RewardSpec()
+    chosen, rejected, _ = _random_rewards(8, seed=21)
+    trainer = None
+    for part in (slice(0, 4), slice(4, 8)):
+        _, step = _trl_step(spec, chosen[part], rejected[part])
+        if trainer is None:
+            trainer = step
+        else:
+            for key, values in step._metrics["train"].items():
+                if key != "num_tokens":
+                    trainer._metrics["train"][key].extend(values)
+    logged = _trl_logged(trainer, monkeypatch, 0.0)
+    ours = _metrics_of(chosen, rejected, None, spec, torch.tensor(0))
+    for name in ("mean_reward", "accuracy", "margin"):
+        assert _close(ours[name], logged[name]), name
+    every = torch.cat([chosen, rejected])
+    assert ours["min_reward"] == every.min().item() < logged["min_reward"]
+    assert ours["max_reward"] == every.max().item() > logged["max_reward"]
+
+
+# --------------------------------------------------------------------------- split invariance
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("with_margin", [False, True])
+def test_metric_sums_do_not_depend_on_the_split(spec_name, with_margin):
+    spec = SPECS[spec_name]
+    chosen, rejected, margin = _random_rewards(20, seed=7, with_margin=with_margin, ties=True)
+    tokens = torch.randint(2, 50, (20,), generator=torch.Generator().manual_seed(1))
+    whole = metric_sum_vector(chosen, rejected, margin, spec=spec, num_tokens=tokens)
+    assert whole.dtype == torch.float64 and whole.shape == (len(METRIC_SUM_KEYS),)
+    for bounds in ((0, 7, 8, 20), (0, 1, 2, 3, 19, 20), (0, 0, 10, 20)):  # (0, 0) an empty microbatch
+        total = None
+        for lo, hi in zip(bounds, bounds[1:]):
+            m = None if margin is None else margin[lo:hi]
+            part = metric_sum_vector(chosen[lo:hi], rejected[lo:hi], m, spec=spec, num_tokens=tokens[lo:hi])
+            total = part if total is None else combine_metric_sums(total, part)
+        torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
+        # The loss too: per-pair losses over microbatches / N are the global loss.
+        split = sum(pair_losses(chosen[lo:hi], rejected[lo:hi], None if margin is None else margin[lo:hi],
+                                spec=spec).sum() for lo, hi in zip(bounds, bounds[1:])) / 20
+        assert _close(split.item(), pair_losses(chosen, rejected, margin, spec=spec).mean().item(), 1e-12)
+    # A plain sum of the vectors would be wrong in the max entries: the layout says which are which.
+    assert METRIC_SUM_KEYS[ADDITIVE_KEY_COUNT:] == MAX_REDUCED_KEYS
+
+
+def test_nothing_reads_the_device():
+    # Meta tensors have no values: any .item(), .tolist() or value-dependent branch would raise.
+    chosen, rejected, margin = (torch.randn(4, dtype=torch.float64, device="meta") for _ in range(3))
+    spec = RewardSpec(center_rewards_coefficient=0.1)
+    vec = metric_sum_vector(chosen, rejected, margin, spec=spec, num_tokens=torch.ones(4, device="meta"))
+    assert vec.device.type == "meta" and vec.shape == (len(METRIC_SUM_KEYS),) and vec.dtype == torch.float64
+    assert pair_losses(chosen, rejected, margin, spec=spec).device.type == "meta"
+    combine_metric_sums(vec, vec)
+    ids = torch.zeros(3, 5, dtype=torch.int64, device="meta")
+    assert sequence_rewards(torch.zeros(3, 5, device="meta"), last_token_index(ids, 0)).shape == (3,)
+
+
+def test_empty_microbatch_gives_the_identities():
+    empty = torch.zeros(0, dtype=torch.float64)
+    vec = metric_sum_vector(empty, empty, spec=RewardSpec(), num_tokens=torch.zeros(0))
+    assert vec[:ADDITIVE_KEY_COUNT].eq(0).all()
+    assert torch.isneginf(vec[ADDITIVE_KEY_COUNT:]).all()
+
+
+def test_bfloat16_rewards_compute_in_float32():
+    chosen, rejected, margin = _random_rewards(6, seed=4, with_margin=True)
+    low = pair_losses(chosen.bfloat16(), rejected.bfloat16(), margin, spec=RewardSpec())
+    assert low.dtype == torch.float32
+    exact = pair_losses(chosen.bfloat16().double(), rejected.bfloat16().double(), margin, spec=RewardSpec())
+    torch.testing.assert_close(low.double(), exact, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- where the reward is read
+
+
+PAD = 0
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=1, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    model = transformers.LlamaForSequenceClassification(config).eval()
+    return model
+
+
+def _position_scores(model, input_ids, attention_mask):
+    """The score head at every position: [rows, s]."""
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return model.score(hidden).squeeze(-1)
+
+
+def _rows():
+    # Right padding, left padding, a pad-valued token inside the text, a row that ends in
+    # pad-valued tokens that are real text (attention 1), a row with no padding, an all-pad row.
+    ids = torch.tensor([
+        [5, 6, 7, 8, 0, 0, 0],
+        [0, 0, 9, 10, 11, 12, 13],
+        [4, 0, 6, 0, 7, 0, 0],
+        [4, 9, 9, 0, 0, 0, 0],
+        [1, 2, 3, 4, 5, 6, 7],
+        [0, 0, 0, 0, 0, 0, 0],
+    ])
+    mask = torch.tensor([
+        [1, 1, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0, 0, 0],
+    ])
+    return ids, mask
+
+
+def test_last_token_index_matches_transformers(tiny_llama):
+    ids, mask = _rows()
+    index = last_token_index(ids, PAD)
+    assert index.tolist() == [3, 6, 4, 2, 6, 0]
+    assert index.dtype == torch.int64
+    with torch.no_grad():
+        theirs = tiny_llama(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+        scores = _position_scores(tiny_llama, ids, mask)
+        hidden = tiny_llama.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(sequence_rewards(scores, index), theirs, rtol=0, atol=0)
+    # Gathering the hidden states first and applying the head to one vector per row: the same.
+    with torch.no_grad():
+        from_hidden = tiny_llama.score(sequence_rewards(hidden, index)).squeeze(-1)
+    torch.testing.assert_close(from_hidden, theirs, rtol=1e-6, atol=1e-7)
+    # A wrong position (the last attended token) would differ on the rows with pad-valued text.
+    last_attended = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
+    assert not torch.allclose(sequence_rewards(scores, last_attended), theirs)
+
+
+def test_last_token_index_without_pad_token(tiny_llama):
+    ids = torch.tensor([[5, 6, 0, 0]])
+    tiny_llama.config.pad_token_id = None
+    try:
+        with torch.no_grad():
+            theirs = tiny_llama(input_ids=ids).logits.squeeze(-1)
+            scores = _position_scores(tiny_llama, ids, None)
+        with pytest.raises(ValueError, match="batch sizes > 1"):
+            tiny_llama(input_ids=ids.repeat(2, 1))
+    finally:
+        tiny_llama.config.pad_token_id = PAD
+    index = last_token_index(ids, None)
+    assert index.tolist() == [3]
+    torch.testing.assert_close(sequence_rewards(scores, index), theirs, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^pad_token_id: "):
+        last_token_index(ids.repeat(2, 1), None)
+
+
+def test_whole_pipeline_matches_trl_on_the_tiny_model(tiny_llama, monkeypatch):
+    # TRL's collator and compute_loss on the real tiny model, against ids -> index -> scores ->
+    # chosen/rejected -> pair_losses, with margins and κ; EOS equal to PAD in one row's text.
+    examples = [
+        {"chosen_ids": [1, 5, 6, EOS], "rejected_ids": [1, 5, 7, 8, 9, EOS], "margin": 0.5},
+        {"chosen_ids": [1, 10, PAD, 11], "rejected_ids": [1, 12], "margin": 0.0},
+        {"chosen_ids": [1, 13, 14, 15, 16, 17, 18], "rejected_ids": [1, 19, 20, PAD], "margin": 2.0},
+    ]
+    batch = trl_reward.DataCollatorForPreference(pad_token_id=PAD)(examples)
+    spec = RewardSpec(center_rewards_coefficient=0.05)
+    trainer = _trl_trainer(spec, tiny_llama)
+    trl_loss = trl_reward.RewardTrainer.compute_loss(trainer, tiny_llama, dict(batch))
+    logged = _trl_logged(trainer, monkeypatch, trl_loss.item())
+    tiny_llama.eval()
+
+    with torch.no_grad():
+        scores = _position_scores(tiny_llama, batch["input_ids"], batch["attention_mask"])
+    rewards = sequence_rewards(scores, last_token_index(batch["input_ids"], PAD))
+    chosen, rejected = chosen_rejected(rewards)
+    loss = pair_losses(chosen, rejected, batch["margin"], spec=spec).sum() / 3
+    assert _close(loss.item(), trl_loss.item())
+    ours = _metrics_of(chosen, rejected, batch["margin"], spec, batch["attention_mask"].sum())
+    for name in METRIC_NAMES:
+        assert _close(ours[name], float(logged[name])), name
+
+
+def test_chosen_rejected_is_trls_row_layout():
+    rows = torch.arange(6.0)
+    chosen, rejected = chosen_rejected(rows)
+    assert chosen.tolist() == [0.0, 1.0, 2.0] and rejected.tolist() == [3.0, 4.0, 5.0]
+    with pytest.raises(ValueError, match=r"^rewards: "):
+        chosen_rejected(torch.arange(5.0))
+
+
+# --------------------------------------------------------------------------- data conventions
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def _trl_prepared(rows, tokenizer, max_length=None):
+    import datasets
+
+    datasets.disable_progress_bars()
+    args = SimpleNamespace(dataset_num_proc=None, max_length=max_length)
+    return list(trl_reward.RewardTrainer._prepare_dataset(None, datasets.Dataset.from_list(rows), tokenizer, args,
+                                                          "train"))
+
+
+def _ours_tokenized(row, tokenizer):
+    chosen, rejected = reward_inputs(row, eos_token=tokenizer.eos_token)
+    if isinstance(chosen, str):
+        return tokenizer(chosen)["input_ids"], tokenizer(rejected)["input_ids"]
+    return tuple(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+                 for messages in (chosen, rejected))
+
+
+def test_plain_text_rows_match_trl(tokenizer):
+    rows = [
+        {"prompt": "The sky is", "chosen": " blue", "rejected": " green<eos>"},
+        {"prompt": "2 + 2 =", "chosen": " 4<eos>", "rejected": " 5"},
+    ]
+    implicit = [{"chosen": "The sky is blue", "rejected": "The sky is green"}]
+    for batch in (rows, implicit):
+        for row, prepared in zip(batch, _trl_prepared(batch, tokenizer)):
+            assert _ours_tokenized(row, tokenizer) == (prepared["chosen_ids"], prepared["rejected_ids"])
+    chosen, rejected = reward_inputs(rows[0], eos_token="<eos>")
+    assert (chosen, rejected) == ("The sky is blue<eos>", "The sky is green<eos>")
+
+
+def test_conversational_rows_match_trl(tokenizer):
+    rows = [
+        {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
+         "rejected": [{"role": "assistant", "content": "go away"}]},
+    ]
+    implicit = [{"chosen": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}],
+                 "rejected": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "5"}]}]
+    for batch in (rows, implicit):
+        for row, prepared in zip(batch, _trl_prepared(batch, tokenizer)):
+            ours = _ours_tokenized(row, tokenizer)
+            assert ours == (prepared["chosen_ids"], prepared["rejected_ids"])
+            assert ours[0].count(tokenizer.eos_token_id) == len(reward_inputs(row, eos_token="<eos>")[0])
+
+
+def test_max_length_drops_pairs_like_trl(tokenizer):
+    rows = [{"chosen": "a b c d e f", "rejected": "a"}, {"chosen": "a", "rejected": "b"}]
+    kept = _trl_prepared(rows, tokenizer, max_length=4)
+    ours = [row for row in rows if max(map(len, _ours_tokenized(row, tokenizer))) <= 4]
+    ours_chosen = [reward_inputs(row, eos_token="<eos>")[0] for row in ours]
+    assert ours_chosen == [row["chosen"] for row in kept] == ["a<eos>"]
+
+
+def test_reward_inputs_refuses_mixed_rows():
+    with pytest.raises(ValueError, match=r"^rejected: "):
+        reward_inputs({"chosen": [{"role": "user", "content": "x"}], "rejected": "y"}, eos_token="<eos>")
+    with pytest.raises(ValueError, match=r"^chosen: "):
+        reward_inputs({"rejected": "y"}, eos_token="<eos>")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("value", [-0.01, math.nan, math.inf, "0.01", True])
+def test_spec_refuses_bad_coefficients(value):
+    with pytest.raises(ValueError, match=r"^center_rewards_coefficient: ") as error:
+        RewardSpec(center_rewards_coefficient=value).validate()
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^center_rewards_coefficient: "):
+        pair_losses(torch.zeros(2), torch.zeros(2), spec=RewardSpec(center_rewards_coefficient=value))
+
+
+def test_spec_defaults_are_trls():
+    config_fields = {f.name: f.default for f in trl_reward.RewardConfig.__dataclass_fields__.values()}
+    assert RewardSpec().center_rewards_coefficient is config_fields["center_rewards_coefficient"] is None
+    for value in (None, 0, 0.0, 0.01, 3):
+        RewardSpec(center_rewards_coefficient=value).validate()
+
+
+def test_shape_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^rejected_rewards: "):
+        pair_losses(torch.zeros(3), torch.zeros(4), spec=RewardSpec())
+    with pytest.raises(ValueError, match=r"^margin: "):
+        pair_losses(torch.zeros(3), torch.zeros(3), torch.zeros(2), spec=RewardSpec())
+    with pytest.raises(ValueError, match=r"^chosen_rewards: "):
+        pair_losses(torch.zeros(3, 1), torch.zeros(3, 1), spec=RewardSpec())
+    with pytest.raises(ValueError, match=r"^input_ids: "):
+        last_token_index(torch.zeros(3, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match=r"^sums: "):
+        finalize_metrics({}, spec=RewardSpec())
