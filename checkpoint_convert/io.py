@@ -12,7 +12,9 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
                                  with sequential experts (`local_experts.{i}`; a grouped
-                                 GEMM model's names are translated: mapping.sequential_expert_name)
+                                 GEMM model's names are translated: mapping.sequential_expert_name);
+                                 a reward model's head is `score.weight`, whole on every tp
+                                 rank of the last stage, in place of output_layer (mapping.py)
     tp{t}_pp{p}_ep{e}/model.safetensors   the same with experts split over ep > 1 ranks: rank e
                                  holds experts [e*E/ep, (e+1)*E/ep) as its local experts
                                  0..E/ep-1 and a copy of every other tensor of its tp rank

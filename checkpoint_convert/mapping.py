@@ -99,9 +99,13 @@ def hf_shape(shapes: Mapping[str, tuple[int, ...]], name: str) -> tuple[int, ...
 # The stages' own entries (the per-layer ones are each family's `layer_keys`).
 # Order matters: it is the order tensors are streamed in (embedding, layers, head).
 _FIRST_STAGE_KEYS = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
+# A reward model (spec.num_labels > 0, families/__init__.py) has no output_layer: its score head
+# `score.weight` [num_labels, h] is whole on every tp rank of the last stage (a few rows, not split),
+# under the HF name, as a module `score` of the model would name it.
 _LAST_STAGE_KEYS = {
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
+    "score.weight": ("replicated", ("score.weight",)),
 }
 # Transformer Engine fuses the pre-attention norm into linear_qkv, and a dense layer's pre-MLP
 # norm into linear_fc1. A mixture-of-experts layer keeps its pre-MLP norm as a module of its
@@ -193,7 +197,10 @@ def sequential_expert_name(name: str) -> str:
 
 
 def _has_output_layer(spec: ModelSpec, *, pp: int) -> bool:
-    # Tied embeddings with pp > 1: megatron keeps a copy of the embedding on the last stage.
+    # A reward model has its score head instead. Tied embeddings with pp > 1: megatron keeps a
+    # copy of the embedding on the last stage.
+    if spec.num_labels:
+        return False
     return not spec.tie_word_embeddings or pp > 1
 
 
@@ -220,7 +227,9 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
             shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
     shapes["model.norm.weight"] = (h,)
-    if not spec.tie_word_embeddings:
+    if spec.num_labels:
+        shapes["score.weight"] = (spec.num_labels, h)
+    elif not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     return shapes
 
@@ -248,7 +257,8 @@ def _qkv_attention_shapes(spec: ModelSpec, *, layer: int) -> dict[str, tuple[int
 
 
 def hf_tensor_names(spec: ModelSpec) -> list[str]:
-    """The exact key set of an HF checkpoint of this spec (lm_head absent when tied)."""
+    """The exact key set of an HF checkpoint of this spec (lm_head absent when tied; a reward
+    model's score.weight in its place)."""
     return list(hf_tensor_shapes(spec))
 
 
@@ -309,6 +319,8 @@ def mcore_entries(
                     continue
                 if spec.tie_word_embeddings:
                     hf = ("model.embed_tokens.weight",)
+            if template == "score.weight" and not spec.num_labels:
+                continue
             yield template, kind, hf, None, None
 
 

@@ -120,6 +120,9 @@ def verify(
     """Compare HF logits with Megatron logits on one random batch of token ids; `log` gets a
     line as each phase starts (the inputs are checked, and a runner found, before the first)."""
     hf = open_hf_dir(hf_dir)
+    if hf.spec.num_labels:
+        raise ConversionError(f"{hf.dir / 'config.json'}: field 'architectures' is {hf.spec.architecture!r}, a reward model; "
+                              "verify compares a causal LM's logits")
     # A torch_dist checkpoint without an HF config of its own is read with the HF model's.
     checkpoint = open_mcore_dir(mcore_dir, hf_config_dir=hf.dir)
     meta = checkpoint.meta

@@ -163,6 +163,8 @@ MODEL_CASES = [
     _model("unexpected_tensor", "{unexpected_tensor}/model.safetensors", "unexpected tensor 'model.extra_head.weight'"),
     _model("other_architecture", "{other_architecture}/config.json",
            "field 'architectures' is 'Gemma2ForCausalLM'; supported:"),
+    _model("reward_model", "{reward_model}/config.json",
+           "field 'architectures' is 'LlamaForSequenceClassification', a reward model (score head)"),
     _model("config_broken_json", "{config_broken_json}/config.json", "invalid JSON"),
     _model("config_missing_hidden_size", "{config_missing_hidden_size}/config.json", "field 'hidden_size' is missing"),
     _model("pickle_weights_only", "{pickle_weights_only}", "no model.safetensors or model.safetensors.index.json"),
@@ -251,6 +253,12 @@ def _build_hf_variants(root: Path, plain: Path, model: Path) -> dict[str, Path]:
 
     out["other_architecture"] = _copy(plain, root / "other_architecture")
     _edit_json(out["other_architecture"] / "config.json", architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+    # The converter reads a reward model (the body + score.weight); the trainer refuses it.
+    out["reward_model"] = _copy(plain, root / "reward_model")
+    _edit_json(out["reward_model"] / "config.json", architectures=["LlamaForSequenceClassification"],
+               id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    _rewrite_state(out["reward_model"], lambda s: {**{k: v for k, v in s.items() if k != "lm_head.weight"},
+                                                   "score.weight": torch.zeros(1, 32)})
     out["config_broken_json"] = _copy(plain, root / "config_broken_json")
     config_text = (plain / "config.json").read_text()
     (out["config_broken_json"] / "config.json").write_text(config_text[: len(config_text) // 2])

@@ -4,6 +4,15 @@ map (`layer_keys`). A module names the `ARCHITECTURE` and `MODEL_TYPE` it serves
 `QUANT_METHODS` of `quantization_config` it dequantises on import (none when absent: a quantised
 checkpoint is then refused in one line, `base.refuse_quantization`).
 
+A family whose transformers class has a `*ForSequenceClassification` variant names it as
+`SCORE_ARCHITECTURE`: a config.json whose one `architectures` entry is that class is the family's
+reward model. Its weights are the causal LM's body (`model.*`, the same key map) and a score head
+`score.weight` [num_labels, h] in place of `lm_head.weight`; its spec has `num_labels` (>= 1,
+`base.num_labels_of`) and `tie_word_embeddings` False (there is no LM head to tie), while the
+config.json itself (architectures, id2label, pad_token_id, tie_word_embeddings) is carried
+verbatim, so an export is the same class. mapping.py places the head (`score.weight`, replicated on
+every tp rank of the last pipeline stage).
+
 Every module of this package other than `base` is a family: adding one is adding a file.
 """
 
@@ -11,9 +20,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 from types import ModuleType
 
-from checkpoint_convert.families.base import ConversionError, ModelSpec, refuse_quantization
+from checkpoint_convert.families.base import ConversionError, ModelSpec, num_labels_of, refuse_quantization
 
 _REQUIRED = ("ARCHITECTURE", "MODEL_TYPE", "spec_from_config", "layer_keys", "transformer_fields")
 
@@ -33,20 +43,26 @@ def _load() -> dict[str, ModuleType]:
 
 FAMILY_MODULES: dict[str, ModuleType] = _load()  # model_type -> module
 ARCHITECTURES: dict[str, str] = {m.ARCHITECTURE: t for t, m in FAMILY_MODULES.items()}  # architecture -> model_type
+SCORE_ARCHITECTURES: dict[str, str] = {  # a family's reward model (`*ForSequenceClassification`) -> model_type
+    m.SCORE_ARCHITECTURE: t for t, m in FAMILY_MODULES.items() if hasattr(m, "SCORE_ARCHITECTURE")
+}
 
 
 def supported() -> str:
-    return ", ".join(sorted(ARCHITECTURES))
+    return ", ".join(sorted({**ARCHITECTURES, **SCORE_ARCHITECTURES}))
 
 
 def family_of_config(config: dict, *, source: str) -> ModuleType:
-    """The family module of an HF config.json: by its one `architectures` entry, else by
-    `model_type`. An unknown architecture is one line listing the supported ones."""
+    """The family module of an HF config.json: by its one `architectures` entry (a causal LM or
+    the family's reward model), else by `model_type`. An unknown architecture is one line listing
+    the supported ones."""
     architectures = config.get("architectures")
     if architectures:
         if not isinstance(architectures, list) or len(architectures) != 1:
             raise ConversionError(f"{source}: field 'architectures' must list exactly one architecture, got {architectures!r}")
         architecture = architectures[0]
+        if architecture in SCORE_ARCHITECTURES:
+            return FAMILY_MODULES[SCORE_ARCHITECTURES[architecture]]
         if architecture not in ARCHITECTURES:
             raise ConversionError(f"{source}: field 'architectures' is {architecture!r}; supported: {supported()}")
         return FAMILY_MODULES[ARCHITECTURES[architecture]]
@@ -61,9 +77,14 @@ def family_of(spec: ModelSpec) -> ModuleType:
 
 
 def spec_from_hf_config(config: dict, *, source: str = "config.json") -> ModelSpec:
-    """Validate an HF config.json (as a dict) and extract what the model needs."""
+    """Validate an HF config.json (as a dict) and extract what the model needs (a reward model:
+    the family's spec with its score head's `num_labels`, nothing tied)."""
     if not isinstance(config, dict):
         raise ConversionError(f"{source}: expected a JSON object")
     family = family_of_config(config, source=source)
     refuse_quantization(config, source=source, readable=getattr(family, "QUANT_METHODS", ()))
-    return family.spec_from_config(config, source=source)
+    spec = family.spec_from_config(config, source=source)
+    if config.get("architectures") == [getattr(family, "SCORE_ARCHITECTURE", None)]:
+        spec = replace(spec, architecture=family.SCORE_ARCHITECTURE, num_labels=num_labels_of(config, source=source),
+                       tie_word_embeddings=False)
+    return spec

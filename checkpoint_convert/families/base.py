@@ -79,6 +79,9 @@ class ModelSpec:
     # GPT-OSS: the clamp of its experts' SwiGLU (0: none); its sliding layers use the Gemma 3
     # fields above (sliding_layers, sliding_window).
     swiglu_limit: float = 0.0
+    # A reward model (the family's SCORE_ARCHITECTURE, `*ForSequenceClassification`): the rows of its
+    # score head [num_labels, h], which replaces the LM head (nothing tied). 0: a causal LM.
+    num_labels: int = 0
 
     @property
     def multi_latent_attention(self) -> bool:
@@ -166,6 +169,19 @@ def refuse_quantization(config: dict, *, source: str, readable: tuple[str, ...] 
         why = ("quantised weights are not read (they would train as stored): use a bf16, fp16 or fp32 copy "
                "whose config.json has no quantization_config")
     raise ConversionError(f"{source}: field 'quantization_config.quant_method' is {method!r}; {why}")
+
+
+def num_labels_of(config: dict, *, source: str) -> int:
+    """The rows of a `*ForSequenceClassification` score head as transformers reads config.json:
+    `num_labels` when set, else the length of `id2label`, else 2 (transformers' default)."""
+    if config.get("num_labels") is not None:
+        return field(config, "num_labels", int, source=source)
+    id2label = config.get("id2label")
+    if id2label is None:
+        return 2
+    if not isinstance(id2label, dict) or not id2label:
+        raise ConversionError(f"{source}: field 'id2label' is {id2label!r}; a score head needs at least one label")
+    return len(id2label)
 
 
 def refuse(config: dict, name: str, *, source: str, why: str) -> None:

@@ -29,6 +29,7 @@ from checkpoint_convert.families.base import (
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
+SCORE_ARCHITECTURE = "DeepseekV3ForSequenceClassification"  # its reward model (families/__init__.py)
 
 _LAYER = "decoder.layers.{layer}."
 _HF = "model.layers.{layer}."

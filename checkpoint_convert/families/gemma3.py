@@ -22,6 +22,7 @@ from checkpoint_convert.families.base import ConversionError, ModelSpec, decoder
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
+SCORE_ARCHITECTURE = "Gemma3TextForSequenceClassification"  # its reward model (families/__init__.py)
 
 _LAYER = "decoder.layers.{layer}."
 _HF = "model.layers.{layer}."

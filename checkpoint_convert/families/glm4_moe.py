@@ -30,6 +30,7 @@ from checkpoint_convert.families.base import (
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 MODEL_TYPE = "glm4_moe"
+# No SCORE_ARCHITECTURE: transformers has no Glm4MoeForSequenceClassification.
 
 # The Llama attention and norms; the q/k/v biases as Qwen2's, the q/k norms as Qwen3's.
 ATTENTION_KEYS = {name: entry for name, entry in llama.LAYER_KEYS.items() if ".mlp." not in name}

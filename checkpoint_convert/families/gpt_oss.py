@@ -44,6 +44,7 @@ from checkpoint_convert.families.base import (
 
 ARCHITECTURE = "GptOssForCausalLM"
 MODEL_TYPE = "gpt_oss"
+SCORE_ARCHITECTURE = "GptOssForSequenceClassification"  # its reward model (families/__init__.py)
 QUANT_METHODS = ("mxfp4",)  # quantization_config's method whose experts are dequantised on import
 
 _LAYER = "decoder.layers.{layer}."

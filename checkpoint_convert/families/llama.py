@@ -7,6 +7,7 @@ from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
+SCORE_ARCHITECTURE = "LlamaForSequenceClassification"  # its reward model (families/__init__.py)
 
 LAYER_KEYS = {
     "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),

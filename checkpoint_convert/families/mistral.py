@@ -8,6 +8,7 @@ from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "MistralForCausalLM"
 MODEL_TYPE = "mistral"
+SCORE_ARCHITECTURE = "MistralForSequenceClassification"  # its reward model (families/__init__.py)
 
 # Mistral's layer is Llama's, tensor for tensor.
 LAYER_KEYS = llama.LAYER_KEYS

@@ -14,6 +14,7 @@ from checkpoint_convert.families.base import ModelSpec, decoder_fields, expert_k
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
+SCORE_ARCHITECTURE = "MixtralForSequenceClassification"  # its reward model (families/__init__.py)
 
 LAYER_KEYS = {
     "decoder.layers.{layer}.input_layernorm.weight": ("replicated", ("model.layers.{layer}.input_layernorm.weight",)),

@@ -7,6 +7,7 @@ from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 MODEL_TYPE = "qwen2"
+SCORE_ARCHITECTURE = "Qwen2ForSequenceClassification"  # its reward model (families/__init__.py)
 
 # Llama's layer plus the q/k/v biases, fused like the weights.
 LAYER_KEYS = {

@@ -9,6 +9,7 @@ from checkpoint_convert.families.base import ModelSpec, decoder_fields, refuse
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
+SCORE_ARCHITECTURE = "Qwen3ForSequenceClassification"  # its reward model (families/__init__.py)
 
 # Llama's layer plus the per-head q/k RMSNorms.
 LAYER_KEYS = {

@@ -19,6 +19,7 @@ from checkpoint_convert.families.base import (
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
+SCORE_ARCHITECTURE = "Qwen3MoeForSequenceClassification"  # its reward model (families/__init__.py)
 
 # A Qwen3-MoE layer is a Qwen3 layer whose MLP is either dense (as in Qwen3) or the experts.
 ATTENTION_KEYS = {name: entry for name, entry in qwen3.LAYER_KEYS.items() if ".mlp." not in name}

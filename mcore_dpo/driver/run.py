@@ -94,6 +94,9 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
         except ImportError:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
+    if spec.num_labels:  # the converter reads *ForSequenceClassification; the trainer builds causal LMs only
+        raise InputError(f"{os.path.join(config.model, 'config.json')}: field 'architectures' is {spec.architecture!r}, "
+                         "a reward model (score head); the trainer trains causal LMs")
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
     config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts,
