@@ -29,8 +29,8 @@ from mcore_dpo.objective.reward import (
     sequence_rewards,
 )
 
-trl_reward = pytest.importorskip("trl.trainer.reward_trainer")
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402
+import trl.trainer.reward_trainer as trl_reward  # noqa: E402
 
 RTOL = 1e-6
 TOKENIZER_DIR = "mcore_dpo/assets/tokenizer"
