@@ -15,6 +15,7 @@ import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES
 from mcore_dpo.config import RECOMPUTE_MODES, RUN_REF_MODES, ConfigError, TrainConfig
+from mcore_dpo.objective import registry
 from mcore_dpo.objective.loss_spec import F_DIVERGENCE_TYPES, LOSS_TYPES
 
 
@@ -107,9 +108,10 @@ HELP_GROUPS = {
     "parallelism": ("tp", "pp", "dp", "cp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "prefix_sharing", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
                     "recompute", "recompute_num_layers", "timeout_s", "placement_timeout_s"),
-    "loss": ("beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
+    "loss": ("objective", "beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
              "ref_model_mixup_alpha", "ref_model_sync_steps"),
+    "cpo": ("cpo_alpha", "simpo_gamma", "alpha"),
     "optimizer": ("lr", "lr_schedule", "lr_warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                   "clip_grad", "max_steps"),
     "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "save_format",
@@ -122,6 +124,7 @@ HELP_GROUPS = {
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of the fields that take one of a fixed set, as --help lists them."""
     return {
+        "objective": tuple(registry.OBJECTIVES),
         "ref_mode": RUN_REF_MODES,
         "loss_type": tuple(LOSS_TYPES),
         "dtype": DTYPE_NAMES,

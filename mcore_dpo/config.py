@@ -19,6 +19,7 @@ import yaml
 
 from checkpoint_convert.names import DTYPE_NAMES, canonical_dtype, hub_name_hint
 from mcore_dpo.data.mix import as_list, parse_sources
+from mcore_dpo.objective import registry
 from mcore_dpo.objective.loss_spec import LOSS_TYPES, LossSpec
 from mcore_dpo.pipeline.plan import REF_MODES
 
@@ -117,10 +118,14 @@ class TrainConfig:
     """Keep the file order instead of a seeded shuffle."""
 
     # --- loss ---
+    objective: str = "dpo"
+    """dpo | cpo: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) is reference-free:
+    no reference model is built or run."""
     beta: float = 0.1
-    """DPO temperature."""
+    """β: DPO's temperature; cpo's reward scale."""
     loss_type: str = "sigmoid"
-    """One loss name, or a comma list combined with --loss-weights."""
+    """dpo: one of the names below, or a comma list of them with --loss-weights. cpo: one of sigmoid, hinge,
+    ipo, simpo, alphapo."""
     loss_weights: str | None = None
     """Comma list of weights, one per --loss-type entry (default: all 1)."""
     label_smoothing: float = 0.0
@@ -150,6 +155,12 @@ class TrainConfig:
     """TR-DPO α: reference <- α·policy + (1-α)·reference."""
     ref_model_sync_steps: int = 512
     """TR-DPO τ: steps between reference syncs."""
+    cpo_alpha: float = 1.0
+    """cpo: weight of the NLL (behaviour cloning) term on the chosen completions (alphapo: 0)."""
+    simpo_gamma: float = 0.5
+    """cpo --loss-type simpo / alphapo: SimPO's target reward margin γ."""
+    alpha: float = 0.0
+    """cpo: AlphaPO's reward shape a, rewards (1 - p^(-a))/a of the mean token probability p (0: log p)."""
 
     # --- LoRA ---
     lora_rank: int | None = None
@@ -340,6 +351,10 @@ class TrainConfig:
         # One internal name per dtype, whichever spelling came in (bf16 and bfloat16 are one run).
         if isinstance(self.dtype, str):
             self.dtype = canonical_dtype(self.dtype)
+        # A reference-free objective runs no reference: its default reference mode is none.
+        if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].reference \
+                and self.ref_mode == "interleaved":
+            self.ref_mode = "none"
         # --data: one source is a string, a mix a list (of two or more)
         if isinstance(self.data, (list, tuple)):
             self.data = self.data[0] if len(self.data) == 1 else list(self.data)
@@ -393,14 +408,7 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
-        unknown = [t for t in self.loss_type.split(",") if t.strip() not in LOSS_TYPES]
-        if unknown:
-            raise ConfigError(f"loss_type: unknown {unknown[0].strip()!r}; choose from {', '.join(LOSS_TYPES)}")
-        spec = self.loss_spec()
-        try:
-            spec.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self._validate_objective()
         if self.wandb_project is not None and not self.wandb:
             raise ConfigError("wandb_project: given without --wandb (Weights & Biases logging is off unless asked)")
         self._validate_trl_options()
@@ -549,6 +557,41 @@ class TrainConfig:
     def lora(self) -> bool:
         """Whether this run trains LoRA adapters (rank given or taken from --init-adapter)."""
         return self.lora_rank is not None or self.init_adapter is not None
+
+    def _validate_objective(self) -> None:
+        """--objective and the options of each objective: an option of another objective is an
+        error, not silently unused."""
+        if self.objective not in registry.OBJECTIVES:
+            raise ConfigError(f"objective: unknown {self.objective!r}; choose from {', '.join(registry.OBJECTIVES)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        cpo_options = ("cpo_alpha", "simpo_gamma", "alpha")
+        if self.objective == "dpo":
+            for name in cpo_options:
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"{name}: a cpo option, given with --objective dpo")
+            unknown = [t for t in self.loss_type.split(",") if t.strip() not in LOSS_TYPES]
+            if unknown:
+                raise ConfigError(f"loss_type: unknown {unknown[0].strip()!r}; choose from {', '.join(LOSS_TYPES)}")
+            try:
+                self.loss_spec().validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            return
+        # A reference-free objective: no reference, and none of DPO's own options.
+        if self.ref_mode != "none":
+            raise ConfigError(f"ref_mode: {self.objective} is reference-free (no reference model runs); "
+                              f"--ref-mode {self.ref_mode} does not apply")
+        dpo_options = ("loss_weights", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "ld_alpha",
+                       "use_weighting", "sync_ref_model", "ref_model")
+        for name in dpo_options:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"{name}: not an option of --objective {self.objective}")
+        from mcore_dpo.objective import cpo  # imports torch: only for this objective
+
+        try:
+            cpo.spec_of(self).validate()
+        except ValueError as e:
+            raise ConfigError(str(e).replace("cpo_loss_type:", "loss_type:", 1)) from None
 
     def _validate_lora(self) -> None:
         if self.lora_rank is not None and self.lora_rank <= 0:

@@ -1,6 +1,6 @@
-"""PNG curves of a run from its metrics.jsonl: loss, rewards/accuracies, rewards/margins and
-tokens/s against the step, each with its eval/ counterpart drawn on the same axes (as markers)
-where the run has one, plus an overview of all four. The last step's tokens/s of an interleaved
+"""PNG curves of a run from its metrics.jsonl: loss, rewards/accuracies, rewards/margins,
+tokens/s and the objective's own (nll_loss) against the step, each with its eval/ counterpart
+drawn on the same axes (as markers) where the run has one, plus an overview of them all. The last step's tokens/s of an interleaved
 run is left out (it computes no next-batch reference, so it spikes; docs/GUIDE.md).
 
     python -m mcore_dpo.plot RUN_DIR          # writes RUN_DIR/plots/*.png
@@ -22,6 +22,8 @@ CURVES: tuple[tuple[str, str, str], ...] = (
     ("rewards/accuracies", "rewards_accuracies", "reward accuracy"),
     ("rewards/margins", "rewards_margins", "reward margin"),
     ("tokens/s", "tokens_per_s", "tokens/s"),
+    # an objective's own curves, where its runs log them (cpo; dpo with sft)
+    ("nll_loss", "nll_loss", "NLL of the chosen completions"),
 )
 
 

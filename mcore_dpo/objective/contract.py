@@ -45,6 +45,9 @@ class SampleShape:
         return len(self.sequences)
 
 
+PAIR = SampleShape(sequences=("chosen", "rejected"))  # a preference pair
+
+
 @dataclass(frozen=True)
 class BatchTotals:
     """A global batch's normalisers, from the host before the step."""

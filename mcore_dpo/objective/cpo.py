@@ -61,11 +61,15 @@ Differences from TRL 1.16 worth knowing:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.logprobs import SequenceLogps
 
 CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 
@@ -301,8 +305,11 @@ def cpo_metric_sum_vector(
     num_samples_global: int,
     chosen_tokens_global: int,
     chosen_nll_sum: Tensor | None = None,
+    losses: CpoLosses | None = None,
 ) -> Tensor:
     """Additive metric sums of one microbatch: float64 [len(CPO_SUM_KEYS)], on the inputs' device.
+    `losses`: this microbatch's `cpo_losses`, when the caller has them already (the loss then
+    runs once).
 
     The inputs are cpo_losses' plus chosen_logit_sum / rejected_logit_sum [b]: the sum over each
     completion's tokens of the vocabulary-mean logit. Add the vectors over microbatches and ranks,
@@ -315,7 +322,7 @@ def cpo_metric_sum_vector(
         tokens_global=("chosen_tokens_global", chosen_tokens_global),
     )
     with torch.no_grad():
-        out = cpo_losses(
+        out = losses if losses is not None else cpo_losses(
             chosen_logps_sum=chosen_logps_sum,
             rejected_logps_sum=rejected_logps_sum,
             chosen_num_tokens=chosen_num_tokens,
@@ -380,3 +387,46 @@ def finalize(sums: dict[str, float], spec: CpoSpec) -> dict[str, float]:
         "logits/chosen": sums["logit_chosen_sum"] / chosen_tokens,
         "nll_loss": sums["nll_sum"] / chosen_tokens if spec.effective_cpo_alpha != 0.0 else 0.0,
     }
+
+
+class CpoObjective(Objective):
+    """CPO (and SimPO, AlphaPO) on preference pairs: reference-free, no whole-batch pass."""
+
+    name = "cpo"
+    shape = PAIR
+    needs_reference = False
+    needs_prepass = False
+    metric_keys = CPO_SUM_KEYS
+
+    def __init__(self, spec: CpoSpec):
+        spec.validate()
+        self.spec = spec
+
+    def totals(self, samples: Sequence) -> BatchTotals:
+        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(p.chosen_ids) for p in samples)))
+
+    def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],
+                   totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+        b = len(positions)
+        plain = logps.plain_logp_sum  # with --ld-alpha the weighted sums; CPO's NLL reads the plain ones
+        inputs = dict(chosen_logps_sum=logps.logp_sum[:b], rejected_logps_sum=logps.logp_sum[b:],
+                      chosen_num_tokens=logps.num_tokens[:b], rejected_num_tokens=logps.num_tokens[b:],
+                      chosen_nll_sum=None if plain is None else -plain[:b], spec=self.spec,
+                      num_samples_global=totals.num_samples, chosen_tokens_global=totals.chosen_tokens)
+        out = cpo_losses(**inputs)
+        sums = cpo_metric_sum_vector(chosen_logit_sum=logps.logit_sum[:b], rejected_logit_sum=logps.logit_sum[b:],
+                                     losses=out, **inputs)
+        return out.total.sum() / totals.num_samples, sums
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize(sums, self.spec)
+
+
+def spec_of(config) -> CpoSpec:
+    """The CpoSpec of a run's configuration (--loss-type is CPO's loss type)."""
+    return CpoSpec(cpo_loss_type=config.loss_type, beta=config.beta, label_smoothing=config.label_smoothing,
+                   cpo_alpha=config.cpo_alpha, simpo_gamma=config.simpo_gamma, alpha=config.alpha)
+
+
+def from_config(config) -> CpoObjective:
+    return CpoObjective(spec_of(config))

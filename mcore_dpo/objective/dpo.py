@@ -8,12 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
-from mcore_dpo.objective.contract import BatchTotals, Objective, SampleShape
+from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
 from mcore_dpo.objective.logprobs import SequenceLogps, pair_logps
 from mcore_dpo.objective.loss import METRIC_SUM_KEYS, PairLogps, batch_sort, finalize_metrics, metric_sum_vector, pair_losses
 from mcore_dpo.objective.loss_spec import LossSpec
-
-PAIR = SampleShape(sequences=("chosen", "rejected"))
 
 
 class DpoObjective(Objective):

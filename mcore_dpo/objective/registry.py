@@ -1,19 +1,30 @@
 """The objectives a run can train, by name (--objective). Free of torch: the command line
-checks a name before the slow imports; `build` imports the objective's module."""
+checks a name, and whether the objective trains against a reference model, before the slow
+imports; `build` imports the objective's module."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-# name -> the module whose `from_config(config)` builds it (objective/contract.py)
-MODULES: dict[str, str] = {
-    "dpo": "mcore_dpo.objective.dpo",
+
+@dataclass(frozen=True)
+class Entry:
+    module: str
+    """The module whose `from_config(config)` builds the objective (objective/contract.py)."""
+    reference: bool
+    """Whether it trains against a frozen reference model (its `needs_reference` when one runs)."""
+
+
+OBJECTIVES: dict[str, Entry] = {
+    "dpo": Entry("mcore_dpo.objective.dpo", reference=True),
+    "cpo": Entry("mcore_dpo.objective.cpo", reference=False),
 }
 
 
 def build(config):
     """The configured objective (`config.objective`, DPO by default)."""
     name = getattr(config, "objective", "dpo")
-    if name not in MODULES:
-        raise ValueError(f"objective: unknown {name!r}; choose from {', '.join(MODULES)}")
-    return importlib.import_module(MODULES[name]).from_config(config)
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective: unknown {name!r}; choose from {', '.join(OBJECTIVES)}")
+    return importlib.import_module(OBJECTIVES[name].module).from_config(config)
