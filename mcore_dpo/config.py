@@ -119,8 +119,8 @@ class TrainConfig:
 
     # --- loss ---
     objective: str = "dpo"
-    """dpo | cpo: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) is reference-free:
-    no reference model is built or run."""
+    """dpo | cpo | orpo: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
+    reference-free: no reference model is built or run."""
     beta: float = 0.1
     """β: DPO's temperature; cpo's reward scale."""
     loss_type: str = "sigmoid"
@@ -586,10 +586,15 @@ class TrainConfig:
         for name in dpo_options:
             if getattr(self, name) != defaults[name]:
                 raise ConfigError(f"{name}: not an option of --objective {self.objective}")
-        from mcore_dpo.objective import cpo  # imports torch: only for this objective
-
+        if self.objective == "orpo":
+            for name in cpo_options + ("loss_type", "label_smoothing"):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"{name}: not an option of --objective orpo (its one loss reads --beta)")
+            if self.prefix_sharing:  # its NLL reads each chosen sequence's own prompt tokens
+                raise ConfigError("prefix_sharing: not with --objective orpo (its NLL covers the prompt of every "
+                                  "chosen sequence); use --no-prefix-sharing")
         try:
-            cpo.spec_of(self).validate()
+            registry.spec_of(self).validate()  # imports torch: only for these objectives
         except ValueError as e:
             raise ConfigError(str(e).replace("cpo_loss_type:", "loss_type:", 1)) from None
 

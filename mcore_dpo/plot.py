@@ -1,5 +1,5 @@
 """PNG curves of a run from its metrics.jsonl: loss, rewards/accuracies, rewards/margins,
-tokens/s and the objective's own (nll_loss) against the step, each with its eval/ counterpart
+tokens/s and the objective's own (nll_loss, orpo's log_odds_ratio) against the step, each with its eval/ counterpart
 drawn on the same axes (as markers) where the run has one, plus an overview of them all. The last step's tokens/s of an interleaved
 run is left out (it computes no next-batch reference, so it spikes; docs/GUIDE.md).
 
@@ -23,7 +23,8 @@ CURVES: tuple[tuple[str, str, str], ...] = (
     ("rewards/margins", "rewards_margins", "reward margin"),
     ("tokens/s", "tokens_per_s", "tokens/s"),
     # an objective's own curves, where its runs log them (cpo; dpo with sft)
-    ("nll_loss", "nll_loss", "NLL of the chosen completions"),
+    ("nll_loss", "nll_loss", "NLL of the chosen completions (orpo: sequences)"),
+    ("log_odds_ratio", "log_odds_ratio", "log odds ratio"),
 )
 
 

@@ -68,8 +68,9 @@ def run_identity(config: TrainConfig) -> dict:
             "label_smoothing": config.label_smoothing,
             "reference_free": config.ref_mode == "none",
             # Another objective's loss; DPO's identity keeps its earlier form (older checkpoints resume).
-            **({"objective": config.objective, "cpo_alpha": config.cpo_alpha, "simpo_gamma": config.simpo_gamma,
-                "alpha": config.alpha} if config.objective == "cpo" else {}),
+            **({"objective": config.objective} if config.objective != "dpo" else {}),
+            **({"cpo_alpha": config.cpo_alpha, "simpo_gamma": config.simpo_gamma, "alpha": config.alpha}
+               if config.objective == "cpo" else {}),
         },
     }
 

@@ -9,6 +9,8 @@ The schedule, the rank and the evaluator never know the loss. They know an `Obje
   (aot's sort). The rank then runs a forward-only pass, gathers every sample's per-sequence
   log-prob sums of the policy and the reference into two [samples, sequences] tables over the
   data-parallel ranks, and hands them to `prepass` once; the step's microbatches get its result.
+- `whole_sequence`: whether the last stage also sums each sequence's log-probs over its prompt
+  tokens (ORPO's NLL), besides the completion's.
 - `metric_keys`: the additive sums one microbatch contributes (added over microbatches and
   data-parallel ranks, read once per step) and `finalize`, which turns the global sums into
   the logged metrics.
@@ -54,7 +56,8 @@ class BatchTotals:
 
     num_samples: int
     chosen_tokens: int
-    """Completion tokens of every sample's first sequence (at least 1): token-mean terms divide by it."""
+    """The tokens the objective's token means divide by (at least 1): the chosen completions' for
+    DPO's sft and CPO's NLL, the whole chosen sequences' (all but the first token) for ORPO's."""
 
 
 class Objective(abc.ABC):
@@ -65,6 +68,8 @@ class Objective(abc.ABC):
     needs_reference: bool
     needs_prepass: bool
     metric_keys: tuple[str, ...]
+    whole_sequence: bool = False
+    """Whether the loss also reads each sequence's log-probs over its prompt (SequenceLogps.whole_*)."""
 
     @abc.abstractmethod
     def totals(self, samples: Sequence) -> BatchTotals:

@@ -34,6 +34,10 @@ class SequenceLogps:
     logit_sum: torch.Tensor  # [rows], sum over tokens of the vocabulary-mean logit (detached)
     plain_logp_sum: torch.Tensor | None = None  # [rows], unweighted sum; only with ld_alpha (sft reads it)
     wpo_log_weight: torch.Tensor | None = None  # [rows], only with wpo (detached)
+    # only with whole_sequence: the sum and count over every predicted token of the sequence,
+    # prompt and completion (all but its first token), e.g. ORPO's NLL
+    whole_logp_sum: torch.Tensor | None = None  # [rows], differentiable
+    whole_num_tokens: torch.Tensor | None = None  # [rows]
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class LogpsOptions:
 
     ld_alpha: float | None = None
     wpo: bool = False
+    whole_sequence: bool = False  # also sum over the prompt's tokens (`whole_sequence_mask`)
 
 
 def token_logprobs(
@@ -127,6 +132,24 @@ def ld_weights(loss_mask: torch.Tensor, *, ld_alpha: float, segment_ids: torch.T
     return (flat * torch.where(position <= shared, 1.0, ld_alpha)).reshape(mask.shape)
 
 
+def whole_sequence_mask(loss_mask: torch.Tensor, *, segment_ids: torch.Tensor | None,
+                        num_sequences: int | None) -> torch.Tensor:
+    """1.0 at every position whose label is a token of the sequence after its first: from the
+    sequence's first position through its last completion position (`loss_mask` marks the
+    completion). A sequence is a row starting at position 0, or with `segment_ids` a segment of a
+    packed row (ids >= num_sequences are padding), which starts at its first position. A sequence
+    without completion tokens gets none."""
+    mask = loss_mask.to(torch.float32)
+    if segment_ids is None:  # through the last completion position: a reversed running maximum
+        return mask.flip(-1).cummax(-1).values.flip(-1)
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)
+    index = torch.arange(ids.numel(), device=ids.device)
+    last = torch.full((num_sequences + 1,), -1, dtype=torch.long, device=ids.device)
+    last = last.scatter_reduce(0, ids, torch.where(mask.reshape(-1) > 0, index, -1), reduce="amax")
+    inside = (ids < num_sequences) & (index <= last[ids])
+    return inside.to(torch.float32).reshape(mask.shape)
+
+
 def segment_sums(values: torch.Tensor, *, segment_ids: torch.Tensor | None, num_sequences: int | None) -> torch.Tensor:
     """Per-sequence sums of per-token `values` [rows, s]: a sum per row, or, for a packed row
     (`segment_ids` [rows, s], each token's sequence; ids >= num_sequences are padding), a sum per
@@ -191,6 +214,9 @@ def sequence_logps(
         if gather is not None:
             sq = gather(sq)
         out.wpo_log_weight = per_sequence((logp.detach() - sq) * mask) / num_tokens.clamp(min=1.0)
+    if options.whole_sequence:
+        whole = whole_sequence_mask(loss_mask, segment_ids=segment_ids, num_sequences=num_sequences).to(logp.dtype)
+        out.whole_logp_sum, out.whole_num_tokens = per_sequence(logp * whole), per_sequence(whole)
     return out
 
 

@@ -52,11 +52,15 @@ Differences from TRL 1.16 worth knowing:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.logprobs import SequenceLogps
 
 # Keys of orpo_metric_sum_vector, in its order: the engine adds the vectors over microbatches and
 # ranks (one all-reduce), then finalize reads them as a dict.
@@ -210,8 +214,11 @@ def orpo_metric_sum_vector(
     spec: OrpoSpec,
     num_samples_global: int,
     nll_tokens_global: int,
+    losses: OrpoLosses | None = None,
 ) -> Tensor:
     """Additive metric sums of one microbatch: float64 [len(ORPO_SUM_KEYS)], on the inputs' device.
+    `losses`: this microbatch's `orpo_losses`, when the caller has them already (the loss then
+    runs once).
 
     The inputs are orpo_losses' plus chosen_nll_num_tokens [b] (the tokens each chosen_nll_sum
     covers) and chosen_logit_sum / rejected_logit_sum [b] (the sum over each completion's tokens of
@@ -225,7 +232,7 @@ def orpo_metric_sum_vector(
         nll_tokens_global=nll_tokens_global,
     )
     with torch.no_grad():
-        out = orpo_losses(
+        out = losses if losses is not None else orpo_losses(
             chosen_logps_sum=chosen_logps_sum,
             rejected_logps_sum=rejected_logps_sum,
             chosen_num_tokens=chosen_num_tokens,
@@ -290,3 +297,48 @@ def finalize(sums: dict[str, float], spec: OrpoSpec) -> dict[str, float]:
         "log_odds_ratio": sums["log_odds_ratio_sum"] / num_samples,
         "log_odds_chosen": sums["log_odds_chosen_sum"] / num_samples,
     }
+
+
+class OrpoObjective(Objective):
+    """ORPO on preference pairs: reference-free; its NLL reads the whole chosen sequence."""
+
+    name = "orpo"
+    shape = PAIR
+    needs_reference = False
+    needs_prepass = False
+    whole_sequence = True
+    metric_keys = ORPO_SUM_KEYS
+
+    def __init__(self, spec: OrpoSpec):
+        spec.validate()
+        self.spec = spec
+
+    def totals(self, samples: Sequence) -> BatchTotals:
+        # The NLL's tokens: every chosen sequence's tokens but its first.
+        tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 for p in samples)
+        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, tokens))
+
+    def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],
+                   totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+        b = len(positions)
+        inputs = dict(chosen_logps_sum=logps.logp_sum[:b], rejected_logps_sum=logps.logp_sum[b:],
+                      chosen_num_tokens=logps.num_tokens[:b], rejected_num_tokens=logps.num_tokens[b:],
+                      chosen_nll_sum=-logps.whole_logp_sum[:b], spec=self.spec,
+                      num_samples_global=totals.num_samples, nll_tokens_global=totals.chosen_tokens)
+        out = orpo_losses(**inputs)
+        sums = orpo_metric_sum_vector(chosen_nll_num_tokens=logps.whole_num_tokens[:b],
+                                      chosen_logit_sum=logps.logit_sum[:b], rejected_logit_sum=logps.logit_sum[b:],
+                                      losses=out, **inputs)
+        return out.total.sum() / totals.num_samples, sums
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize(sums, self.spec)
+
+
+def spec_of(config) -> OrpoSpec:
+    """The OrpoSpec of a run's configuration."""
+    return OrpoSpec(beta=config.beta)
+
+
+def from_config(config) -> OrpoObjective:
+    return OrpoObjective(spec_of(config))

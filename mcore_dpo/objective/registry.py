@@ -19,7 +19,13 @@ class Entry:
 OBJECTIVES: dict[str, Entry] = {
     "dpo": Entry("mcore_dpo.objective.dpo", reference=True),
     "cpo": Entry("mcore_dpo.objective.cpo", reference=False),
+    "orpo": Entry("mcore_dpo.objective.orpo", reference=False),
 }
+
+
+def spec_of(config):
+    """The configured objective's hyper-parameters (its module's `spec_of`), to validate."""
+    return importlib.import_module(OBJECTIVES[config.objective].module).spec_of(config)
 
 
 def build(config):

@@ -88,7 +88,7 @@ class StageContext:
     vocab_size: int
     loss_fn: LossFn | None = None
     forward_only: bool = False
-    logps_options: LogpsOptions = LogpsOptions()  # LD-DPO and WPO per-token options
+    logps_options: LogpsOptions = LogpsOptions()  # LD-DPO, WPO and whole-sequence options
     # reference log-probs produced on the last stage, keyed by (batch offset, microbatch)
     ref_logps: dict[tuple[int, int], SequenceLogps] = field(default_factory=dict)
     # --- per-step scratch ---

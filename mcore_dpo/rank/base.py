@@ -182,7 +182,8 @@ class Rank:
             wait_clock=plat.IntervalClock(self.platform),
             sequence_parallel=self.sequence_parallel,
             packed_thd=self.packed_thd,
-            logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting),
+            logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting,
+                                       whole_sequence=self.objective.whole_sequence),
             **kwargs,
         )
 
