@@ -155,3 +155,28 @@ def _prepass(objective, parts):
     if not objective.needs_prepass:
         return None
     return whole_batch_prepass(parts, objective=objective, num_samples=6, mesh=_mesh(), device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_whole_sequence_sums_cover_every_token_but_the_first(packing):
+    """ORPO's NLL (Objective.whole_sequence): the summed log-probs over each sequence's prompt and
+    completion, every token but the first, on padded and packed rows, equal a row-by-row sum."""
+    from mcore_dpo.data.microbatches import RowLayout
+    from mcore_dpo.objective.logprobs import segment_sums, whole_sequence_mask
+    from tests.helpers.data import make_pairs
+
+    pairs = make_pairs(5, seed=4)
+    layout = RowLayout(packing=packing, prefix_sharing=False, pad_token_id=0, multiple=1, max_tokens=10_000)
+    (micro,) = layout.microbatches(pairs, [list(range(5))])
+    logp = -torch.rand(micro.labels.shape, generator=torch.Generator().manual_seed(0))
+    mask = whole_sequence_mask(micro.loss_mask, segment_ids=micro.segment_ids, num_sequences=micro.num_sequences)
+    got = segment_sums(logp * mask, segment_ids=micro.segment_ids, num_sequences=micro.num_sequences)
+    counts = segment_sums(mask, segment_ids=micro.segment_ids, num_sequences=micro.num_sequences)
+    sequences = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
+    assert counts.tolist() == [len(s) - 1 for s in sequences]
+    # each sequence's labels: its tokens from the second on, at the positions that predict them
+    for j, sequence in enumerate(sequences):
+        in_sequence = micro.segment_ids == j if packing else torch.arange(micro.labels.shape[0]).view(-1, 1) == j
+        picked = (mask > 0) & in_sequence
+        assert micro.labels[picked].tolist() == list(sequence[1:])
+        assert got[j] == pytest.approx(float(logp[picked].sum()), abs=1e-6)
