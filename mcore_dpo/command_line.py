@@ -111,13 +111,14 @@ HELP_GROUPS = {
     "loss": ("objective", "beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",
              "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "use_weighting", "sync_ref_model",
              "ref_model_mixup_alpha", "ref_model_sync_steps"),
-    "cpo": ("cpo_alpha", "simpo_gamma", "alpha"),
     "optimizer": ("lr", "lr_schedule", "lr_warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                   "clip_grad", "max_steps"),
     "checkpointing": ("output_dir", "overwrite", "save_interval", "save_interval_min", "keep_last", "save_format",
                       "resume", "max_restarts", "resume_with_changes", "export_hf"),
     "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "init_adapter", "merge_lora"),
     "logging": ("eval_interval", "memory_interval", "wandb", "wandb_project"),
+    # each objective's own options (DPO's are in "loss")
+    **{name: entry.options for name, entry in registry.OBJECTIVES.items() if name != "dpo" and entry.options},
 }
 
 

@@ -559,42 +559,30 @@ class TrainConfig:
         return self.lora_rank is not None or self.init_adapter is not None
 
     def _validate_objective(self) -> None:
-        """--objective and the options of each objective: an option of another objective is an
-        error, not silently unused."""
+        """--objective and the options of each objective (`registry.Entry.options`): another
+        objective's option is an error, not silently unused."""
         if self.objective not in registry.OBJECTIVES:
             raise ConfigError(f"objective: unknown {self.objective!r}; choose from {', '.join(registry.OBJECTIVES)}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        cpo_options = ("cpo_alpha", "simpo_gamma", "alpha")
-        if self.objective == "dpo":
-            for name in cpo_options:
-                if getattr(self, name) != defaults[name]:
-                    raise ConfigError(f"{name}: a cpo option, given with --objective dpo")
+        for name, entry in registry.OBJECTIVES.items():
+            for option in entry.options if name != self.objective else ():
+                if getattr(self, option) != defaults[option]:
+                    raise ConfigError(f"{option}: an option of --objective {name}, not of {self.objective}")
+        if not registry.OBJECTIVES[self.objective].reference and self.ref_mode != "none":
+            raise ConfigError(f"ref_mode: {self.objective} is reference-free (no reference model runs); "
+                              f"--ref-mode {self.ref_mode} does not apply")
+        if self.objective == "dpo":  # torch-free, before the slow imports of the default run
             unknown = [t for t in self.loss_type.split(",") if t.strip() not in LOSS_TYPES]
             if unknown:
                 raise ConfigError(f"loss_type: unknown {unknown[0].strip()!r}; choose from {', '.join(LOSS_TYPES)}")
+            spec = self.loss_spec()
+        else:
             try:
-                self.loss_spec().validate()
+                spec = registry.spec_of(self)  # imports torch: only for these objectives
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            return
-        # A reference-free objective: no reference, and none of DPO's own options.
-        if self.ref_mode != "none":
-            raise ConfigError(f"ref_mode: {self.objective} is reference-free (no reference model runs); "
-                              f"--ref-mode {self.ref_mode} does not apply")
-        dpo_options = ("loss_weights", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "ld_alpha",
-                       "use_weighting", "sync_ref_model", "ref_model")
-        for name in dpo_options:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(f"{name}: not an option of --objective {self.objective}")
-        if self.objective == "orpo":
-            for name in cpo_options + ("loss_type", "label_smoothing"):
-                if getattr(self, name) != defaults[name]:
-                    raise ConfigError(f"{name}: not an option of --objective orpo (its one loss reads --beta)")
-            if self.prefix_sharing:  # its NLL reads each chosen sequence's own prompt tokens
-                raise ConfigError("prefix_sharing: not with --objective orpo (its NLL covers the prompt of every "
-                                  "chosen sequence); use --no-prefix-sharing")
         try:
-            registry.spec_of(self).validate()  # imports torch: only for these objectives
+            spec.validate()
         except ValueError as e:
             raise ConfigError(str(e).replace("cpo_loss_type:", "loss_type:", 1)) from None
 

@@ -1,7 +1,8 @@
 """PNG curves of a run from its metrics.jsonl: loss, rewards/accuracies, rewards/margins,
-tokens/s and the objective's own (nll_loss, orpo's log_odds_ratio) against the step, each with its eval/ counterpart
-drawn on the same axes (as markers) where the run has one, plus an overview of them all. The last step's tokens/s of an interleaved
-run is left out (it computes no next-batch reference, so it spikes; docs/GUIDE.md).
+tokens/s and each objective's own (objective/registry.py) against the step, each with its eval/
+counterpart drawn on the same axes (as markers) where the run has one, plus an overview of them
+all. The last step's tokens/s of an interleaved run is left out (it computes no next-batch
+reference, so it spikes; docs/GUIDE.md).
 
     python -m mcore_dpo.plot RUN_DIR          # writes RUN_DIR/plots/*.png
 
@@ -22,9 +23,6 @@ CURVES: tuple[tuple[str, str, str], ...] = (
     ("rewards/accuracies", "rewards_accuracies", "reward accuracy"),
     ("rewards/margins", "rewards_margins", "reward margin"),
     ("tokens/s", "tokens_per_s", "tokens/s"),
-    # an objective's own curves, where its runs log them (cpo; dpo with sft)
-    ("nll_loss", "nll_loss", "NLL of the chosen completions (orpo: sequences)"),
-    ("log_odds_ratio", "log_odds_ratio", "log odds ratio"),
 )
 
 
@@ -81,7 +79,7 @@ def plot_run(run_dir: str) -> list[str]:
     if not directory.is_dir():
         raise PlotError(f"{run_dir}: no such run directory")
     records = _without_uneven_throughput(read_metrics(directory / "metrics.jsonl"), directory)
-    present = [c for c in CURVES if series(records, c[0])[0] or series(records, "eval/" + c[0])[0]]
+    present = [c for c in _curves() if series(records, c[0])[0] or series(records, "eval/" + c[0])[0]]
     if not present:
         names = ", ".join(c[0] for c in CURVES)
         raise PlotError(f"{directory / 'metrics.jsonl'}: none of the plotted metrics ({names}) appear in it")
@@ -119,6 +117,16 @@ def plot_run(run_dir: str) -> list[str]:
     plt.close(fig)
     written.append(str(path))
     return written
+
+
+def _curves() -> list[tuple[str, str, str]]:
+    """CURVES, then each objective's own (objective/registry.py), once per metric."""
+    from mcore_dpo.objective.registry import OBJECTIVES
+
+    curves = list(CURVES)
+    for entry in OBJECTIVES.values():
+        curves += [c for c in entry.curves if c[0] not in {k for k, _, _ in curves}]
+    return curves
 
 
 def _without_uneven_throughput(records: list[dict], directory: Path) -> list[dict]:

@@ -16,6 +16,7 @@ from mcore_dpo.checkpoint.fingerprint import model_fingerprint
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.data.mix import parse_sources
 from mcore_dpo.data.sources import source_checksum
+from mcore_dpo.objective import registry
 
 IDENTITY_VERSION = 2  # 2: model fingerprints sample the weights' content
 
@@ -68,9 +69,9 @@ def run_identity(config: TrainConfig) -> dict:
             "label_smoothing": config.label_smoothing,
             "reference_free": config.ref_mode == "none",
             # Another objective's loss; DPO's identity keeps its earlier form (older checkpoints resume).
-            **({"objective": config.objective} if config.objective != "dpo" else {}),
-            **({"cpo_alpha": config.cpo_alpha, "simpo_gamma": config.simpo_gamma, "alpha": config.alpha}
-               if config.objective == "cpo" else {}),
+            **({"objective": config.objective, **{name: getattr(config, name)
+                                                  for name in registry.OBJECTIVES[config.objective].options}}
+               if config.objective != "dpo" else {}),
         },
     }
 

@@ -336,7 +336,14 @@ class OrpoObjective(Objective):
 
 
 def spec_of(config) -> OrpoSpec:
-    """The OrpoSpec of a run's configuration."""
+    """The OrpoSpec of a run's configuration; ValueError (one line) for a shared option ORPO
+    does not read, and for shared-prompt rows (its NLL reads every chosen sequence's prompt)."""
+    for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0)):
+        if getattr(config, name) != default:
+            raise ValueError(f"{name}: not an option of --objective orpo (its one loss reads --beta)")
+    if config.prefix_sharing:
+        raise ValueError("prefix_sharing: not with --objective orpo (its NLL covers the prompt of every chosen "
+                         "sequence); use --no-prefix-sharing")
     return OrpoSpec(beta=config.beta)
 
 

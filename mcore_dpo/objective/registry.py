@@ -11,15 +11,26 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Entry:
     module: str
-    """The module whose `from_config(config)` builds the objective (objective/contract.py)."""
+    """The module whose `from_config(config)` builds the objective and whose `spec_of(config)`
+    gives its validated hyper-parameters (objective/contract.py)."""
     reference: bool
     """Whether it trains against a frozen reference model (its `needs_reference` when one runs)."""
+    options: tuple[str, ...] = ()
+    """Its own config fields: refused with another objective, part of its run identity, its --help group."""
+    curves: tuple[tuple[str, str, str], ...] = ()
+    """Its own metrics to plot, as plot.CURVES lists them (drawn where a run logs them)."""
 
 
 OBJECTIVES: dict[str, Entry] = {
-    "dpo": Entry("mcore_dpo.objective.dpo", reference=True),
-    "cpo": Entry("mcore_dpo.objective.cpo", reference=False),
-    "orpo": Entry("mcore_dpo.objective.orpo", reference=False),
+    "dpo": Entry("mcore_dpo.objective.dpo", reference=True,
+                 options=("loss_weights", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "ld_alpha",
+                          "use_weighting", "sync_ref_model", "ref_model"),
+                 curves=(("nll_loss", "nll_loss", "NLL of the chosen completions (sft)"),)),
+    "cpo": Entry("mcore_dpo.objective.cpo", reference=False, options=("cpo_alpha", "simpo_gamma", "alpha"),
+                 curves=(("nll_loss", "nll_loss", "NLL of the chosen completions"),)),
+    "orpo": Entry("mcore_dpo.objective.orpo", reference=False,
+                  curves=(("nll_loss", "nll_loss", "NLL of the chosen sequences"),
+                          ("log_odds_ratio", "log_odds_ratio", "log odds ratio"))),
 }
 
 
