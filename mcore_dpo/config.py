@@ -584,7 +584,7 @@ class TrainConfig:
         try:
             spec.validate()
         except ValueError as e:
-            raise ConfigError(str(e).replace("cpo_loss_type:", "loss_type:", 1)) from None
+            raise ConfigError(str(e)) from None
 
     def _validate_lora(self) -> None:
         if self.lora_rank is not None and self.lora_rank <= 0:

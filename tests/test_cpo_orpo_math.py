@@ -423,8 +423,8 @@ def test_spec_defaults_and_loss_types_are_trl_1_16s():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"cpo_loss_type": "kto_pair"}, "cpo_loss_type"),
-    ({"cpo_loss_type": "dpo"}, "cpo_loss_type"),
+    ({"cpo_loss_type": "kto_pair"}, "loss_type"),  # the flag: --loss-type
+    ({"cpo_loss_type": "dpo"}, "loss_type"),
     ({"beta": 0.0}, "beta"),
     ({"beta": float("nan")}, "beta"),
     ({"label_smoothing": 0.5}, "label_smoothing"),

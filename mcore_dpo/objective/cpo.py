@@ -120,7 +120,7 @@ class CpoSpec:
         """Raise ValueError (one line, naming the field) if the spec cannot be trained."""
         if self.cpo_loss_type not in CPO_LOSS_TYPES:
             raise ValueError(
-                f"cpo_loss_type: unknown {self.cpo_loss_type!r}; choose from {', '.join(CPO_LOSS_TYPES)}"
+                f"loss_type: unknown {self.cpo_loss_type!r}; choose from {', '.join(CPO_LOSS_TYPES)}"
             )
         if not _finite(self.beta) or self.beta <= 0:
             raise ValueError(f"beta: must be a finite number > 0, got {self.beta!r}")
