@@ -66,8 +66,8 @@ class _Sent:
                          ids=["separate-reference", "packed-shared-prompts"])
 def test_the_driver_sends_pair_indices_whatever_the_length_of_the_pairs(tmp_path, ray_cluster, monkeypatch, mode):
     """The same pairs, once short and once with every text ten times as long: the driver's
-    calls per step (train_step, the reference group's reference_logps, evaluate) pickle to the
-    same few hundred bytes; the ranks read the pairs from the store. The long run's tokens are
+    calls per step (train_step, the reference group's reference_logps, evaluate) pickle to about
+    the same few hundred bytes; the ranks read the pairs from the store. The long run's tokens are
     really longer (tokens/real), so the ranks did read other rows."""
     rows = _rows(defaults.DEFAULT_TRAIN_DATA)[:64]
     long_rows = [{"prompt": r["prompt"], "chosen": " ".join([r["chosen"]] * 10),
@@ -91,7 +91,11 @@ def test_the_driver_sends_pair_indices_whatever_the_length_of_the_pairs(tmp_path
     assert len(sent["short"]["train_step"]) == 3
     if "separate" in mode:
         assert len(sent["short"]["reference_logps"]) == 4  # the eval set, then one a step
-    assert sent["long"] == sent["short"]
+    # The same number of calls, each of about the same size (a step's plan may group the indices
+    # differently when the lengths differ: a few bytes), never growing with the texts.
+    assert {m: len(sizes) for m, sizes in sent["long"].items()} == {m: len(sizes) for m, sizes in sent["short"].items()}
+    for method, sizes in sent["long"].items():
+        assert all(abs(long - short) <= 64 for long, short in zip(sizes, sent["short"][method])), (method, sent)
     assert max(max(sizes, default=0) for sizes in sent["long"].values()) < 4096
 
 

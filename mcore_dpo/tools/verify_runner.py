@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -101,10 +102,12 @@ megatron_logits.check = check  # checkpoint_convert.verify calls it before sayin
 
 def _rank_failure(work_dir: Path, error: Exception) -> str:
     """The first rank error written (the cause: the others fail after it, or are stopped), else
-    the first line of what the spawner said (a rank killed by a signal)."""
-    written = sorted(work_dir.glob(_ERROR_FILE.format(rank="*")), key=lambda p: p.stat().st_mtime_ns)
+    the first line of what the spawner said (a rank killed by a signal). Each file starts with the
+    monotonic clock at its writing: file times are too coarse to order two ranks a millisecond apart."""
+    written = [p.read_text(encoding="utf-8").split("\n", 1) for p in work_dir.glob(_ERROR_FILE.format(rank="*"))]
+    written = [stamp_line for stamp_line in written if len(stamp_line) == 2 and stamp_line[0].isdigit()]
     if written:
-        return written[0].read_text(encoding="utf-8").strip()
+        return min(written, key=lambda stamp_line: int(stamp_line[0]))[1].strip()
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return f"verify: a megatron rank failed ({first})"
 
@@ -116,8 +119,8 @@ def _rank_main(rank: int, world_size: int, port: int, mcore_dir: str, work_dir: 
     except Exception as error:
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
         detail = detail if len(detail) <= 400 else detail[:397] + "..."
-        Path(work_dir, _ERROR_FILE.format(rank=rank)).write_text(f"verify: megatron rank {rank}: {detail}\n",
-                                                                   encoding="utf-8")
+        Path(work_dir, _ERROR_FILE.format(rank=rank)).write_text(
+            f"{time.monotonic_ns()}\nverify: megatron rank {rank}: {detail}\n", encoding="utf-8")
         raise SystemExit(1) from None
 
 
