@@ -173,8 +173,8 @@ def test_cpo_through_the_command_line_matches_trl(name, parity_models, data, ray
      "ref_mode: cpo is reference-free (no reference model runs); --ref-mode precomputed does not apply"),
     (["--objective", "cpo", "--loss-type", "aot"],
      "loss_type: unknown 'aot'; choose from sigmoid, hinge, ipo, simpo, alphapo"),
-    (["--cpo-alpha", "0.5"], "cpo_alpha: a cpo option, given with --objective dpo"),
-    (["--simpo-gamma", "0.7", "--loss-type", "sigmoid"], "simpo_gamma: a cpo option, given with --objective dpo"),
+    (["--cpo-alpha", "0.5"], "cpo_alpha: an option of --objective cpo, not of dpo"),
+    (["--simpo-gamma", "0.7", "--loss-type", "sigmoid"], "simpo_gamma: an option of --objective cpo, not of dpo"),
     (["--objective", "cpo", "--loss-type", "hinge", "--label-smoothing", "0.1"], "label_smoothing: hinge does not read it"),
 ], ids=["ref-mode", "dpo-loss-type", "cpo-alpha-with-dpo", "simpo-gamma-with-dpo", "smoothing-with-hinge"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
