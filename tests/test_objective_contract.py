@@ -180,3 +180,32 @@ def test_whole_sequence_sums_cover_every_token_but_the_first(packing):
         picked = (mask > 0) & in_sequence
         assert micro.labels[picked].tolist() == list(sequence[1:])
         assert got[j] == pytest.approx(float(logp[picked].sum()), abs=1e-6)
+
+
+@pytest.mark.parametrize("argv, reference", [([], True), (["--objective", "cpo"], False), (["--objective", "orpo"], False)])
+def test_the_memory_estimate_counts_a_reference_only_where_the_objective_runs_one(argv, reference):
+    """The command line's config drives the estimate (tools/memory_estimate.py): a reference-free
+    objective resolves to --ref-mode none, whose bytes per parameter hold no reference copy (its
+    runs log memory/reference_params_peak_bytes 0: tests/test_cpo_parity.py)."""
+    from mcore_dpo.command_line import resolve
+    from mcore_dpo.tools.memory_estimate import (OPTIMIZER_BYTES_PER_PARAM, POLICY_BYTES_PER_PARAM,
+                                                  REFERENCE_BYTES_PER_PARAM, bytes_per_param)
+
+    config, _ = resolve(argv)
+    assert registry.OBJECTIVES[config.objective].reference is reference
+    expected = POLICY_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / 2 + (REFERENCE_BYTES_PER_PARAM if reference else 0)
+    assert bytes_per_param(ref_mode=config.ref_mode, optimizer_shards=2) == expected
+
+
+def test_no_module_branches_on_an_objective_other_than_the_default():
+    """Adding an objective touches its module and the registry, not `if objective == ...` in the
+    engine: every objective's name but the default's is a string literal only in those two."""
+    package = Path(registry.__file__).resolve().parents[1]
+    for name, entry in registry.OBJECTIVES.items():
+        if name == "dpo":
+            continue
+        own = {package / "objective" / "registry.py", package / (entry.module.split(".", 1)[1].replace(".", "/") + ".py")}
+        literal = re.compile(rf"[\"']{re.escape(name)}[\"']")
+        found = {path for path in package.rglob("*.py") if literal.search(path.read_text(encoding="utf-8"))}
+        assert found <= own, (name, sorted(str(p.relative_to(package)) for p in found - own))
+        assert found & own, name  # the test reads the tree it means to
