@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.cli import train_input_error
-from tests.helpers.trl_parity import Run, check_run, write_pairs
+from tests.helpers.trl_parity import Run, check_run
 
 RUNS = {
     "sigmoid-smoothed-tp1pp1dp1": Run((1, 1, 1), {"loss_type": "sigmoid", "label_smoothing": 0.1}),
@@ -28,16 +28,10 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def data(parity_models, tmp_path_factory) -> dict:
-    return write_pairs(tmp_path_factory.mktemp("cpo_data"), tokenizer_dir=parity_models["llama"][0], seed=3)
-
-
 @pytest.mark.parametrize("name", RUNS)
-def test_cpo_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
+def test_cpo_through_the_command_line_matches_trl(name, trl_parity, tmp_path):
     run = RUNS[name]
-    model = {**parity_models, **moe_models}[run.model][0]
-    rows = check_run("cpo", name, run, model=model, data=data, cluster=ray_cluster, tmp_path=tmp_path)
+    rows = check_run("cpo", name, run, setup=trl_parity, tmp_path=tmp_path)
     # The NLL is there unless alphapo drops it.
     assert (rows[0]["nll_loss"] == 0.0) == (run.options["loss_type"] == "alphapo"), rows[0]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.trl_parity import Run, check_run, write_pairs
+from tests.helpers.trl_parity import Run, check_run
 
 RUNS = {
     "tp1pp1dp1": Run((1, 1, 1), {}),
@@ -28,16 +28,10 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def data(parity_models, tmp_path_factory) -> dict:
-    return write_pairs(tmp_path_factory.mktemp("orpo_data"), tokenizer_dir=parity_models["llama"][0], seed=5)
-
-
 @pytest.mark.parametrize("name", RUNS)
-def test_orpo_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
+def test_orpo_through_the_command_line_matches_trl(name, trl_parity, tmp_path):
     run = RUNS[name]
-    model = {**parity_models, **moe_models}[run.model][0]
-    rows = check_run("orpo", name, run, model=model, data=data, cluster=ray_cluster, tmp_path=tmp_path)
+    rows = check_run("orpo", name, run, setup=trl_parity, tmp_path=tmp_path)
     # Both terms are in the loss: the NLL and beta times the mean log-sigmoid of the log odds.
     for row in rows:
         assert row["nll_loss"] > 0 and row["log_odds_ratio"] < 0, row

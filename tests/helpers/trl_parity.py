@@ -310,11 +310,25 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_run(objective: str, name: str, run: Run, *, model: Path, data: dict, cluster, tmp_path: Path) -> list[dict]:
-    """`run` through the command line against TRL (module docstring); returns the logged rows and
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the runs read (tests/conftest.py's `trl_parity` fixture)."""
+
+    models: dict
+    """name -> (policy dir, reference dir): the dense and the MoE parity models."""
+    data: dict
+    """write_pairs'."""
+    cluster: object
+    """The session's Ray cluster."""
+
+
+def check_run(objective: str, name: str, run: Run, *, setup: Setup, tmp_path: Path) -> list[dict]:
+    """`run` through the command line against TRL (module docstring). Returns the logged rows and
     prints the largest relative difference of each comparison."""
+    model, data = setup.models[run.model][0], setup.data
     out = tmp_path / "run"
-    result = main_in_process(argv(objective, run, model=model, data_path=data["path"], out=out), cluster=cluster)
+    result = main_in_process(argv(objective, run, model=model, data_path=data["path"], out=out),
+                             cluster=setup.cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     tp, pp, dp, *ep = run.layout
