@@ -6,6 +6,7 @@ Session fixtures, built once per pytest run:
     moe_models     the MoE parity models: "qwen3_moe" / "mixtral" -> (policy dir, reference dir)
     qwen3_models   Qwen3 dense, tied (True) and untied (False) -> (policy dir, reference dir)
     hf_llama       the converter's Llama with GQA, untied (8 heads in 4 groups, 4 layers, vocab 100)
+    trl_parity     what tests/helpers/trl_parity.py's runs read: the parity models, the pairs, the cluster
 MCORE_DPO_CACHE points at one directory of the session, so the embedded default model is built
 once per run and never in the user's cache.
 """
@@ -185,6 +186,14 @@ def qwen3_models(tmp_path_factory):
     return {tied: (save_hf(qwen3(tied=tied, seed=1), root / f"policy_{tied}"),
                    save_hf(qwen3(tied=tied, seed=2), root / f"ref_{tied}"))
             for tied in (True, False)}
+
+
+@pytest.fixture(scope="session")
+def trl_parity(parity_models, moe_models, ray_cluster, tmp_path_factory):
+    from tests.helpers.trl_parity import Setup, write_pairs
+
+    data = write_pairs(tmp_path_factory.mktemp("trl_parity"), tokenizer_dir=parity_models["llama"][0], seed=3)
+    return Setup(models={**parity_models, **moe_models}, data=data, cluster=ray_cluster)
 
 
 @pytest.fixture(scope="session")

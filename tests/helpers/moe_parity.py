@@ -25,10 +25,18 @@ def with_hub_names(ref: dict, policy_dir: Path) -> dict:
     experts fused; the engine's shards are compared through the hub names)."""
     spec = open_hf_dir(policy_dir).spec
     for tensors in [*ref["grads"], ref["weights"]]:
-        for name, (stored, expert, part, parts) in fused_hf_sources(spec, stored=set(tensors)).items():
-            tensor = tensors[stored] if expert is None else tensors[stored][expert]
-            tensors[name] = tensor.chunk(parts, dim=0)[part]
+        tensors.update(hub_experts(tensors, spec))
     return ref
+
+
+def hub_experts(tensors: dict, spec) -> dict:
+    """The expert tensors of `tensors` (transformers 5's in-memory form: fused, or renamed) under
+    their hub names, one per expert and part."""
+    out = {}
+    for name, (stored, expert, part, parts) in fused_hf_sources(spec, stored=set(tensors)).items():
+        tensor = tensors[stored] if expert is None else tensors[stored][expert]
+        out[name] = tensor.chunk(parts, dim=0)[part]
+    return out
 
 
 def rank_shard(spec, layout: tuple[int, int, int, int]):
