@@ -114,6 +114,15 @@ def exact_logit_means(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> t
     return means[0], means[1]
 
 
+def adamw(policy: torch.nn.Module, *, lr: float, weight_decay: float, adam_eps: float) -> torch.optim.AdamW:
+    """torch's AdamW with the engine's conventions: decay on the matrices only."""
+    named = list(policy.named_parameters())
+    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
+    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
+              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
+
+
 def cpo_reference_run(*, model_dir: Path, batches: list[list[TokenizedPair]], options: dict, lr: float,
                       clip_grad: float, weight_decay: float, adam_eps: float, pad_token_id: int) -> dict:
     """Train the HF model at `model_dir` (fp32) on `batches` (one global batch per step) with TRL's
@@ -126,11 +135,7 @@ def cpo_reference_run(*, model_dir: Path, batches: list[list[TokenizedPair]], op
     policy.train()  # the parity models have no dropout; as TRL's Trainer
     recording = _Recording(policy)
     trainer = stand_in(cpo_config(**options), pad_token_id=pad_token_id)
-    named = list(policy.named_parameters())
-    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
-              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
+    opt = adamw(policy, lr=lr, weight_decay=weight_decay, adam_eps=adam_eps)
     steps = []
     for pairs in batches:
         opt.zero_grad()
