@@ -30,14 +30,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.cli import train_input_error
 from tests.helpers.models import PAD
 from tests.helpers.ray_runs import main_in_process
-from tests.helpers.reference import assert_close
+from tests.helpers.reference import assert_close, assert_exported_weights
 from tests.helpers.trl_cpo import cpo_reference_run
 
 # tests/test_parity_losses.py's optimizer settings
@@ -109,13 +108,6 @@ def _relative(ours: float, ref: float) -> float:
     return abs(ours - ref) / max(abs(ref), 1e-300) if ours != ref else 0.0
 
 
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_cpo_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
     layout, options, packed = RUNS[name]
@@ -153,17 +145,7 @@ def test_cpo_through_the_command_line_matches_trl(name, parity_models, data, ray
     assert 0 < rows[0]["rewards/accuracies"] < 1, rows[0]
     assert (rows[0]["nll_loss"] == 0.0) == (options["loss_type"] == "alphapo"), rows[0]
 
-    trained = _weights(out / "hf")
-    assert set(trained) == set(ref["weights"])
-    initial = _weights(model)
-    moved = 0.0
-    for key, expected in ref["weights"].items():
-        scale = expected.abs().max().item()
-        assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
-        worst["weights"] = max(worst.get("weights", 0.0),
-                               (trained[key].double() - expected.double()).abs().max().item() / scale)
-        moved = max(moved, (expected - initial[key]).abs().max().item() / scale)
-    assert moved > 100 * RTOL, moved  # the two steps moved the weights far beyond the tolerance
+    worst["weights"] = assert_exported_weights(out / "hf", ref["weights"], initial=model, what=name, rtol=RTOL)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 

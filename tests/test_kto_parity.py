@@ -17,10 +17,11 @@ relative to β·|logps/*| (they are differences of fp32 log-prob sums, `_scale`)
 tensor of OUTPUT/hf against the reference's weights after step 2, within RTOL of the tensor's
 largest entry.
 
-Runs: kto with both weights at (1,1,1); apo_zero_unpaired at tp 2 x pp 2; kto on a paired file
+Runs: kto with both weights, the reference precomputed, at (1,1,1); apo_zero_unpaired, the
+reference sequential, at tp 2 x pp 2; kto on a paired file
 (unpaired as TRL does: a step of desirable samples, then one of undesirable ones), packed (the
 samples split over microbatches and dp ranks by tokens, the KL pairing still TRL's), at pp 2 x
-dp 2. Then the one-line refusals of bad unpaired rows and of options.
+dp 2, the reference interleaved. Then the one-line refusals of bad unpaired rows and of options.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from mcore_dpo.data.store import open_or_build
@@ -39,7 +39,7 @@ from mcore_dpo.data.unpaired import Unpaired
 from tests.helpers.cli import train_input_error
 from tests.helpers.models import PAD
 from tests.helpers.ray_runs import main_in_process
-from tests.helpers.reference import assert_close
+from tests.helpers.reference import assert_close, assert_exported_weights
 from tests.helpers.trl_kto import kto_reference_run, trl_samples
 
 LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4  # tests/test_parity_losses.py's
@@ -50,13 +50,13 @@ PACKED = ["--packing", "--max-tokens-per-microbatch", "40"]
 FLAGS = {"loss_type": "--loss-type", "beta": "--beta", "desirable_weight": "--desirable-weight",
          "undesirable_weight": "--undesirable-weight"}
 
-# name -> ((tp, pp, dp), KTOConfig loss options (the rest at TRL's defaults), paired file, packed)
+# name -> ((tp, pp, dp), KTOConfig loss options (the rest at TRL's defaults), paired file, packed, --ref-mode)
 RUNS = {
-    "kto-weighted-tp1pp1dp1": ((1, 1, 1), {"loss_type": "kto", "beta": 0.5, "desirable_weight": 1.3,
-                                           "undesirable_weight": 0.8}, False, False),
-    "apo-tp2pp2dp1": ((2, 2, 1), {"loss_type": "apo_zero_unpaired", "beta": 0.3, "undesirable_weight": 1.5},
-                      False, False),
-    "kto-paired-packed-tp1pp2dp2": ((1, 2, 2), {"loss_type": "kto", "beta": 0.2}, True, True),
+    "kto-weighted-precomputed-tp1pp1dp1": ((1, 1, 1), {"loss_type": "kto", "beta": 0.5, "desirable_weight": 1.3,
+                                           "undesirable_weight": 0.8}, False, False, "precomputed"),
+    "apo-sequential-tp2pp2dp1": ((2, 2, 1), {"loss_type": "apo_zero_unpaired", "beta": 0.3, "undesirable_weight": 1.5},
+                      False, False, "sequential"),
+    "kto-paired-packed-tp1pp2dp2": ((1, 2, 2), {"loss_type": "kto", "beta": 0.2}, True, True, "interleaved"),
 }
 
 
@@ -117,7 +117,7 @@ def test_the_token_store_holds_trls_samples(paired, loss_type, parity_models, fi
         assert [s.source_line for s in store] == [*range(1, 9), *range(1, 9)]
 
 
-def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: bool) -> list[str]:
+def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: bool, ref_mode: str) -> list[str]:
     tp, pp, dp = layout
     argv = ["--model", str(models[0]), "--ref-model", str(models[1]), "--data", str(data_path),
             "--output-dir", str(out), "--objective", "kto", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
@@ -125,7 +125,7 @@ def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: boo
             "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32", "--max-length", str(MAX_LENGTH),
             "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
             "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf",
-            *(PACKED if packed else ["--no-packing"])]
+            "--ref-mode", ref_mode, *(PACKED if packed else ["--no-packing"])]
     for name, value in options.items():
         argv += [FLAGS[name], str(value)]
     return argv
@@ -145,19 +145,12 @@ def _scale(key: str, metrics: dict, *, beta: float) -> float:
     return beta * max(abs(metrics[f"logps/{side}"]) for side in sides)
 
 
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ray_cluster, tmp_path):
-    layout, options, paired, packed = RUNS[name]
+    layout, options, paired, packed, ref_mode = RUNS[name]
     models = parity_models["llama"]
     out = tmp_path / "run"
-    result = main_in_process(_argv(models, files[paired][0], out, layout, options, packed), cluster=ray_cluster)
+    result = main_in_process(_argv(models, files[paired][0], out, layout, options, packed, ref_mode), cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
@@ -178,16 +171,7 @@ def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ra
             worst[key] = max(worst.get(key, 0.0), abs(ours[key] - theirs[key]) / max(scale, 1e-30))
     # kto's KL estimate is not clamped to 0 at every step; apo_zero_unpaired logs 0, as TRL.
     assert any(row["kl"] > 0 for row in rows) == (options["loss_type"] == "kto"), rows
-    trained, initial = _weights(out / "hf"), _weights(models[0])
-    assert set(trained) == set(ref["weights"])
-    moved = 0.0
-    for key, expected in ref["weights"].items():
-        scale = expected.abs().max().item()
-        assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
-        worst["weights"] = max(worst.get("weights", 0.0),
-                               (trained[key].double() - expected.double()).abs().max().item() / scale)
-        moved = max(moved, (expected - initial[key]).abs().max().item() / scale)
-    assert moved > 100 * RTOL, moved
+    worst["weights"] = assert_exported_weights(out / "hf", ref["weights"], initial=models[0], what=name, rtol=RTOL)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 

@@ -175,3 +175,30 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, *, what: str, rtol: floa
     if scale is None:
         scale = ref.double().abs().max().item()
     assert err <= rtol * scale + 1e-12, f"{what}: max abs error {err:.3e} > {rtol:g} x max|ref| {scale:.3e}"
+
+
+def exported_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `directory` (an OUTPUT/hf export, a model)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def assert_exported_weights(export: Path, expected: dict[str, torch.Tensor], *, initial: Path, what: str,
+                            rtol: float = RTOL) -> float:
+    """The export at `export` holds `expected`'s tensors, each within rtol of its largest entry,
+    and the steps moved them from the model at `initial` far beyond that (100 x rtol). Returns
+    the largest relative difference."""
+    trained, start = exported_weights(export), exported_weights(initial)
+    assert set(trained) == set(expected)
+    worst = moved = 0.0
+    for key, tensor in expected.items():
+        scale = tensor.abs().max().item()
+        assert_close(trained[key], tensor, what=f"{what} weights {key}", rtol=rtol)
+        worst = max(worst, (trained[key].double() - tensor.double()).abs().max().item() / scale)
+        moved = max(moved, (tensor - start[key]).abs().max().item() / scale)
+    assert moved > 100 * rtol, moved
+    return worst
