@@ -360,6 +360,8 @@ class TrainConfig:
         if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].reference \
                 and self.ref_mode == "interleaved":
             self.ref_mode = "none"
+        if self.objective == "kto" and self.loss_type == "sigmoid":  # the shared default: KTO's is kto
+            self.loss_type = "kto"
         # --data: one source is a string, a mix a list (of two or more)
         if isinstance(self.data, (list, tuple)):
             self.data = self.data[0] if len(self.data) == 1 else list(self.data)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from mcore_dpo.data.store import open_or_build
@@ -152,6 +153,10 @@ def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ra
     out = tmp_path / "run"
     result = main_in_process(_argv(models, files[paired][0], out, layout, options, packed, ref_mode), cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (resolved["objective"], resolved["ref_mode"], resolved["tp"], resolved["pp"], resolved["dp"]) == (
+        "kto", ref_mode, *layout)
+    assert resolved["packing"] is packed and all(resolved[key] == value for key, value in options.items()), resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 

@@ -438,13 +438,13 @@ class KtoObjective(Objective):
 
 
 def spec_of(config) -> KtoSpec:
-    """The KtoSpec of a run's configuration (--loss-type kto, its default here, or
+    """The KtoSpec of a run's configuration (--loss-type kto, its default here (config.py), or
     apo_zero_unpaired); ValueError (one line) for what KTO cannot train."""
     if config.label_smoothing != 0.0:
         raise ValueError("label_smoothing: not an option of --objective kto")
     if config.ref_mode == "none":
         raise ValueError("ref_mode: kto trains against a reference model; --ref-mode none does not apply")
-    spec = KtoSpec(loss_type="kto" if config.loss_type == "sigmoid" else config.loss_type, beta=config.beta,
+    spec = KtoSpec(loss_type=config.loss_type, beta=config.beta,
                    desirable_weight=config.desirable_weight, undesirable_weight=config.undesirable_weight)
     if spec.loss_type in KTO_LOSS_TYPES and spec.needs_kl:
         if config.micro_batch_size < 2:
