@@ -151,7 +151,8 @@ def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ra
     layout, options, paired, packed, ref_mode = RUNS[name]
     models = parity_models["llama"]
     out = tmp_path / "run"
-    result = main_in_process(_argv(models, files[paired][0], out, layout, options, packed, ref_mode), cluster=ray_cluster)
+    argv = _argv(models, files[paired][0], out, layout, options, packed, ref_mode)
+    result = main_in_process(argv, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["tp"], resolved["pp"], resolved["dp"]) == (

@@ -44,8 +44,8 @@ from checkpoint_convert import durable
 from checkpoint_convert.integrity import file_checksum
 from mcore_dpo.data.pairs import TOKENIZATION_VERSION, DataStats, TokenizedPair, _check_arguments
 from mcore_dpo.data.sources import DataError, _check_source, source_bytes, source_checksum
-from mcore_dpo.data.unpaired import Unpaired, kl_partner
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, max_row_bytes, tokenize_source
+from mcore_dpo.data.unpaired import Unpaired, kl_partner
 
 FORMAT = "mcore_dpo.token_store"
 FORMAT_VERSION = 1  # bump with any change of the files' layout (the key changes with it)
@@ -233,7 +233,8 @@ class TokenStore:
         the sample's prompt (data/unpaired.py); its own completion again without KL sequences."""
         kl_batch_size = self.meta["key_inputs"]["unpaired"]["kl_batch_size"]
         index %= len(self)
-        partner = index if kl_batch_size is None else kl_partner(index, num_samples=len(self), kl_batch_size=kl_batch_size)
+        partner = (index if kl_batch_size is None
+                   else kl_partner(index, num_samples=len(self), kl_batch_size=kl_batch_size))
         prompt_ids = tuple(self.sequence(prompt).tolist())
         budget = self.meta["key_inputs"]["max_length"] - len(prompt_ids)
         completion = tuple(self.sequence(first)[:budget].tolist())
@@ -353,8 +354,8 @@ class _StoreWriter:
         for column in (self.sequences, self.samples, self.fields):
             column.finish()
         meta.update(num_tokens=self.num_tokens, num_sequences=self.sequences.num_rows,
-                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS), fields=list(self.field_names),
-                    token_dtype=TOKEN_DTYPE.str,
+                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS),
+                    fields=list(self.field_names), token_dtype=TOKEN_DTYPE.str,
                     files={name: os.path.getsize(self.directory / name) for name in FILES if name != "meta.json"})
         durable.write_file(self.directory / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: the store exists
         durable.fsync_dir(self.directory)

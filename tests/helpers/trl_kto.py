@@ -49,7 +49,8 @@ def _stand_in(policy, reference, *, options: dict) -> SimpleNamespace:
 
     trainer = SimpleNamespace(
         model=policy, ref_model=reference, beta=options.get("beta", 0.1), loss_type=options.get("loss_type", "kto"),
-        desirable_weight=options.get("desirable_weight", 1.0), undesirable_weight=options.get("undesirable_weight", 1.0),
+        desirable_weight=options.get("desirable_weight", 1.0),
+        undesirable_weight=options.get("undesirable_weight", 1.0),
         precompute_ref_logps=False, aux_loss_enabled=False, _tp_size=1, _total_train_tokens=0,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         args=SimpleNamespace(gradient_checkpointing_kwargs=None),
