@@ -35,6 +35,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from mcore_dpo.data.pairs import data_notes
 from mcore_dpo.data.store import open_or_build
 from mcore_dpo.data.unpaired import Unpaired
 from tests.helpers.cli import train_input_error
@@ -69,7 +70,7 @@ def _unpaired_rows(num: int, *, seed: int) -> list[dict]:
     """Text rows of the parity tokenizer's words: 1-8 prompt words, 1-8 completion words, mixed labels."""
     rng = random.Random(seed)
     return [{"prompt": _words(rng, rng.randint(1, 8)), "completion": " " + _words(rng, rng.randint(1, 8)),
-             "label": rng.random() < 0.5} for _ in range(num)]
+             "label": rng.random() < 0.5, "id": i} for i in range(num)]
 
 
 def _paired_rows(num: int, *, seed: int) -> list[dict]:
@@ -116,6 +117,9 @@ def test_the_token_store_holds_trls_samples(paired, loss_type, parity_models, fi
     assert cut > 0  # MAX_LENGTH cuts some completions
     if paired:  # TRL's order: the desirable rows of the chunk, then its undesirable ones, each with its line
         assert [s.source_line for s in store] == [*range(1, 9), *range(1, 9)]
+    else:
+        notes = data_notes("unpaired.jsonl", store.stats[0], max_length=MAX_LENGTH)
+        assert "ignoring unused column(s) 'id' (recognised: prompt, completion, label)" in notes[0], notes
 
 
 def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: bool, ref_mode: str) -> list[str]:
@@ -186,7 +190,8 @@ def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ra
     ({"prompt": "w3", "completion": " w4"}, ":1: missing key 'label'"),
     ({"prompt": "w3", "completion": " w4", "label": "yes"}, ":1: 'label' must be true or false, got str 'yes'"),
     ({"prompt": "w3", "completion": " w4", "label": 1}, ":1: 'label' must be true or false, got int 1"),
-], ids=["missing-label", "string-label", "int-label"])
+    ({"prompt": "w3", "completion": "", "label": True}, ":1: 'completion' is an empty string"),
+], ids=["missing-label", "string-label", "int-label", "empty-completion"])
 def test_bad_unpaired_rows_are_refused_in_one_line(row, expected, parity_models, capsys, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(row) + "\n")

@@ -57,6 +57,7 @@ class DataStats:
     num_truncated_tokens: int = 0  # completion tokens those cuts removed (chosen and rejected)
     unused_columns: tuple[str, ...] = ()  # columns of the file that are not in COLUMNS, first seen first
     has_prompt: bool = True  # False: implicit-prompt file, each prompt is the shared start of its completions
+    unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), pairs unpaired
 
 
 @dataclass
@@ -284,11 +285,13 @@ def _pair_texts(tokenizer, pair: _RawPair) -> tuple[tuple[str, str, str], bool]:
     return texts, True
 
 
-def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> None:
+def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int], *,
+                 unpaired: bool = False) -> None:
     if not len(prompt_ids):
         # Without a prompt token nothing predicts the first completion token.
         raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
-    for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+    named = (("completion", chosen_ids),) if unpaired else (("chosen", chosen_ids), ("rejected", rejected_ids))
+    for key, ids in named:
         if not len(ids):
             raise _BadRow(f"'{key}' tokenizes to no tokens after the prompt")
 
@@ -427,6 +430,7 @@ class _RowScan:
             num_truncated_tokens=self.num_truncated_tokens,
             unused_columns=tuple(self.unused),
             has_prompt=bool(self.has_prompt),
+            unpaired=self.unpaired,
         )
 
 
@@ -448,7 +452,8 @@ def data_notes(path: str, stats: DataStats, *, max_length: int) -> list[str]:
     notes = []
     if stats.unused_columns:
         named = ", ".join(repr(column) for column in stats.unused_columns)
-        note = f"{path}: ignoring unused column(s) {named} (recognised: {', '.join(COLUMNS)})"
+        recognised = UNPAIRED_COLUMNS if stats.unpaired else COLUMNS
+        note = f"{path}: ignoring unused column(s) {named} (recognised: {', '.join(recognised)})"
         if not stats.has_prompt:
             note += "; with no 'prompt' column, each prompt is the shared start of 'chosen' and 'rejected'"
         notes.append(note)

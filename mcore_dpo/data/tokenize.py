@@ -179,7 +179,7 @@ def tokenize_batch(tokenizer, pairs: list[_RawPair]) -> BatchIds:
         if index not in encoded:
             continue
         try:
-            _check_split(*encoded[index])
+            _check_split(*encoded[index], unpaired=pairs[index].label is not None)
         except _BadRow as problem:
             problems[index] = str(problem)
             continue
