@@ -66,7 +66,10 @@ Differences from TRL 1.16 worth knowing:
   = 1 and equal per-device batches.
 - KL pairing: `kl_completion_index` takes the chunk size as an argument. With
   per_device_train_batch_size it is TRL 1.16's pairing; an engine that rotates over another
-  batch (the global batch) pairs prompts with other completions than TRL does.
+  batch (the global batch) pairs prompts with other completions than TRL does. The engine
+  (`KtoObjective`, data/unpaired.py) chunks by --micro-batch-size over the token store's order:
+  with several --data files that is source after source, which a weighted mix's batches do
+  not follow (the KL completions then come from other batches).
 - Metrics: TRL 1.16 logs the average over the forward calls of a logging interval of each
   call's value, a call without desirable (undesirable) samples adding nothing to the
   rewards/chosen, logps/chosen (rejected) lists, and rewards/margins only from calls with
