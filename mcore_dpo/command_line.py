@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="join an existing Ray cluster, e.g. auto (default: start a local one)")
     docs, choices = field_docs(), _choices()
     groups = {name: parser.add_argument_group(name) for name in HELP_GROUPS}
-    group_of = {field: name for name, members in HELP_GROUPS.items() for field in members}
+    group_of: dict[str, str] = {}
+    for name, members in HELP_GROUPS.items():
+        for field in members:
+            group_of.setdefault(field, name)  # a shared option (ref_model) stays in its first group
     run_group = parser.add_argument_group("run")
     for f in fields(TrainConfig):
         kind = _field_type(f)

@@ -119,13 +119,14 @@ class TrainConfig:
 
     # --- loss ---
     objective: str = "dpo"
-    """dpo | cpo | orpo: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
-    reference-free: no reference model is built or run."""
+    """dpo | cpo | orpo | kto: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
+    reference-free: no reference model is built or run. kto trains on unpaired rows {prompt, completion,
+    label} (or pairs, unpaired as TRL 1.16 does)."""
     beta: float = 0.1
     """β: DPO's temperature; cpo's reward scale."""
     loss_type: str = "sigmoid"
     """dpo: one of the names below, or a comma list of them with --loss-weights. cpo: one of sigmoid, hinge,
-    ipo, simpo, alphapo."""
+    ipo, simpo, alphapo. kto: kto (its default) or apo_zero_unpaired."""
     loss_weights: str | None = None
     """Comma list of weights, one per --loss-type entry (default: all 1)."""
     label_smoothing: float = 0.0
@@ -161,6 +162,10 @@ class TrainConfig:
     """cpo --loss-type simpo / alphapo: SimPO's target reward margin γ."""
     alpha: float = 0.0
     """cpo: AlphaPO's reward shape a, rewards (1 - p^(-a))/a of the mean token probability p (0: log p)."""
+    desirable_weight: float = 1.0
+    """kto: weight of the loss of each desirable sample (label true)."""
+    undesirable_weight: float = 1.0
+    """kto: weight of the loss of each undesirable sample (label false)."""
 
     # --- LoRA ---
     lora_rank: int | None = None
@@ -355,6 +360,8 @@ class TrainConfig:
         if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].reference \
                 and self.ref_mode == "interleaved":
             self.ref_mode = "none"
+        if self.objective == "kto" and self.loss_type == "sigmoid":  # the shared default: KTO's is kto
+            self.loss_type = "kto"
         # --data: one source is a string, a mix a list (of two or more)
         if isinstance(self.data, (list, tuple)):
             self.data = self.data[0] if len(self.data) == 1 else list(self.data)
@@ -564,9 +571,10 @@ class TrainConfig:
         if self.objective not in registry.OBJECTIVES:
             raise ConfigError(f"objective: unknown {self.objective!r}; choose from {', '.join(registry.OBJECTIVES)}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        own = registry.OBJECTIVES[self.objective].options  # an option two objectives share (ref_model) is both's
         for name, entry in registry.OBJECTIVES.items():
             for option in entry.options if name != self.objective else ():
-                if getattr(self, option) != defaults[option]:
+                if option not in own and getattr(self, option) != defaults[option]:
                     raise ConfigError(f"{option}: an option of --objective {name}, not of {self.objective}")
         if not registry.OBJECTIVES[self.objective].reference and self.ref_mode != "none":
             raise ConfigError(f"ref_mode: {self.objective} is reference-free (no reference model runs); "

@@ -355,3 +355,28 @@ def test_unpaired_order_and_kl_completions_match_trl_prepare_dataset(quiet_datas
     if batch_size < len(prepared):
         whole = kl_completion_index(len(prepared), batch_size=len(prepared))
         assert [prepared[j]["completion_ids"] for j in whole] != [row["KL_completion_ids"] for row in prepared]
+
+
+# --------------------------------------------------------------------------- the token store's side (data/unpaired.py)
+
+
+@pytest.mark.parametrize("n,batch_size", [(4, 4), (5, 2), (7, 3), (16, 2)])
+def test_the_stores_kl_partner_is_kl_completion_index(n, batch_size):
+    from mcore_dpo.data.unpaired import kl_partner
+
+    assert [kl_partner(i, num_samples=n, kl_batch_size=batch_size) for i in range(n)] == \
+        kl_completion_index(n, batch_size=batch_size)
+
+
+def test_the_stores_row_stream_unpairs_as_unpair():
+    from mcore_dpo.data.sources import _BadRow
+    from mcore_dpo.data.unpaired import unpaired_rows
+
+    rows = _paired(7)
+    streamed = list(unpaired_rows(enumerate(rows, start=1), chunk_size=3))
+    assert [row for _, row in streamed] == unpair(rows, chunk_size=3)
+    assert [line for line, _ in streamed][:6] == [1, 2, 3, 1, 2, 3]  # each unpaired row keeps its line
+    unpaired = [{"prompt": "a", "completion": "b", "label": True}]
+    assert list(unpaired_rows([(1, unpaired[0])])) == [(1, unpaired[0])]  # unpaired rows pass as they are
+    bad = list(unpaired_rows([(1, rows[0]), (2, {"prompt": "a", "chosen": "b"})]))
+    assert isinstance(bad[0][1], _BadRow) and "missing key 'rejected'" in str(bad[0][1]) and bad[0][0] == 2

@@ -31,6 +31,7 @@ from mcore_dpo.data.sources import DataError, _BadRow, _first_line, _read_rows
 
 ROLES = ("system", "user", "assistant")
 COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # --objective kto's rows (data/unpaired.py)
 MAX_BAD_LINES_RECORDED = 10
 
 
@@ -40,6 +41,9 @@ class TokenizedPair:
     chosen_ids: tuple[int, ...]  # completion only, already truncated
     rejected_ids: tuple[int, ...]
     source_line: int  # 1-based line (JSONL) or row (JSON array, Parquet, saved dataset) number in the source
+    # An unpaired sample (--objective kto, data/unpaired.py): chosen_ids is its completion, rejected_ids
+    # its KL completion, label True for a desirable completion. None: a preference pair.
+    label: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class DataStats:
     num_truncated_tokens: int = 0  # completion tokens those cuts removed (chosen and rejected)
     unused_columns: tuple[str, ...] = ()  # columns of the file that are not in COLUMNS, first seen first
     has_prompt: bool = True  # False: implicit-prompt file, each prompt is the shared start of its completions
+    unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), pairs unpaired
 
 
 @dataclass
@@ -80,6 +85,7 @@ class _RawPair:
     chosen: str | list[dict[str, str]]
     rejected: str | list[dict[str, str]]
     is_conversation: bool
+    label: bool | None = None  # an unpaired row: chosen and rejected are its one completion
 
 
 # ----------------------------------------------------------------------------- validation
@@ -192,6 +198,30 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
     return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation)
 
 
+def _validate_unpaired_row(row: Any) -> _RawPair:
+    """An unpaired row {prompt, completion, label} (data/unpaired.py) as a _RawPair whose chosen and
+    rejected are its completion: tokenized as a pair, each is cut at its own prompt, as TRL's KTO."""
+    if isinstance(row, _BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise _BadRow(f"row must be an object, got {type(row).__name__}")
+    missing = [key for key in UNPAIRED_COLUMNS if key not in row]
+    if missing:
+        raise _BadRow("missing key " + ", ".join(f"'{key}'" for key in missing))
+    label = row["label"]
+    if not isinstance(label, bool):
+        raise _BadRow(f"'label' must be true or false, got {type(label).__name__} {label!r}")
+    prompt, completion = (_check_value(row, key=key) for key in ("prompt", "completion"))
+    is_conversation = isinstance(completion, list)
+    if isinstance(prompt, list) != is_conversation:
+        raise _BadRow(f"mixed formats: 'prompt' is {'a conversation' if isinstance(prompt, list) else 'a string'}, "
+                      f"'completion' is {'a conversation' if is_conversation else 'a string'}")
+    if is_conversation:
+        _check_completion_roles(completion, key="completion")
+    return _RawPair(prompt=prompt, chosen=completion, rejected=completion, is_conversation=is_conversation,
+                    label=label)
+
+
 # ----------------------------------------------------------------------------- tokenizing
 
 
@@ -255,11 +285,13 @@ def _pair_texts(tokenizer, pair: _RawPair) -> tuple[tuple[str, str, str], bool]:
     return texts, True
 
 
-def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> None:
+def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int], *,
+                 unpaired: bool = False) -> None:
     if not len(prompt_ids):
         # Without a prompt token nothing predicts the first completion token.
         raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
-    for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+    named = (("completion", chosen_ids),) if unpaired else (("chosen", chosen_ids), ("rejected", rejected_ids))
+    for key, ids in named:
         if not len(ids):
             raise _BadRow(f"'{key}' tokenizes to no tokens after the prompt")
 
@@ -327,6 +359,7 @@ class _RowScan:
     tokenizer: Any
     max_length: int
     on_bad_row: str
+    unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), not pairs
     num_rows: int = 0
     num_pairs: int = 0
     num_dropped: int = 0
@@ -345,8 +378,9 @@ class _RowScan:
             if self.has_prompt is None:
                 # The first object decides the format, so a row that lost its prompt is an error.
                 self.has_prompt = "prompt" in row
-            self.unused.update((str(key), None) for key in row if key not in COLUMNS)
-        raw = _validate_row(row, has_prompt=bool(self.has_prompt))
+            columns = UNPAIRED_COLUMNS if self.unpaired else COLUMNS
+            self.unused.update((str(key), None) for key in row if key not in columns)
+        raw = _validate_unpaired_row(row) if self.unpaired else _validate_row(row, has_prompt=bool(self.has_prompt))
         _check_one_kind(self.first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=self.path)
         if raw.is_conversation and not getattr(self.tokenizer, "chat_template", None):
             raise DataError(f"{self.path}:{line}: conversational row but the tokenizer has no chat_template; "
@@ -367,6 +401,15 @@ class _RowScan:
         if completion_budget <= 0:
             self.num_dropped += 1
             return None
+        if self.unpaired:
+            # chosen is rejected, the one completion, kept to max_length - 1 tokens: another row's KL
+            # sequence, with a shorter prompt, may take more of it (data/unpaired.py cuts on reading).
+            cut = max(len(chosen_ids) - completion_budget, 0)
+            self.num_truncated_pairs += bool(cut)
+            self.num_truncated_tokens += cut
+            self.num_pairs += 1
+            kept = chosen_ids[:self.max_length - 1]
+            return kept, kept
         cut = max(len(chosen_ids) - completion_budget, 0) + max(len(rejected_ids) - completion_budget, 0)
         if cut:
             self.num_truncated_pairs += 1
@@ -387,6 +430,7 @@ class _RowScan:
             num_truncated_tokens=self.num_truncated_tokens,
             unused_columns=tuple(self.unused),
             has_prompt=bool(self.has_prompt),
+            unpaired=self.unpaired,
         )
 
 
@@ -408,7 +452,8 @@ def data_notes(path: str, stats: DataStats, *, max_length: int) -> list[str]:
     notes = []
     if stats.unused_columns:
         named = ", ".join(repr(column) for column in stats.unused_columns)
-        note = f"{path}: ignoring unused column(s) {named} (recognised: {', '.join(COLUMNS)})"
+        recognised = UNPAIRED_COLUMNS if stats.unpaired else COLUMNS
+        note = f"{path}: ignoring unused column(s) {named} (recognised: {', '.join(recognised)})"
         if not stats.has_prompt:
             note += "; with no 'prompt' column, each prompt is the shared start of 'chosen' and 'rejected'"
         notes.append(note)

@@ -17,7 +17,9 @@ A store is a directory `<cache>/<key>`:
 
 A sample is a prompt and its completions, which are consecutive sequences: a preference pair is a
 prompt and two completions, chosen then rejected; an unpaired row (a prompt, one completion and a
-label field) and a margin (a field) fit the same layout. Only pairs are written today.
+label field) and a margin (a field) fit the same layout. Pairs are written, and unpaired samples
+for --objective kto (data/unpaired.py: one completion, a `label` field; `store[i]` gives the
+sample with its KL completion as rejected_ids).
 
 The key is a digest of everything that changes the ids (`store_key`). A store is built in
 `<key>.partial-<random>` beside its final name, fsynced, then renamed; two builders racing both
@@ -43,6 +45,7 @@ from checkpoint_convert.integrity import file_checksum
 from mcore_dpo.data.pairs import TOKENIZATION_VERSION, DataStats, TokenizedPair, _check_arguments
 from mcore_dpo.data.sources import DataError, _check_source, source_bytes, source_checksum
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, max_row_bytes, tokenize_source
+from mcore_dpo.data.unpaired import Unpaired, kl_partner
 
 FORMAT = "mcore_dpo.token_store"
 FORMAT_VERSION = 1  # bump with any change of the files' layout (the key changes with it)
@@ -109,9 +112,10 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def key_inputs(sources: Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
-               on_bad_row: str) -> dict:
+               on_bad_row: str, unpaired: Unpaired | None = None) -> dict:
     """Everything the key covers (kept in meta.json, so two keys can be told apart)."""
-    return {
+    # A pair store's key is unchanged by the unpaired layout's arrival.
+    return ({} if unpaired is None else {"unpaired": asdict(unpaired)}) | {
         "format_version": FORMAT_VERSION,
         "tokenization_version": TOKENIZATION_VERSION,
         "sources": [source_checksum(path) for path in sources],  # the content only: a moved file still hits
@@ -210,6 +214,8 @@ class TokenStore:
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} of a store of {len(self)}")
         prompt, first, num_completions, _, line = self._samples[index].tolist()
+        if num_completions == 1 and "unpaired" in self.meta["key_inputs"]:
+            return self._unpaired(index, prompt=prompt, first=first, line=line)
         if num_completions != 2:
             raise ValueError(f"{self.path}: sample {index} has {num_completions} completions, not a pair")
         (start, n_prompt), (chosen_start, n_chosen), (rejected_start, n_rejected) = (
@@ -221,6 +227,20 @@ class TokenStore:
         return TokenizedPair(prompt_ids=tuple(self.sequence(prompt).tolist()),
                              chosen_ids=tuple(self.sequence(first).tolist()),
                              rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line)
+
+    def _unpaired(self, index: int, *, prompt: int, first: int, line: int) -> TokenizedPair:
+        """An unpaired sample: its completion, then its KL completion, each cut to max_length with
+        the sample's prompt (data/unpaired.py); its own completion again without KL sequences."""
+        kl_batch_size = self.meta["key_inputs"]["unpaired"]["kl_batch_size"]
+        index %= len(self)
+        partner = (index if kl_batch_size is None
+                   else kl_partner(index, num_samples=len(self), kl_batch_size=kl_batch_size))
+        prompt_ids = tuple(self.sequence(prompt).tolist())
+        budget = self.meta["key_inputs"]["max_length"] - len(prompt_ids)
+        completion = tuple(self.sequence(first)[:budget].tolist())
+        kl = completion if partner == index else tuple(self.sequence(int(self._samples[partner, 1]))[:budget].tolist())
+        return TokenizedPair(prompt_ids=prompt_ids, chosen_ids=completion, rejected_ids=kl, source_line=line,
+                             label=bool(self._fields[index, self.field_names.index("label")]))
 
     def __getitem__(self, index: int | slice) -> TokenizedPair | list[TokenizedPair]:
         if isinstance(index, slice):
@@ -300,13 +320,14 @@ class _Column:
 
 
 class _StoreWriter:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, fields: tuple[str, ...] = ()) -> None:
         self.directory = directory
+        self.field_names = fields
         self.tokens = open(directory / "tokens.bin", "wb", buffering=1 << 20)
         self.num_tokens = 0
         self.sequences = _Column(directory / "sequences.npy", width=2, dtype="<i8")
         self.samples = _Column(directory / "samples.npy", width=len(SAMPLE_COLUMNS), dtype="<i8")
-        self.fields = _Column(directory / "fields.npy", width=0, dtype="<f8")
+        self.fields = _Column(directory / "fields.npy", width=len(fields), dtype="<f8")
 
     def _sequence(self, ids: np.ndarray) -> int:
         self.tokens.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
@@ -321,6 +342,11 @@ class _StoreWriter:
         self.samples.add((prompt_index, first, 2, source, line))
         self.fields.add(())
 
+    def add_unpaired(self, source: int, line: int, prompt: np.ndarray, completion: np.ndarray, label: bool) -> None:
+        prompt_index = self._sequence(prompt)
+        self.samples.add((prompt_index, self._sequence(completion), 1, source, line))
+        self.fields.add((float(label),))
+
     def finish(self, meta: dict) -> None:
         self.tokens.flush()
         os.fsync(self.tokens.fileno())
@@ -328,8 +354,8 @@ class _StoreWriter:
         for column in (self.sequences, self.samples, self.fields):
             column.finish()
         meta.update(num_tokens=self.num_tokens, num_sequences=self.sequences.num_rows,
-                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS), fields=[],
-                    token_dtype=TOKEN_DTYPE.str,
+                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS),
+                    fields=list(self.field_names), token_dtype=TOKEN_DTYPE.str,
                     files={name: os.path.getsize(self.directory / name) for name in FILES if name != "meta.json"})
         durable.write_file(self.directory / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: the store exists
         durable.fsync_dir(self.directory)
@@ -344,7 +370,8 @@ class _StoreWriter:
 
 def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
                   cache_dir: str | os.PathLike, on_bad_row: str = "error", workers: int | None = None,
-                  log: Callable[[str], None] = print, progress_bar: bool | None = None) -> TokenStore:
+                  log: Callable[[str], None] = print, progress_bar: bool | None = None,
+                  unpaired: Unpaired | None = None) -> TokenStore:
     """The store of `sources` (data files or saved dataset directories, their samples in this
     order) tokenized by `tokenizer` as `load_pairs` tokenizes each: opened when `<cache_dir>/<key>`
     holds a complete one, else built there (the train command's --data-cache, default
@@ -352,7 +379,8 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
 
     `tokenizer` is the loaded tokenizer, with the chat template it renders (--chat-template is set
     on it before); `tokenizer_dir` the directory it was loaded from (None for one built in memory).
-    Raises `load_pairs`' DataError for bad data, before any store is left behind."""
+    Raises `load_pairs`' DataError for bad data, before any store is left behind. `unpaired`:
+    KTO's rows and their KL pairing (data/unpaired.py), not pairs."""
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise DataError("data: no data files")
@@ -360,7 +388,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     for path in sources:
         _check_source(path)
     inputs = key_inputs(sources, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer, max_length=max_length,
-                        on_bad_row=on_bad_row)
+                        on_bad_row=on_bad_row, unpaired=unpaired)
     key = store_key(inputs)
     root = Path(cache_dir).absolute()
     final = root / key
@@ -384,17 +412,21 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     started = time.monotonic()
     log(f"data: tokenizing {', '.join(sources)} into {final} ({workers} worker{'s' if workers > 1 else ''})")
     try:
-        writer = _StoreWriter(partial)
+        writer = _StoreWriter(partial, fields=() if unpaired is None else ("label",))
         try:
             stats = []
             progress = Progress(log=log, bar=progress_bar)
             with pool:
                 for index, path in enumerate(sources):
-                    def write(line, prompt, chosen, rejected, _source=index):
-                        writer.add_pair(_source, line, prompt, chosen, rejected)
+                    def write(line, prompt, chosen, rejected, label, _source=index):
+                        if label is None:
+                            writer.add_pair(_source, line, prompt, chosen, rejected)
+                        else:  # an unpaired row: chosen is rejected, its one completion
+                            writer.add_unpaired(_source, line, prompt, chosen, label)
 
                     stats.append(tokenize_source(path, tokenizer=tokenizer, max_length=max_length,
-                                                 on_bad_row=on_bad_row, pool=pool, write=write, progress=progress))
+                                                 on_bad_row=on_bad_row, pool=pool, write=write, progress=progress,
+                                                 unpaired=unpaired is not None))
             writer.finish({
                 "format": FORMAT, "version": FORMAT_VERSION, "key": key, "key_inputs": inputs,
                 "sources": [{"path": path, "stats": asdict(s)} for path, s in zip(sources, stats)],

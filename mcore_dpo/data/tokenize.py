@@ -37,6 +37,7 @@ import numpy as np
 
 from mcore_dpo.data.pairs import DataStats, _check_split, _pair_texts, _RawPair, _RowScan, split_at_prompt
 from mcore_dpo.data.sources import DataError, _BadRow, _check_source, _jsonl_row, _read_rows, source_bytes
+from mcore_dpo.data.unpaired import unpaired_rows
 
 # A row over max_row_bytes(max_length) is refused (skipped with on_bad_row 'skip'): 1 KiB of
 # JSON per token that max_length lets through is far more than any tokenizer needs, and 1 MiB
@@ -178,7 +179,7 @@ def tokenize_batch(tokenizer, pairs: list[_RawPair]) -> BatchIds:
         if index not in encoded:
             continue
         try:
-            _check_split(*encoded[index])
+            _check_split(*encoded[index], unpaired=pairs[index].label is not None)
         except _BadRow as problem:
             problems[index] = str(problem)
             continue
@@ -253,16 +254,17 @@ class _Done:
 # ----------------------------------------------------------------------------- one file
 
 
-Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]
+Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray, "bool | None"], None]
 
 
 def tokenize_source(path: str, *, tokenizer, max_length: int, on_bad_row: str, pool: TokenizerPool, write: Write,
-                    progress: Progress | None = None) -> DataStats:
+                    progress: Progress | None = None, unpaired: bool = False) -> DataStats:
     """Tokenizes every row of `path` as `load_pairs` does, calling write(line, prompt_ids,
-    chosen_ids, rejected_ids) for each kept pair in file order (int32 arrays, already cut to
-    max_length). Returns the file's DataStats; raises `load_pairs`' DataError for the same rows,
-    and one for a row over `max_row_bytes` (on_bad_row 'error')."""
-    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row)
+    chosen_ids, rejected_ids, label) for each kept pair in file order (int32 arrays, already cut to
+    max_length; label None). Returns the file's DataStats; raises `load_pairs`' DataError for the
+    same rows, and one for a row over `max_row_bytes` (on_bad_row 'error'). `unpaired`: the rows
+    are KTO's (data/unpaired.py), each written with its one completion twice and its label."""
+    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, unpaired=unpaired)
     rows = SourceRows(path, row_limit=max_row_bytes(max_length))
     if progress is not None:
         progress.start_source(path, total_bytes=rows.total_bytes)
@@ -285,7 +287,7 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
     batch_bytes = 0
     fatal: DataError | None = None  # a file-level error: raised once every row before it is taken
 
-    def take(done_slots: list[tuple[int, int | str]], future) -> None:
+    def take(done_slots: list[tuple[int, int | str]], done_batch: list[_RawPair], future) -> None:
         result: BatchIds = future.result()
         offsets = np.concatenate([[0], np.cumsum(result.lengths.sum(axis=1))])
         for line, what in done_slots:
@@ -298,20 +300,20 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
             prompt_ids, chosen_ids, rejected_ids = result.pair(what, int(offsets[what]))
             fitted = scan.fit(prompt_ids, chosen_ids, rejected_ids)
             if fitted is not None:
-                write(line, prompt_ids, *fitted)
+                write(line, prompt_ids, *fitted, done_batch[what].label)
         if progress is not None:
             progress.update(rows=scan.num_rows, pairs=scan.num_pairs, bytes_read=rows.bytes_read)
 
     def send() -> None:
         nonlocal slots, batch, batch_bytes
-        pending.append((slots, pool.submit(batch)))
+        pending.append((slots, batch, pool.submit(batch)))
         slots, batch, batch_bytes = [], [], 0
         while len(pending) > window:
             take(*pending.popleft())
 
     try:
         bytes_before = 0
-        for line, row in rows:
+        for line, row in unpaired_rows(rows) if scan.unpaired else rows:
             try:
                 raw = scan.validate(line, row)
                 too_long = rows.oversize(raw)

@@ -32,6 +32,7 @@ from mcore_dpo.driver.metrics_log import MetricsLog, first_non_finite
 from mcore_dpo.driver.resume_check import run_identity
 from mcore_dpo.driver.run_lock import LockHeld, RunLock
 from mcore_dpo import io_errors
+from mcore_dpo.objective import registry
 
 
 class InputError(ValueError):
@@ -136,7 +137,8 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     # The token stores (data/store.py): tokenized here once, by --data-workers processes, then
     # opened by every later run and by the ranks, which read their own rows.
     stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
-                  cache_dir=config.data_cache or defaults.default_data_cache(), workers=config.data_workers, log=log)
+                  cache_dir=config.data_cache or defaults.default_data_cache(), workers=config.data_workers, log=log,
+                  unpaired=registry.unpaired_data(config))
     train_data = _open_store([s.path for s in sources], **stores)
     counts = train_data.source_counts()
     if weights_of(sources):

@@ -66,7 +66,10 @@ Differences from TRL 1.16 worth knowing:
   = 1 and equal per-device batches.
 - KL pairing: `kl_completion_index` takes the chunk size as an argument. With
   per_device_train_batch_size it is TRL 1.16's pairing; an engine that rotates over another
-  batch (the global batch) pairs prompts with other completions than TRL does.
+  batch (the global batch) pairs prompts with other completions than TRL does. The engine
+  (`KtoObjective`, data/unpaired.py) chunks by --micro-batch-size over the token store's order:
+  with several --data files that is source after source, which a weighted mix's batches do
+  not follow (the KL completions then come from other batches).
 - Metrics: TRL 1.16 logs the average over the forward calls of a logging interval of each
   call's value, a call without desirable (undesirable) samples adding nothing to the
   rewards/chosen, logps/chosen (rejected) lists, and rewards/margins only from calls with
@@ -90,12 +93,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mcore_dpo.data.unpaired import UNPAIR_CHUNK_SIZE, Unpaired
+from mcore_dpo.objective.contract import BatchTotals, Objective, SampleShape
+from mcore_dpo.objective.logprobs import SequenceLogps
+from mcore_dpo.parallel.platform import to_device
+
 # TRL 1.16's `KTOConfig.loss_type` choices.
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
-
-# Rows per chunk of `datasets.Dataset.map(batched=True)` (its default batch_size), which is
-# what TRL 1.16's unpairing reorders within.
-UNPAIR_CHUNK_SIZE = 1000
 
 # Keys of `metric_sum_vector`, in a fixed order so the engine can add the vectors over
 # microbatches and ranks as one tensor.
@@ -379,3 +383,87 @@ def kl_completion_index(num_samples: int, *, batch_size: int) -> list[int]:
         size = min(batch_size, num_samples - start)
         index.extend(start + (offset - 1) % size for offset in range(size))
     return index
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+KTO_SHAPE = SampleShape(sequences=("completion", "kl"))  # a sample's own sequence, then its KL sequence
+
+
+@dataclass(frozen=True)
+class KtoTotals(BatchTotals):
+    """A global batch's normalisers and its samples' labels, in batch order."""
+
+    labels: tuple[bool, ...] = ()
+
+
+class KtoObjective(Objective):
+    """KTO (and apo_zero_unpaired) on unpaired samples (data/unpaired.py): each microbatch row of
+    the first sequence is a sample's prompt + completion, of the second its KL sequence. kto
+    reads the KL estimate of the whole batch from the whole-batch pass (`prepass`);
+    apo_zero_unpaired needs none, and its KL rows (the sample's own sequence again) are unread."""
+
+    name = "kto"
+    shape = KTO_SHAPE
+    needs_reference = True
+    metric_keys = METRIC_SUM_KEYS
+
+    def __init__(self, spec: KtoSpec):
+        spec.validate()
+        self.spec = spec
+        self.needs_prepass = spec.needs_kl
+
+    def totals(self, samples: Sequence) -> KtoTotals:
+        labels = tuple(sample.label for sample in samples)
+        if None in labels:
+            raise ValueError("kto: a sample without a label (a preference pair, not an unpaired sample)")
+        return KtoTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(s.chosen_ids) for s in samples)),
+                         labels=labels)
+
+    def microbatch(self, logps: SequenceLogps, reference: Tensor | None, *, positions: Sequence[int],
+                   totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+        b = len(positions)
+        device = logps.logp_sum.device
+        label = to_device(torch.tensor([totals.labels[i] for i in positions], dtype=torch.bool), device)
+        samples = SampleLogps(logps=logps.logp_sum[:b], ref_logps=reference[:b], label=label,
+                              num_tokens=logps.num_tokens[:b], logit_sum=logps.logit_sum[:b])
+        losses = sample_losses(samples, spec=self.spec, kl=prepass)
+        return losses.sum() / totals.num_samples, metric_sum_vector(samples, spec=self.spec, kl=prepass)
+
+    def prepass(self, policy: Tensor, reference: Tensor) -> Tensor:
+        """The KL estimate of the whole batch: max(0, mean KL log-ratio of its KL sequences)."""
+        columns = kl_columns(policy[:, 1], reference[:, 1])
+        return kl_estimate(columns[0], columns[1])
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize_metrics(sums, spec=self.spec)
+
+
+def spec_of(config) -> KtoSpec:
+    """The KtoSpec of a run's configuration (--loss-type kto, its default here (config.py), or
+    apo_zero_unpaired); ValueError (one line) for what KTO cannot train."""
+    if config.label_smoothing != 0.0:
+        raise ValueError("label_smoothing: not an option of --objective kto")
+    if config.ref_mode == "none":
+        raise ValueError("ref_mode: kto trains against a reference model; --ref-mode none does not apply")
+    spec = KtoSpec(loss_type=config.loss_type, beta=config.beta,
+                   desirable_weight=config.desirable_weight, undesirable_weight=config.undesirable_weight)
+    if spec.loss_type in KTO_LOSS_TYPES and spec.needs_kl:
+        if config.micro_batch_size < 2:
+            raise ValueError("micro_batch_size: kto's KL sequences pair each prompt with another completion of its "
+                             f"microbatch, so it needs 2 or more, got {config.micro_batch_size}")
+        if not config.no_shuffle:
+            raise ValueError("no_shuffle: kto's KL sequences pair neighbouring samples of the file, so it reads the "
+                             "file in order (--no-shuffle), as TRL 1.16; or use --loss-type apo_zero_unpaired")
+    return spec
+
+
+def unpaired_data(config) -> Unpaired:
+    """How the token store holds this run's samples: KL completions from chunks of
+    --micro-batch-size samples (TRL's per_device_train_batch_size), none for apo_zero_unpaired."""
+    return Unpaired(kl_batch_size=config.micro_batch_size if spec_of(config).needs_kl else None)
+
+
+def from_config(config) -> KtoObjective:
+    return KtoObjective(spec_of(config))

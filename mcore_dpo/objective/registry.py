@@ -31,12 +31,21 @@ OBJECTIVES: dict[str, Entry] = {
     "orpo": Entry("mcore_dpo.objective.orpo", reference=False,
                   curves=(("nll_loss", "nll_loss", "NLL of the chosen sequences"),
                           ("log_odds_ratio", "log_odds_ratio", "log odds ratio"))),
+    "kto": Entry("mcore_dpo.objective.kto", reference=True, options=("desirable_weight", "undesirable_weight", "ref_model"),
+                 curves=(("kl", "kl", "KL estimate of the batch"),)),
 }
 
 
 def spec_of(config):
     """The configured objective's hyper-parameters (its module's `spec_of`), to validate."""
     return importlib.import_module(OBJECTIVES[config.objective].module).spec_of(config)
+
+
+def unpaired_data(config):
+    """How the token store holds the configured objective's samples: None for preference pairs,
+    else its module's `unpaired_data(config)` (data/unpaired.py's Unpaired)."""
+    module = importlib.import_module(OBJECTIVES[config.objective].module)
+    return module.unpaired_data(config) if hasattr(module, "unpaired_data") else None
 
 
 def build(config):

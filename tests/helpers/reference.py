@@ -170,8 +170,49 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
     return {"metrics": metrics, "grads": grads, "weights": weights, "eval": eval_metrics}
 
 
+def engine_adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, adam_eps: float) -> torch.optim.AdamW:
+    """torch's AdamW over an HF model with the engine's conventions: decay on matrices only (norms
+    and biases are not decayed). The engine's parameters are matrices exactly where they have two
+    dimensions or more; here stacked experts' biases (GPT-OSS's experts.gate_up_proj_bias [E, 2I])
+    have two too, and are biases all the same."""
+    named = list(model.named_parameters())
+    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
+    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
+              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
+
+
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, *, what: str, rtol: float = RTOL, scale: float | None = None) -> None:
     err = (ours.double() - ref.double()).abs().max().item()
     if scale is None:
         scale = ref.double().abs().max().item()
     assert err <= rtol * scale + 1e-12, f"{what}: max abs error {err:.3e} > {rtol:g} x max|ref| {scale:.3e}"
+
+
+def exported_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `directory` (an OUTPUT/hf export, a model)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def assert_exported_weights(export: Path, expected: dict[str, torch.Tensor], *, initial: Path, what: str,
+                            rtol: float = RTOL) -> float:
+    """The export at `export` holds `expected`'s tensors, each within rtol of its largest entry,
+    and the steps moved them from the model at `initial` far beyond that (100 x rtol; over the
+    names the two share: a MoE model's stacked experts are exported one file name per expert).
+    Returns the largest relative difference."""
+    trained, start = exported_weights(export), exported_weights(initial)
+    assert set(trained) == set(expected)
+    worst = moved = 0.0
+    for key, tensor in expected.items():
+        scale = tensor.abs().max().item()
+        assert_close(trained[key], tensor, what=f"{what} weights {key}", rtol=rtol)
+        worst = max(worst, (trained[key].double() - tensor.double()).abs().max().item() / scale)
+        if key in start:
+            moved = max(moved, (tensor - start[key]).abs().max().item() / scale)
+    assert moved > 100 * rtol, moved  # the steps moved the weights far beyond the tolerance
+    return worst

@@ -44,7 +44,6 @@ from unittest import mock
 
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from checkpoint_convert.gather import fused_hf_sources
 from checkpoint_convert.io import open_hf_dir
@@ -52,7 +51,7 @@ from mcore_dpo.data.pairs import TokenizedPair
 from tests.helpers.models import PAD, hub_tensors
 from tests.helpers.moe_parity import hub_experts
 from tests.helpers.ray_runs import main_in_process
-from tests.helpers.reference import assert_close
+from tests.helpers.reference import assert_close, assert_exported_weights, engine_adamw
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -211,10 +210,7 @@ def reference_run(objective: str, *, model: torch.nn.Module, model_dir: Path, ba
                        pad_token_id=pad_token_id)
     assert not trainer.aux_loss_enabled  # the engine's aux loss is off by default here too
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": WD},
-              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=adam_eps)
+    opt = engine_adamw(model, lr=LR, weight_decay=WD, adam_eps=adam_eps)  # frozen (LoRA base): no grad, no step
     steps = []
     for pairs in batches:
         opt.zero_grad()
@@ -303,13 +299,6 @@ def _relative(ours: float, ref: float) -> float:
     return abs(ours - ref) / max(abs(ref), 1e-300) if ours != ref else 0.0
 
 
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What the runs read (tests/conftest.py's `trl_parity` fixture)."""
@@ -365,17 +354,6 @@ def check_run(objective: str, name: str, run: Run, *, setup: Setup, tmp_path: Pa
     # Not degenerate: both preference outcomes occur.
     assert 0 < rows[0]["rewards/accuracies"] < 1, rows[0]
 
-    trained = _weights(out / "hf")
-    assert set(trained) == set(ref["weights"]), set(trained) ^ set(ref["weights"])
-    initial = _weights(model)
-    moved = 0.0
-    for key, expected in ref["weights"].items():
-        scale = expected.abs().max().item()
-        assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
-        worst["weights"] = max(worst.get("weights", 0.0),
-                               (trained[key].double() - expected.double()).abs().max().item() / scale)
-        if key in initial:
-            moved = max(moved, (expected - initial[key]).abs().max().item() / scale)
-    assert moved > 100 * RTOL, moved  # the two steps moved the weights far beyond the tolerance
+    worst["weights"] = assert_exported_weights(out / "hf", ref["weights"], initial=model, what=name, rtol=RTOL)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     return rows
