@@ -360,8 +360,11 @@ class TrainConfig:
         if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].reference \
                 and self.ref_mode == "interleaved":
             self.ref_mode = "none"
-        if self.objective == "kto" and self.loss_type == "sigmoid":  # the shared default: KTO's is kto
-            self.loss_type = "kto"
+        # The shared --loss-type default is DPO's; an objective without that type names its own.
+        own_default = registry.OBJECTIVES[self.objective].default_loss_type if self.objective in registry.OBJECTIVES \
+            else None
+        if own_default is not None and self.loss_type == TrainConfig.loss_type:
+            self.loss_type = own_default
         # --data: one source is a string, a mix a list (of two or more)
         if isinstance(self.data, (list, tuple)):
             self.data = self.data[0] if len(self.data) == 1 else list(self.data)

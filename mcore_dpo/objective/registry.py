@@ -19,6 +19,8 @@ class Entry:
     """Its own config fields: refused with another objective, part of its run identity, its --help group."""
     curves: tuple[tuple[str, str, str], ...] = ()
     """Its own metrics to plot, as plot.CURVES lists them (drawn where a run logs them)."""
+    default_loss_type: str | None = None
+    """The --loss-type it runs when none is given (None: the shared default, DPO's sigmoid)."""
 
 
 OBJECTIVES: dict[str, Entry] = {
@@ -31,8 +33,9 @@ OBJECTIVES: dict[str, Entry] = {
     "orpo": Entry("mcore_dpo.objective.orpo", reference=False,
                   curves=(("nll_loss", "nll_loss", "NLL of the chosen sequences"),
                           ("log_odds_ratio", "log_odds_ratio", "log odds ratio"))),
-    "kto": Entry("mcore_dpo.objective.kto", reference=True, options=("desirable_weight", "undesirable_weight", "ref_model"),
-                 curves=(("kl", "kl", "KL estimate of the batch"),)),
+    "kto": Entry("mcore_dpo.objective.kto", reference=True,
+                 options=("desirable_weight", "undesirable_weight", "ref_model"),
+                 curves=(("kl", "kl", "KL estimate of the batch"),), default_loss_type="kto"),
 }
 
 
