@@ -161,6 +161,8 @@ class TrainConfig:
     """cpo --loss-type simpo / alphapo: SimPO's target reward margin γ."""
     alpha: float = 0.0
     """cpo: AlphaPO's reward shape a, rewards (1 - p^(-a))/a of the mean token probability p (0: log p)."""
+    center_rewards_coefficient: float | None = None
+    """reward: κ of the term κ·(r+ + r-)² that pulls each pair's reward sum towards 0 (None: off; TRL suggests 0.01)."""
 
     # --- LoRA ---
     lora_rank: int | None = None
@@ -322,6 +324,8 @@ class TrainConfig:
                     "each run their own count)")
         if self.moe_aux_loss_coef:
             return MOE_AUX_UNSERVED
+        if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].packs:
+            return f"--objective {self.objective} (it reads padded rows only)"
         return None
 
     @property

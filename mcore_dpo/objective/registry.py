@@ -19,6 +19,8 @@ class Entry:
     """Its own config fields: refused with another objective, part of its run identity, its --help group."""
     curves: tuple[tuple[str, str, str], ...] = ()
     """Its own metrics to plot, as plot.CURVES lists them (drawn where a run logs them)."""
+    packs: bool = True
+    """Whether it reads packed rows (unset --packing then runs padded microbatches, said in one line)."""
 
 
 OBJECTIVES: dict[str, Entry] = {
@@ -31,6 +33,8 @@ OBJECTIVES: dict[str, Entry] = {
     "orpo": Entry("mcore_dpo.objective.orpo", reference=False,
                   curves=(("nll_loss", "nll_loss", "NLL of the chosen sequences"),
                           ("log_odds_ratio", "log_odds_ratio", "log odds ratio"))),
+    "reward": Entry("mcore_dpo.objective.reward", reference=False, options=("center_rewards_coefficient",), packs=False,
+                    curves=(("accuracy", "accuracy", "pairs ranked right"), ("margin", "margin", "reward margin"))),
 }
 
 

@@ -91,13 +91,15 @@ Differences from TRL 1.16 worth knowing:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
 
 # Keys of `metric_sum_vector`, in its fixed order. The first ADDITIVE_KEY_COUNT entries are added
 # over microbatches and ranks; the last ones (MAX_REDUCED_KEYS) are combined with max.
@@ -200,6 +202,24 @@ def sequence_rewards(hidden_or_scores: Tensor, index: Tensor) -> Tensor:
         raise ValueError(f"index: expected shape [{rows}] (one position per row), got {list(index.shape)}")
     row_ids = torch.arange(rows, device=hidden_or_scores.device)
     return hidden_or_scores[row_ids, index.to(device=hidden_or_scores.device, dtype=torch.int64)]
+
+
+@dataclass
+class SequenceScores:
+    """What the last stage hands a score-head objective (Objective.head "score"), per row."""
+
+    score: Tensor  # [rows]: the score head's output at the row's last token that is not padding, differentiable
+    num_tokens: Tensor  # [rows]: the row's tokens, padding excluded
+
+
+def row_scores(scores: Tensor, tokens: Tensor, *, loss_mask: Tensor, pad_token_id: int) -> SequenceScores:
+    """Each row's score from the score head's outputs [rows, s, 1] of right-padded rows tokens
+    [rows, s] (read at `last_token_index`), and its length from its loss mask [rows, s] (label
+    position t predicts token t + 1: a row's last masked position + 2 tokens)."""
+    index = last_token_index(tokens, pad_token_id)
+    after = torch.arange(2, tokens.shape[1] + 2, device=loss_mask.device)
+    lengths = torch.where(loss_mask > 0, after, torch.zeros_like(after)).amax(dim=-1)
+    return SequenceScores(score=sequence_rewards(scores[..., 0], index), num_tokens=lengths)
 
 
 def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
@@ -367,3 +387,58 @@ def finalize_metrics(
         "accuracy": sums["accuracy_sum"] / num_pairs,
         "margin": sums["margin_sum"] / num_pairs,
     }
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+class RewardObjective(Objective):
+    """A Bradley-Terry reward model on preference pairs: a score head, no reference, no log-probs.
+
+    Its metrics are TRL 1.16's names (METRIC_NAMES) for one global batch; num_tokens is the
+    batch's own tokens (TRL counts every step's so far: the run's logs carry tokens/real)."""
+
+    name = "reward"
+    shape = PAIR
+    needs_reference = False
+    needs_prepass = False
+    head = "score"
+    metric_keys = METRIC_SUM_KEYS
+    max_keys = MAX_REDUCED_KEYS
+
+    def __init__(self, spec: RewardSpec):
+        spec.validate()
+        self.spec = spec
+
+    def totals(self, samples: Sequence) -> BatchTotals:
+        return BatchTotals(num_samples=len(samples), chosen_tokens=1)  # the loss is a mean over pairs only
+
+    def microbatch(self, logps: SequenceScores, reference: Tensor | None, *, positions: Sequence[int],
+                   totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+        chosen, rejected = chosen_rejected(logps.score)
+        losses = pair_losses(chosen, rejected, spec=self.spec)
+        sums = metric_sum_vector(chosen, rejected, spec=self.spec, num_tokens=logps.num_tokens)
+        return losses.sum() / totals.num_samples, sums
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize_metrics(sums, spec=self.spec)
+
+
+def spec_of(config) -> RewardSpec:
+    """The RewardSpec of a run's configuration; ValueError (one line) for a shared option the
+    reward model does not read and for the row layouts its score head does not read yet."""
+    for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
+        if getattr(config, name) != default:
+            raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
+    for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
+        if refused:
+            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
+                             f"last token); use --no-{name.replace('_', '-')}")
+    if config.cp > 1:
+        raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
+                         f"got --cp {config.cp}")
+    return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
+
+
+def from_config(config) -> RewardObjective:
+    return RewardObjective(spec_of(config))

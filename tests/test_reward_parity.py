@@ -1,0 +1,168 @@
+"""`--objective reward` through the command line against TRL 1.16's RewardTrainer (tests/helpers/trl_reward.py).
+
+Each run is the real command line in this process on the session's Ray cluster
+(`main_in_process`): the Llama parity policy (a causal LM: the run starts its score head as
+`model/score_head.py` draws it from --seed), a JSONL of text pairs written here, file order
+(--no-shuffle), 2 steps of 8 pairs in microbatches of 2, fp32, the parity tests' learning rate,
+Adam epsilon, clipping and weight decay, the export to OUTPUT/hf. The reference tokenizes the same
+file with the engine's loader (`load_pairs`), builds TRL's reward batches from those ids and trains
+the HF `AutoModelForSequenceClassification` (same body, same starting head) with TRL's own
+`compute_loss`, torch's clip_grad_norm_ and AdamW, one global batch per step.
+
+Compared at steps 1 and 2 within RTOL (relative): loss, accuracy, margin, min/mean/max_reward,
+num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tensor of OUTPUT/hf
+(score.weight included) against the reference's weights after step 2, within RTOL of the tensor's
+largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
+the pairs against the reference model's, within ATOL.
+
+Layouts: plain Bradley-Terry at (1,1,1); reward centering at tp 2 x pp 2 and at pp 2 x dp 2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from checkpoint_convert.score_head import score_head_from_causal
+from mcore_dpo.data.pairs import load_pairs
+from tests.helpers.cli import train_input_error
+from tests.helpers.ray_runs import main_in_process
+from tests.helpers.reference import assert_close
+from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
+
+# tests/test_parity_losses.py's optimizer settings
+LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4
+RTOL, ATOL = 1e-5, 1e-5
+STEPS, GLOBAL_BATCH, MICRO_BATCH = 2, 8, 2
+MAX_LENGTH = 20  # the rows have at most 1 + 8 + 8 + 1 tokens
+SEED = 1234  # --seed's default: the score head's draw
+PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
+METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
+
+# name -> ((tp, pp, dp), center_rewards_coefficient)
+RUNS = {
+    "plain-tp1pp1dp1": ((1, 1, 1), None),
+    "centered-tp2pp2dp1": ((2, 2, 1), 0.01),
+    "centered-tp1pp2dp2": ((1, 2, 2), 0.5),
+}
+
+
+def _rows(num: int, *, seed: int) -> list[dict]:
+    """Text pairs of the parity tokenizer's words (w3..w99): 1-8 prompt words, 1-8 words per completion."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(n))
+
+    return [{"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 8)),
+             "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
+
+
+@pytest.fixture(scope="module")
+def data(parity_models, tmp_path_factory) -> dict:
+    """The JSONL of STEPS global batches and its pairs as the engine tokenizes them, one list per step."""
+    path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rows(STEPS * GLOBAL_BATCH, seed=9)))
+    tokenizer = AutoTokenizer.from_pretrained(str(parity_models["llama"][0]))
+    # No pad token: the run pads with the EOS, as TRL does, and a row's reward is read before its EOS.
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == PAD_ID
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
+    assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
+    return {"path": path, "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
+
+
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None) -> list[str]:
+    tp, pp, dp = layout
+    argv = ["--model", str(model), "--data", str(data_path), "--output-dir", str(out), "--objective", "reward",
+            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(STEPS),
+            "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32",
+            "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
+            "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf",
+            "--max-length", str(MAX_LENGTH)]
+    if coefficient is not None:
+        argv += ["--center-rewards-coefficient", str(coefficient)]
+    return argv
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_reward_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
+    layout, coefficient = RUNS[name]
+    model_dir = parity_models["llama"][0]
+    out = tmp_path / "run"
+    result = main_in_process(_argv(model_dir, data["path"], out, layout, coefficient), cluster=ray_cluster)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
+            resolved["dp"]) == ("reward", "none", False, *layout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
+    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID)
+    ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
+                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=PAD_ID)
+    worst: dict[str, float] = {}
+    tokens_before = 0
+    for step, (ours, theirs) in enumerate(zip(rows, ref["metrics"]), start=1):
+        assert ours["memory/reference_params_peak_bytes"] == 0, ours
+        # TRL counts the tokens of every step so far; the engine logs the step's own.
+        assert ours["num_tokens"] == theirs["num_tokens"] - tokens_before, (ours, theirs)
+        tokens_before = theirs["num_tokens"]
+        for key in METRICS:
+            what = f"{name} step {step} {key}: ours {ours[key]!r}, TRL {theirs[key]!r}"
+            assert_close(_scalar(ours[key]), _scalar(theirs[key]), what=what, rtol=RTOL)
+            worst[key] = max(worst.get(key, 0.0), abs(ours[key] - theirs[key]) / max(abs(theirs[key]), 1e-300))
+    assert 0 < rows[0]["accuracy"] < 1, rows[0]  # not degenerate: both outcomes occur
+
+    trained = _weights(out / "hf")
+    assert set(trained) == set(ref["weights"]) and "score.weight" in trained
+    for key, expected in ref["weights"].items():
+        scale = expected.abs().max().item()
+        assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
+        worst["weights"] = max(worst.get("weights", 0.0),
+                               (trained[key].double() - expected.double()).abs().max().item() / scale)
+    moved = (ref["weights"]["score.weight"] - score).abs().max().item() / score.abs().max().item()
+    assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
+
+    # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
+    exported = AutoModelForSequenceClassification.from_pretrained(str(out / "hf"), dtype=torch.float32)
+    assert exported.config.pad_token_id == PAD_ID and exported.config.num_labels == 1
+    pairs = [p for batch in data["batches"] for p in batch]
+    ours_rewards = pair_rewards(exported, pairs, pad_token_id=PAD_ID)
+    theirs_rewards = pair_rewards(reference, pairs, pad_token_id=PAD_ID)
+    worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
+    assert worst["exported rewards (abs)"] <= ATOL, worst
+    print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
+    (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
+    (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
+    (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
+    (["--objective", "reward", "--center-rewards-coefficient", "-1"],
+     "center_rewards_coefficient: must be a finite number >= 0"),
+], ids=["beta", "packing", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
+def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
+    err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
+    assert expected in err, err
+    assert not (tmp_path / "out").exists()
