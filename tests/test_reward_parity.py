@@ -15,13 +15,17 @@ num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tenso
 largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
 the pairs against the reference model's, within ATOL.
 
-Layouts: plain Bradley-Terry at (1,1,1); reward centering at tp 2 x pp 2 and at pp 2 x dp 2.
+Runs: plain Bradley-Terry at (1,1,1); reward centering at tp 2 x pp 2, started from a reward
+model directory (`LlamaForSequenceClassification`, its own score head, which the run loads); reward
+centering at pp 2 x dp 2 in two invocations, --max-steps 1 and then 2, the second resuming from the
+first's checkpoint (the head and its optimizer state included).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,11 +50,11 @@ SEED = 1234  # --seed's default: the score head's draw
 PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
-# name -> ((tp, pp, dp), center_rewards_coefficient)
+# name -> ((tp, pp, dp), center_rewards_coefficient, start: "causal" LM, "reward" model dir, "resume" at step 1)
 RUNS = {
-    "plain-tp1pp1dp1": ((1, 1, 1), None),
-    "centered-tp2pp2dp1": ((2, 2, 1), 0.01),
-    "centered-tp1pp2dp2": ((1, 2, 2), 0.5),
+    "plain-tp1pp1dp1": ((1, 1, 1), None, "causal"),
+    "centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, "reward"),
+    "centered-resumed-tp1pp2dp2": ((1, 2, 2), 0.5, "resume"),
 }
 
 
@@ -78,10 +82,10 @@ def data(parity_models, tmp_path_factory) -> dict:
     return {"path": path, "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
 
 
-def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None) -> list[str]:
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int = STEPS) -> list[str]:
     tp, pp, dp = layout
     argv = ["--model", str(model), "--data", str(data_path), "--output-dir", str(out), "--objective", "reward",
-            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(STEPS),
+            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(steps),
             "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32",
             "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
             "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf",
@@ -95,6 +99,15 @@ def _scalar(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
+def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
+    """The causal LM at `model_dir` saved as an HF reward model with the score head `score`, and its tokenizer."""
+    reward_model(model_dir, score=score, pad_token_id=PAD_ID).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy(Path(model_dir) / name, out / name)
+    return out
+
+
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(directory.glob("*.safetensors")):
@@ -104,19 +117,27 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_reward_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
-    layout, coefficient = RUNS[name]
+    layout, coefficient, start = RUNS[name]
     model_dir = parity_models["llama"][0]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
+    if start == "reward":  # the same starting point, as a reward model with a score head of its own
+        score = 0.5 * score.flip(-1)
+        run_from = _reward_dir(model_dir, score=score, out=tmp_path / "reward_model")
+    else:
+        run_from = model_dir
     out = tmp_path / "run"
-    result = main_in_process(_argv(model_dir, data["path"], out, layout, coefficient), cluster=ray_cluster)
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    for steps in (1, STEPS) if start == "resume" else (STEPS,):
+        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps),
+                                 cluster=ray_cluster)
+        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
             resolved["dp"]) == ("reward", "none", False, *layout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
     reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID)
     ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
                                lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=PAD_ID)
