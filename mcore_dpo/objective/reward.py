@@ -49,8 +49,10 @@ min and max are not sums: the metric vector keeps max(r) and max(-r) in its last
 covers both; the entries before them (ADDITIVE_KEY_COUNT) are added.
 
 TRL 1.16's data conventions for reward data (`RewardTrainer._prepare_dataset` and
-`DataCollatorForPreference`), which the engine's data path follows (`reward_inputs` does the
-text part):
+`DataCollatorForPreference`), which `reward_inputs` follows for the text part. `--objective
+reward` does not read data through it yet: a run tokenizes its pairs with the preference loader
+(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion) and
+does not read the "margin" column (its loss runs with m = 0; `pair_losses` takes a margin):
 - Columns: "chosen" and "rejected" (required), "prompt" (optional: explicit prompt; without it
   the prompt is implicit, i.e. already inside chosen and rejected), "margin" (optional float per
   pair), "tools" and "chat_template_kwargs" (optional, conversational rows only). A dataset that
@@ -73,6 +75,8 @@ text part):
   the b chosen rows first and the b rejected rows after them (`chosen_rejected`).
 
 Differences from TRL 1.16 worth knowing:
+- num_tokens, as `RewardObjective` logs it, is the global batch's own (num_tokens_before 0): the
+  run's cumulative count is its tokens/real summed over steps.
 - The loss is computed in float32 at least (float64 stays float64); TRL 1.16 computes it in the
   dtype of the score head's output (bfloat16 for a bfloat16 model).
 - Every metric here is one global batch's. TRL 1.16 logs the mean of per-microbatch values over
