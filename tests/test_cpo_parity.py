@@ -24,7 +24,6 @@ options that do not fit the objective, in one line each.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from transformers import AutoTokenizer
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.cli import train_input_error
 from tests.helpers.models import PAD
+from tests.helpers.preference_runs import text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close
 from tests.helpers.trl_cpo import cpo_reference_run
@@ -63,22 +63,11 @@ RUNS = {
 }
 
 
-def _rows(num: int, *, seed: int) -> list[dict]:
-    """Text pairs of the parity tokenizer's words (w3..w99): 1-8 prompt words, 1-8 words per completion."""
-    rng = random.Random(seed)
-
-    def words(n: int) -> str:
-        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(n))
-
-    return [{"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 8)),
-             "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
-
-
 @pytest.fixture(scope="module")
 def data(parity_models, tmp_path_factory) -> dict:
     """The JSONL of STEPS global batches and its pairs as the engine tokenizes them, one list per step."""
     path = tmp_path_factory.mktemp("cpo_data") / "prefs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in _rows(STEPS * GLOBAL_BATCH, seed=3)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(STEPS * GLOBAL_BATCH, seed=3)))
     tokenizer = AutoTokenizer.from_pretrained(str(parity_models["llama"][0]))
     pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
     assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0

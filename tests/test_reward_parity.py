@@ -15,34 +15,31 @@ num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tenso
 largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
 the pairs against the reference model's, within ATOL.
 
-Runs: plain Bradley-Terry at (1,1,1); reward centering at tp 2 x pp 2, started from a reward
-model directory (`LlamaForSequenceClassification`, its own score head, which the run loads); reward
-centering at pp 2 x dp 2 in two invocations, --max-steps 1 and then 2, the second resuming from the
-first's checkpoint (the head and its optimizer state included).
+Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 2, the second
+resuming from the first's checkpoint (the head and its optimizer state included); reward centering
+at tp 2 x pp 2, started from a reward model directory (`LlamaForSequenceClassification`, its own
+score head, which the run loads); reward centering at pp 2 x dp 2 (min/max_reward over dp ranks).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from checkpoint_convert.score_head import score_head_from_causal
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.cli import train_input_error
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, hf_weights, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close
 from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
 
-# tests/test_parity_losses.py's optimizer settings
-LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4
 RTOL, ATOL = 1e-5, 1e-5
 STEPS, GLOBAL_BATCH, MICRO_BATCH = 2, 8, 2
 MAX_LENGTH = 20  # the rows have at most 1 + 8 + 8 + 1 tokens
@@ -52,28 +49,17 @@ METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_rewar
 
 # name -> ((tp, pp, dp), center_rewards_coefficient, start: "causal" LM, "reward" model dir, "resume" at step 1)
 RUNS = {
-    "plain-tp1pp1dp1": ((1, 1, 1), None, "causal"),
+    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, "resume"),
     "centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, "reward"),
-    "centered-resumed-tp1pp2dp2": ((1, 2, 2), 0.5, "resume"),
+    "centered-tp1pp2dp2": ((1, 2, 2), 0.5, "causal"),
 }
-
-
-def _rows(num: int, *, seed: int) -> list[dict]:
-    """Text pairs of the parity tokenizer's words (w3..w99): 1-8 prompt words, 1-8 words per completion."""
-    rng = random.Random(seed)
-
-    def words(n: int) -> str:
-        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(n))
-
-    return [{"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 8)),
-             "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
 
 
 @pytest.fixture(scope="module")
 def data(parity_models, tmp_path_factory) -> dict:
     """The JSONL of STEPS global batches and its pairs as the engine tokenizes them, one list per step."""
     path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in _rows(STEPS * GLOBAL_BATCH, seed=9)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(STEPS * GLOBAL_BATCH, seed=9)))
     tokenizer = AutoTokenizer.from_pretrained(str(parity_models["llama"][0]))
     # No pad token: the run pads with the EOS, as TRL does, and a row's reward is read before its EOS.
     assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == PAD_ID
@@ -82,14 +68,9 @@ def data(parity_models, tmp_path_factory) -> dict:
     return {"path": path, "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
 
 
-def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int = STEPS) -> list[str]:
-    tp, pp, dp = layout
-    argv = ["--model", str(model), "--data", str(data_path), "--output-dir", str(out), "--objective", "reward",
-            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(steps),
-            "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32",
-            "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
-            "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf",
-            "--max-length", str(MAX_LENGTH)]
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int) -> list[str]:
+    argv = run_argv(model=model, data=data_path, out=out, objective="reward", layout=layout, steps=steps,
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH) + ["--max-length", str(MAX_LENGTH)]
     if coefficient is not None:
         argv += ["--center-rewards-coefficient", str(coefficient)]
     return argv
@@ -106,13 +87,6 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
         if (Path(model_dir) / name).is_file():
             shutil.copy(Path(model_dir) / name, out / name)
     return out
-
-
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -154,7 +128,7 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, data, 
             worst[key] = max(worst.get(key, 0.0), abs(ours[key] - theirs[key]) / max(abs(theirs[key]), 1e-300))
     assert 0 < rows[0]["accuracy"] < 1, rows[0]  # not degenerate: both outcomes occur
 
-    trained = _weights(out / "hf")
+    trained = hf_weights(out / "hf")
     assert set(trained) == set(ref["weights"]) and "score.weight" in trained
     for key, expected in ref["weights"].items():
         scale = expected.abs().max().item()

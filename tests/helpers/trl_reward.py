@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from mcore_dpo.data.pairs import TokenizedPair
+from tests.helpers.reference import engine_adamw
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -70,11 +71,7 @@ def reward_reference_run(*, model: torch.nn.Module, batches: list[list[Tokenized
 
     model.train()  # the parity models have no dropout; as TRL's Trainer
     trainer = stand_in(model=model, center_rewards_coefficient=center_rewards_coefficient)
-    named = list(model.named_parameters())
-    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
-              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
+    opt = engine_adamw(model, lr=lr, weight_decay=weight_decay, adam_eps=adam_eps)
     steps = []
     for pairs in batches:
         opt.zero_grad()
