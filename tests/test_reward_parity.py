@@ -153,10 +153,11 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, data, 
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
     (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
+    (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "packing", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "packing", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

@@ -32,6 +32,9 @@ class _ScoreOutput:
 
 def attach_score_head(model: torch.nn.Module, *, num_labels: int, hidden_size: int, dtype: torch.dtype) -> None:
     """Replace the last stage's LM head of `model` (a GPTModel) by a `score` head [num_labels, h]."""
+    if model.config.sequence_parallel:  # the head would see [s/tp, b, h] and each rank a part of the rows
+        raise ValueError("sequence_parallel: a score head reads whole rows; not wired with sequence parallelism "
+                         "(an MoE model at tp > 1 needs it)")
     del model.output_layer
     device = next(model.parameters()).device
     model.score = torch.nn.Linear(hidden_size, num_labels, bias=False, dtype=dtype, device=device)
