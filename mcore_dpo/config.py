@@ -119,8 +119,9 @@ class TrainConfig:
 
     # --- loss ---
     objective: str = "dpo"
-    """dpo | cpo | orpo: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
-    reference-free: no reference model is built or run."""
+    """dpo | cpo | orpo | reward: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
+    reference-free: no reference model is built or run. reward: a Bradley-Terry reward model (a score
+    head; --model a causal LM or a *ForSequenceClassification; exported as one)."""
     beta: float = 0.1
     """β: DPO's temperature; cpo's reward scale."""
     loss_type: str = "sigmoid"
