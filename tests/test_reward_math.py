@@ -495,13 +495,12 @@ def test_shape_errors_name_the_argument():
 def test_the_objective_over_any_split_gives_the_whole_batch_loss_and_metrics():
     """Microbatches of 2, 1 and 3 pairs through RewardObjective.microbatch, their sums combined by
     Objective.accumulate (the max entries by max), give the whole batch's loss and metrics."""
-    from mcore_dpo.objective.contract import BatchTotals
-    from mcore_dpo.objective.reward import RewardObjective, SequenceScores
+    from mcore_dpo.objective.reward import RewardObjective, RewardTotals, SequenceScores
 
     objective = RewardObjective(RewardSpec(center_rewards_coefficient=0.2))
     chosen, rejected, _ = _random_rewards(6, seed=3, with_margin=False, ties=True)
     tokens = torch.arange(5, 17, dtype=torch.int64)  # chosen rows, then rejected rows
-    totals = BatchTotals(num_samples=6, chosen_tokens=1)
+    totals = RewardTotals(num_samples=6, chosen_tokens=1, margins=torch.linspace(-1.0, 2.0, 6, dtype=torch.float64))
 
     def scores(ids: list[int]) -> SequenceScores:
         rows = ids + [i + 6 for i in ids]
@@ -540,3 +539,30 @@ def test_row_scores_read_the_last_token_that_is_not_padding():
     assert got.num_tokens.tolist() == lengths
     got.score.sum().backward()
     assert out.grad.sum().item() == 3.0
+
+
+def test_the_margin_column_reaches_the_pairs_and_the_token_store(tokenizer, tmp_path):
+    """TRL's optional "margin" column: a finite number per row, kept with the pair by the loader and
+    by the token store (NaN-free round trip); anything else is a bad row; not an unused column."""
+    import json
+
+    from mcore_dpo.data.pairs import load_pairs
+    from mcore_dpo.data.store import open_or_build
+
+    rows = [{"prompt": "a b", "chosen": " c", "rejected": " d", "margin": 0.25},
+            {"prompt": "e", "chosen": " f g", "rejected": " h", "margin": -2},
+            {"prompt": "i", "chosen": " j", "rejected": " k", "margin": "wide"},
+            {"prompt": "l", "chosen": " m", "rejected": " n"}]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64, on_bad_row="skip")
+    assert [p.margin for p in pairs] == [0.25, -2.0, None] and stats.first_bad_lines == (3,)
+    assert stats.unused_columns == ()
+    store = open_or_build([str(path)], tokenizer_dir=None, tokenizer=tokenizer, max_length=64,
+                          cache_dir=tmp_path / "cache", on_bad_row="skip", workers=1, log=lambda _m: None)
+    assert list(store) == pairs
+    from mcore_dpo.objective.reward import RewardObjective
+
+    totals = RewardObjective(RewardSpec()).totals(pairs)
+    assert totals.margins.tolist() == [0.25, -2.0, 0.0]
+    assert RewardObjective(RewardSpec()).totals(pairs[2:]).margins is None

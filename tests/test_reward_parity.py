@@ -16,14 +16,16 @@ largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassif
 the pairs against the reference model's, within ATOL.
 
 Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 2, the second
-resuming from the first's checkpoint (the head and its optimizer state included); reward centering
-at tp 2 x pp 2, started from a reward model directory (`LlamaForSequenceClassification`, its own
-score head, which the run loads); reward centering at pp 2 x dp 2 (min/max_reward over dp ranks).
+resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
+with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, started from a reward
+model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
+pp 2 x dp 2 (min/max_reward over dp ranks).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -47,25 +49,35 @@ SEED = 1234  # --seed's default: the score head's draw
 PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
-# name -> ((tp, pp, dp), center_rewards_coefficient, start: "causal" LM, "reward" model dir, "resume" at step 1)
+# name -> ((tp, pp, dp), center_rewards_coefficient, the data's "margin" column,
+#          start: "causal" LM, "reward" model dir, "resume" at step 1)
 RUNS = {
-    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, "resume"),
-    "centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, "reward"),
-    "centered-tp1pp2dp2": ((1, 2, 2), 0.5, "causal"),
+    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume"),
+    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward"),
+    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal"),
 }
 
 
 @pytest.fixture(scope="module")
 def data(parity_models, tmp_path_factory) -> dict:
-    """The JSONL of STEPS global batches and its pairs as the engine tokenizes them, one list per step."""
-    path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(STEPS * GLOBAL_BATCH, seed=9)))
+    """With and without a "margin" column (by True, False): the JSONL of STEPS global batches and its pairs as the
+    engine tokenizes them, one list per step."""
     tokenizer = AutoTokenizer.from_pretrained(str(parity_models["llama"][0]))
     # No pad token: the run pads with the EOS, as TRL does, and a row's reward is read before its EOS.
     assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == PAD_ID
-    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
-    assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
-    return {"path": path, "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
+    rows = text_pairs(STEPS * GLOBAL_BATCH, seed=9)
+    rng = random.Random(4)
+    files = {}
+    for with_margin in (False, True):
+        path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
+        path.write_text("".join(json.dumps({**row, "margin": round(rng.uniform(-0.5, 1.5), 3)} if with_margin else row)
+                                + "\n" for row in rows))
+        pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
+        assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
+        assert all((p.margin is not None) == with_margin for p in pairs)
+        files[with_margin] = {"path": path,
+                              "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
+    return files
 
 
 def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int) -> list[str]:
@@ -91,7 +103,8 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_reward_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
-    layout, coefficient, start = RUNS[name]
+    layout, coefficient, with_margin, start = RUNS[name]
+    data = data[with_margin]
     model_dir = parity_models["llama"][0]
     config = json.loads((Path(model_dir) / "config.json").read_text())
     _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)

@@ -30,7 +30,8 @@ import torch
 from mcore_dpo.data.sources import DataError, _BadRow, _first_line, _read_rows
 
 ROLES = ("system", "user", "assistant")
-COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused
+COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused, but:
+MARGIN = "margin"  # optional: a number per pair that --objective reward reads (TRL's Bradley-Terry margin)
 MAX_BAD_LINES_RECORDED = 10
 
 
@@ -40,6 +41,7 @@ class TokenizedPair:
     chosen_ids: tuple[int, ...]  # completion only, already truncated
     rejected_ids: tuple[int, ...]
     source_line: int  # 1-based line (JSONL) or row (JSON array, Parquet, saved dataset) number in the source
+    margin: float | None = None  # the row's "margin" (--objective reward), None without one
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class _RawPair:
     chosen: str | list[dict[str, str]]
     rejected: str | list[dict[str, str]]
     is_conversation: bool
+    margin: float | None = None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -189,7 +192,14 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
     if is_conversation:
         _check_completion_roles(chosen, key="chosen")
         _check_completion_roles(rejected, key="rejected")
-    return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation)
+    return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation,
+                    margin=_check_margin(row[MARGIN]) if MARGIN in row else None)
+
+
+def _check_margin(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _BadRow(f"'margin' must be a finite number, got {value!r}")
+    return float(value)
 
 
 # ----------------------------------------------------------------------------- tokenizing
@@ -197,7 +207,7 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
 
 # Part of every token store's key (data/store.py): bump it with any change here, or in
 # `_RowScan`, that could change a pair's ids, its split, its cut or the counts.
-TOKENIZATION_VERSION = 1
+TOKENIZATION_VERSION = 2  # 2: the "margin" column
 
 
 def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -304,7 +314,7 @@ def load_pairs(
         if fitted is not None:
             chosen_ids, rejected_ids = fitted
             pairs.append(TokenizedPair(prompt_ids=tuple(prompt_ids), chosen_ids=tuple(chosen_ids),
-                                       rejected_ids=tuple(rejected_ids), source_line=line))
+                                       rejected_ids=tuple(rejected_ids), source_line=line, margin=raw.margin))
     return pairs, scan.stats()
 
 
@@ -345,7 +355,7 @@ class _RowScan:
             if self.has_prompt is None:
                 # The first object decides the format, so a row that lost its prompt is an error.
                 self.has_prompt = "prompt" in row
-            self.unused.update((str(key), None) for key in row if key not in COLUMNS)
+            self.unused.update((str(key), None) for key in row if key not in COLUMNS and key != MARGIN)
         raw = _validate_row(row, has_prompt=bool(self.has_prompt))
         _check_one_kind(self.first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=self.path)
         if raw.is_conversation and not getattr(self.tokenizer, "chat_template", None):

@@ -27,6 +27,7 @@ that fails its checks on opening (`StoreError`) is moved aside and rebuilt, neve
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -47,6 +48,7 @@ from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, ma
 FORMAT = "mcore_dpo.token_store"
 FORMAT_VERSION = 1  # bump with any change of the files' layout (the key changes with it)
 SAMPLE_COLUMNS = ("prompt", "first_completion", "num_completions", "source", "source_line")
+FIELDS = ("margin",)  # fields.npy's columns: the row's "margin" (NaN without one)
 TOKEN_DTYPE = np.dtype("<i4")
 FILES = ("tokens.bin", "sequences.npy", "samples.npy", "fields.npy", "meta.json")
 STALE_PARTIAL_S = 6 * 3600  # a .partial- directory untouched this long is a dead builder's
@@ -214,13 +216,15 @@ class TokenStore:
             raise ValueError(f"{self.path}: sample {index} has {num_completions} completions, not a pair")
         (start, n_prompt), (chosen_start, n_chosen), (rejected_start, n_rejected) = (
             self._sequences[prompt].tolist(), *self._sequences[first:first + 2].tolist())
+        margin = float(self._fields[index, self.field_names.index("margin")]) if "margin" in self.field_names else math.nan
+        margin = None if math.isnan(margin) else margin
         if chosen_start == start + n_prompt and rejected_start == chosen_start + n_chosen:  # as written: one read
             ids = self._tokens[start:start + n_prompt + n_chosen + n_rejected].tolist()
             return TokenizedPair(prompt_ids=tuple(ids[:n_prompt]), chosen_ids=tuple(ids[n_prompt:n_prompt + n_chosen]),
-                                 rejected_ids=tuple(ids[n_prompt + n_chosen:]), source_line=line)
+                                 rejected_ids=tuple(ids[n_prompt + n_chosen:]), source_line=line, margin=margin)
         return TokenizedPair(prompt_ids=tuple(self.sequence(prompt).tolist()),
                              chosen_ids=tuple(self.sequence(first).tolist()),
-                             rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line)
+                             rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line, margin=margin)
 
     def __getitem__(self, index: int | slice) -> TokenizedPair | list[TokenizedPair]:
         if isinstance(index, slice):
@@ -306,7 +310,7 @@ class _StoreWriter:
         self.num_tokens = 0
         self.sequences = _Column(directory / "sequences.npy", width=2, dtype="<i8")
         self.samples = _Column(directory / "samples.npy", width=len(SAMPLE_COLUMNS), dtype="<i8")
-        self.fields = _Column(directory / "fields.npy", width=0, dtype="<f8")
+        self.fields = _Column(directory / "fields.npy", width=len(FIELDS), dtype="<f8")
 
     def _sequence(self, ids: np.ndarray) -> int:
         self.tokens.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
@@ -314,12 +318,13 @@ class _StoreWriter:
         self.num_tokens += len(ids)
         return self.sequences.num_rows + len(self.sequences.rows) - 1
 
-    def add_pair(self, source: int, line: int, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> None:
+    def add_pair(self, source: int, line: int, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray,
+                 margin: float | None = None) -> None:
         prompt_index = self._sequence(prompt)
         first = self._sequence(chosen)
         self._sequence(rejected)
         self.samples.add((prompt_index, first, 2, source, line))
-        self.fields.add(())
+        self.fields.add((math.nan if margin is None else margin,))
 
     def finish(self, meta: dict) -> None:
         self.tokens.flush()
@@ -328,7 +333,7 @@ class _StoreWriter:
         for column in (self.sequences, self.samples, self.fields):
             column.finish()
         meta.update(num_tokens=self.num_tokens, num_sequences=self.sequences.num_rows,
-                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS), fields=[],
+                    num_samples=self.samples.num_rows, sample_columns=list(SAMPLE_COLUMNS), fields=list(FIELDS),
                     token_dtype=TOKEN_DTYPE.str,
                     files={name: os.path.getsize(self.directory / name) for name in FILES if name != "meta.json"})
         durable.write_file(self.directory / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: the store exists
@@ -390,8 +395,8 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
             progress = Progress(log=log, bar=progress_bar)
             with pool:
                 for index, path in enumerate(sources):
-                    def write(line, prompt, chosen, rejected, _source=index):
-                        writer.add_pair(_source, line, prompt, chosen, rejected)
+                    def write(line, prompt, chosen, rejected, margin, _source=index):
+                        writer.add_pair(_source, line, prompt, chosen, rejected, margin)
 
                     stats.append(tokenize_source(path, tokenizer=tokenizer, max_length=max_length,
                                                  on_bad_row=on_bad_row, pool=pool, write=write, progress=progress))

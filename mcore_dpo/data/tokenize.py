@@ -4,7 +4,7 @@ which stays the single-process reference: both go through pairs.py's `_RowScan` 
 rows, one kind per file, the fit to max_length), `_pair_texts` and `split_at_prompt`.
 
     stats = tokenize_source(path, tokenizer=tok, max_length=512, on_bad_row="error", pool=pool,
-                            write=lambda line, prompt, chosen, rejected: ...)
+                            write=lambda line, prompt, chosen, rejected, margin: ...)
 
 How the work is shared:
 - the parent reads the file as a stream (JSONL line by line, a row bounded by `max_row_bytes`;
@@ -253,13 +253,13 @@ class _Done:
 # ----------------------------------------------------------------------------- one file
 
 
-Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]
+Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray, float | None], None]
 
 
 def tokenize_source(path: str, *, tokenizer, max_length: int, on_bad_row: str, pool: TokenizerPool, write: Write,
                     progress: Progress | None = None) -> DataStats:
     """Tokenizes every row of `path` as `load_pairs` does, calling write(line, prompt_ids,
-    chosen_ids, rejected_ids) for each kept pair in file order (int32 arrays, already cut to
+    chosen_ids, rejected_ids, margin) for each kept pair in file order (int32 arrays, already cut to
     max_length). Returns the file's DataStats; raises `load_pairs`' DataError for the same rows,
     and one for a row over `max_row_bytes` (on_bad_row 'error')."""
     scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row)
@@ -280,15 +280,16 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
                    progress: Progress | None) -> DataStats:
     window = 2 * pool.workers  # batches in flight: the parent reads ahead, bounded
     pending: collections.deque = collections.deque()
-    slots: list[tuple[int, int | str]] = []  # (line, index into the batch's pairs, or a bad row's problem)
+    # (line, index into the batch's pairs or a bad row's problem, the row's margin)
+    slots: list[tuple[int, int | str, float | None]] = []
     batch: list[_RawPair] = []
     batch_bytes = 0
     fatal: DataError | None = None  # a file-level error: raised once every row before it is taken
 
-    def take(done_slots: list[tuple[int, int | str]], future) -> None:
+    def take(done_slots: list[tuple[int, int | str, float | None]], future) -> None:
         result: BatchIds = future.result()
         offsets = np.concatenate([[0], np.cumsum(result.lengths.sum(axis=1))])
-        for line, what in done_slots:
+        for line, what, margin in done_slots:
             if isinstance(what, str):
                 scan.bad_row(line, what)
                 continue
@@ -298,7 +299,7 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
             prompt_ids, chosen_ids, rejected_ids = result.pair(what, int(offsets[what]))
             fitted = scan.fit(prompt_ids, chosen_ids, rejected_ids)
             if fitted is not None:
-                write(line, prompt_ids, *fitted)
+                write(line, prompt_ids, *fitted, margin)
         if progress is not None:
             progress.update(rows=scan.num_rows, pairs=scan.num_pairs, bytes_read=rows.bytes_read)
 
@@ -318,9 +319,9 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
                 if too_long is not None:
                     raise too_long
             except _BadRow as problem:
-                slots.append((line, str(problem)))
+                slots.append((line, str(problem), None))
             else:
-                slots.append((line, len(batch)))
+                slots.append((line, len(batch), raw.margin))
                 batch.append(raw)
             batch_bytes += rows.bytes_read - bytes_before
             bytes_before = rows.bytes_read

@@ -51,8 +51,8 @@ covers both; the entries before them (ADDITIVE_KEY_COUNT) are added.
 TRL 1.16's data conventions for reward data (`RewardTrainer._prepare_dataset` and
 `DataCollatorForPreference`), which `reward_inputs` follows for the text part. `--objective
 reward` does not read data through it yet: a run tokenizes its pairs with the preference loader
-(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion) and
-does not read the "margin" column (its loss runs with m = 0; `pair_losses` takes a margin):
+(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion); it
+reads the "margin" column (a finite number per row, 0 for a row without one) as TRL does:
 - Columns: "chosen" and "rejected" (required), "prompt" (optional: explicit prompt; without it
   the prompt is implicit, i.e. already inside chosen and rejected), "margin" (optional float per
   pair), "tools" and "chat_template_kwargs" (optional, conversational rows only). A dataset that
@@ -104,6 +104,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.parallel.platform import to_device
 
 # Keys of `metric_sum_vector`, in its fixed order. The first ADDITIVE_KEY_COUNT entries are added
 # over microbatches and ranks; the last ones (MAX_REDUCED_KEYS) are combined with max.
@@ -396,6 +397,14 @@ def finalize_metrics(
 # --------------------------------------------------------------------------- the objective
 
 
+@dataclass(frozen=True)
+class RewardTotals(BatchTotals):
+    """A global batch's normalisers and its pairs' data margins, float64 [samples] by position in
+    the batch on the host (0 for a pair without one), or None when no pair has one."""
+
+    margins: Tensor | None = None
+
+
 class RewardObjective(Objective):
     """A Bradley-Terry reward model on preference pairs: a score head, no reference, no log-probs.
 
@@ -414,14 +423,20 @@ class RewardObjective(Objective):
         spec.validate()
         self.spec = spec
 
-    def totals(self, samples: Sequence) -> BatchTotals:
-        return BatchTotals(num_samples=len(samples), chosen_tokens=1)  # the loss is a mean over pairs only
+    def totals(self, samples: Sequence) -> RewardTotals:
+        margins = [getattr(sample, "margin", None) for sample in samples]
+        return RewardTotals(num_samples=len(samples), chosen_tokens=1,  # the loss is a mean over pairs only
+                            margins=(torch.tensor([m or 0.0 for m in margins], dtype=torch.float64)
+                                     if any(m is not None for m in margins) else None))
 
     def microbatch(self, logps: SequenceScores, reference: Tensor | None, *, positions: Sequence[int],
-                   totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+                   totals: RewardTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
         chosen, rejected = chosen_rejected(logps.score)
-        losses = pair_losses(chosen, rejected, spec=self.spec)
-        sums = metric_sum_vector(chosen, rejected, spec=self.spec, num_tokens=logps.num_tokens)
+        margin = None
+        if totals.margins is not None:  # a host copy to the device, without waiting for it
+            margin = to_device(totals.margins[list(positions)], chosen.device)
+        losses = pair_losses(chosen, rejected, margin, spec=self.spec)
+        sums = metric_sum_vector(chosen, rejected, margin, spec=self.spec, num_tokens=logps.num_tokens)
         return losses.sum() / totals.num_samples, sums
 
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:

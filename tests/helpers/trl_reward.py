@@ -38,7 +38,8 @@ def stand_in(*, model: torch.nn.Module, center_rewards_coefficient: float | None
 
 def reward_batch(pairs: list[TokenizedPair], *, pad_token_id: int) -> dict[str, torch.Tensor]:
     """TRL's reward batch (DataCollatorForPreference): prompt + chosen rows, then prompt + rejected
-    rows, right-padded with the pad id, and the attention mask."""
+    rows, right-padded with the pad id, the attention mask, and the pairs' margins (float32) when
+    the pairs have them."""
     rows = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
     length = max(len(row) for row in rows)
     ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
@@ -46,7 +47,10 @@ def reward_batch(pairs: list[TokenizedPair], *, pad_token_id: int) -> dict[str, 
     for i, row in enumerate(rows):
         ids[i, :len(row)] = torch.tensor(row)
         mask[i, :len(row)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if pairs[0].margin is not None:
+        batch["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float)
+    return batch
 
 
 def reward_model(model_dir: Path, *, score: torch.Tensor, pad_token_id: int) -> torch.nn.Module:
@@ -92,4 +96,5 @@ def reward_reference_run(*, model: torch.nn.Module, batches: list[list[Tokenized
 def pair_rewards(model: torch.nn.Module, pairs: list[TokenizedPair], *, pad_token_id: int) -> torch.Tensor:
     """The rewards [2b] a reward model gives the pairs' chosen rows, then rejected rows."""
     model.eval()
-    return model(**reward_batch(pairs, pad_token_id=pad_token_id)).logits.squeeze(-1)
+    batch = reward_batch(pairs, pad_token_id=pad_token_id)
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
