@@ -56,7 +56,8 @@ PAIR = SampleShape(sequences=("chosen", "rejected"))  # a preference pair
 
 @dataclass(frozen=True)
 class BatchTotals:
-    """A global batch's normalisers, from the host before the step."""
+    """A global batch's normalisers, from the host before the step (an objective's `totals` may
+    return a subclass that carries more of the batch's host data: reward's data margins)."""
 
     num_samples: int
     chosen_tokens: int
@@ -88,8 +89,9 @@ class Objective(abc.ABC):
                    totals: BatchTotals, prepass: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, sums) of one microbatch: its share of the global batch's loss (a differentiable
         scalar; the shares of every microbatch and data-parallel rank add up to the loss) and its
-        metric sums, float64 [len(metric_keys)] on the device. `logps`: the policy's per-row sums;
-        `reference`: the reference's, in the same row order (None without a reference);
+        metric sums, float64 [len(metric_keys)] on the device. `logps`: the policy's per-row sums
+        (a score head's objective: its `SequenceScores`, see `head`); `reference`: the reference's,
+        in the same row order (None without a reference);
         `positions`: the samples' places in the global batch. Reads nothing on the host."""
 
     def prepass(self, policy: torch.Tensor, reference: torch.Tensor) -> object:
