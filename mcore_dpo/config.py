@@ -119,9 +119,10 @@ class TrainConfig:
 
     # --- loss ---
     objective: str = "dpo"
-    """dpo | cpo | orpo | kto: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and orpo are
-    reference-free: no reference model is built or run. kto trains on unpaired rows {prompt, completion,
-    label} (or pairs, unpaired as TRL 1.16 does)."""
+    """dpo | cpo | orpo | kto | reward: what is trained (docs/OBJECTIVES.md). cpo (CPO, SimPO, AlphaPO) and
+    orpo are reference-free: no reference model is built or run. kto trains on unpaired rows {prompt,
+    completion, label} (or pairs, unpaired as TRL 1.16 does). reward: a Bradley-Terry reward model (a
+    score head; --model a causal LM or a *ForSequenceClassification; exported as one)."""
     beta: float = 0.1
     """β: DPO's temperature; cpo's reward scale."""
     loss_type: str = "sigmoid"
@@ -166,6 +167,8 @@ class TrainConfig:
     """kto: weight of the loss of each desirable sample (label true)."""
     undesirable_weight: float = 1.0
     """kto: weight of the loss of each undesirable sample (label false)."""
+    center_rewards_coefficient: float | None = None
+    """reward: κ of the term κ·(r+ + r-)² that pulls each pair's reward sum towards 0 (None: off; TRL suggests 0.01)."""
 
     # --- LoRA ---
     lora_rank: int | None = None
@@ -327,6 +330,8 @@ class TrainConfig:
                     "each run their own count)")
         if self.moe_aux_loss_coef:
             return MOE_AUX_UNSERVED
+        if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].packs:
+            return f"--objective {self.objective} (it reads padded rows only)"
         return None
 
     @property

@@ -487,3 +487,82 @@ def test_shape_errors_name_the_argument():
         last_token_index(torch.zeros(3, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"^sums: "):
         finalize_metrics({}, spec=RewardSpec())
+
+
+# --------------------------------------------------------------------------- the objective (contract.py)
+
+
+def test_the_objective_over_any_split_gives_the_whole_batch_loss_and_metrics():
+    """Microbatches of 2, 1 and 3 pairs through RewardObjective.microbatch, their sums combined by
+    Objective.accumulate (the max entries by max), give the whole batch's loss and metrics."""
+    from mcore_dpo.objective.reward import RewardObjective, RewardTotals, SequenceScores
+
+    objective = RewardObjective(RewardSpec(center_rewards_coefficient=0.2))
+    chosen, rejected, _ = _random_rewards(6, seed=3, with_margin=False, ties=True)
+    tokens = torch.arange(5, 17, dtype=torch.int64)  # chosen rows, then rejected rows
+    totals = RewardTotals(num_samples=6, chosen_tokens=1, margins=torch.linspace(-1.0, 2.0, 6, dtype=torch.float64))
+
+    def scores(ids: list[int]) -> SequenceScores:
+        rows = ids + [i + 6 for i in ids]
+        return SequenceScores(score=torch.cat([chosen, rejected])[rows], num_tokens=tokens[rows])
+
+    whole_loss, whole_sums = objective.microbatch(scores(list(range(6))), None, positions=range(6), totals=totals)
+    total, loss = objective.empty_sums(torch.device("cpu")), 0.0
+    for ids in ([4, 0], [5], [1, 3, 2]):
+        part_loss, part_sums = objective.microbatch(scores(ids), None, positions=ids, totals=totals)
+        objective.accumulate(total, part_sums)
+        loss += part_loss.item()
+    assert _close(loss, whole_loss.item(), 1e-12)
+    torch.testing.assert_close(total, whole_sums, rtol=1e-12, atol=1e-12)
+    metrics = objective.finalize(dict(zip(objective.metric_keys, total.tolist())))
+    every = torch.cat([chosen, rejected]).double()
+    assert metrics["min_reward"] == every.min().item() and metrics["max_reward"] == every.max().item()
+    assert metrics["num_tokens"] == tokens.sum().item() and set(metrics) == set(METRIC_NAMES)
+    assert objective.metric_keys[-len(objective.max_keys):] == MAX_REDUCED_KEYS
+    assert objective.head == "score" and not objective.needs_reference
+
+
+def test_row_scores_read_the_last_token_that_is_not_padding():
+    """The last stage's scores [rows, s, 1]: read where transformers reads them (before trailing
+    pad-valued tokens, so before an EOS that pads), each row's length from its loss mask."""
+    from mcore_dpo.objective.reward import row_scores
+
+    pad = 2
+    tokens = torch.tensor([[1, 5, 6, 2, 2, 2], [1, 5, 7, 8, 9, 2], [1, 4, 2, 6, 2, 2]])
+    lengths = [4, 6, 4]  # prompt [1, 5] or [1, 4]; the completions end in the EOS (the pad)
+    loss_mask = torch.zeros(3, 6)
+    for row, n in enumerate(lengths):
+        loss_mask[row, 1:n - 1] = 1.0  # labels of positions 1 .. n-2 are completion tokens
+    out = torch.arange(18.0).view(3, 6, 1).requires_grad_()
+    got = row_scores(out, tokens, loss_mask=loss_mask, pad_token_id=pad)
+    assert got.score.tolist() == [2.0, 10.0, 15.0]  # positions 2, 4, 3
+    assert got.num_tokens.tolist() == lengths
+    got.score.sum().backward()
+    assert out.grad.sum().item() == 3.0
+
+
+def test_the_margin_column_reaches_the_pairs_and_the_token_store(tokenizer, tmp_path):
+    """TRL's optional "margin" column: a finite number per row, kept with the pair by the loader and
+    by the token store (NaN-free round trip); anything else is a bad row; not an unused column."""
+    import json
+
+    from mcore_dpo.data.pairs import load_pairs
+    from mcore_dpo.data.store import open_or_build
+
+    rows = [{"prompt": "a b", "chosen": " c", "rejected": " d", "margin": 0.25},
+            {"prompt": "e", "chosen": " f g", "rejected": " h", "margin": -2},
+            {"prompt": "i", "chosen": " j", "rejected": " k", "margin": "wide"},
+            {"prompt": "l", "chosen": " m", "rejected": " n"}]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=64, on_bad_row="skip")
+    assert [p.margin for p in pairs] == [0.25, -2.0, None] and stats.first_bad_lines == (3,)
+    assert stats.unused_columns == ()
+    store = open_or_build([str(path)], tokenizer_dir=None, tokenizer=tokenizer, max_length=64,
+                          cache_dir=tmp_path / "cache", on_bad_row="skip", workers=1, log=lambda _m: None)
+    assert list(store) == pairs
+    from mcore_dpo.objective.reward import RewardObjective
+
+    totals = RewardObjective(RewardSpec()).totals(pairs)
+    assert totals.margins.tolist() == [0.25, -2.0, 0.0]
+    assert RewardObjective(RewardSpec()).totals(pairs[2:]).margins is None

@@ -30,7 +30,8 @@ import torch
 from mcore_dpo.data.sources import DataError, _BadRow, _first_line, _read_rows
 
 ROLES = ("system", "user", "assistant")
-COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused
+COLUMNS = ("prompt", "chosen", "rejected")  # every other column of a file is unused, but:
+MARGIN = "margin"  # optional: a number per pair that --objective reward reads (TRL's Bradley-Terry margin)
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # --objective kto's rows (data/unpaired.py)
 MAX_BAD_LINES_RECORDED = 10
 
@@ -44,6 +45,7 @@ class TokenizedPair:
     # An unpaired sample (--objective kto, data/unpaired.py): chosen_ids is its completion, rejected_ids
     # its KL completion, label True for a desirable completion. None: a preference pair.
     label: bool | None = None
+    margin: float | None = None  # the row's "margin" (--objective reward), None without one
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class _RawPair:
     rejected: str | list[dict[str, str]]
     is_conversation: bool
     label: bool | None = None  # an unpaired row: chosen and rejected are its one completion
+    margin: float | None = None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -195,7 +198,14 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
     if is_conversation:
         _check_completion_roles(chosen, key="chosen")
         _check_completion_roles(rejected, key="rejected")
-    return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation)
+    return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation,
+                    margin=_check_margin(row[MARGIN]) if MARGIN in row else None)
+
+
+def _check_margin(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _BadRow(f"'margin' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _validate_unpaired_row(row: Any) -> _RawPair:
@@ -227,7 +237,7 @@ def _validate_unpaired_row(row: Any) -> _RawPair:
 
 # Part of every token store's key (data/store.py): bump it with any change here, or in
 # `_RowScan`, that could change a pair's ids, its split, its cut or the counts.
-TOKENIZATION_VERSION = 1
+TOKENIZATION_VERSION = 2  # 2: the "margin" column
 
 
 def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -336,7 +346,7 @@ def load_pairs(
         if fitted is not None:
             chosen_ids, rejected_ids = fitted
             pairs.append(TokenizedPair(prompt_ids=tuple(prompt_ids), chosen_ids=tuple(chosen_ids),
-                                       rejected_ids=tuple(rejected_ids), source_line=line))
+                                       rejected_ids=tuple(rejected_ids), source_line=line, margin=raw.margin))
     return pairs, scan.stats()
 
 
@@ -378,7 +388,7 @@ class _RowScan:
             if self.has_prompt is None:
                 # The first object decides the format, so a row that lost its prompt is an error.
                 self.has_prompt = "prompt" in row
-            columns = UNPAIRED_COLUMNS if self.unpaired else COLUMNS
+            columns = UNPAIRED_COLUMNS if self.unpaired else (*COLUMNS, MARGIN)
             self.unused.update((str(key), None) for key in row if key not in columns)
         raw = _validate_unpaired_row(row) if self.unpaired else _validate_row(row, has_prompt=bool(self.has_prompt))
         _check_one_kind(self.first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=self.path)

@@ -17,9 +17,9 @@ A store is a directory `<cache>/<key>`:
 
 A sample is a prompt and its completions, which are consecutive sequences: a preference pair is a
 prompt and two completions, chosen then rejected; an unpaired row (a prompt, one completion and a
-label field) and a margin (a field) fit the same layout. Pairs are written, and unpaired samples
-for --objective kto (data/unpaired.py: one completion, a `label` field; `store[i]` gives the
-sample with its KL completion as rejected_ids).
+label field) and a margin (a field) fit the same layout. Pairs are written with their `margin`
+field (--objective reward), and unpaired samples for --objective kto (data/unpaired.py: one
+completion, a `label` field; `store[i]` gives the sample with its KL completion as rejected_ids).
 
 The key is a digest of everything that changes the ids (`store_key`). A store is built in
 `<key>.partial-<random>` beside its final name, fsynced, then renamed; two builders racing both
@@ -29,6 +29,7 @@ that fails its checks on opening (`StoreError`) is moved aside and rebuilt, neve
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -48,8 +49,11 @@ from mcore_dpo.data.tokenize import Progress, TokenizerPool, default_workers, ma
 from mcore_dpo.data.unpaired import Unpaired, kl_partner
 
 FORMAT = "mcore_dpo.token_store"
-FORMAT_VERSION = 1  # bump with any change of the files' layout (the key changes with it)
+FORMAT_VERSION = 2  # bump with any change of the files' layout (the key changes with it)
 SAMPLE_COLUMNS = ("prompt", "first_completion", "num_completions", "source", "source_line")
+# fields.npy's columns: a pair's "margin" (--objective reward; NaN without one), an unpaired row's label.
+PAIR_FIELDS = ("margin",)
+UNPAIRED_FIELDS = ("label",)
 TOKEN_DTYPE = np.dtype("<i4")
 FILES = ("tokens.bin", "sequences.npy", "samples.npy", "fields.npy", "meta.json")
 STALE_PARTIAL_S = 6 * 3600  # a .partial- directory untouched this long is a dead builder's
@@ -220,13 +224,15 @@ class TokenStore:
             raise ValueError(f"{self.path}: sample {index} has {num_completions} completions, not a pair")
         (start, n_prompt), (chosen_start, n_chosen), (rejected_start, n_rejected) = (
             self._sequences[prompt].tolist(), *self._sequences[first:first + 2].tolist())
+        margin = float(self._fields[index, self.field_names.index("margin")]) if "margin" in self.field_names else math.nan
+        margin = None if math.isnan(margin) else margin
         if chosen_start == start + n_prompt and rejected_start == chosen_start + n_chosen:  # as written: one read
             ids = self._tokens[start:start + n_prompt + n_chosen + n_rejected].tolist()
             return TokenizedPair(prompt_ids=tuple(ids[:n_prompt]), chosen_ids=tuple(ids[n_prompt:n_prompt + n_chosen]),
-                                 rejected_ids=tuple(ids[n_prompt + n_chosen:]), source_line=line)
+                                 rejected_ids=tuple(ids[n_prompt + n_chosen:]), source_line=line, margin=margin)
         return TokenizedPair(prompt_ids=tuple(self.sequence(prompt).tolist()),
                              chosen_ids=tuple(self.sequence(first).tolist()),
-                             rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line)
+                             rejected_ids=tuple(self.sequence(first + 1).tolist()), source_line=line, margin=margin)
 
     def _unpaired(self, index: int, *, prompt: int, first: int, line: int) -> TokenizedPair:
         """An unpaired sample: its completion, then its KL completion, each cut to max_length with
@@ -335,12 +341,13 @@ class _StoreWriter:
         self.num_tokens += len(ids)
         return self.sequences.num_rows + len(self.sequences.rows) - 1
 
-    def add_pair(self, source: int, line: int, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> None:
+    def add_pair(self, source: int, line: int, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray,
+                 margin: float | None = None) -> None:
         prompt_index = self._sequence(prompt)
         first = self._sequence(chosen)
         self._sequence(rejected)
         self.samples.add((prompt_index, first, 2, source, line))
-        self.fields.add(())
+        self.fields.add((math.nan if margin is None else margin,))
 
     def add_unpaired(self, source: int, line: int, prompt: np.ndarray, completion: np.ndarray, label: bool) -> None:
         prompt_index = self._sequence(prompt)
@@ -412,15 +419,15 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     started = time.monotonic()
     log(f"data: tokenizing {', '.join(sources)} into {final} ({workers} worker{'s' if workers > 1 else ''})")
     try:
-        writer = _StoreWriter(partial, fields=() if unpaired is None else ("label",))
+        writer = _StoreWriter(partial, fields=PAIR_FIELDS if unpaired is None else UNPAIRED_FIELDS)
         try:
             stats = []
             progress = Progress(log=log, bar=progress_bar)
             with pool:
                 for index, path in enumerate(sources):
-                    def write(line, prompt, chosen, rejected, label, _source=index):
+                    def write(line, prompt, chosen, rejected, label, margin, _source=index):
                         if label is None:
-                            writer.add_pair(_source, line, prompt, chosen, rejected)
+                            writer.add_pair(_source, line, prompt, chosen, rejected, margin)
                         else:  # an unpaired row: chosen is rejected, its one completion
                             writer.add_unpaired(_source, line, prompt, chosen, label)
 

@@ -4,7 +4,7 @@ which stays the single-process reference: both go through pairs.py's `_RowScan` 
 rows, one kind per file, the fit to max_length), `_pair_texts` and `split_at_prompt`.
 
     stats = tokenize_source(path, tokenizer=tok, max_length=512, on_bad_row="error", pool=pool,
-                            write=lambda line, prompt, chosen, rejected: ...)
+                            write=lambda line, prompt, chosen, rejected, margin: ...)
 
 How the work is shared:
 - the parent reads the file as a stream (JSONL line by line, a row bounded by `max_row_bytes`;
@@ -254,16 +254,17 @@ class _Done:
 # ----------------------------------------------------------------------------- one file
 
 
-Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray, "bool | None"], None]
+Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray, "bool | None", "float | None"], None]
 
 
 def tokenize_source(path: str, *, tokenizer, max_length: int, on_bad_row: str, pool: TokenizerPool, write: Write,
                     progress: Progress | None = None, unpaired: bool = False) -> DataStats:
     """Tokenizes every row of `path` as `load_pairs` does, calling write(line, prompt_ids,
-    chosen_ids, rejected_ids, label) for each kept pair in file order (int32 arrays, already cut to
-    max_length; label None). Returns the file's DataStats; raises `load_pairs`' DataError for the
-    same rows, and one for a row over `max_row_bytes` (on_bad_row 'error'). `unpaired`: the rows
-    are KTO's (data/unpaired.py), each written with its one completion twice and its label."""
+    chosen_ids, rejected_ids, label, margin) for each kept pair in file order (int32 arrays, already
+    cut to max_length; label None for a pair, margin None without one). Returns the file's
+    DataStats; raises `load_pairs`' DataError for the same rows, and one for a row over
+    `max_row_bytes` (on_bad_row 'error'). `unpaired`: the rows are KTO's (data/unpaired.py), each
+    written with its one completion twice and its label."""
     scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, unpaired=unpaired)
     rows = SourceRows(path, row_limit=max_row_bytes(max_length))
     if progress is not None:
@@ -300,7 +301,7 @@ def _tokenize_rows(rows: SourceRows, *, scan: _RowScan, pool: TokenizerPool, wri
             prompt_ids, chosen_ids, rejected_ids = result.pair(what, int(offsets[what]))
             fitted = scan.fit(prompt_ids, chosen_ids, rejected_ids)
             if fitted is not None:
-                write(line, prompt_ids, *fitted, done_batch[what].label)
+                write(line, prompt_ids, *fitted, done_batch[what].label, done_batch[what].margin)
         if progress is not None:
             progress.update(rows=scan.num_rows, pairs=scan.num_pairs, bytes_read=rows.bytes_read)
 

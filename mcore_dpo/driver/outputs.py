@@ -23,19 +23,22 @@ def layer_spec_of(group) -> str:
     return specs.pop()
 
 
-def model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
+def model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str, hf_config: dict | None = None):
     """checkpoint_convert metadata for shards of this run's layout, plus the source's
-    config/tokenizer files to carry along (custom *.py code only with --trust-remote-code)."""
+    config/tokenizer files to carry along (custom *.py code only with --trust-remote-code).
+    `hf_config`: the config.json to write in place of the source's (a reward model trained from
+    a causal LM: `Prepared.hf_config`)."""
     from checkpoint_convert.io import FORMAT_VERSION, McoreMeta, open_hf_dir
     from checkpoint_convert.mcore_dir import is_mcore_dir, open_mcore_dir
 
     if is_mcore_dir(config.model):
         src = open_mcore_dir(config.model)
-        hf_config = src.meta.hf_config
+        source_config = src.meta.hf_config
         aux = sorted(p for p in src.hf_files_dir.iterdir() if p.is_file()) if src.hf_files_dir.is_dir() else []
     else:
         src = open_hf_dir(config.model)
-        hf_config, aux = src.config, src.aux_files()
+        source_config, aux = src.config, src.aux_files()
+    hf_config = hf_config if hf_config is not None else source_config
     if config.tokenizer:  # --tokenizer's files travel with the checkpoints, in place of the model's
         weights = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
         given = [p for p in Path(config.tokenizer).iterdir() if p.is_file() and p.name != "config.json" and p.suffix not in weights]
@@ -59,13 +62,15 @@ def model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str):
     return meta, aux
 
 
-def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, identity: dict | None = None) -> Path:
+def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, identity: dict | None = None,
+                    hf_config: dict | None = None) -> Path:
     """Workers write their parts into a partial directory in the run's format
     (`checkpoint.formats`); the driver finishes it (metadata, joined files) and makes it
     current atomically."""
     tmp = checkpoint.begin(out, step=step, fmt=config.save_format)
     group.call("save_checkpoint", str(tmp), step=step)
-    meta, aux = model_meta(config, spec, dtype="float32", layer_spec=layer_spec_of(group))  # fp32 masters
+    meta, aux = model_meta(config, spec, dtype="float32", layer_spec=layer_spec_of(group),  # fp32 masters
+                           hf_config=hf_config)
     formats.for_run(config).finish(tmp, config=config, spec=spec, meta=meta, aux=aux)
     state = {
         "step": step,
@@ -98,7 +103,7 @@ def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
         shutil.rmtree(shards, ignore_errors=True)
 
 
-def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
+def export_policy(group, *, config: TrainConfig, spec, out: Path, hf_config: dict | None = None) -> None:
     """Workers write the policy shards (LoRA: merged with the adapters); the driver converts
     them to OUT/hf (atomic)."""
     from checkpoint_convert.convert import mcore_to_hf_dir, write_mcore_meta
@@ -106,7 +111,7 @@ def export_policy(group, *, config: TrainConfig, spec, out: Path) -> None:
     staging = _staging_dir(out, "export")
     try:
         group.call("write_policy", str(staging))
-        meta, aux = model_meta(config, spec, dtype=config.dtype, layer_spec=layer_spec_of(group))
+        meta, aux = model_meta(config, spec, dtype=config.dtype, layer_spec=layer_spec_of(group), hf_config=hf_config)
         write_mcore_meta(staging, meta=meta, aux_files=aux)
         # model_meta already left custom code out unless --trust-remote-code: carry what it kept.
         mcore_to_hf_dir(staging, out / "hf", overwrite=True, trust_remote_code=config.trust_remote_code,

@@ -69,6 +69,7 @@ class Prepared:
     identity: dict | None = None  # resume_check.run_identity, stored in every checkpoint
     packing_note: str | None = None  # why an unset --packing fell back to padded microbatches
     warnings: list[str] = dataclasses.field(default_factory=list)  # said once the run log is open
+    hf_config: dict | None = None  # a score head's run: the reward model's config.json its checkpoints carry
 
 
 def prepare(config: TrainConfig, *, log=print) -> Prepared:
@@ -77,7 +78,10 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     from transformers import AutoTokenizer
 
     from mcore_dpo.driver import defaults
+    from checkpoint_convert.families import spec_from_hf_config
     from mcore_dpo.model.builder import open_weights, tokenizer_dir
+    from mcore_dpo.model.score_head import reward_config, source_config
+    from mcore_dpo.objective import registry
 
     if config.model is None:
         config = replace(config, model=defaults.ensure_default_model())
@@ -95,9 +99,13 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
         except ImportError:
             raise InputError("wandb: --wandb needs the wandb package (pip install wandb)") from None
     spec = open_weights(config.model).spec
-    if spec.num_labels:  # the converter reads *ForSequenceClassification; the trainer builds causal LMs only
+    score_head = registry.build(config).head == "score"
+    if spec.num_labels and not score_head:
         raise InputError(f"{os.path.join(config.model, 'config.json')}: field 'architectures' is {spec.architecture!r}, "
-                         "a reward model (score head); the trainer trains causal LMs")
+                         f"a reward model (score head); --objective reward trains it, {config.objective} a causal LM")
+    if spec.num_labels > 1:
+        raise InputError(f"{os.path.join(config.model, 'config.json')}: a reward model of {spec.num_labels} labels; "
+                         "--objective reward trains one score (1 label)")
     check_layout(spec, tp=config.tp, pp=config.pp, ep=config.ep, source=os.path.join(config.model, "config.json"))
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
     config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts,
@@ -134,6 +142,10 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise InputError(f"{tok_dir}: tokenizer has neither a pad nor an eos token")
+    hf_config = None
+    if score_head:  # the reward model's config: its rows end before the run's pad token
+        hf_config, _ = reward_config(source_config(config.model), pad_token_id=int(pad), seed=config.seed)
+        spec = spec_from_hf_config(hf_config)
     # The token stores (data/store.py): tokenized here once, by --data-workers processes, then
     # opened by every later run and by the ranks, which read their own rows.
     stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
@@ -161,7 +173,7 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
                 f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
             )
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), sources=sources, train_data=train_data,
-                    eval_data=eval_data, packing_note=packing_note, warnings=warnings)
+                    eval_data=eval_data, packing_note=packing_note, warnings=warnings, hf_config=hf_config)
 
 
 def _open_store(paths: list[str], **stores) -> TokenStore:
@@ -437,7 +449,8 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             # The last step is always saved: `latest` names the newest checkpoint at every moment, a
             # finished run exports from it, and a larger --max-steps continues from it.
             if by_step or by_time or stop.requested or last:
-                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity)
+                save_checkpoint(group, config=config, spec=prep.spec, out=out, step=step, identity=prep.identity,
+                                hf_config=prep.hf_config)
                 last_save = time.monotonic()
                 if stop.requested and not last:
                     raise Stopped(step)
@@ -445,7 +458,7 @@ def _attempt(prep: Prepared, *, out: Path, log) -> None:
             export_adapter(group, config=config, spec=prep.spec, out=out)
             log(f"exported the adapter to {out / 'adapter'}")
         if config.export_hf and (config.merge_lora or not config.lora):
-            export_policy(group, config=config, spec=prep.spec, out=out)
+            export_policy(group, config=config, spec=prep.spec, out=out, hf_config=prep.hf_config)
             log(f"exported the policy to {out / 'hf'}")
     finally:
         stop.restore()

@@ -154,7 +154,8 @@ def build_stage_model(
     grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
     recompute: str = "none", recompute_num_layers: int | None = None, arbitrary_masks: bool = False,
 ):
-    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last.
+    """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last
+    (a reward model's score head, `spec.num_labels`: model/score_head.py).
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
     between pipeline stages) are [s/tp, b, h]. `grouped_experts` (Transformer Engine spec, MoE
     models): megatron-core's TEGroupedMLP experts instead of its SequentialMLP; their parameters
@@ -213,6 +214,10 @@ def build_stage_model(
         rotary_percent=spec.rotary_percent,  # partial RoPE (GLM-4.5): the first dims of each head
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    if spec.num_labels and mesh.is_last_stage:  # a reward model: the score head in place of the LM head
+        from mcore_dpo.model.score_head import attach_score_head
+
+        attach_score_head(model, num_labels=spec.num_labels, hidden_size=spec.hidden_size, dtype=dtype)
     if spec.family == "gemma3_text":
         gemma3.adapt_model(model, spec, dtype=dtype)
     if spec.family == "gpt_oss":

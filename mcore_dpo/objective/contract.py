@@ -11,9 +11,13 @@ The schedule, the rank and the evaluator never know the loss. They know an `Obje
   data-parallel ranks, and hands them to `prepass` once; the step's microbatches get its result.
 - `whole_sequence`: whether the last stage also sums each sequence's log-probs over its prompt
   tokens (ORPO's NLL), besides the completion's.
-- `metric_keys`: the additive sums one microbatch contributes (added over microbatches and
+- `head`: what the last stage ends in and hands `microbatch`. "lm": the LM head, each row's
+  log-prob sums (`SequenceLogps`); "score": a scalar score head (`model/score_head.py`), each
+  row's score at its last token that is not padding (`objective.reward.SequenceScores`).
+- `metric_keys`: the sums one microbatch contributes (combined over microbatches and
   data-parallel ranks, read once per step) and `finalize`, which turns the global sums into
-  the logged metrics.
+  the logged metrics. They are added, except the last `max_keys`, which are combined by max
+  (a minimum is kept as the max of its negation).
 - `microbatch`: the loss of one microbatch, called once by the last pipeline stage as each
   microbatch's forward ends, returning both its share of the global loss and its metric sums.
 
@@ -52,7 +56,8 @@ PAIR = SampleShape(sequences=("chosen", "rejected"))  # a preference pair
 
 @dataclass(frozen=True)
 class BatchTotals:
-    """A global batch's normalisers, from the host before the step."""
+    """A global batch's normalisers, from the host before the step (an objective's `totals` may
+    return a subclass that carries more of the batch's host data: reward's data margins)."""
 
     num_samples: int
     chosen_tokens: int
@@ -70,6 +75,10 @@ class Objective(abc.ABC):
     metric_keys: tuple[str, ...]
     whole_sequence: bool = False
     """Whether the loss also reads each sequence's log-probs over its prompt (SequenceLogps.whole_*)."""
+    head: str = "lm"
+    """What the last stage ends in (module docstring): "lm" (log-probs) or "score" (a score head)."""
+    max_keys: tuple[str, ...] = ()
+    """The last entries of metric_keys, combined by max instead of added."""
 
     @abc.abstractmethod
     def totals(self, samples: Sequence) -> BatchTotals:
@@ -80,8 +89,9 @@ class Objective(abc.ABC):
                    totals: BatchTotals, prepass: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, sums) of one microbatch: its share of the global batch's loss (a differentiable
         scalar; the shares of every microbatch and data-parallel rank add up to the loss) and its
-        metric sums, float64 [len(metric_keys)] on the device. `logps`: the policy's per-row sums;
-        `reference`: the reference's, in the same row order (None without a reference);
+        metric sums, float64 [len(metric_keys)] on the device. `logps`: the policy's per-row sums
+        (a score head's objective: its `SequenceScores`, see `head`); `reference`: the reference's,
+        in the same row order (None without a reference);
         `positions`: the samples' places in the global batch. Reads nothing on the host."""
 
     def prepass(self, policy: torch.Tensor, reference: torch.Tensor) -> object:
@@ -89,6 +99,20 @@ class Objective(abc.ABC):
         and the reference's log-prob sums of every sample, [samples, sequences] each in batch order
         (zeros without a reference)."""
         raise NotImplementedError(f"{self.name}: no whole-batch pass")
+
+    def empty_sums(self, device: torch.device) -> torch.Tensor:
+        """Metric sums of nothing, float64 [len(metric_keys)]: 0, and -inf for the max_keys."""
+        sums = torch.zeros(len(self.metric_keys), dtype=torch.float64, device=device)
+        if self.max_keys:
+            sums[len(self.metric_keys) - len(self.max_keys):] = -torch.inf
+        return sums
+
+    def accumulate(self, total: torch.Tensor, sums: torch.Tensor) -> None:
+        """Combine a microbatch's metric sums into `total` (in place): added, the max_keys by max."""
+        k = len(self.metric_keys) - len(self.max_keys)
+        total[:k].add_(sums[:k])
+        if self.max_keys:
+            total[k:].copy_(torch.maximum(total[k:], sums[k:]))
 
     @abc.abstractmethod
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:

@@ -49,8 +49,10 @@ min and max are not sums: the metric vector keeps max(r) and max(-r) in its last
 covers both; the entries before them (ADDITIVE_KEY_COUNT) are added.
 
 TRL 1.16's data conventions for reward data (`RewardTrainer._prepare_dataset` and
-`DataCollatorForPreference`), which the engine's data path follows (`reward_inputs` does the
-text part):
+`DataCollatorForPreference`), which `reward_inputs` follows for the text part. `--objective
+reward` does not read data through it yet: a run tokenizes its pairs with the preference loader
+(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion); it
+reads the "margin" column (a finite number per row, 0 for a row without one) as TRL does:
 - Columns: "chosen" and "rejected" (required), "prompt" (optional: explicit prompt; without it
   the prompt is implicit, i.e. already inside chosen and rejected), "margin" (optional float per
   pair), "tools" and "chat_template_kwargs" (optional, conversational rows only). A dataset that
@@ -73,6 +75,8 @@ text part):
   the b chosen rows first and the b rejected rows after them (`chosen_rejected`).
 
 Differences from TRL 1.16 worth knowing:
+- num_tokens, as `RewardObjective` logs it, is the global batch's own (num_tokens_before 0): the
+  run's cumulative count is its tokens/real summed over steps.
 - The loss is computed in float32 at least (float64 stays float64); TRL 1.16 computes it in the
   dtype of the score head's output (bfloat16 for a bfloat16 model).
 - Every metric here is one global batch's. TRL 1.16 logs the mean of per-microbatch values over
@@ -91,13 +95,16 @@ Differences from TRL 1.16 worth knowing:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.parallel.platform import to_device
 
 # Keys of `metric_sum_vector`, in its fixed order. The first ADDITIVE_KEY_COUNT entries are added
 # over microbatches and ranks; the last ones (MAX_REDUCED_KEYS) are combined with max.
@@ -200,6 +207,24 @@ def sequence_rewards(hidden_or_scores: Tensor, index: Tensor) -> Tensor:
         raise ValueError(f"index: expected shape [{rows}] (one position per row), got {list(index.shape)}")
     row_ids = torch.arange(rows, device=hidden_or_scores.device)
     return hidden_or_scores[row_ids, index.to(device=hidden_or_scores.device, dtype=torch.int64)]
+
+
+@dataclass
+class SequenceScores:
+    """What the last stage hands a score-head objective (Objective.head "score"), per row."""
+
+    score: Tensor  # [rows]: the score head's output at the row's last token that is not padding, differentiable
+    num_tokens: Tensor  # [rows]: the row's tokens, padding excluded
+
+
+def row_scores(scores: Tensor, tokens: Tensor, *, loss_mask: Tensor, pad_token_id: int) -> SequenceScores:
+    """Each row's score from the score head's outputs [rows, s, 1] of right-padded rows tokens
+    [rows, s] (read at `last_token_index`), and its length from its loss mask [rows, s] (label
+    position t predicts token t + 1: a row's last masked position + 2 tokens)."""
+    index = last_token_index(tokens, pad_token_id)
+    after = torch.arange(2, tokens.shape[1] + 2, device=loss_mask.device)
+    lengths = torch.where(loss_mask > 0, after, torch.zeros_like(after)).amax(dim=-1)
+    return SequenceScores(score=sequence_rewards(scores[..., 0], index), num_tokens=lengths)
 
 
 def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
@@ -367,3 +392,74 @@ def finalize_metrics(
         "accuracy": sums["accuracy_sum"] / num_pairs,
         "margin": sums["margin_sum"] / num_pairs,
     }
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+@dataclass(frozen=True)
+class RewardTotals(BatchTotals):
+    """A global batch's normalisers and its pairs' data margins, float64 [samples] by position in
+    the batch on the host (0 for a pair without one), or None when no pair has one."""
+
+    margins: Tensor | None = None
+
+
+class RewardObjective(Objective):
+    """A Bradley-Terry reward model on preference pairs: a score head, no reference, no log-probs.
+
+    Its metrics are TRL 1.16's names (METRIC_NAMES) for one global batch; num_tokens is the
+    batch's own tokens (TRL counts every step's so far: the run's logs carry tokens/real)."""
+
+    name = "reward"
+    shape = PAIR
+    needs_reference = False
+    needs_prepass = False
+    head = "score"
+    metric_keys = METRIC_SUM_KEYS
+    max_keys = MAX_REDUCED_KEYS
+
+    def __init__(self, spec: RewardSpec):
+        spec.validate()
+        self.spec = spec
+
+    def totals(self, samples: Sequence) -> RewardTotals:
+        margins = [getattr(sample, "margin", None) for sample in samples]
+        return RewardTotals(num_samples=len(samples), chosen_tokens=1,  # the loss is a mean over pairs only
+                            margins=(torch.tensor([m or 0.0 for m in margins], dtype=torch.float64)
+                                     if any(m is not None for m in margins) else None))
+
+    def microbatch(self, logps: SequenceScores, reference: Tensor | None, *, positions: Sequence[int],
+                   totals: RewardTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
+        chosen, rejected = chosen_rejected(logps.score)
+        margin = None
+        if totals.margins is not None:  # a host copy to the device, without waiting for it
+            margin = to_device(totals.margins[list(positions)], chosen.device)
+        losses = pair_losses(chosen, rejected, margin, spec=self.spec)
+        sums = metric_sum_vector(chosen, rejected, margin, spec=self.spec, num_tokens=logps.num_tokens)
+        return losses.sum() / totals.num_samples, sums
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize_metrics(sums, spec=self.spec)
+
+
+def spec_of(config) -> RewardSpec:
+    """The RewardSpec of a run's configuration; ValueError (one line) for a shared option the
+    reward model does not read and for the row layouts its score head does not read yet."""
+    for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
+        if getattr(config, name) != default:
+            raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
+    for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
+        if refused:
+            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
+                             f"last token); use --no-{name.replace('_', '-')}")
+    if config.lora:
+        raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
+    if config.cp > 1:
+        raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
+                         f"got --cp {config.cp}")
+    return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
+
+
+def from_config(config) -> RewardObjective:
+    return RewardObjective(spec_of(config))

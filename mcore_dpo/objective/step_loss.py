@@ -4,7 +4,7 @@ rank/prepass.py).
 
 `StepLoss(mb, logps)` hands a microbatch's policy log-probs, with their reference log-probs
 (`ReferenceSource.rows`), to the objective once (`Objective.microbatch`) and adds the
-microbatch's metric sums, which stay on the device until the step's end (one read per step,
+microbatch's metric sums (`Objective.accumulate`), which stay on the device until the step's end (one read per step,
 not per microbatch).
 """
 
@@ -34,7 +34,7 @@ class StepLoss:
         self.reference, self.computed, self.sample_ids, self.given = reference, computed, sample_ids, given
         self.prepass = prepass
         self.totals = objective.totals(samples)
-        self.sums = torch.zeros(len(objective.metric_keys), dtype=torch.float64, device=device)
+        self.sums = objective.empty_sums(device)
 
     def __call__(self, mb: int, logps: SequenceLogps) -> torch.Tensor:
         positions = self.groups[mb]
@@ -42,6 +42,6 @@ class StepLoss:
                                   stored=self.computed.pop((0, mb), None))
         loss, sums = self.objective.microbatch(logps, ref, positions=positions, totals=self.totals,
                                                prepass=self.prepass)
-        self.sums.add_(sums)
+        self.objective.accumulate(self.sums, sums)
         # DDP averages gradients over dp ranks; scale by dp so the result is the global mean.
         return loss * self.dp

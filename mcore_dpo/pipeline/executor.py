@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
+from mcore_dpo.objective.reward import SequenceScores, row_scores
 from mcore_dpo.pipeline.account import MemoryAccount
 from mcore_dpo.parallel.context_parallel import local_part
 from mcore_dpo.parallel.mesh import Mesh
@@ -41,8 +42,9 @@ from mcore_dpo.pipeline.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
 from mcore_dpo.parallel.platform import IntervalClock, to_device
 from mcore_dpo.pipeline.schedule import forward_only_stages
 
-# loss_fn(microbatch_index, policy_logps) -> scalar loss to back-propagate (last stage only)
-LossFn = Callable[[int, SequenceLogps], torch.Tensor]
+# loss_fn(microbatch_index, policy_output) -> scalar loss to back-propagate (last stage only);
+# policy_output: the rows' log-prob sums, or their scores with a score head (`score_pad_token_id`)
+LossFn = Callable[[int, SequenceLogps | SequenceScores], torch.Tensor]
 
 
 class Riders(Protocol):
@@ -89,6 +91,9 @@ class StageContext:
     loss_fn: LossFn | None = None
     forward_only: bool = False
     logps_options: LogpsOptions = LogpsOptions()  # LD-DPO, WPO and whole-sequence options
+    # A score head (Objective.head "score"): the last stage hands over each row's score at its last
+    # token that is not this pad token, instead of log-probs.
+    score_pad_token_id: int | None = None
     # reference log-probs produced on the last stage, keyed by (batch offset, microbatch)
     ref_logps: dict[tuple[int, int], SequenceLogps] = field(default_factory=dict)
     # --- per-step scratch ---
@@ -327,8 +332,10 @@ def _tokens(ctx: StageContext, batch: int, mb: int) -> torch.Tensor:
 
 def _last_stage_logps(
     ctx: StageContext, output: torch.Tensor, batch: int, mb: int, *, policy: bool = True
-) -> SequenceLogps:
+) -> SequenceLogps | SequenceScores:
     micro, staged = ctx.microbatches[batch][mb], ctx._staged[(batch, mb)]
+    if ctx.score_pad_token_id is not None:
+        return row_scores(output, staged.tokens, loss_mask=staged.loss_mask, pad_token_id=ctx.score_pad_token_id)
     options = ctx.logps_options
     if not policy and options.wpo:  # WPO weights come from the policy only
         options = LogpsOptions(ld_alpha=options.ld_alpha)

@@ -24,6 +24,7 @@ from mcore_dpo.objective.logprobs import LogpsOptions
 from mcore_dpo.parallel.mesh import Layout, Mesh, destroy, initialize
 from mcore_dpo.data.microbatches import RowLayout
 from mcore_dpo.model.builder import build_stage_model, layer_spec_name, load_shard, open_weights, place_on_device
+from mcore_dpo.model.score_head import WithFreshScore, reward_config, source_config
 from mcore_dpo.pipeline.executor import StageContext, forward_only_ops, run_ops, warm_up_links
 
 
@@ -100,8 +101,10 @@ class Rank:
         self.grouped_experts, self.experts_note = plat.use_grouped_experts(
             requested=config.moe_grouped_gemm, num_experts=spec.num_experts, use_te=self.use_te,
             grouped_linear=self.use_te and plat.te_grouped_linear_available())
-        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
-        requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
+        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models. A score
+        # head reads whole rows (objective/reward.py refuses --sequence-parallel with it).
+        requested = (True if spec.num_experts else False if config.lora or self.objective.head == "score"
+                     else config.sequence_parallel)
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel, cp=layout.cp)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.
@@ -151,6 +154,9 @@ class Rank:
                 arbitrary_masks=bool(self.config.prefix_sharing),
             ), self.platform.device)
         weights = open_weights(weights_dir, verify_checksums=not checked)
+        if self.spec.num_labels and not weights.spec.num_labels:  # a reward model from a causal LM: a new head
+            _, score = reward_config(source_config(weights_dir), pad_token_id=self.pad_token_id, seed=self.config.seed)
+            weights = WithFreshScore(weights, score)
         shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
             self.spec,
             tp=self.layout.tp,
@@ -184,6 +190,7 @@ class Rank:
             packed_thd=self.packed_thd,
             logps_options=LogpsOptions(ld_alpha=self.config.ld_alpha, wpo=self.config.use_weighting,
                                        whole_sequence=self.objective.whole_sequence),
+            score_pad_token_id=self.pad_token_id if self.objective.head == "score" else None,
             **kwargs,
         )
 

@@ -69,14 +69,14 @@ class Evaluator:
             ctx = rank.stage_context({0: mbs}, policy=self.policy, reference=self.reference.model, forward_only=True,
                                      loss_fn=collect, ref_logps=computed)
             run_ops(forward_only_ops(mesh=mesh, num_microbatches=len(mbs), policy=True, reference=with_reference), ctx)
-        sums = torch.zeros(len(objective.metric_keys), dtype=torch.float64, device=device)
+        sums = objective.empty_sums(device)
         if mesh.is_last_stage:
             # aot sorts over the whole held-out set: the metrics wait for every microbatch.
             prepass = (whole_batch_prepass(parts, objective=objective, num_samples=num_pairs, mesh=mesh, device=device)
                        if objective.needs_prepass else None)
             for logps, reference, positions in parts:
-                sums.add_(objective.microbatch(logps, reference, positions=positions, totals=totals,
-                                               prepass=prepass)[1])
+                objective.accumulate(sums, objective.microbatch(logps, reference, positions=positions,
+                                                                totals=totals, prepass=prepass)[1])
         metrics = reduce_metrics(sums, objective=objective, mesh=mesh)
         if metrics is None:
             return None

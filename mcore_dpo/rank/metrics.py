@@ -16,12 +16,18 @@ from mcore_dpo.parallel.platform import to_device
 
 
 def reduce_metrics(sums: torch.Tensor, *, objective: Objective, mesh: Mesh) -> dict[str, float] | None:
-    """Sum the last stage's metric sums ([objective.metric_keys] on the device) over dp ranks
-    and read them; tp rank 0 of the last stage of dp replica 0 reports (None elsewhere)."""
+    """Combine the last stage's metric sums ([objective.metric_keys] on the device) over dp ranks
+    (added, the objective's max_keys by max) and read them; tp rank 0 of the last stage of dp
+    replica 0 reports (None elsewhere)."""
     if not mesh.is_last_stage:
         return None
     if mesh.layout.dp > 1:
-        dist.all_reduce(sums, group=mesh.dp_group)
+        k = len(objective.metric_keys) - len(objective.max_keys)
+        added, maxed = sums[:k].clone(), sums[k:].clone()
+        dist.all_reduce(added, group=mesh.dp_group)
+        if objective.max_keys:
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=mesh.dp_group)
+        sums = torch.cat([added, maxed])
     if not mesh.returns_result:
         return None
     return objective.finalize(dict(zip(objective.metric_keys, sums.tolist())))

@@ -137,14 +137,7 @@ def reference_run(*, policy_dir: Path, ref_dir: Path, batches: list[list[Tokeniz
         raise KeyError(f"no reference formula for loss type {loss_type!r}: add it to tests/helpers/reference.py")
     policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=dtype)
     reference = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype).eval()
-    # Decay matrices only (norms and biases are not decayed), as the engine does. Its parameters
-    # are matrices exactly where they have two dimensions or more; here stacked experts' biases
-    # (GPT-OSS's experts.gate_up_proj_bias [E, 2I]) have two too, and are biases all the same.
-    named = list(policy.named_parameters())
-    decayed = [p.dim() >= 2 and not n.endswith("bias") for n, p in named]
-    groups = [{"params": [p for (_, p), d in zip(named, decayed) if d], "weight_decay": weight_decay},
-              {"params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=adam_eps)
+    opt = engine_adamw(policy, lr=lr, weight_decay=weight_decay, adam_eps=adam_eps)
     kw = dict(loss_type=loss_type, beta=beta, eps=label_smoothing, reference_free=reference_free)
     metrics, grads = [], []
     for pairs in batches:

@@ -1,0 +1,45 @@
+"""What the command-line parity tests of an objective share (tests/test_reward_parity.py): text
+pairs of the parity tokenizer's words, the command line of a short fp32 run with the parity
+tests' optimizer settings, and the weights of an HF directory."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# tests/test_parity_losses.py's optimizer settings
+LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4
+
+
+def text_pairs(num: int, *, seed: int) -> list[dict]:
+    """Text pairs of the parity tokenizer's words (w3..w99): 1-8 prompt words, 1-8 words per completion."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(n))
+
+    return [{"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 8)),
+             "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
+
+
+def run_argv(*, model: Path, data: Path, out: Path, objective: str, layout: tuple[int, int, int], steps: int,
+             global_batch: int, micro_batch: int) -> list[str]:
+    """A short fp32 run of `objective` at `layout` (tp, pp, dp) in file order, exported to OUTPUT/hf,
+    with no evaluation and no checkpoint but the last step's."""
+    tp, pp, dp = layout
+    return ["--model", str(model), "--data", str(data), "--output-dir", str(out), "--objective", objective,
+            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(steps),
+            "--global-batch-size", str(global_batch), "--micro-batch-size", str(micro_batch), "--dtype", "float32",
+            "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
+            "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf"]
+
+
+def hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of an HF directory, by name."""
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

@@ -1,0 +1,177 @@
+"""`--objective reward` through the command line against TRL 1.16's RewardTrainer (tests/helpers/trl_reward.py).
+
+Each run is the real command line in this process on the session's Ray cluster
+(`main_in_process`): the Llama parity policy (a causal LM: the run starts its score head as
+`model/score_head.py` draws it from --seed), a JSONL of text pairs written here, file order
+(--no-shuffle), 2 steps of 8 pairs in microbatches of 2, fp32, the parity tests' learning rate,
+Adam epsilon, clipping and weight decay, the export to OUTPUT/hf. The reference tokenizes the same
+file with the engine's loader (`load_pairs`), builds TRL's reward batches from those ids and trains
+the HF `AutoModelForSequenceClassification` (same body, same starting head) with TRL's own
+`compute_loss`, torch's clip_grad_norm_ and AdamW, one global batch per step.
+
+Compared at steps 1 and 2 within RTOL (relative): loss, accuracy, margin, min/mean/max_reward,
+num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tensor of OUTPUT/hf
+(score.weight included) against the reference's weights after step 2, within RTOL of the tensor's
+largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
+the pairs against the reference model's, within ATOL.
+
+Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 2, the second
+resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
+with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, started from a reward
+model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
+pp 2 x dp 2 (min/max_reward over dp ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from checkpoint_convert.score_head import score_head_from_causal
+from mcore_dpo.data.pairs import load_pairs
+from tests.helpers.cli import train_input_error
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, hf_weights, run_argv, text_pairs
+from tests.helpers.ray_runs import main_in_process
+from tests.helpers.reference import assert_close
+from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
+
+RTOL, ATOL = 1e-5, 1e-5
+STEPS, GLOBAL_BATCH, MICRO_BATCH = 2, 8, 2
+MAX_LENGTH = 20  # the rows have at most 1 + 8 + 8 + 1 tokens
+SEED = 1234  # --seed's default: the score head's draw
+PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
+METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
+
+# name -> ((tp, pp, dp), center_rewards_coefficient, the data's "margin" column,
+#          start: "causal" LM, "reward" model dir, "resume" at step 1)
+RUNS = {
+    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume"),
+    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward"),
+    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal"),
+}
+
+
+@pytest.fixture(scope="module")
+def data(parity_models, tmp_path_factory) -> dict:
+    """With and without a "margin" column (by True, False): the JSONL of STEPS global batches and its pairs as the
+    engine tokenizes them, one list per step."""
+    tokenizer = AutoTokenizer.from_pretrained(str(parity_models["llama"][0]))
+    # No pad token: the run pads with the EOS, as TRL does, and a row's reward is read before its EOS.
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == PAD_ID
+    rows = text_pairs(STEPS * GLOBAL_BATCH, seed=9)
+    rng = random.Random(4)
+    files = {}
+    for with_margin in (False, True):
+        path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
+        path.write_text("".join(json.dumps({**row, "margin": round(rng.uniform(-0.5, 1.5), 3)} if with_margin else row)
+                                + "\n" for row in rows))
+        pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
+        assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
+        assert all((p.margin is not None) == with_margin for p in pairs)
+        files[with_margin] = {"path": path,
+                              "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
+    return files
+
+
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int) -> list[str]:
+    argv = run_argv(model=model, data=data_path, out=out, objective="reward", layout=layout, steps=steps,
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH) + ["--max-length", str(MAX_LENGTH)]
+    if coefficient is not None:
+        argv += ["--center-rewards-coefficient", str(coefficient)]
+    return argv
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
+    """The causal LM at `model_dir` saved as an HF reward model with the score head `score`, and its tokenizer."""
+    reward_model(model_dir, score=score, pad_token_id=PAD_ID).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy(Path(model_dir) / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_reward_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
+    layout, coefficient, with_margin, start = RUNS[name]
+    data = data[with_margin]
+    model_dir = parity_models["llama"][0]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
+    if start == "reward":  # the same starting point, as a reward model with a score head of its own
+        score = 0.5 * score.flip(-1)
+        run_from = _reward_dir(model_dir, score=score, out=tmp_path / "reward_model")
+    else:
+        run_from = model_dir
+    out = tmp_path / "run"
+    for steps in (1, STEPS) if start == "resume" else (STEPS,):
+        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps),
+                                 cluster=ray_cluster)
+        assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
+            resolved["dp"]) == ("reward", "none", False, *layout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+
+    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID)
+    ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
+                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=PAD_ID)
+    worst: dict[str, float] = {}
+    tokens_before = 0
+    for step, (ours, theirs) in enumerate(zip(rows, ref["metrics"]), start=1):
+        assert ours["memory/reference_params_peak_bytes"] == 0, ours
+        # TRL counts the tokens of every step so far; the engine logs the step's own.
+        assert ours["num_tokens"] == theirs["num_tokens"] - tokens_before, (ours, theirs)
+        tokens_before = theirs["num_tokens"]
+        for key in METRICS:
+            what = f"{name} step {step} {key}: ours {ours[key]!r}, TRL {theirs[key]!r}"
+            assert_close(_scalar(ours[key]), _scalar(theirs[key]), what=what, rtol=RTOL)
+            worst[key] = max(worst.get(key, 0.0), abs(ours[key] - theirs[key]) / max(abs(theirs[key]), 1e-300))
+    assert 0 < rows[0]["accuracy"] < 1, rows[0]  # not degenerate: both outcomes occur
+
+    trained = hf_weights(out / "hf")
+    assert set(trained) == set(ref["weights"]) and "score.weight" in trained
+    for key, expected in ref["weights"].items():
+        scale = expected.abs().max().item()
+        assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
+        worst["weights"] = max(worst.get("weights", 0.0),
+                               (trained[key].double() - expected.double()).abs().max().item() / scale)
+    moved = (ref["weights"]["score.weight"] - score).abs().max().item() / score.abs().max().item()
+    assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
+
+    # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
+    exported = AutoModelForSequenceClassification.from_pretrained(str(out / "hf"), dtype=torch.float32)
+    assert exported.config.pad_token_id == PAD_ID and exported.config.num_labels == 1
+    pairs = [p for batch in data["batches"] for p in batch]
+    ours_rewards = pair_rewards(exported, pairs, pad_token_id=PAD_ID)
+    theirs_rewards = pair_rewards(reference, pairs, pad_token_id=PAD_ID)
+    worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
+    assert worst["exported rewards (abs)"] <= ATOL, worst
+    print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
+    (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
+    (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
+    (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
+    (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
+    (["--objective", "reward", "--center-rewards-coefficient", "-1"],
+     "center_rewards_coefficient: must be a finite number >= 0"),
+], ids=["beta", "packing", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
+def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
+    err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
+    assert expected in err, err
+    assert not (tmp_path / "out").exists()
