@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from mcore_dpo.data import store as store_module
 from mcore_dpo.data.pairs import _tokenize_pair, _validate_row, load_pairs
 from mcore_dpo.data.sources import DataError
-from mcore_dpo.data.store import TokenStore, StoreError, open_or_build
+from mcore_dpo.data.store import FORMAT_VERSION, TokenStore, StoreError, open_or_build
 from mcore_dpo.data.tokenize import Progress, TokenizerPool, max_row_bytes, tokenize_batch, tokenize_source
 from mcore_dpo.driver.defaults import ASSETS_DIR, DEFAULT_TOKENIZER_DIR
 from tests.helpers.models import save_tokenizer
@@ -359,7 +359,7 @@ def test_another_format_version_or_key_is_rebuilt(case_files, tokenizers, tmp_pa
         meta = json.loads((path / "meta.json").read_text())
         (path / "meta.json").write_text(json.dumps({**meta, "version": 0}))
 
-    assert "not a mcore_dpo.token_store version 1 store" in _rebuilt_after(bump, case_files, tokenizers, tmp_path)[0]
+    assert f"not a mcore_dpo.token_store version {FORMAT_VERSION} store" in _rebuilt_after(bump, case_files, tokenizers, tmp_path)[0]
     store = _build(case_files["standard"], tokenizers, tmp_path)
     with pytest.raises(StoreError, match="holds key .*, expected 0123"):
         TokenStore.open(store.path, key="0123")
