@@ -57,6 +57,7 @@ from mcore_dpo.pipeline.plan import (
     kept,
     p2p,
     transfers,
+    virtual_neighbour,
 )
 from mcore_dpo.pipeline.check import (
     Key,
@@ -91,60 +92,69 @@ def _one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[
 
 def _add_comm(
     compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False,
-    num_next_microbatches: int | None = None,
+    num_next_microbatches: int | None = None, num_chunks: int = 1,
 ) -> tuple[tuple[Op, ...], ...]:
     """Put each send right after its producer and each recv right before its consumer.
 
     Messages on one link are matched in order, so a consumer first receives every
     earlier message on that link (they were sent earlier, so this never waits longer).
     With carry_in, each stage first sends the activations it kept in the last step;
-    with carry_out, the ones to keep are kept instead of sent.
+    with carry_out, the ones to keep are kept instead of sent. With model chunks, messages
+    follow the virtual pipeline (`virtual_neighbour`), the last stage's chunk c feeding
+    stage 0's chunk c+1.
     """
     num_stages, m = len(compute_orders), num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
     keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m_next)) if carry_out else set()
                 for s in range(num_stages)]
     kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
-    # Send order per link (src, dst) = order of the producing ops on src.
-    link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+
+    def neighbour(s: int, op: Op, step: int) -> tuple[int, int] | None:
+        return virtual_neighbour(s, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
+    # Send order per link (src, dst) = order of the producing ops on src; a message is
+    # (payload, microbatch, batch, the receiver's chunk).
+    link_msgs: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
     for s, ops in enumerate(compute_orders):
         for mb in kept_in[s]:
-            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0))
+            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0, 0))
         for op in ops:
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s < num_stages - 1:
+            down, up = neighbour(s, op, 1), neighbour(s, op, -1)
+            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and down is not None:
                 if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in keep_out[s]:
                     continue
                 payload = "act" if op.kind == OpKind.FWD else "ref_act"
-                link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
-            if op.kind == OpKind.BWD and s > 0:
-                link_msgs.setdefault((s, s - 1), []).append(("grad", op.microbatch, op.batch))
+                link_msgs.setdefault((s, down[0]), []).append((payload, op.microbatch, op.batch, down[1]))
+            if op.kind == OpKind.BWD and up is not None:
+                link_msgs.setdefault((s, up[0]), []).append(("grad", op.microbatch, op.batch, up[1]))
     link_pos = {link: {msg: k for k, msg in enumerate(msgs)} for link, msgs in link_msgs.items()}
     recv_kind = {"act": OpKind.RECV_ACT, "ref_act": OpKind.RECV_REF_ACT, "grad": OpKind.RECV_GRAD}
     stages = []
     for s, ops in enumerate(compute_orders):
-        received = {src: 0 for src in (s - 1, s + 1) if 0 <= src < num_stages}
+        received = {src: 0 for src in (s - 1, s + 1, (s - 1) % num_stages, (s + 1) % num_stages)
+                    if 0 <= src < num_stages}
         out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0) for mb in kept_in[s]]
         for op in ops:
-            need = None
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s > 0:
-                need = (s - 1, ("act" if op.kind == OpKind.FWD else "ref_act", op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s < num_stages - 1:
-                need = (s + 1, ("grad", op.microbatch, op.batch))
+            need, down, up = None, neighbour(s, op, 1), neighbour(s, op, -1)
+            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and up is not None:
+                need = (up[0], ("act" if op.kind == OpKind.FWD else "ref_act", op.microbatch, op.batch, op.chunk))
+            elif op.kind == OpKind.BWD and down is not None:
+                need = (down[0], ("grad", op.microbatch, op.batch, op.chunk))
             if need is not None:
                 src, msg = need
                 queue = link_msgs[(src, s)]
                 while received[src] <= link_pos[(src, s)][msg]:
-                    payload, mb, batch = queue[received[src]]
-                    out.append(Op(recv_kind[payload], mb, batch))
+                    payload, mb, batch, chunk = queue[received[src]]
+                    out.append(Op(recv_kind[payload], mb, batch, chunk=chunk))
                     received[src] += 1
             out.append(op)
-            if op.kind == OpKind.FWD and s < num_stages - 1:
-                out.append(Op(OpKind.SEND_ACT, op.microbatch))
-            elif op.kind == OpKind.REF_FWD and s < num_stages - 1:
+            if op.kind == OpKind.FWD and down is not None:
+                out.append(Op(OpKind.SEND_ACT, op.microbatch, chunk=op.chunk))
+            elif op.kind == OpKind.REF_FWD and down is not None:
                 keep = op.batch == 1 and op.microbatch in keep_out[s]
-                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s > 0:
-                out.append(Op(OpKind.SEND_GRAD, op.microbatch))
+                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch,
+                              chunk=op.chunk))
+            elif op.kind == OpKind.BWD and up is not None:
+                out.append(Op(OpKind.SEND_GRAD, op.microbatch, chunk=op.chunk))
         stages.append(tuple(out))
     return tuple(stages)
 
@@ -359,6 +369,7 @@ def build_plan(
     carry_out: bool = False,
     costs: Costs = Costs(),
     num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """Plan one training step; `ref_current`/`ref_next` and carrying only matter for
     "interleaved" (see the module docstring). With one stage there is nothing to carry and
@@ -373,12 +384,16 @@ def build_plan(
     token-balanced microbatches the count changes from step to step: a step carries out the
     last microbatches of the next batch by the next batch's count, which is exactly what the
     next step (built with that count as `num_microbatches`) carries in.
+
+    `num_chunks` > 1: model chunks per stage (--vpp), megatron-core's interleaved 1F1B
+    (`pipeline/interleaved.py`); every op then names its chunk.
     """
     if num_next_microbatches == num_microbatches:
         num_next_microbatches = None  # one cache entry and one plan for equal counts
     return _cached_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
                         ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
-                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches,
+                        num_chunks=num_chunks)
 
 
 # Token-balanced microbatches make (m, next m) vary: the cache holds a few hundred small plans.
@@ -390,6 +405,7 @@ def _cached_plan(**kwargs) -> Plan:
 def _build_plan(
     *, num_stages: int, num_microbatches: int, ref_mode: str, ref_current: bool, ref_next: bool, carry_in: bool,
     carry_out: bool, costs: Costs, pair_transfers: bool, num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """build_plan; pair_transfers=False leaves every transfer on its own (safe only where sends
     never wait, i.e. buffered; kept to show what the rendezvous check rejects)."""
@@ -408,6 +424,13 @@ def _build_plan(
     if num_next_microbatches is not None and (not isinstance(num_next_microbatches, int) or num_next_microbatches < 1):
         raise ValueError(f"num_next_microbatches must be None or an int >= 1, got {num_next_microbatches!r}")
     check_costs(costs)
+    if num_chunks != 1:
+        from mcore_dpo.pipeline import interleaved  # it builds on this module's transfer placement
+
+        return interleaved.build_interleaved(
+            num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks, ref_mode=ref_mode,
+            ref_current=ref_current, ref_next=ref_next, carry=carry_in or carry_out, costs=costs,
+            pair_transfers=pair_transfers, num_next_microbatches=num_next_microbatches)
     p, m = num_stages, num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
     carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
@@ -419,15 +442,7 @@ def _build_plan(
                     ref_batches, carry_in, carry_out, num_next_microbatches)
 
     def finish(plan: Plan) -> Plan:
-        """The plan with its crossing transfers paired, the fastest way under `costs`."""
-        if not pair_transfers:
-            return plan
-        variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
-                                      for prefer in _PREFER))
-        makespans = [timeline(variant, costs).makespan for variant in variants]
-        # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
-        fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
-        return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
+        return paired(plan, costs=costs) if pair_transfers else plan
 
     def stage_range(s: int) -> range:
         return carried(s, num_stages=p, num_microbatches=m)
@@ -477,6 +492,16 @@ def _build_plan(
 
 
 # ----------------------------------------------------------------------------- transfers
+
+
+def paired(plan: Plan, *, costs: Costs) -> Plan:
+    """The plan with its crossing transfers paired, the fastest way under `costs`."""
+    variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
+                                  for prefer in _PREFER))
+    makespans = [timeline(variant, costs).makespan for variant in variants]
+    # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
+    fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
+    return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
 
 
 # The builder pairs one plan's transfers in each `_PREFER` way, from the same unpaired times.
@@ -537,6 +562,15 @@ def pair_crossing_transfers(stages: Stages, *, prefer: str = "timed", costs: Cos
                 down = [key for key in down if (key[0][1] > key[0][0]) == downstream]
             for key in down:
                 moves.setdefault(key[0][1], []).append(key)
+        if not moves:
+            # No two stages wait for each other, but a longer cycle may (the wrap-around link of
+            # model chunks closes a ring): one receive that a waiting send needs joins its stage's
+            # op, the one whose stage would wait least for it.
+            sends = [key for (s, t), pending in waits.items() for key in pending
+                     if key[0][0] == s and key not in keys[t][ptr[t]]]
+            if sends:
+                key = min(sends, key=lambda key: (delay(key), key))
+                moves[key[0][1]] = [key]
         if not moves:
             if any(ptr[s] < len(lists[s]) for s in range(len(lists))):
                 raise PlanError("transfers cannot be paired: the plan waits for a message nobody sends")
