@@ -8,10 +8,12 @@ long on the shared 2-core machine; pytest runs a sample, the whole sweep runs as
 
 import dataclasses
 import hashlib
+import json
 import sys
 import time
 from collections import Counter
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -237,6 +239,24 @@ def test_first_stage_holds_the_most_chunk_forwards():
         assert stash[0] == min(2 * (p - 1) + (v - 1) * p + 1, m * v) == max(stash)
         # In units of a whole stage's forward (1/v each), more than the p of one-chunk 1F1B.
         assert stash[0] / v > min(p, m)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_smoke(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import vpp
+
+    out = vpp.main(["--stages", "2", "--microbatches", "4", "--chunks", "1", "2", "--costs", "unit",
+                    "--out", str(tmp_path / "vpp.json")])
+    assert json.loads((tmp_path / "vpp.json").read_text()) == json.loads(json.dumps(out))
+    rows = out["rows"]
+    assert {(r["vpp"], r["mode"]) for r in rows} == {(v, mode) for v in (1, 2) for mode in vpp.MODES}
+    for r in rows:
+        if "bubble_theory" in r:
+            assert r["bubble_fraction"] == pytest.approx(r["bubble_theory"], abs=1e-9)
+    assert capsys.readouterr().out.count("\n| unit | 2 | 4 |") == len(rows)
 
 
 # ----------------------------------------------------------------------------- the whole sweep
