@@ -215,7 +215,8 @@ def message_keys(stages: Stages) -> list[list[list[Key]]]:
                                     f"(stage {other} does not exist)")
                 is_send = part.kind in SEND_KINDS
                 link = (s, other) if is_send else (other, s)
-                (sent if is_send else got).setdefault(link, []).append(message(part, stage=s, num_stages=p, num_chunks=v))
+                msg = message(part, stage=s, num_stages=p, num_chunks=v)
+                (sent if is_send else got).setdefault(link, []).append(msg)
                 n = count.get((link, is_send), 0)
                 op_keys.append((link, n))
                 count[(link, is_send)] = n + 1

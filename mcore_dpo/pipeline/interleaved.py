@@ -17,8 +17,14 @@ group size (`check_microbatches`).
 Reference modes as in `pipeline/schedule.py`: "none"/"precomputed" policy only;
 "sequential" a forward-only reference pass first (in table order); "interleaved" the
 reference forwards (the next batch's, and this batch's with `ref_current`) go into the
-idle time of the policy schedule, list-scheduled in time. Carrying reference forwards
-across steps is not built for model chunks: refused.
+idle time of the policy schedule, whose order stays megatron-core's. Candidates: a list
+scheduler in time (`_fill`: idle time, or also policy slack for a few target step times, a
+few limits on the reference activations in flight) and, for the next batch alone, each
+forward in the latest idle slot, last virtual stage first (`_interleave_late`); the fastest
+few are paired for rendezvous transfers and the fastest paired plan within
+`max_in_flight(v)` is kept. Carrying reference forwards across steps is not built for model
+chunks: refused (the warm-up idle time of the later stages then stays empty, which is most
+of what the reference could fill).
 
 Look at a plan:  python -c "from mcore_dpo.pipeline.schedule import *; print(format_plan(
 build_plan(num_stages=2, num_microbatches=4, num_chunks=2, ref_mode='interleaved')))"
@@ -30,8 +36,24 @@ import dataclasses
 import heapq
 
 from mcore_dpo.pipeline.check import timeline
-from mcore_dpo.pipeline.plan import MAX_REF_ACTS_IN_FLIGHT, Costs, Op, OpKind, Plan, PlanError, cost_of, virtual_neighbour
-from mcore_dpo.pipeline.schedule import _add_comm, _expected_ref_batches, paired
+from mcore_dpo.pipeline.plan import (
+    MAX_REF_ACTS_IN_FLIGHT,
+    Costs,
+    Op,
+    OpKind,
+    Plan,
+    PlanError,
+    cost_of,
+    virtual_neighbour,
+)
+from mcore_dpo.pipeline.schedule import (
+    _add_comm,
+    _expected_ref_batches,
+    latest_starts,
+    paired,
+    run_events,
+    smallest_fit,
+)
 
 
 _FINALISTS = 4  # candidate plans paired and timed again
@@ -79,34 +101,6 @@ def interleaved_1f1b(*, stage: int, num_stages: int, num_microbatches: int, num_
     return ops + backwards[total - warmup:]
 
 
-def _latest_starts(chains: list[list[Op]], *, costs: Costs, num_chunks: int, makespan: float) -> dict:
-    """{(stage, op): the latest start that lets every policy op end by `makespan`}: each op
-    ends before the next op of its stage starts and before its consumer (downstream for a
-    forward, upstream for a backward, the last chunk's backward for its forward) starts."""
-    p = len(chains)
-    latest: dict[tuple[int, Op], float] = {}
-    ptr, next_start = [len(ops) - 1 for ops in chains], [makespan] * p
-    while any(i >= 0 for i in ptr):
-        progress = False
-        for s in range(p):
-            while ptr[s] >= 0:
-                op = chains[s][ptr[s]]
-                step = 1 if op.kind is OpKind.FWD else -1
-                other = virtual_neighbour(s, op.chunk, step=step, num_stages=p, num_chunks=num_chunks)
-                due = next_start[s]
-                if other is not None:
-                    consumer = (other[0], dataclasses.replace(op, chunk=other[1]))
-                    if consumer not in latest:
-                        break
-                    due = min(due, latest[consumer] - costs.comm)
-                latest[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
-                ptr[s] -= 1
-                progress = True
-        if not progress:
-            raise RuntimeError("policy schedule has a dependency cycle (bug)")
-    return latest
-
-
 def _fill(
     chains: list[list[Op]], refs: list[list[Op]], *, costs: Costs, num_chunks: int, max_in_flight: int,
     latest: dict | None, sources: dict,
@@ -115,7 +109,7 @@ def _fill(
     of its policy chain (never reordered), simulating in time: a free stage starts its next
     policy op once its input is there, else its next reference forward whose input is there,
     while fewer than `max_in_flight` of its reference activations wait downstream. With
-    `latest` (`_latest_starts`), a reference forward goes first where the policy op has the
+    `latest` (`schedule.latest_starts`), a reference forward goes first where the policy op has the
     slack for it. This batch's reference (batch 0) feeds the loss, so REF(mb, c) joins the
     chain right before FWD(mb, c) if it has not run yet."""
     p, v = len(chains), num_chunks
@@ -166,31 +160,28 @@ def _fill(
         return down is not None and waiting[s] >= max_in_flight and not (s == 0 and op.chunk > 0)
 
     pending = [list(stage_refs) for stage_refs in refs]  # each stage's reference forwards not run yet
-    total = sum(map(len, chains)) + sum(map(len, refs))
-    while sum(chain_pos) + sum(len(stage_refs) - len(left) for stage_refs, left in zip(refs, pending)) < total:
-        if not events:
-            raise RuntimeError("interleaved reference placement stalled (bug)")
-        t = heapq.heappop(events)
-        for s in reversed(range(p)):
-            if free_at[s] > t:
-                continue
-            head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
-            own = head is not None and head.kind is OpKind.FWD and Op(OpKind.REF_FWD, head.microbatch, 0, chunk=head.chunk)
-            if own and own in pending[s]:  # forced: the loss needs it, and so it runs first
-                if (ready := input_time(s, own)) is not None and ready <= t:
-                    start(s, own, t)
-                    pending[s].remove(own)
-                continue
-            ref = next((op for op in pending[s] if not blocked(s, op)
-                        and (ready := input_time(s, op)) is not None and ready <= t), None)
-            head_ready = head is not None and (ready := input_time(s, head)) is not None and ready <= t
-            slack = latest is not None and head is not None and latest[(s, head)] >= t + costs.ref_fwd
-            if head_ready and not (ref is not None and slack):
-                start(s, head, t)
-                chain_pos[s] += 1
-            elif ref is not None:
-                start(s, ref, t)
-                pending[s].remove(ref)
+
+    def visit(s: int, t: float) -> None:
+        head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
+        own = head is not None and head.kind is OpKind.FWD and Op(OpKind.REF_FWD, head.microbatch, 0, chunk=head.chunk)
+        if own and own in pending[s]:  # forced: the loss needs it, and so it runs first
+            if (ready := input_time(s, own)) is not None and ready <= t:
+                start(s, own, t)
+                pending[s].remove(own)
+            return
+        ref = next((op for op in pending[s] if not blocked(s, op)
+                    and (ready := input_time(s, op)) is not None and ready <= t), None)
+        head_ready = head is not None and (ready := input_time(s, head)) is not None and ready <= t
+        slack = latest is not None and head is not None and latest[(s, head)] >= t + costs.ref_fwd
+        if head_ready and not (ref is not None and slack):
+            start(s, head, t)
+            chain_pos[s] += 1
+        elif ref is not None:
+            start(s, ref, t)
+            pending[s].remove(ref)
+
+    run_events(events, free_at, visit=visit,
+               busy=lambda: any(pos < len(chain) for pos, chain in zip(chain_pos, chains)) or any(pending))
     return orders
 
 
@@ -244,7 +235,7 @@ def _interleave_late(
     simulated times or (`late`) as late as the policy-only makespan allows."""
     run = timeline(policy_plan.stages, costs)
     if late:
-        latest = _latest_starts(chains, costs=costs, num_chunks=num_chunks, makespan=run.makespan)
+        latest = latest_starts(chains, costs=costs, num_chunks=num_chunks, makespan=run.makespan)
         times = [[(latest[(s, op)], latest[(s, op)] + cost_of(op.kind, costs)) for op in ops]
                  for s, ops in enumerate(chains)]
     else:
@@ -253,20 +244,8 @@ def _interleave_late(
 
     def fit(makespan: float) -> list[list[Op]] | None:
         return _place_late(chains, times, refs, costs=costs, num_chunks=num_chunks, makespan=makespan)
-    low, high = run.makespan, run.makespan + len(refs) * num_chunks * len(chains) * (costs.ref_fwd + costs.comm)
-    best = fit(low)
-    if best is not None:
-        return best
-    best = fit(high)
-    assert best is not None, "reference forwards after the policy ops always fit"
-    while high - low > 1e-3 * costs.ref_fwd:  # fitting is monotone in the makespan
-        mid = (low + high) / 2
-        orders = fit(mid)
-        if orders is None:
-            low = mid
-        else:
-            high, best = mid, orders
-    return best
+    high = run.makespan + len(refs) * num_chunks * len(chains) * (costs.ref_fwd + costs.comm)
+    return smallest_fit(fit, low=run.makespan, high=high, tolerance=1e-3 * costs.ref_fwd)
 
 
 def build_interleaved(
@@ -304,15 +283,15 @@ def build_interleaved(
         # step time of policy-only plus some of the reference work (a few targets, the fastest kept).
         policy_time = timeline(plan_of(chains).stages, costs).makespan
         work = len(refs) * costs.ref_fwd
-        latests = [None] + [_latest_starts(chains, costs=costs, num_chunks=v, makespan=policy_time + share * work)
+        latests = [None] + [latest_starts(chains, costs=costs, num_chunks=v, makespan=policy_time + share * work)
                             for share in (0.0, 0.5, 1.0)]
         sources: dict = {}
-        candidates = [plan_of(_fill(chains, [fillers] * p, costs=costs, num_chunks=v, max_in_flight=limit, latest=latest,
-                                    sources=sources))
+        candidates = [plan_of(_fill(chains, [fillers] * p, costs=costs, num_chunks=v, max_in_flight=limit,
+                                    latest=latest, sources=sources))
                       for limit in sorted({1, MAX_REF_ACTS_IN_FLIGHT, max_in_flight(v)}) for latest in latests]
         if 0 not in ref_batches:  # this batch's reference gates the loss: left to _fill
-            candidates += [plan_of(_interleave_late(chains, refs, costs=costs, num_chunks=v, policy_plan=plan_of(chains),
-                                                    late=late)) for late in (True, False)]
+            candidates += [plan_of(_interleave_late(chains, refs, costs=costs, num_chunks=v,
+                                                    policy_plan=plan_of(chains), late=late)) for late in (True, False)]
     if not pair_transfers:
         return candidates[0]
     # Pairing makes some stages post receives early and wait in them, so the fastest unpaired

@@ -206,41 +206,49 @@ def _greedy_interleaved(
         heapq.heappush(events, finish)
         heapq.heappush(events, finish + costs.comm)
 
+    def visit(s: int, t: float) -> None:
+        head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
+        ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
+        forced = (
+            head is not None and head.kind == OpKind.FWD
+            and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
+        )
+        if forced:
+            head = ref
+        if head is not None:
+            ready = input_time(s, head)
+            if ready is not None and ready <= t:
+                start(s, head, t)
+                if forced:
+                    ref_pos[s] += 1
+                else:
+                    chain_pos[s] += 1
+                return
+        if ref is None or forced:
+            return
+        ref_ready = input_time(s, ref)
+        in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
+        if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
+            return
+        start(s, ref, t)
+        ref_pos[s] += 1
+
     total = sum(len(c) for c in chains) + p * len(refs)
-    while sum(chain_pos) + sum(ref_pos) < total:
-        if not events:
-            raise RuntimeError("interleaved scheduler stalled (bug)")
-        t = heapq.heappop(events)
-        # Downstream first: a stage consuming a reference activation frees a slot upstream.
-        for s in reversed(range(p)):
-            if free_at[s] > t:
-                continue
-            head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
-            ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
-            forced = (
-                head is not None and head.kind == OpKind.FWD
-                and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
-            )
-            if forced:
-                head = ref
-            if head is not None:
-                ready = input_time(s, head)
-                if ready is not None and ready <= t:
-                    start(s, head, t)
-                    if forced:
-                        ref_pos[s] += 1
-                    else:
-                        chain_pos[s] += 1
-                    continue
-            if ref is None or forced:
-                continue
-            ref_ready = input_time(s, ref)
-            in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
-            if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
-                continue
-            start(s, ref, t)
-            ref_pos[s] += 1
+    run_events(events, free_at, visit=visit, busy=lambda: sum(chain_pos) + sum(ref_pos) < total)
     return orders
+
+
+def run_events(events: list[float], free_at: list[float], *, visit, busy) -> None:
+    """The time-stepped loop of a list scheduler: at each event time, while `busy()`, each free
+    stage, downstream first (a stage consuming a reference activation frees a slot upstream),
+    gets `visit(stage, time)`; visits push the end times of what they start onto `events`."""
+    while busy():
+        if not events:
+            raise RuntimeError("list scheduler stalled (bug)")
+        t = heapq.heappop(events)
+        for s in reversed(range(len(free_at))):
+            if free_at[s] <= t:
+                visit(s, t)
 
 
 def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> list[list[tuple[float, float]]]:
@@ -249,8 +257,17 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
     Warmup forwards have slack in 1F1B; running them late opens idle time early
     in the step, where reference forwards can start their way down the pipeline.
     """
+    latest = latest_starts(orders, costs=costs, num_chunks=1, makespan=makespan)
+    return [[(latest[(s, op)], latest[(s, op)] + cost_of(op.kind, costs)) for op in ops]
+            for s, ops in enumerate(orders)]
+
+
+def latest_starts(orders: list[list[Op]], *, costs: Costs, num_chunks: int, makespan: float) -> dict:
+    """{(stage, op): the latest start that lets every compute op end by `makespan`}: each op
+    ends before the next op of its stage starts and before the op that consumes its output
+    starts (one virtual stage downstream for a forward, upstream for a backward)."""
     num_stages = len(orders)
-    latest_start: dict[tuple[int, Op], float] = {}
+    latest: dict[tuple[int, Op], float] = {}
     ptr = [len(ops) - 1 for ops in orders]
     next_start = [makespan] * num_stages
     while any(i >= 0 for i in ptr):
@@ -258,23 +275,20 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
         for s in range(num_stages):
             while ptr[s] >= 0:
                 op = orders[s][ptr[s]]
-                # The op on a neighbour stage that consumes this op's output.
-                if op.kind == OpKind.BWD:
-                    consumer = (s - 1, op) if s > 0 else None
-                else:
-                    consumer = (s + 1, op) if s < num_stages - 1 else None
+                step = -1 if op.kind == OpKind.BWD else 1
+                other = virtual_neighbour(s, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
                 due = next_start[s]
-                if consumer is not None:
-                    if consumer not in latest_start:
+                if other is not None:
+                    consumer = (other[0], dataclasses.replace(op, chunk=other[1]))
+                    if consumer not in latest:
                         break
-                    due = min(due, latest_start[consumer] - costs.comm)
-                latest_start[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
+                    due = min(due, latest[consumer] - costs.comm)
+                latest[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
                 ptr[s] -= 1
                 progress = True
         if not progress:
             raise RuntimeError("base schedule has a dependency cycle (bug)")
-    return [[(latest_start[(s, op)], latest_start[(s, op)] + cost_of(op.kind, costs)) for op in ops]
-            for s, ops in enumerate(orders)]
+    return latest
 
 
 def _place_refs_late(
@@ -340,15 +354,20 @@ def _interleave_late(
     def fit(makespan: float) -> list[list[Op]] | None:
         return _place_refs_late(base=base, base_times=base_times, refs=refs, costs=costs, makespan=makespan)
 
-    low = run.makespan
+    high = run.makespan + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
+    return smallest_fit(fit, low=run.makespan, high=high, tolerance=1e-6 * costs.ref_fwd)
+
+
+def smallest_fit(fit, *, low: float, high: float, tolerance: float) -> list[list[Op]]:
+    """fit(makespan) at the smallest makespan in [low, high] where it fits (not None), to
+    `tolerance`; fitting is monotone in the makespan, so bisect (simulate() gives the exact
+    time afterwards). At `high` it must fit."""
     best = fit(low)
     if best is not None:
         return best
-    high = low + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
     best = fit(high)
     assert best is not None, "reference forwards after the base schedule always fit"
-    # Fitting is monotone in the makespan, so bisect; simulate() gives the exact time afterwards.
-    while high - low > 1e-6 * costs.ref_fwd:
+    while high - low > tolerance:
         mid = (low + high) / 2
         orders = fit(mid)
         if orders is None:
