@@ -45,7 +45,8 @@ def cost_sets(measured: Path = MEASURED) -> dict[str, Costs]:
     """The unit costs, and the measured ones scaled to a policy forward of 1, if recorded."""
     sets = {"unit": Costs()}
     if measured.exists():
-        recorded = json.loads(measured.read_text()).get("simulated_with_measured_costs", {}).get("costs_ms")
+        recorded = json.loads(measured.read_text()).get("measured", {}).get("simulated_with_measured_costs", {})
+        recorded = recorded.get("costs_ms")
         if recorded:
             fwd = recorded["fwd"]
             sets["measured"] = Costs(fwd=1.0, bwd=recorded["bwd"] / fwd, ref_fwd=recorded["ref_fwd"] / fwd)
