@@ -33,7 +33,9 @@ print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interle
 
 Over 500 lines: one algorithm (1F1B order, reference forwards placed in the bubbles,
 carrying across steps, transfers paired so that no plan deadlocks) whose steps share their
-intermediate lists; the op types are in plan.py and the checks in check.py.
+intermediate lists, and whose transfer placement, pairing, event loop and latest-start pass
+the interleaved builder (`pipeline/interleaved.py`, model chunks) reuses; the op types are in
+plan.py and the checks in check.py.
 """
 
 from __future__ import annotations
