@@ -37,9 +37,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from checkpoint_convert.score_head import score_head_from_causal
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.cli import train_input_error
-from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, hf_weights, run_argv, text_pairs
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
-from tests.helpers.reference import assert_close
+from tests.helpers.reference import assert_close, exported_weights
 from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -141,7 +141,7 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, data, 
             worst[key] = max(worst.get(key, 0.0), abs(ours[key] - theirs[key]) / max(abs(theirs[key]), 1e-300))
     assert 0 < rows[0]["accuracy"] < 1, rows[0]  # not degenerate: both outcomes occur
 
-    trained = hf_weights(out / "hf")
+    trained = exported_weights(out / "hf")
     assert set(trained) == set(ref["weights"]) and "score.weight" in trained
     for key, expected in ref["weights"].items():
         scale = expected.abs().max().item()

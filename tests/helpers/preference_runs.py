@@ -1,14 +1,11 @@
-"""What the command-line parity tests of an objective share (tests/test_reward_parity.py): text
-pairs of the parity tokenizer's words, the command line of a short fp32 run with the parity
-tests' optimizer settings, and the weights of an HF directory."""
+"""What the command-line parity tests of an objective share (tests/test_reward_parity.py,
+tests/helpers/trl_parity.py): text pairs of the parity tokenizer's words, the parity tests'
+optimizer settings and the command line of a short fp32 run with them."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
 
 # tests/test_parity_losses.py's optimizer settings
 LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4
@@ -35,11 +32,3 @@ def run_argv(*, model: Path, data: Path, out: Path, objective: str, layout: tupl
             "--global-batch-size", str(global_batch), "--micro-batch-size", str(micro_batch), "--dtype", "float32",
             "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
             "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf"]
-
-
-def hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files of an HF directory, by name."""
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors

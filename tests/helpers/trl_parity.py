@@ -37,7 +37,6 @@ import dataclasses
 import importlib
 import json
 import os
-import random
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 from unittest import mock
@@ -50,13 +49,13 @@ from checkpoint_convert.io import open_hf_dir
 from mcore_dpo.data.pairs import TokenizedPair
 from tests.helpers.models import PAD, hub_tensors
 from tests.helpers.moe_parity import hub_experts
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, assert_exported_weights, engine_adamw
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 # tests/test_parity_losses.py's optimizer settings
-LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4
 # A fresh adapter's step 2 reads step 1's B = -lr·g/(|g| + eps): tests/helpers/lora_parity.py's eps.
 LORA_ADAM_EPS = 1e-2
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.0"]  # every target: lora_parity.SHAPE
@@ -251,17 +250,6 @@ class Run:
     """A fresh LoRA adapter on every target, against PEFT."""
 
 
-def _texts(num: int, *, seed: int) -> list[dict]:
-    """Text pairs of the parity tokenizer's words (w3..w99): 1-8 prompt words, 1-8 words per completion."""
-    rng = random.Random(seed)
-
-    def words(n: int) -> str:
-        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(n))
-
-    return [{"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 8)),
-             "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
-
-
 def write_pairs(directory: Path, *, tokenizer_dir: Path, seed: int) -> dict:
     """A JSONL of STEPS global batches in `directory` and its pairs as the engine tokenizes them, one
     list per step: {"path", "batches"}."""
@@ -270,7 +258,7 @@ def write_pairs(directory: Path, *, tokenizer_dir: Path, seed: int) -> dict:
     from mcore_dpo.data.pairs import load_pairs
 
     path = directory / "prefs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in _texts(STEPS * GLOBAL_BATCH, seed=seed)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(STEPS * GLOBAL_BATCH, seed=seed)))
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
     assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
