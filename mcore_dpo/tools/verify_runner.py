@@ -157,30 +157,30 @@ def _run_rank(rank: int, *, world_size: int, port: int, mcore_dir: str, work_dir
     timeout = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's (bound there)
     dist.init_process_group(backend=platform.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        mesh = mesh_lib.initialize(_layout(meta))
-        platform_lib.init_model_rng(platform, 0)
-        with platform_lib.building_models(platform):
-            model = build_stage_model(meta.spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
-        shard = checkpoint.shard(mesh.tp_rank, mesh.pp_rank)
-        load_shard(model, _local_spec_names(shard, spec=meta.spec, pp=meta.pp, pp_rank=mesh.pp_rank,
-                                            layer_spec=meta.layer_spec))
-        model.eval()
-        tokens = load_file(str(Path(work_dir) / "tokens.safetensors"))["tokens"]
-        batch, seq_len = tokens.shape
-        with torch.no_grad():
-            hidden = None
-            if not mesh.is_first_stage:
-                hidden = torch.empty(seq_len, batch, meta.spec.hidden_size, dtype=torch.float32)
-                dist.recv(hidden, src=mesh.prev_rank)
-            output = stage_forward(model, tokens=tokens, input_tensor=hidden, mask=causal_mask(seq_len, device=tokens.device))
-            if not mesh.is_last_stage:
-                dist.send(output.contiguous(), dst=mesh.next_rank)
-            else:
-                parts = [torch.empty_like(output) for _ in range(meta.tp)]
-                dist.all_gather(parts, output.contiguous(), group=mesh.tp_group)
-                if mesh.tp_rank == 0:
-                    logits = torch.cat(parts, dim=-1)[..., : meta.spec.vocab_size]
-                    save_file({"logits": logits.contiguous()}, str(Path(work_dir) / "mcore_logits.safetensors"))
-    finally:
-        mesh_lib.destroy()
+    # No `finally: destroy`: a failing rank must write its error (_rank_main) before its links
+    # close, or its peers' "connection closed" would be written first and taken for the cause.
+    mesh = mesh_lib.initialize(_layout(meta))
+    platform_lib.init_model_rng(platform, 0)
+    with platform_lib.building_models(platform):
+        model = build_stage_model(meta.spec, mesh=mesh, dtype=torch.float32, on_gpu=False, use_te=False)
+    shard = checkpoint.shard(mesh.tp_rank, mesh.pp_rank)
+    load_shard(model, _local_spec_names(shard, spec=meta.spec, pp=meta.pp, pp_rank=mesh.pp_rank,
+                                        layer_spec=meta.layer_spec))
+    model.eval()
+    tokens = load_file(str(Path(work_dir) / "tokens.safetensors"))["tokens"]
+    batch, seq_len = tokens.shape
+    with torch.no_grad():
+        hidden = None
+        if not mesh.is_first_stage:
+            hidden = torch.empty(seq_len, batch, meta.spec.hidden_size, dtype=torch.float32)
+            dist.recv(hidden, src=mesh.prev_rank)
+        output = stage_forward(model, tokens=tokens, input_tensor=hidden, mask=causal_mask(seq_len, device=tokens.device))
+        if not mesh.is_last_stage:
+            dist.send(output.contiguous(), dst=mesh.next_rank)
+        else:
+            parts = [torch.empty_like(output) for _ in range(meta.tp)]
+            dist.all_gather(parts, output.contiguous(), group=mesh.tp_group)
+            if mesh.tp_rank == 0:
+                logits = torch.cat(parts, dim=-1)[..., : meta.spec.vocab_size]
+                save_file({"logits": logits.contiguous()}, str(Path(work_dir) / "mcore_logits.safetensors"))
+    mesh_lib.destroy()
