@@ -19,7 +19,9 @@ Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 
 resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
 with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, started from a reward
 model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
-pp 2 x dp 2 (min/max_reward over dp ranks).
+pp 2 x dp 2 (min/max_reward over dp ranks); the margins on the Qwen3-MoE parity model
+(`Qwen3MoeForSequenceClassification` from its causal LM) at dp 2 x ep 2, the experts split over
+the ranks, its exported experts compared one tensor each under their hub names.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import torch
 import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.score_head import score_head_from_causal
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.cli import train_input_error
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, exported_weights
+from tests.helpers.trl_parity import hub_weights
 from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -49,12 +53,13 @@ SEED = 1234  # --seed's default: the score head's draw
 PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
-# name -> ((tp, pp, dp), center_rewards_coefficient, the data's "margin" column,
-#          start: "causal" LM, "reward" model dir, "resume" at step 1)
+# name -> ((tp, pp, dp[, ep]), center_rewards_coefficient, the data's "margin" column,
+#          start: "causal" LM, "reward" model dir, "resume" at step 1; the parity model)
 RUNS = {
-    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume"),
-    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward"),
-    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal"),
+    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume", "llama"),
+    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward", "llama"),
+    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal", "llama"),
+    "moe-margin-tp1pp1dp2ep2": ((1, 1, 2, 2), None, True, "causal", "qwen3_moe"),
 }
 
 
@@ -102,10 +107,10 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", RUNS)
-def test_reward_through_the_command_line_matches_trl(name, parity_models, data, ray_cluster, tmp_path):
-    layout, coefficient, with_margin, start = RUNS[name]
+def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
+    layout, coefficient, with_margin, start, family = RUNS[name]
     data = data[with_margin]
-    model_dir = parity_models["llama"][0]
+    model_dir = {**parity_models, **moe_models}[family][0]
     config = json.loads((Path(model_dir) / "config.json").read_text())
     _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
     if start == "reward":  # the same starting point, as a reward model with a score head of its own
@@ -121,7 +126,7 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, data, 
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
-            resolved["dp"]) == ("reward", "none", False, *layout)
+            resolved["dp"], resolved["ep"]) == ("reward", "none", False, *layout, *([] if len(layout) == 4 else [1]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
@@ -142,13 +147,14 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, data, 
     assert 0 < rows[0]["accuracy"] < 1, rows[0]  # not degenerate: both outcomes occur
 
     trained = exported_weights(out / "hf")
-    assert set(trained) == set(ref["weights"]) and "score.weight" in trained
-    for key, expected in ref["weights"].items():
+    expected_weights = hub_weights(reference, spec=open_hf_dir(model_dir).spec)  # each expert's tensors apart
+    assert set(trained) == set(expected_weights) and "score.weight" in trained
+    for key, expected in expected_weights.items():
         scale = expected.abs().max().item()
         assert_close(trained[key], expected, what=f"{name} weights {key}", rtol=RTOL)
         worst["weights"] = max(worst.get("weights", 0.0),
                                (trained[key].double() - expected.double()).abs().max().item() / scale)
-    moved = (ref["weights"]["score.weight"] - score).abs().max().item() / score.abs().max().item()
+    moved = (expected_weights["score.weight"] - score).abs().max().item() / score.abs().max().item()
     assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
 
     # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
