@@ -26,6 +26,7 @@ the ranks, its exported experts compared one tensor each under their hub names.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -53,14 +54,23 @@ SEED = 1234  # --seed's default: the score head's draw
 PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
-# name -> ((tp, pp, dp[, ep]), center_rewards_coefficient, the data's "margin" column,
-#          start: "causal" LM, "reward" model dir, "resume" at step 1; the parity model)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    layout: tuple[int, ...]  # (tp, pp, dp) or (tp, pp, dp, ep)
+    coefficient: float | None = None  # center_rewards_coefficient
+    margin: bool = False  # the data's "margin" column
+    start: str = "causal"  # from a "causal" LM, a "reward" model directory, or "resume" at step 1
+    model: str = "llama"  # the parity model
+    packed: bool = False
+
+
 RUNS = {
-    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume", "llama"),
-    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward", "llama"),
-    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal", "llama"),
-    "moe-margin-tp1pp1dp2ep2": ((1, 1, 2, 2), None, True, "causal", "qwen3_moe"),
+    "plain-resumed-tp1pp1dp1": Run((1, 1, 1), start="resume"),
+    "margin-centered-from-reward-dir-tp2pp2dp1": Run((2, 2, 1), 0.01, margin=True, start="reward"),
+    "margin-centered-packed-tp1pp2dp2": Run((1, 2, 2), 0.5, margin=True, packed=True),
+    "moe-margin-tp1pp1dp2ep2": Run((1, 1, 2, 2), margin=True, model="qwen3_moe"),
 }
+PACKED = ["--packing", "--max-tokens-per-microbatch", "40"]  # a step's 8 pairs in several packed rows
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +118,10 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
-    layout, coefficient, with_margin, start, family = RUNS[name]
-    data = data[with_margin]
-    model_dir = {**parity_models, **moe_models}[family][0]
+    run = RUNS[name]
+    layout, coefficient, start = run.layout, run.coefficient, run.start
+    data = data[run.margin]
+    model_dir = {**parity_models, **moe_models}[run.model][0]
     config = json.loads((Path(model_dir) / "config.json").read_text())
     _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
     if start == "reward":  # the same starting point, as a reward model with a score head of its own
@@ -120,13 +131,13 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
         run_from = model_dir
     out = tmp_path / "run"
     for steps in (1, STEPS) if start == "resume" else (STEPS,):
-        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps),
-                                 cluster=ray_cluster)
+        argv = _argv(run_from, data["path"], out, layout, coefficient, steps=steps) + (PACKED if run.packed else [])
+        result = main_in_process(argv, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
-            resolved["dp"], resolved["ep"]) == ("reward", "none", False, *layout, *([] if len(layout) == 4 else [1]))
+            resolved["dp"], resolved["ep"]) == ("reward", "none", run.packed, *layout, *([] if len(layout) == 4 else [1]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
@@ -170,13 +181,13 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
 
 @pytest.mark.parametrize("argv, expected", [
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
-    (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
+    (["--objective", "reward", "--packing", "--prefix-sharing"], "prefix_sharing: not with --objective reward yet"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
     (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "packing", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "prefix-sharing", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

@@ -227,6 +227,34 @@ def row_scores(scores: Tensor, tokens: Tensor, *, loss_mask: Tensor, pad_token_i
     return SequenceScores(score=sequence_rewards(scores[..., 0], index), num_tokens=lengths)
 
 
+def last_segment_token_index(tokens: Tensor, segment_ids: Tensor, *, num_sequences: int, pad_token_id: int) -> Tensor:
+    """`last_token_index` for packed rows: the flat position [num_sequences] (into tokens [rows, W]
+    read row by row) of each sequence's last token that is not pad_token_id, its sequence given by
+    `segment_ids` [rows, W] (ids >= num_sequences: the packing's padding). A sequence made only of
+    pad tokens is read at its first position, as an unpacked row of them is read at 0."""
+    if tokens.shape != segment_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"segment_ids: expected the shape of tokens {list(tokens.shape)}, got {list(segment_ids.shape)}")
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)  # the padding: one slot of its own
+    positions = torch.arange(ids.numel(), dtype=torch.int64, device=tokens.device)
+    not_pad = tokens.reshape(-1) != pad_token_id
+    last = torch.full((num_sequences + 1,), -1, dtype=torch.int64, device=tokens.device).scatter_reduce(
+        0, ids, torch.where(not_pad, positions, torch.full_like(positions, -1)), reduce="amax")
+    first = torch.full((num_sequences + 1,), ids.numel(), dtype=torch.int64, device=tokens.device).scatter_reduce(
+        0, ids, positions, reduce="amin")
+    return torch.where(last >= 0, last, first)[:num_sequences]
+
+
+def segment_scores(scores: Tensor, tokens: Tensor, *, segment_ids: Tensor, num_sequences: int,
+                   pad_token_id: int) -> SequenceScores:
+    """`row_scores` of packed rows (data/packing.py's `collate_packed`): each sequence's score from
+    the score head's outputs [rows, W, 1], read at `last_segment_token_index`, in the unpacked
+    order of its segment id (the b chosen sequences, then the b rejected ones), and its tokens."""
+    index = last_segment_token_index(tokens, segment_ids, num_sequences=num_sequences, pad_token_id=pad_token_id)
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)
+    lengths = torch.bincount(ids, minlength=num_sequences + 1)[:num_sequences]
+    return SequenceScores(score=scores.reshape(-1, scores.shape[-1])[index, 0], num_tokens=lengths)
+
+
 def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
     """Split [2b, ...] rows into (chosen [b, ...], rejected [b, ...]): TRL 1.16's collator puts
     the b chosen sequences first and the b rejected ones after them."""
@@ -451,8 +479,8 @@ def spec_of(config) -> RewardSpec:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
     for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
         if refused:
-            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
-                             f"last token); use --no-{name.replace('_', '-')}")
+            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each sequence's "
+                             f"last token of a whole row); use --no-{name.replace('_', '-')}")
     if config.lora:
         raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
     if config.cp > 1:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
-from mcore_dpo.objective.reward import SequenceScores, row_scores
+from mcore_dpo.objective.reward import SequenceScores, row_scores, segment_scores
 from mcore_dpo.pipeline.account import MemoryAccount
 from mcore_dpo.parallel.context_parallel import local_part
 from mcore_dpo.parallel.mesh import Mesh
@@ -335,6 +335,9 @@ def _last_stage_logps(
 ) -> SequenceLogps | SequenceScores:
     micro, staged = ctx.microbatches[batch][mb], ctx._staged[(batch, mb)]
     if ctx.score_pad_token_id is not None:
+        if staged.segment_ids is not None:
+            return segment_scores(output, staged.tokens, segment_ids=staged.segment_ids,
+                                  num_sequences=micro.num_sequences, pad_token_id=ctx.score_pad_token_id)
         return row_scores(output, staged.tokens, loss_mask=staged.loss_mask, pad_token_id=ctx.score_pad_token_id)
     options = ctx.logps_options
     if not policy and options.wpo:  # WPO weights come from the policy only
