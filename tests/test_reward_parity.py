@@ -17,8 +17,9 @@ the pairs against the reference model's, within ATOL.
 
 Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 2, the second
 resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
-with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, started from a reward
-model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
+with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2 with sequence
+parallelism (the score head gathers the sequence), started from a reward model directory
+(`LlamaForSequenceClassification`, its own score head, which the run loads), and packed at
 pp 2 x dp 2 (min/max_reward over dp ranks); the margins on the Qwen3-MoE parity model
 (`Qwen3MoeForSequenceClassification` from its causal LM) at dp 2 x ep 2, the experts split over
 the ranks, its exported experts compared one tensor each under their hub names.
@@ -62,11 +63,13 @@ class Run:
     start: str = "causal"  # from a "causal" LM, a "reward" model directory, or "resume" at step 1
     model: str = "llama"  # the parity model
     packed: bool = False
+    extra: tuple[str, ...] = ()  # more flags
 
 
 RUNS = {
     "plain-resumed-tp1pp1dp1": Run((1, 1, 1), start="resume"),
-    "margin-centered-from-reward-dir-tp2pp2dp1": Run((2, 2, 1), 0.01, margin=True, start="reward"),
+    "margin-centered-from-reward-dir-sp-tp2pp2dp1": Run((2, 2, 1), 0.01, margin=True, start="reward",
+                                                        extra=("--sequence-parallel",)),
     "margin-centered-packed-tp1pp2dp2": Run((1, 2, 2), 0.5, margin=True, packed=True),
     "moe-margin-tp1pp1dp2ep2": Run((1, 1, 2, 2), margin=True, model="qwen3_moe"),
 }
@@ -131,7 +134,8 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
         run_from = model_dir
     out = tmp_path / "run"
     for steps in (1, STEPS) if start == "resume" else (STEPS,):
-        argv = _argv(run_from, data["path"], out, layout, coefficient, steps=steps) + (PACKED if run.packed else [])
+        argv = [*_argv(run_from, data["path"], out, layout, coefficient, steps=steps), *(PACKED if run.packed else []),
+                *run.extra]
         result = main_in_process(argv, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]

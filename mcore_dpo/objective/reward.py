@@ -477,10 +477,9 @@ def spec_of(config) -> RewardSpec:
     for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
         if getattr(config, name) != default:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
-    for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
-        if refused:
-            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each sequence's "
-                             f"last token of a whole row); use --no-{name.replace('_', '-')}")
+    if config.prefix_sharing:
+        raise ValueError("prefix_sharing: not with --objective reward yet (a shared prompt is not a whole sequence "
+                         "to score); use --no-prefix-sharing")
     if config.lora:
         raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
     if config.cp > 1:
