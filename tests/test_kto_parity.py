@@ -46,14 +46,14 @@ from mcore_dpo.data.pairs import data_notes
 from mcore_dpo.data.store import open_or_build
 from mcore_dpo.data.unpaired import Unpaired
 from tests.helpers.cli import train_input_error
+from tests.helpers import trl_parity
 from tests.helpers.models import PAD
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, assert_exported_weights
 from tests.helpers.trl_kto import kto_reference_run, trl_samples
-from tests.helpers import trl_parity
 from tests.helpers.trl_parity import LORA, LORA_ADAM_EPS
 
-LR, CLIP, WD, ADAM_EPS = 1e-3, 1.0, 0.1, 1e-4  # tests/test_parity_losses.py's
 RTOL = 1e-5
 STEPS, GLOBAL_BATCH, MICRO_BATCH = 2, 8, 2
 MAX_LENGTH = 14  # a prompt of up to 9 tokens and completions of up to 9: some are cut
@@ -97,18 +97,12 @@ def _unpaired_rows(num: int, *, seed: int) -> list[dict]:
              "label": rng.random() < 0.5, "id": i} for i in range(num)]
 
 
-def _paired_rows(num: int, *, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt": _words(rng, rng.randint(1, 8)), "chosen": " " + _words(rng, rng.randint(1, 8)),
-             "rejected": " " + _words(rng, rng.randint(1, 8))} for _ in range(num)]
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[bool, tuple[Path, list[dict]]]:
     root = tmp_path_factory.mktemp("kto_data")
     out = {}
     for paired, rows in ((False, _unpaired_rows(STEPS * GLOBAL_BATCH, seed=5)),
-                         (True, _paired_rows(STEPS * GLOBAL_BATCH // 2, seed=13))):  # a seed with kl > 0
+                         (True, text_pairs(STEPS * GLOBAL_BATCH // 2, seed=13))):  # a seed with kl > 0
         path = root / ("pairs.jsonl" if paired else "unpaired.jsonl")
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         out[paired] = (path, rows)
@@ -147,15 +141,11 @@ def test_the_token_store_holds_trls_samples(paired, loss_type, parity_models, fi
 
 
 def _argv(models, data_path: Path, out: Path, run: Run) -> list[str]:
-    tp, pp, dp, *ep = run.layout
-    argv = ["--model", str(models[0]), *([] if run.lora else ["--ref-model", str(models[1])]), "--data",
-            str(data_path), "--output-dir", str(out), "--objective", "kto", "--tp", str(tp), "--pp", str(pp),
-            "--dp", str(dp), "--ep", str(ep[0] if ep else 1), "--no-shuffle", "--max-steps", str(STEPS),
-            "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32",
-            "--max-length", str(MAX_LENGTH), "--lr", str(LR),
-            "--adam-eps", str(LORA_ADAM_EPS if run.lora else ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD), "--eval-interval", "0", "--save-interval", "0",
-            "--save-interval-min", "0", "--export-hf", "--ref-mode", run.ref_mode,
-            *(PACKED if run.packed else ["--no-packing"]), *(LORA if run.lora else [])]
+    argv = run_argv(model=models[0], data=data_path, out=out, objective="kto", layout=run.layout, steps=STEPS,
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
+                    adam_eps=LORA_ADAM_EPS if run.lora else ADAM_EPS)
+    argv += [*([] if run.lora else ["--ref-model", str(models[1])]), "--max-length", str(MAX_LENGTH),
+             "--ref-mode", run.ref_mode, *(PACKED if run.packed else ["--no-packing"]), *(LORA if run.lora else [])]
     for name, value in run.options.items():
         argv += [FLAGS[name], str(value)]
     return argv
