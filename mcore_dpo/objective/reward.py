@@ -447,10 +447,6 @@ class RewardObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
     max_keys = MAX_REDUCED_KEYS
 
-    def __init__(self, spec: RewardSpec):
-        spec.validate()
-        self.spec = spec
-
     def totals(self, samples: Sequence) -> RewardTotals:
         margins = [getattr(sample, "margin", None) for sample in samples]
         return RewardTotals(num_samples=len(samples), chosen_tokens=1,  # the loss is a mean over pairs only
