@@ -337,7 +337,8 @@ def _last_stage_logps(
     if ctx.score_pad_token_id is not None:
         if staged.segment_ids is not None:
             return segment_scores(output, staged.tokens, segment_ids=staged.segment_ids,
-                                  num_sequences=micro.num_sequences, pad_token_id=ctx.score_pad_token_id)
+                                  num_sequences=micro.num_sequences, pad_token_id=ctx.score_pad_token_id,
+                                  shared_prompt=staged.shared_prompt)
         return row_scores(output, staged.tokens, loss_mask=staged.loss_mask, pad_token_id=ctx.score_pad_token_id)
     options = ctx.logps_options
     if not policy and options.wpo:  # WPO weights come from the policy only
