@@ -15,8 +15,9 @@ num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tenso
 largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
 the pairs against the reference model's, within ATOL.
 
-Runs: plain Bradley-Terry at (1,1,1) with shared prompts (--prefix-sharing: each pair's prompt
-once, the rejected sequence scored through it) in two invocations, --max-steps 1 and then 2, the
+Runs: plain Bradley-Terry at (1,1,1) with context parallelism (--cp 2: the scores of each cp
+rank's positions gathered whole) and shared prompts (--prefix-sharing: each pair's prompt once,
+the rejected sequence scored through it) in two invocations, --max-steps 1 and then 2, the
 second resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
 with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2 with sequence
 parallelism (the score head gathers the sequence), started from a reward model directory
@@ -68,7 +69,7 @@ class Run:
 
 
 RUNS = {
-    "plain-shared-prompts-resumed-tp1pp1dp1": Run((1, 1, 1), start="resume", extra=("--prefix-sharing",)),
+    "plain-shared-prompts-resumed-cp2-tp1pp1dp1": Run((1, 1, 1), start="resume", extra=("--prefix-sharing", "--cp", "2")),
     "margin-centered-from-reward-dir-sp-tp2pp2dp1": Run((2, 2, 1), 0.01, margin=True, start="reward",
                                                         extra=("--sequence-parallel",)),
     "margin-centered-packed-tp1pp2dp2": Run((1, 2, 2), 0.5, margin=True, packed=True),
@@ -186,13 +187,12 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
 
 @pytest.mark.parametrize("argv, expected", [
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
-    (["--objective", "reward", "--cp", "2"], "cp: not with --objective reward yet"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
     (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "cp", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

@@ -499,9 +499,6 @@ def spec_of(config) -> RewardSpec:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
     if config.lora:
         raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
-    if config.cp > 1:
-        raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
-                         f"got --cp {config.cp}")
     return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
 
 
