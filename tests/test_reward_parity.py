@@ -92,8 +92,8 @@ def data(parity_models, tmp_path_factory) -> dict:
         path = tmp_path_factory.mktemp("reward_data") / "prefs.jsonl"
         path.write_text("".join(json.dumps({**row, "margin": round(rng.uniform(-0.5, 1.5), 3)} if with_margin else row)
                                 + "\n" for row in rows))
-        pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH)
-        assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_truncated_pairs == 0
+        pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=MAX_LENGTH, whole_rows=True)  # as the run
+        assert len(pairs) == STEPS * GLOBAL_BATCH and stats.num_dropped_too_long == 0
         assert all((p.margin is not None) == with_margin for p in pairs)
         files[with_margin] = {"path": path,
                               "batches": [pairs[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH] for k in range(STEPS)]}
@@ -183,6 +183,33 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
     worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
     assert worst["exported rewards (abs)"] <= ATOL, worst
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def test_the_command_lines_reward_data_are_whole_sequences(tmp_path):
+    """--objective reward reads its data as TRL's RewardTrainer: implicit-prompt rows that share no
+    text are scored whole, a pair with a sequence over --max-length is dropped (data_stats'
+    num_dropped_too_long, a note), never cut; the same file under dpo is refused for the row
+    without a shared prompt."""
+    from mcore_dpo.command_line import resolve
+    from mcore_dpo.data.pairs import data_notes
+    from mcore_dpo.data.sources import DataError
+    from tests.helpers.token_store import prepare_run
+
+    rows = [{"chosen": f"w{i} w{i + 1}", "rejected": f"x{i}"} for i in range(8)]
+    rows.append({"chosen": " ".join(f"w{i}" for i in range(40)), "rejected": "x"})  # over --max-length 16
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--data", str(data), "--max-length", "16", "--global-batch-size", "8", "--data-cache", str(tmp_path / "c")]
+    config, _ = resolve(["--objective", "reward", *argv])
+    prep = prepare_run(config, log=lambda line: None)
+    pairs, stats = list(prep.train_data), prep.train_data.stats[0]
+    assert (len(pairs), stats.num_dropped_too_long, stats.num_truncated_pairs) == (8, 1, 0)
+    assert all(not p.prompt_ids or p.prompt_ids == pairs[0].prompt_ids for p in pairs)  # nothing shared but a BOS
+    assert f"{data}: dropped 1 pairs with a sequence longer than --max-length 16" in " ".join(
+        data_notes(str(data), stats, max_length=16))
+    config, _ = resolve(argv)
+    with pytest.raises(DataError, match=r"prefs.jsonl:1: 'chosen' and 'rejected' share no leading text"):
+        prepare_run(config, log=lambda line: None)
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -21,6 +21,8 @@ class Entry:
     """Its own metrics to plot, as plot.CURVES lists them (drawn where a run logs them)."""
     default_loss_type: str | None = None
     """The --loss-type it runs when none is given (None: the shared default, DPO's sigmoid)."""
+    whole_rows: bool = False
+    """Whether a pair longer than --max-length is dropped whole rather than cut (data/pairs.py)."""
 
 
 OBJECTIVES: dict[str, Entry] = {
@@ -37,6 +39,7 @@ OBJECTIVES: dict[str, Entry] = {
                  options=("desirable_weight", "undesirable_weight", "ref_model"),
                  curves=(("kl", "kl", "KL estimate of the batch"),), default_loss_type="kto"),
     "reward": Entry("mcore_dpo.objective.reward", reference=False, options=("center_rewards_coefficient",),
+                    whole_rows=True,  # TRL's RewardTrainer filters, never truncates
                     curves=(("accuracy", "accuracy", "pairs ranked right"), ("margin", "margin", "reward margin"))),
 }
 

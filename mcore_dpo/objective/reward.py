@@ -49,15 +49,16 @@ min and max are not sums: the metric vector keeps max(r) and max(-r) in its last
 covers both; the entries before them (ADDITIVE_KEY_COUNT) are added.
 
 TRL 1.16's data conventions for reward data (`RewardTrainer._prepare_dataset` and
-`DataCollatorForPreference`), which `reward_inputs` follows for the text part. `--objective
-reward` does not read data through it yet: a run tokenizes its pairs with the preference loader
-(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion); it
-reads the "margin" column (a finite number per row, 0 for a row without one) as TRL does:
+`DataCollatorForPreference`), which a run follows: the preference loader (data/pairs.py) reads
+the rows with `whole_rows` (objective/registry.py), tokenizes prompt + completion as one text,
+so that prompt_ids + chosen_ids are exactly TRL's chosen_ids, and reads the "margin" column (a
+finite number per row, 0 for a row without one) as TRL does (tests/test_reward_math.py runs
+TRL's own `_prepare_dataset` on the same rows):
 - Columns: "chosen" and "rejected" (required), "prompt" (optional: explicit prompt; without it
   the prompt is implicit, i.e. already inside chosen and rejected), "margin" (optional float per
-  pair), "tools" and "chat_template_kwargs" (optional, conversational rows only). A dataset that
-  already has "chosen_ids" and "rejected_ids" (or the legacy "chosen_input_ids" /
-  "rejected_input_ids") is used as tokenised: no EOS, no template.
+  pair), "tools" and "chat_template_kwargs" (optional, conversational rows only; not read here).
+  TRL also takes a dataset that already has "chosen_ids" and "rejected_ids" as tokenised; the
+  loader reads text only.
 - The prompt is concatenated in front of each completion, and the whole sequence is scored:
   plain strings are joined with no separator (prompt + chosen); message lists are joined
   (prompt messages + chosen messages).
@@ -68,8 +69,9 @@ reads the "margin" column (a finite number per row, 0 for a row without one) as 
   conversation is rendered with the chat template without a generation prompt and tokenised
   without added special tokens (the template writes its own), with the row's tools and
   chat_template_kwargs.
-- max_length (default 1024): a pair is dropped when either tokenised sequence is longer; nothing
-  is truncated. None keeps every pair.
+- max_length (default 1024; here --max-length): a pair is dropped when either tokenised sequence
+  is longer; nothing is truncated. None keeps every pair.
+- An implicit prompt needs no shared text: chosen and rejected are scored whole.
 - Padding token: the tokenizer's pad token, or its EOS token when it has none; the model's
   config.pad_token_id is set to it so that scoring skips it. Batches are right-padded with it,
   the b chosen rows first and the b rejected rows after them (`chosen_rejected`).
@@ -97,7 +99,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -288,45 +289,6 @@ def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
         )
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
-
-
-# --------------------------------------------------------------------------- data conventions
-
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
-
-
-def reward_inputs(example: Mapping[str, Any], *, eos_token: str) -> tuple[str | list, str | list]:
-    """(chosen, rejected) of one raw row as TRL 1.16 hands them to the tokenizer.
-
-    Plain-text rows give two strings, to tokenise with the tokenizer's __call__ (its special
-    tokens added): EOS appended to each completion unless it already ends with it, then the
-    prompt (if any) in front, with no separator. Conversational rows give two message lists, to
-    render with the chat template (no generation prompt, no special tokens added; the row's
-    "tools" and "chat_template_kwargs" go with them): prompt messages + completion messages,
-    nothing appended."""
-    for key in ("chosen", "rejected"):
-        if key not in example:
-            raise ValueError(f"{key}: missing from the row; a reward row needs 'chosen' and 'rejected'")
-    chosen, rejected = example["chosen"], example["rejected"]
-    prompt = example.get("prompt")
-    if _is_messages(chosen):
-        if not _is_messages(rejected) or (prompt is not None and not _is_messages(prompt)):
-            raise ValueError(
-                "rejected: conversational 'chosen' needs 'rejected' (and 'prompt') as message lists too"
-            )
-        head = list(prompt) if prompt is not None else []
-        return head + list(chosen), head + list(rejected)
-    texts = (chosen, rejected) if prompt is None else (chosen, rejected, prompt)
-    if not all(isinstance(text, str) for text in texts):
-        raise ValueError("chosen: expected 'chosen', 'rejected' (and 'prompt') as strings or as lists of messages")
-    if not chosen.endswith(eos_token):
-        chosen = chosen + eos_token
-    if not rejected.endswith(eos_token):
-        rejected = rejected + eos_token
-    head = prompt if prompt is not None else ""
-    return head + chosen, head + rejected
 
 
 # --------------------------------------------------------------------------- losses and metrics
