@@ -43,7 +43,7 @@ from tests.helpers.cli import train_input_error
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, exported_weights
-from tests.helpers.trl_parity import hub_weights
+from tests.helpers.trl_parity import LORA, LORA_ADAM_EPS, hub_weights
 from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -54,12 +54,13 @@ PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
 # name -> ((tp, pp, dp[, ep]), center_rewards_coefficient, the data's "margin" column,
-#          start: "causal" LM, "reward" model dir, "resume" at step 1; the parity model)
+#          start: "causal" LM, "reward" model dir, "resume" at step 1; the parity model; LoRA)
 RUNS = {
-    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume", "llama"),
-    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward", "llama"),
-    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal", "llama"),
-    "moe-margin-tp1pp1dp2ep2": ((1, 1, 2, 2), None, True, "causal", "qwen3_moe"),
+    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume", "llama", False),
+    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward", "llama", False),
+    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal", "llama", False),
+    "moe-margin-tp1pp1dp2ep2": ((1, 1, 2, 2), None, True, "causal", "qwen3_moe", False),
+    "lora-margin-centered-resumed-tp2pp1dp1": ((2, 1, 1), 0.01, True, "resume", "llama", True),
 }
 
 
@@ -85,12 +86,33 @@ def data(parity_models, tmp_path_factory) -> dict:
     return files
 
 
-def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int) -> list[str]:
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int,
+          lora: bool) -> list[str]:
     argv = run_argv(model=model, data=data_path, out=out, objective="reward", layout=layout, steps=steps,
-                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH) + ["--max-length", str(MAX_LENGTH)]
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, adam_eps=LORA_ADAM_EPS if lora else ADAM_EPS)
+    argv += ["--max-length", str(MAX_LENGTH), *(LORA if lora else [])]
     if coefficient is not None:
         argv += ["--center-rewards-coefficient", str(coefficient)]
     return argv
+
+
+def _check_adapter(adapter: Path, model_dir: Path, score: torch.Tensor, *, pairs, rewards: torch.Tensor) -> float:
+    """OUTPUT/adapter of a reward LoRA run is what PEFT saves for TRL's LoraConfig(task_type="SEQ_CLS"):
+    the adapters and the trained score head under PEFT's name of a modules_to_save module. PEFT loads it
+    onto the causal LM as AutoModelForSequenceClassification, and the model scores the pairs as the
+    trained one. Returns the largest difference of the rewards."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["task_type"], config["modules_to_save"]) == ("SEQ_CLS", ["score"]), config
+    assert torch.equal(load_file(str(adapter / "adapter_model.safetensors"))["base_model.model.score.weight"], score)
+    base = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
+                                                              pad_token_id=PAD_ID)
+    loaded = PeftModel.from_pretrained(base, str(adapter))
+    difference = (pair_rewards(loaded, pairs, pad_token_id=PAD_ID) - rewards).abs().max().item()
+    assert difference <= ATOL, difference
+    return difference
 
 
 def _scalar(value: float) -> torch.Tensor:
@@ -108,7 +130,7 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
-    layout, coefficient, with_margin, start, family = RUNS[name]
+    layout, coefficient, with_margin, start, family, lora = RUNS[name]
     data = data[with_margin]
     model_dir = {**parity_models, **moe_models}[family][0]
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -120,19 +142,23 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
         run_from = model_dir
     out = tmp_path / "run"
     for steps in (1, STEPS) if start == "resume" else (STEPS,):
-        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps),
+        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps, lora=lora),
                                  cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
             resolved["dp"], resolved["ep"]) == ("reward", "none", False, *layout, *([] if len(layout) == 4 else [1]))
+    assert (resolved["lora_rank"] is not None) is lora, resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
-    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID)
+    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID, lora=lora)
     ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
-                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=PAD_ID)
+                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=LORA_ADAM_EPS if lora else ADAM_EPS,
+                               pad_token_id=PAD_ID)
+    if lora:  # what save_pretrained of the merged model writes: the base + B·A, and the trained head
+        reference = reference.merge_and_unload()
     worst: dict[str, float] = {}
     tokens_before = 0
     for step, (ours, theirs) in enumerate(zip(rows, ref["metrics"]), start=1):
@@ -156,6 +182,11 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
                                (trained[key].double() - expected.double()).abs().max().item() / scale)
     moved = (expected_weights["score.weight"] - score).abs().max().item() / score.abs().max().item()
     assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
+    if lora:  # and the adapters merged into the body moved it far beyond the tolerance too
+        start = exported_weights(model_dir)
+        body = max((expected_weights[k] - start[k]).abs().max().item() / start[k].abs().max().item()
+                   for k in expected_weights if k in start and k.endswith("q_proj.weight"))
+        assert body > 100 * RTOL, body
 
     # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
     exported = AutoModelForSequenceClassification.from_pretrained(str(out / "hf"), dtype=torch.float32)
@@ -165,6 +196,9 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
     theirs_rewards = pair_rewards(reference, pairs, pad_token_id=PAD_ID)
     worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
     assert worst["exported rewards (abs)"] <= ATOL, worst
+    if lora:
+        worst["adapter rewards (abs)"] = _check_adapter(out / "adapter", model_dir, trained["score.weight"],
+                                                        pairs=pairs, rewards=theirs_rewards)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
@@ -172,11 +206,10 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
     (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
-    (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "packing", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "packing", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

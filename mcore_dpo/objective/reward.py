@@ -453,8 +453,6 @@ def spec_of(config) -> RewardSpec:
         if refused:
             raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
                              f"last token); use --no-{name.replace('_', '-')}")
-    if config.lora:
-        raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
     if config.cp > 1:
         raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
                          f"got --cp {config.cp}")
