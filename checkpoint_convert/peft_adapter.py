@@ -478,7 +478,10 @@ def lora_shape_of(directory: str | Path, *, spec: ModelSpec) -> tuple[LoraShape,
     for field, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False)):
         if config.get(field, plain) not in (plain, None):
             raise ConversionError(f"{path}: field '{field}' is {config[field]!r}; only {plain!r} is supported")
-    for field in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+    if config.get("modules_to_save"):  # e.g. a reward run's OUTPUT/adapter, its score head saved whole
+        raise ConversionError(f"{path}: field 'modules_to_save' is {config['modules_to_save']!r}; only adapters "
+                              "without saved modules load (a saved score head does not start a run)")
+    for field in ("rank_pattern", "alpha_pattern", "layers_to_transform"):
         if config.get(field):
             raise ConversionError(f"{path}: field '{field}' is set; only a uniform adapter on every layer loads")
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)

@@ -21,7 +21,13 @@ with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, st
 model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
 pp 2 x dp 2 (min/max_reward over dp ranks); the margins on the Qwen3-MoE parity model
 (`Qwen3MoeForSequenceClassification` from its causal LM) at dp 2 x ep 2, the experts split over
-the ranks, its exported experts compared one tensor each under their hub names.
+the ranks, its exported experts compared one tensor each under their hub names; and LoRA (the
+parity runs' adapter flags and Adam epsilon, tests/helpers/trl_parity.py) with the margins and
+reward centering at tp 2, in two invocations as the first run, against RewardTrainer with PEFT's
+LoraConfig(task_type="SEQ_CLS") (the same fresh adapter, the score head trained whole): the
+merged export (the trained head in it) against PEFT's merge_and_unload, and OUTPUT/adapter
+(the head under PEFT's saved name) loaded by PeftModel.from_pretrained, scoring as the trained
+model.
 """
 
 from __future__ import annotations
