@@ -5,7 +5,7 @@ SimpleNamespace standing in for the trainer: it carries what `compute_loss` read
 center_rewards_coefficient, `model.training`, the accelerator's gathers on one process, the token
 count, `_metrics`). Around it, what the engine does and TRL's Trainer would do otherwise: the
 Hugging Face `AutoModelForSequenceClassification` in fp32 (the causal LM's body and the score head
-the run starts from), one whole global batch per step in TRL's collator layout (the b chosen rows,
+the run starts from; for a LoRA run under PEFT, `reward_model(lora=True)`), one whole global batch per step in TRL's collator layout (the b chosen rows,
 then the b rejected rows, right-padded with the pad id), torch's clip_grad_norm_ and AdamW with
 the engine's conventions (decay on matrices only; tests/helpers/reference.py).
 
