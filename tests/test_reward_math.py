@@ -541,6 +541,53 @@ def test_row_scores_read_the_last_token_that_is_not_padding():
     assert out.grad.sum().item() == 3.0
 
 
+@pytest.mark.parametrize("layout", ["packed", "shared", "packed-shared"])
+def test_rows_of_segments_give_each_sequence_the_score_of_its_padded_row(layout):
+    """segment_scores on packed rows (collate_packed) and shared-prompt rows (collate_shared, or
+    packed with prefix_sharing) equals row_scores on collate's padded rows: each sequence's score
+    read at its last token that is not padding (an EOS that pads, a pad-valued token inside the
+    text; a rejected completion of pad tokens only read inside the prompt, which shared-prompt
+    rows hold once, in the chosen segment), in the padded rows' order (chosen ones, then rejected
+    ones), and its length; a gradient reaches exactly the positions read."""
+    from mcore_dpo.data.packing import collate_packed
+    from mcore_dpo.data.pairs import TokenizedPair, collate
+    from mcore_dpo.data.prefix_sharing import collate_shared
+    from mcore_dpo.objective.reward import row_scores, segment_scores
+
+    pad = 2
+    pairs = [TokenizedPair((1, 5), (6, 2), (7, 8, 9, 2), source_line=1),
+             TokenizedPair((1, 4, 2), (6, 2, 3, 2), (2,), source_line=2),
+             TokenizedPair((3,), (9, 9, 9, 9, 2), (8, 2), source_line=3)]
+    b = len(pairs)
+    padded = collate(pairs, pad_token_id=pad, seq_len=9)
+    rows = {"packed": lambda: collate_packed(pairs, pad_token_id=pad, multiple=8),
+            "shared": lambda: collate_shared(pairs, pad_token_id=pad, seq_len=12),
+            "packed-shared": lambda: collate_packed(pairs, pad_token_id=pad, multiple=8, prefix_sharing=True)}[layout]()
+    assert (rows.shared_prompt is not None) == ("shared" in layout)
+
+    def value(sequence: int, position: int) -> float:
+        """The same score for the same token of a sequence; a prompt body's tokens (which shared
+        rows hold once) the same in both sequences of the pair."""
+        if sequence < 2 * b and position < len(pairs[sequence % b].prompt_ids) - 1:
+            return 100.0 * (sequence % b) + position + 50.0
+        return 100.0 * sequence + position
+
+    width = padded.tokens.shape[1]
+    padded_out = torch.tensor([[value(r, t) for t in range(width)] for r in range(2 * b)]).unsqueeze(-1)
+    out = torch.tensor([[value(k, t) if k < 2 * b else -1.0 for k, t in zip(ids, positions)]
+                        for ids, positions in zip(rows.segment_ids.tolist(), rows.position_ids.tolist())])
+    out = out.unsqueeze(-1).requires_grad_()
+    want = row_scores(padded_out, padded.tokens, loss_mask=padded.loss_mask, pad_token_id=pad)
+    got = segment_scores(out, rows.tokens, segment_ids=rows.segment_ids, num_sequences=rows.num_sequences,
+                         pad_token_id=pad, shared_prompt=rows.shared_prompt)
+    assert got.score.tolist() == want.score.tolist()
+    assert want.score[b + 1].item() == value(b + 1, 1)  # pair 1's rejected [2] is read at its prompt's 4
+    # prompt + completion, the EOS included
+    assert got.num_tokens.tolist() == want.num_tokens.tolist() == [4, 7, 6, 6, 4, 3]
+    got.score.sum().backward()
+    assert out.grad.sum().item() == 2 * b and out.grad.abs().max().item() == 1.0
+
+
 def test_the_margin_column_reaches_the_pairs_and_the_token_store(tokenizer, tmp_path):
     """TRL's optional "margin" column: a finite number per row, kept with the pair by the loader and
     by the token store (NaN-free round trip); anything else is a bad row; not an unused column."""

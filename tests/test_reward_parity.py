@@ -15,10 +15,13 @@ num_tokens (the step's own: TRL's is cumulative) and grad_norm; then every tenso
 largest entry; then the rewards OUTPUT/hf, loaded by AutoModelForSequenceClassification, gives
 the pairs against the reference model's, within ATOL.
 
-Runs: plain Bradley-Terry at (1,1,1) in two invocations, --max-steps 1 and then 2, the second
-resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
-with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2, started from a reward
-model directory (`LlamaForSequenceClassification`, its own score head, which the run loads), and at
+Runs: plain Bradley-Terry at (1,1,1) with context parallelism (--cp 2: the scores of each cp
+rank's positions gathered whole) and shared prompts (--prefix-sharing: each pair's prompt once,
+the rejected sequence scored through it) in two invocations, --max-steps 1 and then 2, the
+second resuming from the first's checkpoint (the head and its optimizer state included); then, on a file
+with TRL's "margin" column, reward centering with the margins at tp 2 x pp 2 with sequence
+parallelism (the score head gathers the sequence), started from a reward model directory
+(`LlamaForSequenceClassification`, its own score head, which the run loads), and packed at
 pp 2 x dp 2 (min/max_reward over dp ranks); the margins on the Qwen3-MoE parity model
 (`Qwen3MoeForSequenceClassification` from its causal LM) at dp 2 x ep 2, the experts split over
 the ranks, its exported experts compared one tensor each under their hub names; and LoRA (the
@@ -32,6 +35,7 @@ model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -59,15 +63,27 @@ SEED = 1234  # --seed's default: the score head's draw
 PAD_ID = 2  # the parity tokenizer's EOS, which pads (it has no pad token)
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm")
 
-# name -> ((tp, pp, dp[, ep]), center_rewards_coefficient, the data's "margin" column,
-#          start: "causal" LM, "reward" model dir, "resume" at step 1; the parity model; LoRA)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    layout: tuple[int, ...]  # (tp, pp, dp) or (tp, pp, dp, ep)
+    coefficient: float | None = None  # center_rewards_coefficient
+    margin: bool = False  # the data's "margin" column
+    start: str = "causal"  # from a "causal" LM, a "reward" model directory, or "resume" at step 1
+    model: str = "llama"  # the parity model
+    packed: bool = False
+    extra: tuple[str, ...] = ()  # more flags
+    lora: bool = False  # a fresh adapter on every target (trl_parity's LORA), against PEFT
+
+
 RUNS = {
-    "plain-resumed-tp1pp1dp1": ((1, 1, 1), None, False, "resume", "llama", False),
-    "margin-centered-from-reward-dir-tp2pp2dp1": ((2, 2, 1), 0.01, True, "reward", "llama", False),
-    "margin-centered-tp1pp2dp2": ((1, 2, 2), 0.5, True, "causal", "llama", False),
-    "moe-margin-tp1pp1dp2ep2": ((1, 1, 2, 2), None, True, "causal", "qwen3_moe", False),
-    "lora-margin-centered-resumed-tp2pp1dp1": ((2, 1, 1), 0.01, True, "resume", "llama", True),
+    "plain-shared-prompts-resumed-cp2-tp1pp1dp1": Run((1, 1, 1), start="resume", extra=("--prefix-sharing", "--cp", "2")),
+    "margin-centered-from-reward-dir-sp-tp2pp2dp1": Run((2, 2, 1), 0.01, margin=True, start="reward",
+                                                        extra=("--sequence-parallel",)),
+    "margin-centered-packed-tp1pp2dp2": Run((1, 2, 2), 0.5, margin=True, packed=True),
+    "moe-margin-tp1pp1dp2ep2": Run((1, 1, 2, 2), margin=True, model="qwen3_moe"),
+    "lora-margin-centered-resumed-tp2pp1dp1": Run((2, 1, 1), 0.01, margin=True, start="resume", lora=True),
 }
+PACKED = ["--packing", "--max-tokens-per-microbatch", "40"]  # a step's 8 pairs in several packed rows
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +109,7 @@ def data(parity_models, tmp_path_factory) -> dict:
 
 
 def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int,
-          lora: bool) -> list[str]:
+          lora: bool = False) -> list[str]:
     argv = run_argv(model=model, data=data_path, out=out, objective="reward", layout=layout, steps=steps,
                     global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, adam_eps=LORA_ADAM_EPS if lora else ADAM_EPS)
     argv += ["--max-length", str(MAX_LENGTH), *(LORA if lora else [])]
@@ -136,9 +152,10 @@ def _reward_dir(model_dir: Path, *, score: torch.Tensor, out: Path) -> Path:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_models, data, ray_cluster, tmp_path):
-    layout, coefficient, with_margin, start, family, lora = RUNS[name]
-    data = data[with_margin]
-    model_dir = {**parity_models, **moe_models}[family][0]
+    run = RUNS[name]
+    layout, coefficient, start = run.layout, run.coefficient, run.start
+    data = data[run.margin]
+    model_dir = {**parity_models, **moe_models}[run.model][0]
     config = json.loads((Path(model_dir) / "config.json").read_text())
     _, score = score_head_from_causal(config, pad_token_id=PAD_ID, seed=SEED)
     if start == "reward":  # the same starting point, as a reward model with a score head of its own
@@ -148,22 +165,23 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
         run_from = model_dir
     out = tmp_path / "run"
     for steps in (1, STEPS) if start == "resume" else (STEPS,):
-        result = main_in_process(_argv(run_from, data["path"], out, layout, coefficient, steps=steps, lora=lora),
-                                 cluster=ray_cluster)
+        argv = [*_argv(run_from, data["path"], out, layout, coefficient, steps=steps, lora=run.lora),
+                *(PACKED if run.packed else []), *run.extra]
+        result = main_in_process(argv, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
-            resolved["dp"], resolved["ep"]) == ("reward", "none", False, *layout, *([] if len(layout) == 4 else [1]))
-    assert (resolved["lora_rank"] is not None) is lora, resolved
+            resolved["dp"], resolved["ep"]) == ("reward", "none", run.packed, *layout, *([] if len(layout) == 4 else [1]))
+    assert (resolved["lora_rank"] is not None) is run.lora, resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
-    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID, lora=lora)
+    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID, lora=run.lora)
     ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
-                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=LORA_ADAM_EPS if lora else ADAM_EPS,
-                               pad_token_id=PAD_ID)
-    if lora:  # what save_pretrained of the merged model writes: the base + B·A, and the trained head
+                               lr=LR, clip_grad=CLIP, weight_decay=WD,
+                               adam_eps=LORA_ADAM_EPS if run.lora else ADAM_EPS, pad_token_id=PAD_ID)
+    if run.lora:  # what save_pretrained of the merged model writes: the base + B·A, and the trained head
         reference = reference.merge_and_unload()
     worst: dict[str, float] = {}
     tokens_before = 0
@@ -188,10 +206,10 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
                                (trained[key].double() - expected.double()).abs().max().item() / scale)
     moved = (expected_weights["score.weight"] - score).abs().max().item() / score.abs().max().item()
     assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
-    if lora:  # and the adapters merged into the body moved it far beyond the tolerance too
-        start = exported_weights(model_dir)
-        body = max((expected_weights[k] - start[k]).abs().max().item() / start[k].abs().max().item()
-                   for k in expected_weights if k in start and k.endswith("q_proj.weight"))
+    if run.lora:  # and the adapters merged into the body moved it far beyond the tolerance too
+        start_weights = exported_weights(model_dir)
+        body = max((expected_weights[k] - start_weights[k]).abs().max().item() / start_weights[k].abs().max().item()
+                   for k in expected_weights if k in start_weights and k.endswith("q_proj.weight"))
         assert body > 100 * RTOL, body
 
     # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
@@ -202,7 +220,7 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
     theirs_rewards = pair_rewards(reference, pairs, pad_token_id=PAD_ID)
     worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
     assert worst["exported rewards (abs)"] <= ATOL, worst
-    if lora:
+    if run.lora:
         worst["adapter rewards (abs)"] = _check_adapter(out / "adapter", model_dir, trained["score.weight"],
                                                         pairs=pairs, rewards=theirs_rewards)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
@@ -210,12 +228,11 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
 
 @pytest.mark.parametrize("argv, expected", [
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
-    (["--objective", "reward", "--packing"], "packing: cannot serve --objective reward"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "packing", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

@@ -398,13 +398,6 @@ class CpoObjective(Objective):
     needs_prepass = False
     metric_keys = CPO_SUM_KEYS
 
-    def __init__(self, spec: CpoSpec):
-        spec.validate()
-        self.spec = spec
-
-    def totals(self, samples: Sequence) -> BatchTotals:
-        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(p.chosen_ids) for p in samples)))
-
     def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],
                    totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:
         b = len(positions)

@@ -410,8 +410,7 @@ class KtoObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
 
     def __init__(self, spec: KtoSpec):
-        spec.validate()
-        self.spec = spec
+        super().__init__(spec)
         self.needs_prepass = spec.needs_kl
 
     def totals(self, samples: Sequence) -> KtoTotals:

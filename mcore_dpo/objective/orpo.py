@@ -309,10 +309,6 @@ class OrpoObjective(Objective):
     whole_sequence = True
     metric_keys = ORPO_SUM_KEYS
 
-    def __init__(self, spec: OrpoSpec):
-        spec.validate()
-        self.spec = spec
-
     def totals(self, samples: Sequence) -> BatchTotals:
         # The NLL's tokens: every chosen sequence's tokens but its first.
         tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 for p in samples)

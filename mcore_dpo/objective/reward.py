@@ -227,6 +227,58 @@ def row_scores(scores: Tensor, tokens: Tensor, *, loss_mask: Tensor, pad_token_i
     return SequenceScores(score=sequence_rewards(scores[..., 0], index), num_tokens=lengths)
 
 
+def last_segment_token_index(tokens: Tensor, segment_ids: Tensor, *, num_sequences: int, pad_token_id: int,
+                             shared_prompt: Tensor | None = None) -> Tensor:
+    """`last_token_index` for rows of segments: the flat position [num_sequences] (into tokens
+    [rows, W] read row by row) of each sequence's last token that is not pad_token_id, its
+    sequence given by `segment_ids` [rows, W] (ids >= num_sequences: padding). A sequence made
+    only of pad tokens is read at its first position, as an unpacked row of them is read at 0.
+
+    Shared-prompt rows (`shared_prompt` [rows, W], data/prefix_sharing.py): a pair's prompt body
+    is written once, in its chosen segment (j), and is also the start of its rejected sequence
+    (b + j, b = num_sequences / 2), whose branch alone has segment b + j: a rejected branch of
+    pad tokens only is read in that body, as its whole unpacked row would be."""
+    if tokens.shape != segment_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"segment_ids: expected the shape of tokens {list(tokens.shape)}, got {list(segment_ids.shape)}")
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)  # the padding: one slot of its own
+    positions = torch.arange(ids.numel(), dtype=torch.int64, device=tokens.device)
+    none, past = torch.full_like(positions, -1), torch.full_like(positions, ids.numel())
+    not_pad = tokens.reshape(-1) != pad_token_id
+
+    def per_segment(values: Tensor, reduce: str, start: int) -> Tensor:
+        out = torch.full((num_sequences + 1,), start, dtype=torch.int64, device=tokens.device)
+        return out.scatter_reduce(0, ids, values, reduce=reduce)
+
+    last = per_segment(torch.where(not_pad, positions, none), "amax", -1)
+    first = per_segment(positions, "amin", ids.numel())
+    if shared_prompt is not None:
+        body = shared_prompt.reshape(-1)
+        b = num_sequences // 2
+        body_last = per_segment(torch.where(body & not_pad, positions, none), "amax", -1)[:b]
+        body_first = per_segment(torch.where(body, positions, past), "amin", ids.numel())[:b]
+        last[b:2 * b] = torch.where(last[b:2 * b] >= 0, last[b:2 * b], body_last)
+        first[b:2 * b] = torch.minimum(first[b:2 * b], body_first)
+    return torch.where(last >= 0, last, first)[:num_sequences]
+
+
+def segment_scores(scores: Tensor, tokens: Tensor, *, segment_ids: Tensor, num_sequences: int,
+                   pad_token_id: int, shared_prompt: Tensor | None = None) -> SequenceScores:
+    """`row_scores` of rows of segments (data/packing.py's packed rows, data/prefix_sharing.py's
+    shared-prompt rows): each sequence's score from the score head's outputs [rows, W, 1], read
+    at `last_segment_token_index`, in the unpacked order of its segment id (the b chosen
+    sequences, then the b rejected ones), and its tokens (a rejected sequence's prompt body,
+    written once in its chosen segment, counted for both)."""
+    index = last_segment_token_index(tokens, segment_ids, num_sequences=num_sequences, pad_token_id=pad_token_id,
+                                     shared_prompt=shared_prompt)
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)
+    lengths = torch.bincount(ids, minlength=num_sequences + 1)[:num_sequences]
+    if shared_prompt is not None:
+        b = num_sequences // 2
+        body = torch.bincount(ids[shared_prompt.reshape(-1)], minlength=num_sequences + 1)[:b]
+        lengths = torch.cat([lengths[:b], lengths[b:] + body])
+    return SequenceScores(score=scores.reshape(-1, scores.shape[-1])[index, 0], num_tokens=lengths)
+
+
 def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
     """Split [2b, ...] rows into (chosen [b, ...], rejected [b, ...]): TRL 1.16's collator puts
     the b chosen sequences first and the b rejected ones after them."""
@@ -419,10 +471,6 @@ class RewardObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
     max_keys = MAX_REDUCED_KEYS
 
-    def __init__(self, spec: RewardSpec):
-        spec.validate()
-        self.spec = spec
-
     def totals(self, samples: Sequence) -> RewardTotals:
         margins = [getattr(sample, "margin", None) for sample in samples]
         return RewardTotals(num_samples=len(samples), chosen_tokens=1,  # the loss is a mean over pairs only
@@ -449,13 +497,6 @@ def spec_of(config) -> RewardSpec:
     for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
         if getattr(config, name) != default:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
-    for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
-        if refused:
-            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
-                             f"last token); use --no-{name.replace('_', '-')}")
-    if config.cp > 1:
-        raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
-                         f"got --cp {config.cp}")
     return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
 
 
