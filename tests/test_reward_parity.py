@@ -24,7 +24,13 @@ parallelism (the score head gathers the sequence), started from a reward model d
 (`LlamaForSequenceClassification`, its own score head, which the run loads), and packed at
 pp 2 x dp 2 (min/max_reward over dp ranks); the margins on the Qwen3-MoE parity model
 (`Qwen3MoeForSequenceClassification` from its causal LM) at dp 2 x ep 2, the experts split over
-the ranks, its exported experts compared one tensor each under their hub names.
+the ranks, its exported experts compared one tensor each under their hub names; and LoRA (the
+parity runs' adapter flags and Adam epsilon, tests/helpers/trl_parity.py) with the margins and
+reward centering at tp 2, in two invocations as the first run, against RewardTrainer with PEFT's
+LoraConfig(task_type="SEQ_CLS") (the same fresh adapter, the score head trained whole): the
+merged export (the trained head in it) against PEFT's merge_and_unload, and OUTPUT/adapter
+(the head under PEFT's saved name) loaded by PeftModel.from_pretrained, scoring as the trained
+model.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from tests.helpers.cli import train_input_error
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, exported_weights
-from tests.helpers.trl_parity import hub_weights
+from tests.helpers.trl_parity import LORA, LORA_ADAM_EPS, hub_weights
 from tests.helpers.trl_reward import pair_rewards, reward_model, reward_reference_run
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -66,6 +72,7 @@ class Run:
     model: str = "llama"  # the parity model
     packed: bool = False
     extra: tuple[str, ...] = ()  # more flags
+    lora: bool = False  # a fresh adapter on every target (trl_parity's LORA), against PEFT
 
 
 RUNS = {
@@ -74,6 +81,7 @@ RUNS = {
                                                         extra=("--sequence-parallel",)),
     "margin-centered-packed-tp1pp2dp2": Run((1, 2, 2), 0.5, margin=True, packed=True),
     "moe-margin-tp1pp1dp2ep2": Run((1, 1, 2, 2), margin=True, model="qwen3_moe"),
+    "lora-margin-centered-resumed-tp2pp1dp1": Run((2, 1, 1), 0.01, margin=True, start="resume", lora=True),
 }
 PACKED = ["--packing", "--max-tokens-per-microbatch", "40"]  # a step's 8 pairs in several packed rows
 
@@ -100,12 +108,33 @@ def data(parity_models, tmp_path_factory) -> dict:
     return files
 
 
-def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int) -> list[str]:
+def _argv(model: Path, data_path: Path, out: Path, layout, coefficient: float | None, *, steps: int,
+          lora: bool = False) -> list[str]:
     argv = run_argv(model=model, data=data_path, out=out, objective="reward", layout=layout, steps=steps,
-                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH) + ["--max-length", str(MAX_LENGTH)]
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, adam_eps=LORA_ADAM_EPS if lora else ADAM_EPS)
+    argv += ["--max-length", str(MAX_LENGTH), *(LORA if lora else [])]
     if coefficient is not None:
         argv += ["--center-rewards-coefficient", str(coefficient)]
     return argv
+
+
+def _check_adapter(adapter: Path, model_dir: Path, score: torch.Tensor, *, pairs, rewards: torch.Tensor) -> float:
+    """OUTPUT/adapter of a reward LoRA run is what PEFT saves for TRL's LoraConfig(task_type="SEQ_CLS"):
+    the adapters and the trained score head under PEFT's name of a modules_to_save module. PEFT loads it
+    onto the causal LM as AutoModelForSequenceClassification, and the model scores the pairs as the
+    trained one. Returns the largest difference of the rewards."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["task_type"], config["modules_to_save"]) == ("SEQ_CLS", ["score"]), config
+    assert torch.equal(load_file(str(adapter / "adapter_model.safetensors"))["base_model.model.score.weight"], score)
+    base = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
+                                                              pad_token_id=PAD_ID)
+    loaded = PeftModel.from_pretrained(base, str(adapter))
+    difference = (pair_rewards(loaded, pairs, pad_token_id=PAD_ID) - rewards).abs().max().item()
+    assert difference <= ATOL, difference
+    return difference
 
 
 def _scalar(value: float) -> torch.Tensor:
@@ -136,20 +165,24 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
         run_from = model_dir
     out = tmp_path / "run"
     for steps in (1, STEPS) if start == "resume" else (STEPS,):
-        argv = [*_argv(run_from, data["path"], out, layout, coefficient, steps=steps), *(PACKED if run.packed else []),
-                *run.extra]
+        argv = [*_argv(run_from, data["path"], out, layout, coefficient, steps=steps, lora=run.lora),
+                *(PACKED if run.packed else []), *run.extra]
         result = main_in_process(argv, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert ("resuming from" in result.stdout) == (start == "resume"), result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["packing"], resolved["tp"], resolved["pp"],
             resolved["dp"], resolved["ep"]) == ("reward", "none", run.packed, *layout, *([] if len(layout) == 4 else [1]))
+    assert (resolved["lora_rank"] is not None) is run.lora, resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
-    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID)
+    reference = reward_model(model_dir, score=score, pad_token_id=PAD_ID, lora=run.lora)
     ref = reward_reference_run(model=reference, batches=data["batches"], center_rewards_coefficient=coefficient,
-                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=PAD_ID)
+                               lr=LR, clip_grad=CLIP, weight_decay=WD,
+                               adam_eps=LORA_ADAM_EPS if run.lora else ADAM_EPS, pad_token_id=PAD_ID)
+    if run.lora:  # what save_pretrained of the merged model writes: the base + B·A, and the trained head
+        reference = reference.merge_and_unload()
     worst: dict[str, float] = {}
     tokens_before = 0
     for step, (ours, theirs) in enumerate(zip(rows, ref["metrics"]), start=1):
@@ -173,6 +206,11 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
                                (trained[key].double() - expected.double()).abs().max().item() / scale)
     moved = (expected_weights["score.weight"] - score).abs().max().item() / score.abs().max().item()
     assert moved > 100 * RTOL, moved  # the head trained, far beyond the tolerance
+    if run.lora:  # and the adapters merged into the body moved it far beyond the tolerance too
+        start_weights = exported_weights(model_dir)
+        body = max((expected_weights[k] - start_weights[k]).abs().max().item() / start_weights[k].abs().max().item()
+                   for k in expected_weights if k in start_weights and k.endswith("q_proj.weight"))
+        assert body > 100 * RTOL, body
 
     # OUTPUT/hf is a reward model transformers loads, and it scores the pairs as the trained one.
     exported = AutoModelForSequenceClassification.from_pretrained(str(out / "hf"), dtype=torch.float32)
@@ -182,6 +220,9 @@ def test_reward_through_the_command_line_matches_trl(name, parity_models, moe_mo
     theirs_rewards = pair_rewards(reference, pairs, pad_token_id=PAD_ID)
     worst["exported rewards (abs)"] = (ours_rewards - theirs_rewards).abs().max().item()
     assert worst["exported rewards (abs)"] <= ATOL, worst
+    if run.lora:
+        worst["adapter rewards (abs)"] = _check_adapter(out / "adapter", model_dir, trained["score.weight"],
+                                                        pairs=pairs, rewards=theirs_rewards)
     print(f"\n{name}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
@@ -215,11 +256,10 @@ def test_the_command_lines_reward_data_are_whole_sequences(tmp_path):
 @pytest.mark.parametrize("argv, expected", [
     (["--objective", "reward", "--beta", "0.5"], "beta: not an option of --objective reward"),
     (["--objective", "reward", "--ref-mode", "precomputed"], "ref_mode: reward is reference-free"),
-    (["--objective", "reward", "--lora-rank", "4"], "lora: not with --objective reward yet"),
     (["--center-rewards-coefficient", "0.01"], "center_rewards_coefficient: an option of --objective reward, not of dpo"),
     (["--objective", "reward", "--center-rewards-coefficient", "-1"],
      "center_rewards_coefficient: must be a finite number >= 0"),
-], ids=["beta", "ref-mode", "lora", "coefficient-with-dpo", "negative-coefficient"])
+], ids=["beta", "ref-mode", "coefficient-with-dpo", "negative-coefficient"])
 def test_options_that_do_not_fit_are_refused_in_one_line(argv, expected, capsys, tmp_path):
     err = train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     assert expected in err, err

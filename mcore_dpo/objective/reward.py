@@ -459,8 +459,6 @@ def spec_of(config) -> RewardSpec:
     for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
         if getattr(config, name) != default:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
-    if config.lora:
-        raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
     return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
 
 

@@ -190,10 +190,9 @@ def reference_model(model_dir: Path, *, lora: bool) -> torch.nn.Module:
 
     if not lora:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    from checkpoint_convert.peft_adapter import initial_adapter
-    from tests.helpers.lora_parity import SEED, SHAPE, peft_model
+    from tests.helpers.lora_parity import fresh_peft_model
 
-    return peft_model(model_dir, initial_adapter(open_hf_dir(model_dir).spec, SHAPE, seed=SEED), SHAPE)
+    return fresh_peft_model(model_dir)
 
 
 def reference_run(objective: str, *, model: torch.nn.Module, model_dir: Path, batches: list[list[TokenizedPair]],
