@@ -105,6 +105,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.metric_sums import sums_count
 from mcore_dpo.parallel.platform import to_device
 
 # Keys of `metric_sum_vector`, in its fixed order. The first ADDITIVE_KEY_COUNT entries are added
@@ -391,12 +392,7 @@ def finalize_metrics(
     num_tokens is cumulative in TRL 1.16 (tokens of every training step so far): pass the
     total of the earlier steps as num_tokens_before."""
     spec.validate()
-    missing = [key for key in METRIC_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_pairs = sums["num_pairs"]
-    if num_pairs <= 0:
-        raise ValueError(f"sums: num_pairs must be > 0, got {num_pairs}")
+    num_pairs = sums_count(sums, METRIC_SUM_KEYS, count="num_pairs")
     return {
         "loss": sums["loss_sum"] / num_pairs,
         "num_tokens": num_tokens_before + sums["num_tokens"],
