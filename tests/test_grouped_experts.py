@@ -125,4 +125,4 @@ def test_lora_refuses_grouped_experts_in_one_line():
     shape = SimpleNamespace(targets=())
     with pytest.raises(ValueError, match=r"^LoRA: layer 1's experts are Module \(grouped GEMM\), which has no "
                                          r"per-expert linears to adapt; build it with sequential experts$"):
-        lora.attach(model, spec=None, lora=shape, dropout=0.0, tp=1, tp_group=None)
+        lora.attach(model, spec=SimpleNamespace(num_labels=0), lora=shape, dropout=0.0, tp=1, tp_group=None)
