@@ -33,7 +33,9 @@ print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interle
 
 Over 500 lines: one algorithm (1F1B order, reference forwards placed in the bubbles,
 carrying across steps, transfers paired so that no plan deadlocks) whose steps share their
-intermediate lists; the op types are in plan.py and the checks in check.py.
+intermediate lists, and whose transfer placement, pairing, event loop and latest-start pass
+the interleaved builder (`pipeline/interleaved.py`, model chunks) reuses; the op types are in
+plan.py and the checks in check.py.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from mcore_dpo.pipeline.plan import (
     kept,
     p2p,
     transfers,
+    virtual_neighbour,
 )
 from mcore_dpo.pipeline.check import (
     Key,
@@ -91,60 +94,69 @@ def _one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[
 
 def _add_comm(
     compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False,
-    num_next_microbatches: int | None = None,
+    num_next_microbatches: int | None = None, num_chunks: int = 1,
 ) -> tuple[tuple[Op, ...], ...]:
     """Put each send right after its producer and each recv right before its consumer.
 
     Messages on one link are matched in order, so a consumer first receives every
     earlier message on that link (they were sent earlier, so this never waits longer).
     With carry_in, each stage first sends the activations it kept in the last step;
-    with carry_out, the ones to keep are kept instead of sent.
+    with carry_out, the ones to keep are kept instead of sent. With model chunks, messages
+    follow the virtual pipeline (`virtual_neighbour`), the last stage's chunk c feeding
+    stage 0's chunk c+1.
     """
     num_stages, m = len(compute_orders), num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
     keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m_next)) if carry_out else set()
                 for s in range(num_stages)]
     kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
-    # Send order per link (src, dst) = order of the producing ops on src.
-    link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+
+    def neighbour(s: int, op: Op, step: int) -> tuple[int, int] | None:
+        return virtual_neighbour(s, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
+    # Send order per link (src, dst) = order of the producing ops on src; a message is
+    # (payload, microbatch, batch, the receiver's chunk).
+    link_msgs: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
     for s, ops in enumerate(compute_orders):
         for mb in kept_in[s]:
-            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0))
+            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0, 0))
         for op in ops:
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s < num_stages - 1:
+            down, up = neighbour(s, op, 1), neighbour(s, op, -1)
+            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and down is not None:
                 if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in keep_out[s]:
                     continue
                 payload = "act" if op.kind == OpKind.FWD else "ref_act"
-                link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
-            if op.kind == OpKind.BWD and s > 0:
-                link_msgs.setdefault((s, s - 1), []).append(("grad", op.microbatch, op.batch))
+                link_msgs.setdefault((s, down[0]), []).append((payload, op.microbatch, op.batch, down[1]))
+            if op.kind == OpKind.BWD and up is not None:
+                link_msgs.setdefault((s, up[0]), []).append(("grad", op.microbatch, op.batch, up[1]))
     link_pos = {link: {msg: k for k, msg in enumerate(msgs)} for link, msgs in link_msgs.items()}
     recv_kind = {"act": OpKind.RECV_ACT, "ref_act": OpKind.RECV_REF_ACT, "grad": OpKind.RECV_GRAD}
     stages = []
     for s, ops in enumerate(compute_orders):
-        received = {src: 0 for src in (s - 1, s + 1) if 0 <= src < num_stages}
+        received = {src: 0 for src in (s - 1, s + 1, (s - 1) % num_stages, (s + 1) % num_stages)
+                    if 0 <= src < num_stages}
         out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0) for mb in kept_in[s]]
         for op in ops:
-            need = None
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s > 0:
-                need = (s - 1, ("act" if op.kind == OpKind.FWD else "ref_act", op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s < num_stages - 1:
-                need = (s + 1, ("grad", op.microbatch, op.batch))
+            need, down, up = None, neighbour(s, op, 1), neighbour(s, op, -1)
+            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and up is not None:
+                need = (up[0], ("act" if op.kind == OpKind.FWD else "ref_act", op.microbatch, op.batch, op.chunk))
+            elif op.kind == OpKind.BWD and down is not None:
+                need = (down[0], ("grad", op.microbatch, op.batch, op.chunk))
             if need is not None:
                 src, msg = need
                 queue = link_msgs[(src, s)]
                 while received[src] <= link_pos[(src, s)][msg]:
-                    payload, mb, batch = queue[received[src]]
-                    out.append(Op(recv_kind[payload], mb, batch))
+                    payload, mb, batch, chunk = queue[received[src]]
+                    out.append(Op(recv_kind[payload], mb, batch, chunk=chunk))
                     received[src] += 1
             out.append(op)
-            if op.kind == OpKind.FWD and s < num_stages - 1:
-                out.append(Op(OpKind.SEND_ACT, op.microbatch))
-            elif op.kind == OpKind.REF_FWD and s < num_stages - 1:
+            if op.kind == OpKind.FWD and down is not None:
+                out.append(Op(OpKind.SEND_ACT, op.microbatch, chunk=op.chunk))
+            elif op.kind == OpKind.REF_FWD and down is not None:
                 keep = op.batch == 1 and op.microbatch in keep_out[s]
-                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s > 0:
-                out.append(Op(OpKind.SEND_GRAD, op.microbatch))
+                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch,
+                              chunk=op.chunk))
+            elif op.kind == OpKind.BWD and up is not None:
+                out.append(Op(OpKind.SEND_GRAD, op.microbatch, chunk=op.chunk))
         stages.append(tuple(out))
     return tuple(stages)
 
@@ -196,41 +208,49 @@ def _greedy_interleaved(
         heapq.heappush(events, finish)
         heapq.heappush(events, finish + costs.comm)
 
+    def visit(s: int, t: float) -> None:
+        head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
+        ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
+        forced = (
+            head is not None and head.kind == OpKind.FWD
+            and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
+        )
+        if forced:
+            head = ref
+        if head is not None:
+            ready = input_time(s, head)
+            if ready is not None and ready <= t:
+                start(s, head, t)
+                if forced:
+                    ref_pos[s] += 1
+                else:
+                    chain_pos[s] += 1
+                return
+        if ref is None or forced:
+            return
+        ref_ready = input_time(s, ref)
+        in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
+        if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
+            return
+        start(s, ref, t)
+        ref_pos[s] += 1
+
     total = sum(len(c) for c in chains) + p * len(refs)
-    while sum(chain_pos) + sum(ref_pos) < total:
-        if not events:
-            raise RuntimeError("interleaved scheduler stalled (bug)")
-        t = heapq.heappop(events)
-        # Downstream first: a stage consuming a reference activation frees a slot upstream.
-        for s in reversed(range(p)):
-            if free_at[s] > t:
-                continue
-            head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
-            ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
-            forced = (
-                head is not None and head.kind == OpKind.FWD
-                and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
-            )
-            if forced:
-                head = ref
-            if head is not None:
-                ready = input_time(s, head)
-                if ready is not None and ready <= t:
-                    start(s, head, t)
-                    if forced:
-                        ref_pos[s] += 1
-                    else:
-                        chain_pos[s] += 1
-                    continue
-            if ref is None or forced:
-                continue
-            ref_ready = input_time(s, ref)
-            in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
-            if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
-                continue
-            start(s, ref, t)
-            ref_pos[s] += 1
+    run_events(events, free_at, visit=visit, busy=lambda: sum(chain_pos) + sum(ref_pos) < total)
     return orders
+
+
+def run_events(events: list[float], free_at: list[float], *, visit, busy) -> None:
+    """The time-stepped loop of a list scheduler: at each event time, while `busy()`, each free
+    stage, downstream first (a stage consuming a reference activation frees a slot upstream),
+    gets `visit(stage, time)`; visits push the end times of what they start onto `events`."""
+    while busy():
+        if not events:
+            raise RuntimeError("list scheduler stalled (bug)")
+        t = heapq.heappop(events)
+        for s in reversed(range(len(free_at))):
+            if free_at[s] <= t:
+                visit(s, t)
 
 
 def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> list[list[tuple[float, float]]]:
@@ -239,8 +259,17 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
     Warmup forwards have slack in 1F1B; running them late opens idle time early
     in the step, where reference forwards can start their way down the pipeline.
     """
+    latest = latest_starts(orders, costs=costs, num_chunks=1, makespan=makespan)
+    return [[(latest[(s, op)], latest[(s, op)] + cost_of(op.kind, costs)) for op in ops]
+            for s, ops in enumerate(orders)]
+
+
+def latest_starts(orders: list[list[Op]], *, costs: Costs, num_chunks: int, makespan: float) -> dict:
+    """{(stage, op): the latest start that lets every compute op end by `makespan`}: each op
+    ends before the next op of its stage starts and before the op that consumes its output
+    starts (one virtual stage downstream for a forward, upstream for a backward)."""
     num_stages = len(orders)
-    latest_start: dict[tuple[int, Op], float] = {}
+    latest: dict[tuple[int, Op], float] = {}
     ptr = [len(ops) - 1 for ops in orders]
     next_start = [makespan] * num_stages
     while any(i >= 0 for i in ptr):
@@ -248,23 +277,20 @@ def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> l
         for s in range(num_stages):
             while ptr[s] >= 0:
                 op = orders[s][ptr[s]]
-                # The op on a neighbour stage that consumes this op's output.
-                if op.kind == OpKind.BWD:
-                    consumer = (s - 1, op) if s > 0 else None
-                else:
-                    consumer = (s + 1, op) if s < num_stages - 1 else None
+                step = -1 if op.kind == OpKind.BWD else 1
+                other = virtual_neighbour(s, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
                 due = next_start[s]
-                if consumer is not None:
-                    if consumer not in latest_start:
+                if other is not None:
+                    consumer = (other[0], dataclasses.replace(op, chunk=other[1]))
+                    if consumer not in latest:
                         break
-                    due = min(due, latest_start[consumer] - costs.comm)
-                latest_start[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
+                    due = min(due, latest[consumer] - costs.comm)
+                latest[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
                 ptr[s] -= 1
                 progress = True
         if not progress:
             raise RuntimeError("base schedule has a dependency cycle (bug)")
-    return [[(latest_start[(s, op)], latest_start[(s, op)] + cost_of(op.kind, costs)) for op in ops]
-            for s, ops in enumerate(orders)]
+    return latest
 
 
 def _place_refs_late(
@@ -330,15 +356,20 @@ def _interleave_late(
     def fit(makespan: float) -> list[list[Op]] | None:
         return _place_refs_late(base=base, base_times=base_times, refs=refs, costs=costs, makespan=makespan)
 
-    low = run.makespan
+    high = run.makespan + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
+    return smallest_fit(fit, low=run.makespan, high=high, tolerance=1e-6 * costs.ref_fwd)
+
+
+def smallest_fit(fit, *, low: float, high: float, tolerance: float) -> list[list[Op]]:
+    """fit(makespan) at the smallest makespan in [low, high] where it fits (not None), to
+    `tolerance`; fitting is monotone in the makespan, so bisect (simulate() gives the exact
+    time afterwards). At `high` it must fit."""
     best = fit(low)
     if best is not None:
         return best
-    high = low + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
     best = fit(high)
     assert best is not None, "reference forwards after the base schedule always fit"
-    # Fitting is monotone in the makespan, so bisect; simulate() gives the exact time afterwards.
-    while high - low > 1e-6 * costs.ref_fwd:
+    while high - low > tolerance:
         mid = (low + high) / 2
         orders = fit(mid)
         if orders is None:
@@ -359,6 +390,7 @@ def build_plan(
     carry_out: bool = False,
     costs: Costs = Costs(),
     num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """Plan one training step; `ref_current`/`ref_next` and carrying only matter for
     "interleaved" (see the module docstring). With one stage there is nothing to carry and
@@ -373,12 +405,16 @@ def build_plan(
     token-balanced microbatches the count changes from step to step: a step carries out the
     last microbatches of the next batch by the next batch's count, which is exactly what the
     next step (built with that count as `num_microbatches`) carries in.
+
+    `num_chunks` > 1: model chunks per stage (--vpp), megatron-core's interleaved 1F1B
+    (`pipeline/interleaved.py`); every op then names its chunk.
     """
     if num_next_microbatches == num_microbatches:
         num_next_microbatches = None  # one cache entry and one plan for equal counts
     return _cached_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
                         ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
-                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches,
+                        num_chunks=num_chunks)
 
 
 # Token-balanced microbatches make (m, next m) vary: the cache holds a few hundred small plans.
@@ -390,6 +426,7 @@ def _cached_plan(**kwargs) -> Plan:
 def _build_plan(
     *, num_stages: int, num_microbatches: int, ref_mode: str, ref_current: bool, ref_next: bool, carry_in: bool,
     carry_out: bool, costs: Costs, pair_transfers: bool, num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """build_plan; pair_transfers=False leaves every transfer on its own (safe only where sends
     never wait, i.e. buffered; kept to show what the rendezvous check rejects)."""
@@ -408,6 +445,13 @@ def _build_plan(
     if num_next_microbatches is not None and (not isinstance(num_next_microbatches, int) or num_next_microbatches < 1):
         raise ValueError(f"num_next_microbatches must be None or an int >= 1, got {num_next_microbatches!r}")
     check_costs(costs)
+    if num_chunks != 1:
+        from mcore_dpo.pipeline import interleaved  # it builds on this module's transfer placement
+
+        return interleaved.build_interleaved(
+            num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks, ref_mode=ref_mode,
+            ref_current=ref_current, ref_next=ref_next, carry=carry_in or carry_out, costs=costs,
+            pair_transfers=pair_transfers, num_next_microbatches=num_next_microbatches)
     p, m = num_stages, num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
     carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
@@ -419,15 +463,7 @@ def _build_plan(
                     ref_batches, carry_in, carry_out, num_next_microbatches)
 
     def finish(plan: Plan) -> Plan:
-        """The plan with its crossing transfers paired, the fastest way under `costs`."""
-        if not pair_transfers:
-            return plan
-        variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
-                                      for prefer in _PREFER))
-        makespans = [timeline(variant, costs).makespan for variant in variants]
-        # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
-        fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
-        return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
+        return paired(plan, costs=costs) if pair_transfers else plan
 
     def stage_range(s: int) -> range:
         return carried(s, num_stages=p, num_microbatches=m)
@@ -477,6 +513,16 @@ def _build_plan(
 
 
 # ----------------------------------------------------------------------------- transfers
+
+
+def paired(plan: Plan, *, costs: Costs) -> Plan:
+    """The plan with its crossing transfers paired, the fastest way under `costs`."""
+    variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
+                                  for prefer in _PREFER))
+    makespans = [timeline(variant, costs).makespan for variant in variants]
+    # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
+    fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
+    return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
 
 
 # The builder pairs one plan's transfers in each `_PREFER` way, from the same unpaired times.
@@ -537,6 +583,15 @@ def pair_crossing_transfers(stages: Stages, *, prefer: str = "timed", costs: Cos
                 down = [key for key in down if (key[0][1] > key[0][0]) == downstream]
             for key in down:
                 moves.setdefault(key[0][1], []).append(key)
+        if not moves:
+            # No two stages wait for each other, but a longer cycle may (the wrap-around link of
+            # model chunks closes a ring): one receive that a waiting send needs joins its stage's
+            # op, the one whose stage would wait least for it.
+            sends = [key for (s, t), pending in waits.items() for key in pending
+                     if key[0][0] == s and key not in keys[t][ptr[t]]]
+            if sends:
+                key = min(sends, key=lambda key: (delay(key), key))
+                moves[key[0][1]] = [key]
         if not moves:
             if any(ptr[s] < len(lists[s]) for s in range(len(lists))):
                 raise PlanError("transfers cannot be paired: the plan waits for a message nobody sends")
