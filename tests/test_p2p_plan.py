@@ -32,7 +32,8 @@ from mcore_dpo.pipeline.check import (
     validate_plan,
     validate_stages,
 )
-from mcore_dpo.pipeline.schedule import build_plan, forward_only_stages, pair_crossing_transfers
+from mcore_dpo.pipeline.list_schedule import PREFER, pair_crossing_transfers
+from mcore_dpo.pipeline.schedule import build_plan, forward_only_stages
 from tests.helpers.ranks import rank_context, start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.
@@ -136,7 +137,7 @@ def test_pairing_keeps_what_the_old_plan_did():
     ]
 
 
-@pytest.mark.parametrize("prefer", schedule._PREFER)
+@pytest.mark.parametrize("prefer", PREFER)
 def test_each_pairing_rule_gives_a_valid_plan(prefer):
     for p, m, case in [(2, 4, CASES[0]), (4, 8, CASES[6]), (3, 7, CASES[8]), (6, 9, CASES[2])]:
         old = unpaired(p, m, case)

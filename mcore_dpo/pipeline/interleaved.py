@@ -46,9 +46,9 @@ from mcore_dpo.pipeline.plan import (
     cost_of,
     virtual_neighbour,
 )
-from mcore_dpo.pipeline.schedule import (
-    _add_comm,
-    _expected_ref_batches,
+from mcore_dpo.pipeline.list_schedule import (
+    add_comm,
+    expected_ref_batches,
     latest_starts,
     paired,
     run_events,
@@ -109,7 +109,7 @@ def _fill(
     of its policy chain (never reordered), simulating in time: a free stage starts its next
     policy op once its input is there, else its next reference forward whose input is there,
     while fewer than `max_in_flight` of its reference activations wait downstream. With
-    `latest` (`schedule.latest_starts`), a reference forward goes first where the policy op has the
+    `latest` (`list_schedule.latest_starts`), a reference forward goes first where the policy op has the
     slack for it. This batch's reference (batch 0) feeds the loss, so REF(mb, c) joins the
     chain right before FWD(mb, c) if it has not run yet."""
     p, v = len(chains), num_chunks
@@ -260,7 +260,7 @@ def build_interleaved(
     if carry:
         raise PlanError(f"--vpp {v}: carrying reference forwards across steps is not built for model chunks "
                         f"(build the plan with carry_in=carry_out=False)")
-    ref_batches = _expected_ref_batches(ref_mode, ref_current, ref_next)
+    ref_batches = expected_ref_batches(ref_mode, ref_current, ref_next)
     m_next = m if num_next_microbatches is None else num_next_microbatches
     chains = [interleaved_1f1b(stage=s, num_stages=p, num_microbatches=m, num_chunks=v) for s in range(p)]
 
@@ -273,7 +273,7 @@ def build_interleaved(
     fillers = sorted(refs, key=lambda op: (op.batch, op.chunk, op.microbatch))
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        stages = _add_comm(orders, num_microbatches=m, num_next_microbatches=num_next_microbatches, num_chunks=v)
+        stages = add_comm(orders, num_microbatches=m, num_next_microbatches=num_next_microbatches, num_chunks=v)
         return Plan(p, m, ref_mode, stages, ref_batches, False, False, num_next_microbatches, v)
 
     if ref_mode != "interleaved" or not refs:
