@@ -66,6 +66,11 @@ class TrainConfig:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline stages: model chunks per pipeline rank, run by megatron-core's interleaved 1F1B
+    (chunk c of stage s holds the (c x pp + s)-th of pp x vpp equal slices of the layers). Needs pp >= 2,
+    a layer count divisible by pp x vpp and a microbatch count divisible by pp (padded microbatches).
+    See docs/DESIGN.md "Virtual pipeline stages"."""
     dp: int = 1
     """Data-parallel size."""
     cp: int = 1
@@ -332,6 +337,9 @@ class TrainConfig:
             return MOE_AUX_UNSERVED
         if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].packs:
             return f"--objective {self.objective} (it reads padded rows only)"
+        if self.vpp > 1:
+            return (f"--vpp {self.vpp} (the interleaved 1F1B schedule needs a microbatch count divisible by pp; "
+                    "packed dp replicas each run their own count)")
         return None
 
     @property
@@ -379,7 +387,7 @@ class TrainConfig:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
+        for name in ("tp", "pp", "vpp", "dp", "cp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
                      "max_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
@@ -394,6 +402,7 @@ class TrainConfig:
             )
         self._validate_expert_parallel()
         self._validate_context_parallel()
+        self._validate_virtual_pipeline()
         self._validate_recompute()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
@@ -486,6 +495,41 @@ class TrainConfig:
             return
         if self.ep > 1:
             raise ConfigError(f"cp: context parallelism is for dense models; not with expert parallelism (--ep {self.ep})")
+
+    def _validate_virtual_pipeline(self) -> None:
+        """--vpp > 1: megatron-core's interleaved 1F1B takes pp >= 2 and microbatches in groups of pp;
+        what is not built with model chunks yet is refused in one line (docs/DESIGN.md)."""
+        if self.vpp == 1:
+            return
+        if self.pp < 2:
+            raise ConfigError(f"vpp: --vpp {self.vpp} needs pipeline parallelism (pp >= 2), got pp {self.pp}")
+        if self.global_batch_size % (self.dp * self.micro_batch_size) == 0 and self.num_microbatches % self.pp:
+            raise ConfigError(f"vpp: the microbatch count per dp rank ({self.num_microbatches} = global_batch_size "
+                              f"{self.global_batch_size} / (dp {self.dp} x micro_batch_size {self.micro_batch_size})) "
+                              f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
+                              "microbatches in groups of pp")
+        unbuilt = [what for what, on in (
+            (f"--ep {self.ep}", self.ep > 1), (f"--cp {self.cp}", self.cp > 1), ("LoRA", self.lora),
+            ("--prefix-sharing", bool(self.prefix_sharing)), ("--ref-mode separate", self.ref_mode == "separate"),
+            ("--sync-ref-model", self.sync_ref_model), ("--save-format torch_dist", self.save_format == "torch_dist"),
+            (f"--objective {self.objective}", self.objective not in ("dpo",)),
+        ) if on]
+        if unbuilt:
+            raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")
+
+    def check_virtual_pipeline(self, *, num_layers: int, num_experts: int, source: str) -> None:
+        """--vpp > 1 against the model (its config: `source`): every model chunk holds as many
+        layers, and dense models only for now (ConfigError otherwise)."""
+        if self.vpp == 1:
+            return
+        if num_layers % (self.pp * self.vpp):
+            raise ConfigError(f"vpp: {source} has {num_layers} layers, not a multiple of pp x vpp = {self.pp} x "
+                              f"{self.vpp} = {self.pp * self.vpp} (every model chunk holds as many layers)")
+        if num_experts:
+            raise ConfigError(f"vpp: model chunks are not built for mixture-of-experts models ({source}) yet "
+                              "(use --vpp 1)")
+        raise ConfigError(f"vpp: --vpp {self.vpp} is planned (pipeline/interleaved.py) but the ranks do not run "
+                          "model chunks yet (use --vpp 1)")
 
     def check_context_parallel(self, *, num_experts: int, multi_latent_attention: bool, family: str,
                                source: str) -> None:
