@@ -1,15 +1,33 @@
-"""`--vpp N` (virtual pipeline stages) through the command line: what it refuses, each in one
-line, before any worker starts (config.py's `_validate_virtual_pipeline` and
-`check_virtual_pipeline`; the plans are tests/test_vpp_plan.py's)."""
+"""`--vpp N` (virtual pipeline stages) run by the ranks and through the command line.
+
+- What it refuses, each in one line, before any worker starts (config.py's
+  `_validate_virtual_pipeline` and `check_virtual_pipeline`; the plans are tests/test_vpp_plan.py's).
+- Parity of real gloo ranks at (tp, pp, dp) = (1, 2, 1) with --vpp 2 (two model chunks per rank,
+  one layer each, megatron-core's interleaved 1F1B with the reference in its idle time) against
+  the single-process HF reference (tests/helpers/parity.py): every metric of both steps, every
+  gradient of both steps, the weights after the last, the eval metrics after it (forward-only
+  passes round the ring of chunks). Ranks name their parameters `chunks.<c>.<name>`; the
+  expected shard of chunk c of stage s is that of stage c*pp + s of a plain pp*vpp pipeline
+  (model/chunks.py).
+"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from checkpoint_convert.io import open_hf_dir
+from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo.command_line import resolve
 from mcore_dpo.config import ConfigError
 from mcore_dpo.driver.defaults import DEFAULT_TRAIN_DATA
+from mcore_dpo.model.chunks import rank_shard
+from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.cli import train_input_error
+from tests.helpers.parity import METRICS, cached_reference, check_metrics, parity_job
+from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.reference import assert_close
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -41,3 +59,38 @@ def test_the_layer_count_must_divide_into_chunks(capsys, hf_llama, tmp_path):
                         "layers)"), err
     assert err.startswith("error: vpp: "), err
     assert not (tmp_path / "out").exists()
+
+
+def _expected_shard(spec, tensors, *, layout: Layout, tp_rank: int, pp_rank: int) -> dict:
+    """What rank (tp_rank, pp_rank) of `layout` holds of the HF-named `tensors`, chunk by chunk."""
+    return rank_shard(lambda pp, stage: hf_to_mcore_shard(spec, tp=layout.tp, tp_rank=tp_rank, pp=pp, pp_rank=stage,
+                                                          get=tensors.__getitem__),
+                      layout=layout, pp_rank=pp_rank)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings (chunk 0 of stage 0, last chunk of the last)
+def test_two_chunks_per_rank_match_the_reference(family, parity_models, tmp_path):
+    policy, reference = parity_models[family]
+    tp, pp, dp, vpp = 1, 2, 1, 2
+    job = parity_job((tp, pp, dp), policy, reference, name=family, vpp=vpp)
+    run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path)
+    steps = len(job["batches"])
+    ref = cached_reference(str(policy), str(reference), "sigmoid", "interleaved", steps)
+    layout, spec = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp), open_hf_dir(str(policy)).spec
+    what = f"{family} --vpp {vpp} at tp{tp} pp{pp} dp{dp}"
+    for step, ref_grads in enumerate(ref["grads"], start=1):
+        for (t, p, d), shard in load_rank_tensors(tmp_path, 0, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = _expected_shard(spec, ref_grads, layout=layout, tp_rank=t, pp_rank=p)
+            assert set(expected) == set(shard) and all(name.startswith("chunks.") for name in shard), what
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (pp{p})")
+    for (t, p, d), shard in load_rank_tensors(tmp_path, 0, "weights", layout=(tp, pp, dp)).items():
+        expected = _expected_shard(spec, ref["weights"], layout=layout, tp_rank=t, pp_rank=p)
+        assert set(expected) == set(shard), what
+        for name, value in expected.items():
+            assert_close(shard[name], value, what=f"{what} weight {name} after {steps} steps (pp{p})")
+    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+    for step, (m_ours, m_ref) in enumerate(zip(ours[:steps], ref["metrics"]), start=1):
+        check_metrics(m_ours, m_ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=1e-5)
+    check_metrics(ours[steps], ref["eval"], names=tuple(n for n in METRICS if n != "grad_norm"), prefix="eval/",
+                  what=f"{what} eval", rtol=1e-5)

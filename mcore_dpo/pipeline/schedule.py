@@ -356,11 +356,17 @@ def _build_plan(
     return finish(candidates[min(scored)[-1]])
 
 
-def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool, reference: bool) -> Stages:
+def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool, reference: bool,
+                        num_chunks: int = 1) -> Stages:
     """Ops of a forward-only pass (evaluation, precomputing the reference): a chain per
     microbatch on every stage, reference first. Messages only flow downstream, so a send
-    never waits for a stage that waits for it (`validate_stages` checks it)."""
+    never waits for a stage that waits for it (`validate_stages` checks it).
+
+    With model chunks (`num_chunks` > 1, --vpp) each microbatch's chain runs through every
+    virtual stage in turn, chunk by chunk (the last stage's chunk c feeding stage 0's chunk
+    c+1): one chain at a time goes round the ring, so again no stage waits for one that waits."""
     stages = []
+    last = num_stages * num_chunks - 1
     for s in range(num_stages):
         ops: list[Op] = []
         for mb in range(num_microbatches):
@@ -370,10 +376,12 @@ def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool,
             ):
                 if not enabled:
                     continue
-                if s > 0:
-                    ops.append(Op(recv, mb))
-                ops.append(Op(fwd, mb))
-                if s < num_stages - 1:
-                    ops.append(Op(send, mb))
+                for chunk in range(num_chunks):
+                    virtual = chunk * num_stages + s
+                    if virtual > 0:
+                        ops.append(Op(recv, mb, chunk=chunk))
+                    ops.append(Op(fwd, mb, chunk=chunk))
+                    if virtual < last:
+                        ops.append(Op(send, mb, chunk=chunk))
         stages.append(tuple(ops))
     return tuple(stages)

@@ -27,6 +27,7 @@ from mcore_dpo.checkpoint.expert_files import file_jobs
 from mcore_dpo.checkpoint.layout import KINDS, MOMENTS, read_state
 from mcore_dpo.model import lora
 from mcore_dpo.model.builder import layer_spec_name, live_names, shard_names
+from mcore_dpo.model.chunks import rank_shard, stage_files
 
 
 class Checkpointer:
@@ -70,7 +71,7 @@ class Checkpointer:
             return
         shard = self.policy_shard()
         if shard is not None:
-            write_mcore_shard(Path(directory), tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+            self._write_shard(Path(directory), shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
         """This rank's part of the checkpoint of `step` in the run's format (`checkpoint.formats`),
@@ -104,7 +105,14 @@ class Checkpointer:
             _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
         else:
             shard.update(self.held_not_trained(kind))
-            write_mcore_shard(directory, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
+            self._write_shard(directory, shard)
+
+    def _write_shard(self, directory: Path, shard: dict[str, torch.Tensor]) -> None:
+        """This rank's tensors as checkpoint_convert's rank files: its (tp, pp) file, or with model
+        chunks (--vpp) one file per chunk, as the virtual stage it is (model/chunks.py)."""
+        mesh = self.rank.mesh
+        for pp_rank, part in stage_files(shard, layout=self.rank.layout, pp_rank=mesh.pp_rank):
+            write_mcore_shard(directory, tp_rank=mesh.tp_rank, pp_rank=pp_rank, shard=part)
 
     def held_not_trained(self, kind: str) -> dict[str, torch.Tensor]:
         """The policy's parameters that the optimizer does not hold, as one kind of state: the
@@ -125,10 +133,10 @@ class Checkpointer:
         """This rank's shard, under megatron names, of whole HF-named tensors in `source` (its
         `get` and `get_part`: only this rank's rows and columns are read)."""
         rank = self.rank
-        return hf_to_mcore_shard(rank.spec, tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp,
-                                 pp_rank=rank.mesh.pp_rank, get=source.get, get_part=source.get_part,
-                                 layer_spec=layer_spec_name(use_te=rank.use_te), ep=rank.layout.ep,
-                                 ep_rank=rank.mesh.ep_rank)
+        return rank_shard(lambda pp, pp_rank: hf_to_mcore_shard(
+            rank.spec, tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank, pp=pp, pp_rank=pp_rank, get=source.get,
+            get_part=source.get_part, layer_spec=layer_spec_name(use_te=rank.use_te), ep=rank.layout.ep,
+            ep_rank=rank.mesh.ep_rank), layout=rank.layout, pp_rank=rank.mesh.pp_rank)
 
     def load(self, directory: str) -> None:
         """Master weights and AdamW moments, in the checkpoint's own format (resharded when the
