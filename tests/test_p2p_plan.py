@@ -271,23 +271,23 @@ def _stage_process(rank: int, stages, port: int, timeout_s: float, results) -> N
         def make(*code) -> torch.Tensor:
             return torch.full((8, 2, 4), _code(*code))
 
-        for op in stages[rank]:
-            mb, batch = op.microbatch, op.batch
+        for op in stages[rank]:  # the executor's scratch is keyed by model chunk (0: none) first
+            mb, batch, chunk = op.microbatch, op.batch, op.chunk
             if op.kind is OpKind.FWD:
                 if rank > 0:
-                    arrived(ctx._policy_in.pop(mb), "act", mb, 0)
+                    arrived(ctx._policy_in.pop((chunk, mb)), "act", mb, 0)
                 if rank < p - 1:
-                    ctx._policy_out[mb] = make("act", mb, 0)
+                    ctx._policy_out[(chunk, mb)] = make("act", mb, 0)
             elif op.kind is OpKind.BWD:
                 if rank < p - 1:
-                    arrived(ctx._grad_in.pop(mb), "grad", mb, 0)
+                    arrived(ctx._grad_in.pop((chunk, mb)), "grad", mb, 0)
                 if rank > 0:
-                    ctx._grad_out[mb] = make("grad", mb, 0)
+                    ctx._grad_out[(chunk, mb)] = make("grad", mb, 0)
             elif op.kind is OpKind.REF_FWD:
                 if rank > 0:
-                    arrived(ctx._ref_in.pop((batch, mb)), "ref_act", mb, batch)
+                    arrived(ctx._ref_in.pop((chunk, batch, mb)), "ref_act", mb, batch)
                 if rank < p - 1:
-                    ctx._ref_out[(batch, mb)] = make("ref_act", mb, batch)
+                    ctx._ref_out[(chunk, batch, mb)] = make("ref_act", mb, batch)
             else:
                 transfer(ctx, op)
         results.put((rank, "ok", checked))
