@@ -2,11 +2,12 @@
 
 - What it refuses, each in one line, before any worker starts (config.py's
   `_validate_virtual_pipeline` and `check_virtual_pipeline`; the plans are tests/test_vpp_plan.py's).
-- Parity of real gloo ranks at (tp, pp, dp) = (1, 2, 1) with --vpp 2 (two model chunks per rank,
-  one layer each, megatron-core's interleaved 1F1B with the reference in its idle time) against
-  the single-process HF reference (tests/helpers/parity.py): every metric of both steps, every
-  gradient of both steps, the weights after the last, the eval metrics after it (forward-only
-  passes round the ring of chunks). Ranks name their parameters `chunks.<c>.<name>`; the
+- Parity of real gloo ranks with --vpp 2 (two model chunks per rank, one layer each,
+  megatron-core's interleaved 1F1B) against the single-process HF reference
+  (tests/helpers/parity.py): every metric and gradient of every step, the weights after the last,
+  the eval metrics after it (forward-only passes round the ring of chunks); at (1, 2, 1) for 3
+  steps in every colocated reference mode and reference-free, beside the same run at --vpp 1;
+  at (2, 2, 1) with and without sequence parallelism. Ranks name their parameters `chunks.<c>.<name>`; the
   expected shard of chunk c of stage s is that of stage c*pp + s of a plain pp*vpp pipeline
   (model/chunks.py).
 - Through the command line (the real parser and driver on the session's Ray cluster): one step
@@ -33,7 +34,7 @@ from mcore_dpo.model.chunks import rank_shard
 from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.cli import train_input_error
 from mcore_dpo.data.pairs import load_pairs
-from tests.helpers.parity import METRICS, cached_reference, check_metrics, parity_job
+from tests.helpers.parity import METRICS, cached_reference, check_metrics, jobs_for, parity_job
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ranks import load_rank_tensors, run_ranks
 from tests.helpers.ray_runs import main_in_process
@@ -78,32 +79,68 @@ def _expected_shard(spec, tensors, *, layout: Layout, tp_rank: int, pp_rank: int
                       layout=layout, pp_rank=pp_rank)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings (chunk 0 of stage 0, last chunk of the last)
-def test_two_chunks_per_rank_match_the_reference(family, parity_models, tmp_path):
-    policy, reference = parity_models[family]
-    tp, pp, dp, vpp = 1, 2, 1, 2
-    job = parity_job((tp, pp, dp), policy, reference, name=family, vpp=vpp)
-    run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path)
-    steps = len(job["batches"])
-    ref = cached_reference(str(policy), str(reference), "sigmoid", "interleaved", steps)
-    layout, spec = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp), open_hf_dir(str(policy)).spec
-    what = f"{family} --vpp {vpp} at tp{tp} pp{pp} dp{dp}"
+def _check_job(out_dir: Path, j: int, job: dict, layout: Layout) -> None:
+    """Job j of a run_ranks launch against the HF reference: every metric and every rank's
+    gradient of every step, the weights after the last, the eval metrics after it, within 1e-5."""
+    family, mode, loss = job["key"]
+    steps, cfg = len(job["batches"]), job["config"]
+    ref = cached_reference(cfg["model"], cfg["ref_model"], loss, mode, steps)
+    spec, dims = open_hf_dir(cfg["model"]).spec, (layout.tp, layout.pp, layout.dp)
+    what = (f"{family}/{mode} --vpp {layout.vpp} at tp{layout.tp} pp{layout.pp} dp{layout.dp}"
+            + (" sequence-parallel" if cfg.get("sequence_parallel") else ""))
     for step, ref_grads in enumerate(ref["grads"], start=1):
-        for (t, p, d), shard in load_rank_tensors(tmp_path, 0, f"grads{step}", layout=(tp, pp, dp)).items():
+        for (t, p, d), shard in load_rank_tensors(out_dir, j, f"grads{step}", layout=dims).items():
             expected = _expected_shard(spec, ref_grads, layout=layout, tp_rank=t, pp_rank=p)
-            assert set(expected) == set(shard) and all(name.startswith("chunks.") for name in shard), what
+            assert set(expected) == set(shard), what
+            assert layout.vpp == 1 or all(name.startswith("chunks.") for name in shard), what
             for name, value in expected.items():
-                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (pp{p})")
-    for (t, p, d), shard in load_rank_tensors(tmp_path, 0, "weights", layout=(tp, pp, dp)).items():
+                assert_close(shard[name], value, what=f"{what} step {step} grad {name} (tp{t} pp{p})")
+    for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=dims).items():
         expected = _expected_shard(spec, ref["weights"], layout=layout, tp_rank=t, pp_rank=p)
         assert set(expected) == set(shard), what
         for name, value in expected.items():
-            assert_close(shard[name], value, what=f"{what} weight {name} after {steps} steps (pp{p})")
-    ours = json.loads((tmp_path / "job0_metrics.json").read_text())
+            assert_close(shard[name], value, what=f"{what} weight {name} after {steps} steps (tp{t} pp{p})")
+    ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
+    assert len(ours) == steps + 1, what
+    free = mode == "none"
     for step, (m_ours, m_ref) in enumerate(zip(ours[:steps], ref["metrics"]), start=1):
-        check_metrics(m_ours, m_ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=1e-5)
+        check_metrics(m_ours, m_ref, names=METRICS, prefix="", what=f"{what} step {step}", rtol=1e-5,
+                      reference_free=free)
     check_metrics(ours[steps], ref["eval"], names=tuple(n for n in METRICS if n != "grad_norm"), prefix="eval/",
-                  what=f"{what} eval", rtol=1e-5)
+                  what=f"{what} eval", rtol=1e-5, reference_free=free)
+
+
+def _with(job: dict, **config) -> dict:
+    return {**job, "config": {**job["config"], **config}}
+
+
+def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
+    """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
+    with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
+    reference-free, and the same Llama run at --vpp 1 in the same launch."""
+    tp, pp, dp = 1, 2, 1
+    jobs = [_with(job, vpp=2) for job in jobs_for((tp, pp, dp), parity_models, all_losses=False, steps=3,
+                                                   losses=("sigmoid",))]
+    qwen2 = next(job for job in jobs if job["key"] == ("qwen2", "interleaved", "sigmoid"))
+    jobs.append({**_with(qwen2, ref_mode="none"), "key": ("qwen2", "none", "sigmoid")})
+    llama = next(job for job in jobs if job["key"] == ("llama", "interleaved", "sigmoid"))
+    jobs.append(_with(llama, vpp=1))
+    assert len(jobs) == 8
+    run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
+
+
+def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_path):
+    """(2, 2, 1), 2 steps, --vpp 2: vocab-parallel logits on the last chunk, with and without
+    sequence parallelism."""
+    tp, pp, dp = 2, 2, 1
+    policy, reference = parity_models["llama"]
+    jobs = [parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2),
+            parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2, sequence_parallel=True)]
+    run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
 
 
 CLI_BATCH, CLI_MICRO, CLI_MAX_LENGTH, CLI_BETA = 8, 2, 20, 0.5
