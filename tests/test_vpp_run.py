@@ -13,7 +13,7 @@
 - Through the command line (the real parser and driver on the session's Ray cluster): one step
   at (1, 2, 1) with --vpp 2 equals the HF reference within 1e-5 (step-1 metrics, the exported
   weights); the run's checkpoint (one file per chunk, a plain pp*vpp-stage directory) resumes
-  at --vpp 1 for step 2, which equals the reference's step 2 as well.
+  at --vpp 1 for step 2, which equals the reference's step 2 as well; and the other way round.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_p
 CLI_BATCH, CLI_MICRO, CLI_MAX_LENGTH, CLI_BETA = 8, 2, 20, 0.5
 
 
-def test_through_the_command_line_and_resumed_at_vpp_1(parity_models, ray_cluster, tmp_path):
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["vpp2-then-vpp1", "vpp1-then-vpp2"])
+def test_through_the_command_line_and_resumed_at_another_vpp(first, then, parity_models, ray_cluster, tmp_path):
     policy, reference = parity_models["llama"]
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(2 * CLI_BATCH, seed=5)))
@@ -159,7 +160,7 @@ def test_through_the_command_line_and_resumed_at_vpp_1(parity_models, ray_cluste
                                      lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS)
                 for steps in (1, 2)}
     out = tmp_path / "run"
-    for steps, vpp in ((1, 2), (2, 1)):
+    for steps, vpp in ((1, first), (2, then)):
         argv = run_argv(model=policy, data=data, out=out, objective="dpo", layout=(1, 2, 1), steps=steps,
                         global_batch=CLI_BATCH, micro_batch=CLI_MICRO)
         argv += ["--ref-model", str(reference), "--beta", str(CLI_BETA), "--max-length", str(CLI_MAX_LENGTH),
@@ -170,11 +171,11 @@ def test_through_the_command_line_and_resumed_at_vpp_1(parity_models, ray_cluste
         assert (resolved["pp"], resolved["vpp"], resolved["ref_mode"]) == (2, vpp, "interleaved"), resolved
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [row["step"] for row in rows] == list(range(1, steps + 1)), rows
-        what = f"--vpp {vpp} step {steps}" + (" (resumed from --vpp 2)" if steps == 2 else "")
+        what = f"--vpp {vpp} step {steps}" + (f" (resumed from --vpp {first})" if steps == 2 else "")
         check_metrics(rows[-1], expected[steps]["metrics"][-1], names=METRICS, prefix="", what=what, rtol=1e-5)
         assert_exported_weights(out / "hf", expected[steps]["weights"], initial=Path(policy), what=what, rtol=1e-5)
-        if steps == 1:  # the checkpoint of a --vpp 2 run: one rank file per chunk, as pp x vpp stages
+        if steps == 1:  # a --vpp v run's checkpoint: one rank file per chunk, as pp x v stages
             model_dir = out / "checkpoints" / "step_00000001" / "model"
             files = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*.safetensors"))
-            assert files == [f"tp0_pp{p}/model.safetensors" for p in range(4)], files
+            assert files == [f"tp0_pp{p}/model.safetensors" for p in range(2 * vpp)], files
     assert "resuming from" in result.stdout, result.stdout[-3000:]
