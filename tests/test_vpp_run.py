@@ -7,7 +7,7 @@
   (tests/helpers/parity.py): every metric and gradient of every step, the weights after the last,
   the eval metrics after it (forward-only passes round the ring of chunks); at (1, 2, 1) for 3
   steps in every colocated reference mode and reference-free, beside the same run at --vpp 1;
-  at (2, 2, 1) with and without sequence parallelism. Ranks name their parameters `chunks.<c>.<name>`; the
+  at (2, 2, 1) with and without sequence parallelism; at (1, 4, 1) over 8-layer models. Ranks name their parameters `chunks.<c>.<name>`; the
   expected shard of chunk c of stage s is that of stage c*pp + s of a plain pp*vpp pipeline
   (model/chunks.py).
 - Through the command line (the real parser and driver on the session's Ray cluster): one step
@@ -138,6 +138,36 @@ def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_p
     policy, reference = parity_models["llama"]
     jobs = [parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2),
             parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2, sequence_parallel=True)]
+    run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
+
+
+@pytest.fixture(scope="module")
+def eight_layer_models(tmp_path_factory) -> dict:
+    """The parity models with 8 layers (pp 4 x vpp 2 chunks of one layer): policy and reference dirs by family."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from tests.helpers.models import PAD, VOCAB_SIZE, save_hf, small_init
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    root = tmp_path_factory.mktemp("eight_layers")
+    made = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)),
+            "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))}
+    return {family: tuple(save_hf(small_init(make(), seed).float(), root / f"{family}_{role}")
+                          for role, seed in (("policy", 1), ("ref", 2)))
+            for family, make in made.items()}
+
+
+def test_two_chunks_per_rank_match_the_reference_at_pp4(eight_layer_models, tmp_path):
+    """(1, 4, 1), 2 steps, --vpp 2 over 8 layers: the wrap-around link from stage 3 to stage 0, the
+    untied Llama with the interleaved reference, the tied Qwen2 with the sequential one."""
+    tp, pp, dp = 1, 4, 1
+    jobs = [parity_job((tp, pp, dp), *eight_layer_models["llama"], name="llama", vpp=2),
+            {**_with(parity_job((tp, pp, dp), *eight_layer_models["qwen2"], name="qwen2", vpp=2), ref_mode="sequential"),
+             "key": ("qwen2", "sequential", "sigmoid")}]
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
