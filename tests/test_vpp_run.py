@@ -209,3 +209,23 @@ def test_through_the_command_line_and_resumed_at_another_vpp(first, then, parity
             files = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*.safetensors"))
             assert files == [f"tp0_pp{p}/model.safetensors" for p in range(2 * vpp)], files
     assert "resuming from" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_memory_estimate_counts_chunk_forwards_in_flight():
+    """Policy-only 1F1B at pp 4, m 8 over 8 layers: the first stage holds 4 microbatches of 2
+    layers (8 layers' worth); with --vpp 2 it holds 2(p-1) + (v-1)p + 1 = 11 chunk forwards of
+    1 layer (11 layers' worth), the most of any stage (pipeline/memory.py)."""
+    from mcore_dpo.tools.memory_estimate import LayerShape, layer_activation_bytes, plan_activation_bytes
+
+    shape = LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024)
+    kw = dict(seq_len=128, rows=2, tp=2, sequence_parallel=True, attention="flash", dtype_bytes=2)
+    one_layer = layer_activation_bytes(shape, **kw)
+    plain, chunked = (plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode="none", vpp=vpp, **kw)
+                      for vpp in (1, 2))
+    assert chunked - plain == pytest.approx(3 * one_layer, rel=1e-12)
+    for mode in ("interleaved", "sequential"):  # every reference mode builds its plans with chunks
+        assert plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode=mode, vpp=2, **kw) >= chunked
+    with pytest.raises(ValueError, match="vpp: model chunks are not built for mixture-of-experts models"):
+        plan_activation_bytes(LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024,
+                                         experts=8, topk=2, moe_ffn=128),
+                              layers=8, pp=4, num_microbatches=8, ref_mode="none", vpp=2, **kw)
