@@ -509,8 +509,7 @@ class TrainConfig:
                               f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
                               "microbatches in groups of pp")
         unbuilt = [what for what, on in (
-            (f"--ep {self.ep}", self.ep > 1), (f"--cp {self.cp}", self.cp > 1), ("LoRA", self.lora),
-            ("--prefix-sharing", bool(self.prefix_sharing)), ("--ref-mode separate", self.ref_mode == "separate"),
+            (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora), ("--ref-mode separate", self.ref_mode == "separate"),
             ("--sync-ref-model", self.sync_ref_model), ("--save-format torch_dist", self.save_format == "torch_dist"),
             (f"--objective {self.objective}", self.objective not in ("dpo",)),
         ) if on]

@@ -117,15 +117,15 @@ def _with(job: dict, **config) -> dict:
 def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
     """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
     with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
-    reference-free, and the same Llama run at --vpp 1 in the same launch."""
+    reference-free, the same Llama run at --vpp 1 in the same launch, and with --prefix-sharing."""
     tp, pp, dp = 1, 2, 1
     jobs = [_with(job, vpp=2) for job in jobs_for((tp, pp, dp), parity_models, all_losses=False, steps=3,
                                                    losses=("sigmoid",))]
     qwen2 = next(job for job in jobs if job["key"] == ("qwen2", "interleaved", "sigmoid"))
     jobs.append({**_with(qwen2, ref_mode="none"), "key": ("qwen2", "none", "sigmoid")})
     llama = next(job for job in jobs if job["key"] == ("llama", "interleaved", "sigmoid"))
-    jobs.append(_with(llama, vpp=1))
-    assert len(jobs) == 8
+    jobs += [_with(llama, vpp=1), _with(llama, prefix_sharing=True)]  # shared-prompt rows through the chunks
+    assert len(jobs) == 9
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
@@ -141,6 +141,15 @@ def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_p
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
+
+
+def test_two_chunks_per_rank_with_context_parallelism(parity_models, tmp_path):
+    """(1, 2, 1) x cp 2, 2 steps, --vpp 2: each chunk's attention over its cp rank's positions."""
+    tp, pp, dp, cp = 1, 2, 1, 2
+    policy, reference = parity_models["llama"]
+    jobs = [parity_job((tp, pp, dp, cp), policy, reference, name="llama", vpp=2, cp=cp)]
+    run_ranks(world_size=tp * pp * dp * cp, jobs=jobs, out_dir=tmp_path)
+    _check_job(tmp_path, 0, jobs[0], Layout(tp=tp, pp=pp, dp=dp, cp=cp, vpp=2))
 
 
 @pytest.fixture(scope="module")
