@@ -511,7 +511,7 @@ class TrainConfig:
         unbuilt = [what for what, on in (
             (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora), ("--ref-mode separate", self.ref_mode == "separate"),
             ("--sync-ref-model", self.sync_ref_model), ("--save-format torch_dist", self.save_format == "torch_dist"),
-            (f"--objective {self.objective}", self.objective not in ("dpo",)),
+            (f"--objective {self.objective}", self.objective in ("kto", "reward")),
         ) if on]
         if unbuilt:
             raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")
