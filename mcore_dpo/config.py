@@ -510,7 +510,7 @@ class TrainConfig:
                               "microbatches in groups of pp")
         unbuilt = [what for what, on in (
             (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora), ("--ref-mode separate", self.ref_mode == "separate"),
-            ("--sync-ref-model", self.sync_ref_model), ("--save-format torch_dist", self.save_format == "torch_dist"),
+            ("--sync-ref-model", self.sync_ref_model),
             (f"--objective {self.objective}", self.objective in ("kto", "reward")),
         ) if on]
         if unbuilt:

@@ -188,8 +188,9 @@ def test_two_chunks_per_rank_match_the_reference_at_pp4(eight_layer_models, tmp_
 CLI_BATCH, CLI_MICRO, CLI_MAX_LENGTH, CLI_BETA = 8, 2, 20, 0.5
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["vpp2-then-vpp1", "vpp1-then-vpp2"])
-def test_through_the_command_line_and_resumed_at_another_vpp(first, then, parity_models, ray_cluster, tmp_path):
+@pytest.mark.parametrize("first, then, fmt", [(2, 1, "safetensors"), (1, 2, "safetensors"), (2, 1, "torch_dist")],
+                         ids=["vpp2-then-vpp1", "vpp1-then-vpp2", "torch_dist-vpp2-then-vpp1"])
+def test_through_the_command_line_and_resumed_at_another_vpp(first, then, fmt, parity_models, ray_cluster, tmp_path):
     policy, reference = parity_models["llama"]
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(2 * CLI_BATCH, seed=5)))
@@ -206,7 +207,7 @@ def test_through_the_command_line_and_resumed_at_another_vpp(first, then, parity
         argv = run_argv(model=policy, data=data, out=out, objective="dpo", layout=(1, 2, 1), steps=steps,
                         global_batch=CLI_BATCH, micro_batch=CLI_MICRO)
         argv += ["--ref-model", str(reference), "--beta", str(CLI_BETA), "--max-length", str(CLI_MAX_LENGTH),
-                 "--no-packing", "--vpp", str(vpp)]
+                 "--no-packing", "--vpp", str(vpp), "--save-format", fmt]
         result = main_in_process(argv, cluster=ray_cluster)
         assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
         resolved = yaml.safe_load((out / "config.yaml").read_text())
@@ -216,7 +217,14 @@ def test_through_the_command_line_and_resumed_at_another_vpp(first, then, parity
         what = f"--vpp {vpp} step {steps}" + (f" (resumed from --vpp {first})" if steps == 2 else "")
         check_metrics(rows[-1], expected[steps]["metrics"][-1], names=METRICS, prefix="", what=what, rtol=1e-5)
         assert_exported_weights(out / "hf", expected[steps]["weights"], initial=Path(policy), what=what, rtol=1e-5)
-        if steps == 1:  # a --vpp v run's checkpoint: one rank file per chunk, as pp x v stages
+        if steps == 1 and fmt == "torch_dist":  # the chunks' tensors by global key; args name the chunks
+            from checkpoint_convert.dcp import DcpReader
+            from checkpoint_convert.torch_dist import read_common_state
+
+            iteration = out / "checkpoints" / "iter_0000001"
+            common, _ = read_common_state(iteration, DcpReader(iteration))
+            assert common["args"].virtual_pipeline_model_parallel_size == (vpp if vpp > 1 else None)
+        elif steps == 1:  # a --vpp v run's checkpoint: one rank file per chunk, as pp x v stages
             model_dir = out / "checkpoints" / "step_00000001" / "model"
             files = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*.safetensors"))
             assert files == [f"tp0_pp{p}/model.safetensors" for p in range(2 * vpp)], files

@@ -54,6 +54,11 @@ def chunk_of(model: torch.nn.Module, chunk: int) -> torch.nn.Module:
     return inner.chunks[chunk] if isinstance(inner, StageChunks) else model
 
 
+def chunk_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The GPTModels of `model` (not DDP-wrapped), chunk by chunk: the model itself without chunks."""
+    return list(model.chunks) if isinstance(model, StageChunks) else [model]
+
+
 def chunk_name(name: str) -> str:
     """A parameter's name within its model chunk (`chunks.<c>.` dropped; any other name as it is)."""
     return name.split(".", 2)[2] if name.startswith("chunks.") else name
