@@ -13,7 +13,9 @@
 - Through the command line (the real parser and driver on the session's Ray cluster): one step
   at (1, 2, 1) with --vpp 2 equals the HF reference within 1e-5 (step-1 metrics, the exported
   weights); the run's checkpoint (one file per chunk, a plain pp*vpp-stage directory) resumes
-  at --vpp 1 for step 2, which equals the reference's step 2 as well; and the other way round.
+  at --vpp 1 for step 2, which equals the reference's step 2 as well; and the other way round; and
+  with --save-format torch_dist, whose --vpp 2 checkpoint megatron-core's own loader reads (at
+  tp 2 x pp 1) and converts to HF with the same logits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from transformers import AutoTokenizer
 
@@ -185,6 +188,39 @@ def test_two_chunks_per_rank_match_the_reference_at_pp4(eight_layer_models, tmp_
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
 
 
+def _megatron_reads(iteration: Path, save_dir: Path, tmp_path: Path) -> None:
+    """megatron-core's own dist_checkpointing.load reads the model and optimizer state of a
+    torch_dist checkpoint at tp 2 x pp 1 (tests/helpers/megatron_ranks.py: divisor 64 keeps the
+    writer's padded vocabulary) and gets this project's reader's tensors, and its logits are those
+    of `checkpoint_convert mcore-to-hf` of the save directory."""
+    from safetensors.torch import load_file, save_file
+
+    from mcore_dpo.checkpoint.torch_dist import open_part
+    from mcore_dpo.model.builder import open_weights
+    from tests.helpers.megatron_ranks import spawn, training_consumer_rank
+    from tests.helpers.models import exported_logits
+
+    tp, pp, divisor = 2, 1, 64
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    job = {"checkpoint": str(iteration), "tp": tp, "pp": pp, "divisor": divisor,
+           "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors"),
+           "state": str(tmp_path / "state_rank{rank}.safetensors")}
+    spawn(training_consumer_rank, world_size=tp * pp, job=job)
+    model_view = open_weights(str(iteration))
+    parts = {"model": model_view, "fp32_param": open_part(iteration, "model"),
+             "exp_avg": open_part(iteration, "exp_avg"), "exp_avg_sq": open_part(iteration, "exp_avg_sq")}
+    for rank in range(tp):
+        loaded = load_file(job["state"].format(rank=rank))
+        for part, view in parts.items():
+            expected = hf_to_mcore_shard(model_view.spec, tp=tp, tp_rank=rank, pp=pp, pp_rank=0, get=view.get,
+                                         divisor=divisor)
+            for name, tensor in expected.items():
+                assert torch.equal(loaded[f"{part}/{name}"], tensor), (rank, part, name)
+    reference = exported_logits(save_dir, tmp_path / "hf_from_torch_dist", tokens)
+    assert (load_file(job["logits"])["logits"][..., :100] - reference).abs().max().item() <= 1e-5
+
+
 CLI_BATCH, CLI_MICRO, CLI_MAX_LENGTH, CLI_BETA = 8, 2, 20, 0.5
 
 
@@ -224,6 +260,7 @@ def test_through_the_command_line_and_resumed_at_another_vpp(first, then, fmt, p
             iteration = out / "checkpoints" / "iter_0000001"
             common, _ = read_common_state(iteration, DcpReader(iteration))
             assert common["args"].virtual_pipeline_model_parallel_size == (vpp if vpp > 1 else None)
+            _megatron_reads(iteration, out / "checkpoints", tmp_path)
         elif steps == 1:  # a --vpp v run's checkpoint: one rank file per chunk, as pp x v stages
             model_dir = out / "checkpoints" / "step_00000001" / "model"
             files = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*.safetensors"))
