@@ -295,3 +295,39 @@ def test_reference_free_objectives_with_chunks_match_trl(objective, options, trl
     (1, 2, 1) with --vpp 2 through the command line against TRL (tests/helpers/trl_parity.py)."""
     check_run(objective, f"{objective}-vpp2-tp1pp2dp1", Run((1, 2, 1), options, engine={"vpp": 2}),
               setup=trl_parity, tmp_path=tmp_path)
+
+
+def test_a_reward_model_with_chunks_matches_trl(parity_models, ray_cluster, tmp_path):
+    """--objective reward (the score head on the last chunk of the last stage) at (1, 2, 1) with
+    --vpp 2, 2 steps through the command line, against TRL's RewardTrainer
+    (tests/helpers/trl_reward.py): the loss, accuracy and grad norm of each step and the exported
+    weights, score head included, within 1e-5."""
+    from checkpoint_convert.score_head import score_head_from_causal
+    from tests.helpers.reference import exported_weights
+    from tests.helpers.trl_reward import reward_model, reward_reference_run
+
+    policy = parity_models["llama"][0]
+    pad = 2  # the parity tokenizer's EOS pads (it has no pad token), as in tests/test_reward_parity.py
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in text_pairs(2 * CLI_BATCH, seed=9)))
+    pairs, _ = load_pairs(str(data), tokenizer=AutoTokenizer.from_pretrained(str(policy)), max_length=CLI_MAX_LENGTH)
+    out = tmp_path / "run"
+    argv = run_argv(model=policy, data=data, out=out, objective="reward", layout=(1, 2, 1), steps=2,
+                    global_batch=CLI_BATCH, micro_batch=CLI_MICRO) + ["--max-length", str(CLI_MAX_LENGTH), "--vpp", "2"]
+    result = main_in_process(argv, cluster=ray_cluster)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert yaml.safe_load((out / "config.yaml").read_text())["vpp"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, score = score_head_from_causal(json.loads((Path(policy) / "config.json").read_text()), pad_token_id=pad,
+                                      seed=1234)  # --seed's default draws the run's head
+    ref = reward_reference_run(model=reward_model(policy, score=score, pad_token_id=pad),
+                               batches=[pairs[:CLI_BATCH], pairs[CLI_BATCH:]], center_rewards_coefficient=None,
+                               lr=LR, clip_grad=CLIP, weight_decay=WD, adam_eps=ADAM_EPS, pad_token_id=pad)
+    for step, (ours, theirs) in enumerate(zip(rows, ref["metrics"]), start=1):
+        for key in ("loss", "accuracy", "margin", "grad_norm"):
+            assert_close(torch.tensor(ours[key], dtype=torch.float64), torch.tensor(theirs[key], dtype=torch.float64),
+                         what=f"reward --vpp 2 step {step} {key}", rtol=1e-5)
+    trained = exported_weights(out / "hf")
+    assert set(trained) == set(ref["weights"]) and "score.weight" in trained
+    for key, expected in ref["weights"].items():
+        assert_close(trained[key], expected, what=f"reward --vpp 2 weights {key}", rtol=1e-5)
