@@ -511,7 +511,6 @@ class TrainConfig:
         unbuilt = [what for what, on in (
             (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora), ("--ref-mode separate", self.ref_mode == "separate"),
             ("--sync-ref-model", self.sync_ref_model),
-            (f"--objective {self.objective}", self.objective == "kto"),
         ) if on]
         if unbuilt:
             raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")

@@ -59,6 +59,9 @@ RUNS = {
     "apo-sequential-tp2pp2dp1": ((2, 2, 1), {"loss_type": "apo_zero_unpaired", "beta": 0.3, "undesirable_weight": 1.5},
                       False, False, "sequential"),
     "kto-paired-packed-tp1pp2dp2": ((1, 2, 2), {"loss_type": "kto", "beta": 0.2}, True, True, "interleaved"),
+    # two model chunks per pipeline rank (--vpp 2, an engine flag TRL has no counterpart of)
+    "kto-interleaved-vpp2-tp1pp2dp1": ((1, 2, 1), {"loss_type": "kto", "beta": 0.2}, False, False, "interleaved",
+                                       {"vpp": 2}),
 }
 
 
@@ -122,7 +125,8 @@ def test_the_token_store_holds_trls_samples(paired, loss_type, parity_models, fi
         assert "ignoring unused column(s) 'id' (recognised: prompt, completion, label)" in notes[0], notes
 
 
-def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: bool, ref_mode: str) -> list[str]:
+def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: bool, ref_mode: str,
+          engine: dict | None = None) -> list[str]:
     tp, pp, dp = layout
     argv = ["--model", str(models[0]), "--ref-model", str(models[1]), "--data", str(data_path),
             "--output-dir", str(out), "--objective", "kto", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
@@ -133,6 +137,8 @@ def _argv(models, data_path: Path, out: Path, layout, options: dict, packed: boo
             "--ref-mode", ref_mode, *(PACKED if packed else ["--no-packing"])]
     for name, value in options.items():
         argv += [FLAGS[name], str(value)]
+    for name, value in (engine or {}).items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
     return argv
 
 
@@ -152,16 +158,18 @@ def _scale(key: str, metrics: dict, *, beta: float) -> float:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_kto_through_the_command_line_matches_trl(name, parity_models, files, ray_cluster, tmp_path):
-    layout, options, paired, packed, ref_mode = RUNS[name]
+    layout, options, paired, packed, ref_mode, *engine = RUNS[name]
+    engine = engine[0] if engine else {}
     models = parity_models["llama"]
     out = tmp_path / "run"
-    argv = _argv(models, files[paired][0], out, layout, options, packed, ref_mode)
+    argv = _argv(models, files[paired][0], out, layout, options, packed, ref_mode, engine)
     result = main_in_process(argv, cluster=ray_cluster)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["objective"], resolved["ref_mode"], resolved["tp"], resolved["pp"], resolved["dp"]) == (
         "kto", ref_mode, *layout)
-    assert resolved["packing"] is packed and all(resolved[key] == value for key, value in options.items()), resolved
+    assert resolved["packing"] is packed and all(resolved[key] == value
+                                                 for key, value in {**options, **engine}.items()), resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
