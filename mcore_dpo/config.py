@@ -509,7 +509,7 @@ class TrainConfig:
                               f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
                               "microbatches in groups of pp")
         unbuilt = [what for what, on in (
-            (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora), ("--ref-mode separate", self.ref_mode == "separate"),
+            (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora),
             ("--sync-ref-model", self.sync_ref_model),
         ) if on]
         if unbuilt:

@@ -37,7 +37,7 @@ from mcore_dpo.model.chunks import rank_shard
 from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.cli import train_input_error
 from mcore_dpo.data.pairs import load_pairs
-from tests.helpers.parity import METRICS, cached_reference, check_metrics, jobs_for, parity_job
+from tests.helpers.parity import METRICS, REF_GROUP, cached_reference, check_metrics, jobs_for, parity_job
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ranks import load_rank_tensors, run_ranks
 from tests.helpers.ray_runs import main_in_process
@@ -53,13 +53,13 @@ from tests.helpers.trl_parity import Run, check_run
      "multiple of pp (2): megatron-core's interleaved 1F1B runs microbatches in groups of pp"),
     (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--packing"],
      "packing: cannot serve --vpp 2"),
-    (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--ref-mode", "separate"],
-     "vpp: model chunks are not built with --ref-mode separate yet (use --vpp 1)"),
+    (["--vpp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--ep", "2"],
+     "vpp: model chunks are not built with --ep 2 yet (use --vpp 1)"),
     (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--lora-rank", "4"],
      "vpp: model chunks are not built with LoRA yet (use --vpp 1)"),
     (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--sync-ref-model"],
      "vpp: model chunks are not built with --sync-ref-model yet (use --vpp 1)"),
-], ids=["zero", "no-pipeline", "microbatches", "packing", "separate", "lora", "sync-ref-model"])
+], ids=["zero", "no-pipeline", "microbatches", "packing", "expert-parallel", "lora", "sync-ref-model"])
 def test_bad_values_are_one_line(capsys, argv, expected, tmp_path):
     assert expected in train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     with pytest.raises((ConfigError, SystemExit)):
@@ -139,11 +139,13 @@ def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path)
 
 def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_path):
     """(2, 2, 1), 2 steps, --vpp 2: vocab-parallel logits on the last chunk, with and without
-    sequence parallelism."""
+    sequence parallelism; and --ref-mode separate (the reference group at tp 2 without chunks)."""
     tp, pp, dp = 2, 2, 1
     policy, reference = parity_models["llama"]
     jobs = [parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2),
-            parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2, sequence_parallel=True)]
+            parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2, sequence_parallel=True),
+            {**_with(parity_job((tp, pp, dp), policy, reference, name="llama", vpp=2), ref_mode="separate",
+                     **REF_GROUP), "key": ("llama", "separate", "sigmoid")}]
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=2))
