@@ -510,7 +510,6 @@ class TrainConfig:
                               "microbatches in groups of pp")
         unbuilt = [what for what, on in (
             (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora),
-            ("--sync-ref-model", self.sync_ref_model),
         ) if on]
         if unbuilt:
             raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")

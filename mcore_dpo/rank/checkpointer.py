@@ -71,7 +71,7 @@ class Checkpointer:
             return
         shard = self.policy_shard()
         if shard is not None:
-            self._write_shard(Path(directory), shard)
+            self.write_shard(Path(directory), shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
         """This rank's part of the checkpoint of `step` in the run's format (`checkpoint.formats`),
@@ -105,9 +105,9 @@ class Checkpointer:
             _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
         else:
             shard.update(self.held_not_trained(kind))
-            self._write_shard(directory, shard)
+            self.write_shard(directory, shard)
 
-    def _write_shard(self, directory: Path, shard: dict[str, torch.Tensor]) -> None:
+    def write_shard(self, directory: Path, shard: dict[str, torch.Tensor]) -> None:
         """This rank's tensors as checkpoint_convert's rank files: its (tp, pp) file, or with model
         chunks (--vpp) one file per chunk, as the virtual stage it is (model/chunks.py)."""
         mesh = self.rank.mesh
