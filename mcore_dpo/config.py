@@ -514,7 +514,7 @@ class TrainConfig:
         if unbuilt:
             raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")
 
-    def check_virtual_pipeline(self, *, num_layers: int, num_experts: int, family: str, source: str) -> None:
+    def check_virtual_pipeline(self, *, num_layers: int, num_experts: int, source: str) -> None:
         """--vpp > 1 against the model (its config: `source`): every model chunk holds as many
         layers, and dense models only for now (ConfigError otherwise)."""
         if self.vpp == 1:
@@ -522,9 +522,9 @@ class TrainConfig:
         if num_layers % (self.pp * self.vpp):
             raise ConfigError(f"vpp: {source} has {num_layers} layers, not a multiple of pp x vpp = {self.pp} x "
                               f"{self.vpp} = {self.pp * self.vpp} (every model chunk holds as many layers)")
-        what = "mixture-of-experts models" if num_experts else "Gemma 3" if family == "gemma3_text" else None
-        if what:
-            raise ConfigError(f"vpp: model chunks are not built for {what} ({source}) yet (use --vpp 1)")
+        if num_experts:
+            raise ConfigError(f"vpp: model chunks are not built for mixture-of-experts models ({source}) yet "
+                              "(use --vpp 1)")
 
     def check_context_parallel(self, *, num_experts: int, multi_latent_attention: bool, family: str,
                                source: str) -> None:

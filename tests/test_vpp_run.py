@@ -158,6 +158,19 @@ def test_two_chunks_per_rank_with_context_parallelism(parity_models, tmp_path):
     _check_job(tmp_path, 0, jobs[0], Layout(tp=tp, pp=pp, dp=dp, cp=cp, vpp=2))
 
 
+def test_gemma3_with_six_chunks_matches_the_reference(tmp_path):
+    """Gemma 3 (its own block spec: sandwich norms, local/global layers by layer number) over 6
+    layers at (1, 2, 1) with --vpp 3: one layer per chunk, 2 steps."""
+    from tests.helpers.gemma import gemma3
+    from tests.helpers.models import save_hf
+
+    tp, pp, dp = 1, 2, 1
+    policy, reference = (save_hf(gemma3(seed=seed), tmp_path / name) for seed, name in ((1, "policy"), (2, "ref")))
+    jobs = [parity_job((tp, pp, dp), policy, reference, name="gemma3", vpp=3)]
+    run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path / "out")
+    _check_job(tmp_path / "out", 0, jobs[0], Layout(tp=tp, pp=pp, dp=dp, vpp=3))
+
+
 @pytest.fixture(scope="module")
 def eight_layer_models(tmp_path_factory) -> dict:
     """The parity models with 8 layers (pp 4 x vpp 2 chunks of one layer): policy and reference dirs by family."""

@@ -181,7 +181,7 @@ def build_stage_model(
     if spec.family == "gemma3_text":  # sandwich (1 + w) norms, local/global layers: a spec module of ours
         from mcore_dpo.model import gemma3
 
-        layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank)
+        layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank, vp_stage=vp_stage)
     elif config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
