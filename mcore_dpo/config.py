@@ -337,9 +337,6 @@ class TrainConfig:
             return MOE_AUX_UNSERVED
         if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].packs:
             return f"--objective {self.objective} (it reads padded rows only)"
-        if self.vpp > 1:
-            return (f"--vpp {self.vpp} (the interleaved 1F1B schedule needs a microbatch count divisible by pp; "
-                    "packed dp replicas each run their own count)")
         return None
 
     @property
@@ -503,7 +500,8 @@ class TrainConfig:
             return
         if self.pp < 2:
             raise ConfigError(f"vpp: --vpp {self.vpp} needs pipeline parallelism (pp >= 2), got pp {self.pp}")
-        if self.global_batch_size % (self.dp * self.micro_batch_size) == 0 and self.num_microbatches % self.pp:
+        padded = self.packing is not True and self.global_batch_size % (self.dp * self.micro_batch_size) == 0
+        if padded and self.num_microbatches % self.pp:  # packed: the packer cuts a multiple of pp (data/packing.py)
             raise ConfigError(f"vpp: the microbatch count per dp rank ({self.num_microbatches} = global_batch_size "
                               f"{self.global_batch_size} / (dp {self.dp} x micro_batch_size {self.micro_batch_size})) "
                               f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "

@@ -36,10 +36,11 @@ from mcore_dpo.driver.defaults import DEFAULT_TRAIN_DATA
 from mcore_dpo.model.chunks import rank_shard
 from mcore_dpo.parallel.mesh import Layout
 from tests.helpers.cli import train_input_error
+from tests.helpers.data import PACKED
 from mcore_dpo.data.pairs import load_pairs
 from tests.helpers.parity import METRICS, REF_GROUP, cached_reference, check_metrics, jobs_for, parity_job
 from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
-from tests.helpers.ranks import load_rank_tensors, run_ranks
+from tests.helpers.ranks import check_ran_packed, load_rank_tensors, run_ranks
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, assert_exported_weights, reference_run
 from tests.helpers.trl_parity import Run, check_run
@@ -51,13 +52,11 @@ from tests.helpers.trl_parity import Run, check_run
     (["--vpp", "2", "--pp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
      "vpp: the microbatch count per dp rank (3 = global_batch_size 6 / (dp 1 x micro_batch_size 2)) must be a "
      "multiple of pp (2): megatron-core's interleaved 1F1B runs microbatches in groups of pp"),
-    (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--packing"],
-     "packing: cannot serve --vpp 2"),
     (["--vpp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--ep", "2"],
      "vpp: model chunks are not built with --ep 2 yet (use --vpp 1)"),
     (["--vpp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--lora-rank", "4"],
      "vpp: model chunks are not built with LoRA yet (use --vpp 1)"),
-], ids=["zero", "no-pipeline", "microbatches", "packing", "expert-parallel", "lora"])
+], ids=["zero", "no-pipeline", "microbatches", "expert-parallel", "lora"])
 def test_bad_values_are_one_line(capsys, argv, expected, tmp_path):
     assert expected in train_input_error(capsys, [*argv, "--output-dir", str(tmp_path / "out")])
     with pytest.raises((ConfigError, SystemExit)):
@@ -121,16 +120,18 @@ def _with(job: dict, **config) -> dict:
 def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
     """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
     with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
-    reference-free, the same Llama run at --vpp 1 in the same launch, and with --prefix-sharing."""
+    reference-free, the same Llama run at --vpp 1 in the same launch, with --prefix-sharing, and packed."""
     tp, pp, dp = 1, 2, 1
     jobs = [_with(job, vpp=2) for job in jobs_for((tp, pp, dp), parity_models, all_losses=False, steps=3,
                                                    losses=("sigmoid",))]
     qwen2 = next(job for job in jobs if job["key"] == ("qwen2", "interleaved", "sigmoid"))
     jobs.append({**_with(qwen2, ref_mode="none"), "key": ("qwen2", "none", "sigmoid")})
     llama = next(job for job in jobs if job["key"] == ("llama", "interleaved", "sigmoid"))
-    jobs += [_with(llama, vpp=1), _with(llama, prefix_sharing=True)]  # shared-prompt rows through the chunks
-    assert len(jobs) == 9
+    jobs += [_with(llama, vpp=1), _with(llama, prefix_sharing=True),  # shared-prompt rows through the chunks
+             _with(llama, **PACKED)]  # packed rows, a multiple of pp microbatches per step
+    assert len(jobs) == 10
     run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
+    check_ran_packed(tmp_path, padded=jobs.index(llama), packed=len(jobs) - 1)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
 
@@ -344,3 +345,20 @@ def test_a_reward_model_with_chunks_matches_trl(parity_models, ray_cluster, tmp_
     assert set(trained) == set(ref["weights"]) and "score.weight" in trained
     for key, expected in ref["weights"].items():
         assert_close(trained[key], expected, what=f"reward --vpp 2 weights {key}", rtol=1e-5)
+
+
+def test_packed_microbatches_come_in_multiples_of_pp():
+    """--vpp with packing: a dp rank's packed microbatch count is a multiple of pp (the fewest that
+    fits the budget), or the step is refused in one line."""
+    from mcore_dpo.data.packing import split_microbatches
+
+    costs = [30, 5, 17, 22, 9, 40, 12, 8, 26, 3, 19, 33]
+    plain = split_microbatches(costs, list(range(12)), max_tokens=64)
+    for multiple in (2, 3, 4):
+        cut = split_microbatches(costs, list(range(12)), max_tokens=64, count_multiple=multiple)
+        assert len(cut) % multiple == 0 and len(cut) >= len(plain), (multiple, cut)
+        assert len(cut) - multiple < len(plain) or len(plain) % multiple == 0
+        assert sorted(i for mb in cut for i in mb) == list(range(12))
+        assert all(sum(costs[i] for i in mb) <= 64 for mb in cut)
+    with pytest.raises(ValueError, match="do not fill a multiple of 4 packed microbatches"):
+        split_microbatches([60, 60, 60], [0, 1, 2], max_tokens=64, count_multiple=4)

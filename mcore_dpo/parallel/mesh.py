@@ -33,6 +33,12 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def microbatch_group(self) -> int:
+        """A step's microbatch count must be a multiple of this: pp with model chunks (megatron-core's
+        interleaved 1F1B runs microbatches in groups of pp), else 1."""
+        return self.pp if self.vpp > 1 else 1
+
+    @property
     def etp(self) -> int:
         """Expert tensor-parallel size (checkpoint_convert.mapping.expert_tp_size)."""
         from checkpoint_convert.mapping import expert_tp_size

@@ -48,7 +48,8 @@ class Rank:
         """How this rank lays pairs out in microbatch rows (packed or padded, prompts shared or not)."""
         return RowLayout(packing=self.packing, prefix_sharing=bool(self.config.prefix_sharing),
                          pad_token_id=self.pad_token_id, multiple=self.seq_multiple,
-                         max_tokens=self.config.packing_budget)
+                         max_tokens=self.config.packing_budget,
+                         count_multiple=self.layout.microbatch_group)
 
     def __init__(
         self,
