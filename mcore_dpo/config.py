@@ -520,9 +520,6 @@ class TrainConfig:
         if num_layers % (self.pp * self.vpp):
             raise ConfigError(f"vpp: {source} has {num_layers} layers, not a multiple of pp x vpp = {self.pp} x "
                               f"{self.vpp} = {self.pp * self.vpp} (every model chunk holds as many layers)")
-        if num_experts:
-            raise ConfigError(f"vpp: model chunks are not built for mixture-of-experts models ({source}) yet "
-                              "(use --vpp 1)")
 
     def check_context_parallel(self, *, num_experts: int, multi_latent_attention: bool, family: str,
                                source: str) -> None:

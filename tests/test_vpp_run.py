@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -362,3 +363,34 @@ def test_packed_microbatches_come_in_multiples_of_pp():
         assert all(sum(costs[i] for i in mb) <= 64 for mb in cut)
     with pytest.raises(ValueError, match="do not fill a multiple of 4 packed microbatches"):
         split_microbatches([60, 60, 60], [0, 1, 2], max_tokens=64, count_multiple=4)
+
+
+def test_a_moe_model_with_chunks_and_the_load_balancing_loss_matches_the_reference(tmp_path):
+    """A 4-layer Qwen3-MoE (layer 1 dense) at (1, 2, 1) with --vpp 2 and the routers'
+    load-balancing loss (tests/helpers/moe_parity.py): the counts ride on each chunk's act and
+    grad round the ring; every gradient of 2 steps, the metrics and the router metrics against HF +
+    TRL's sum with the aux term."""
+    from tests.helpers import moe_parity
+    from tests.helpers.models import qwen3_moe, save_hf
+
+    tp, pp, dp = 1, 2, 1
+    policy, reference = (save_hf(qwen3_moe(seed=seed, num_layers=4), tmp_path / name)
+                         for seed, name in ((1, "policy"), (2, "ref")))
+    job = _with(moe_parity.aux_job((tp, pp, dp, 1), policy, reference), vpp=2)
+    run_ranks(world_size=tp * pp * dp, jobs=[job], out_dir=tmp_path / "out")
+    ref = moe_parity.with_hub_names(moe_parity.aux_reference(str(policy), str(reference), job["batches"],
+                                                             groups=moe_parity.engine_groups(dp=dp), steps=2), policy)
+    layout, spec = Layout(tp=tp, pp=pp, dp=dp, vpp=2), open_hf_dir(str(policy)).spec
+    for step, ref_grads in enumerate(ref["grads"], start=1):
+        for (t, p, d), shard in load_rank_tensors(tmp_path / "out", 0, f"grads{step}", layout=(tp, pp, dp)).items():
+            expected = _expected_shard(spec, ref_grads, layout=layout, tp_rank=t, pp_rank=p)
+            assert set(expected) == set(shard)
+            for name, value in expected.items():
+                assert_close(shard[name], value, what=f"moe --vpp 2 step {step} grad {name} (pp{p})")
+    ours = json.loads((tmp_path / "out" / "job0_metrics.json").read_text())
+    for step, (m_ours, m_ref) in enumerate(zip(ours, ref["metrics"]), start=1):
+        check_metrics(m_ours, m_ref, names=METRICS, prefix="", what=f"moe --vpp 2 step {step}", rtol=1e-5)
+        # The reference numbers the MoE layers in order (layer 1 is dense), the engine by HF layer.
+        by_layer = {re.sub(r"layer(\d+)$", lambda m: f"layer{spec.moe_layers[int(m.group(1))]}", key): value
+                    for key, value in m_ref["router"].items()}
+        moe_parity.check_router_metrics(m_ours, by_layer, what=f"moe --vpp 2 step {step}")
