@@ -507,7 +507,7 @@ class TrainConfig:
                               f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
                               "microbatches in groups of pp")
         unbuilt = [what for what, on in (
-            (f"--ep {self.ep}", self.ep > 1), ("LoRA", self.lora),
+            (f"--ep {self.ep}", self.ep > 1),
         ) if on]
         if unbuilt:
             raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")

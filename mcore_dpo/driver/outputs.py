@@ -92,7 +92,7 @@ def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
     try:
         group.call("write_adapter", str(shards))
         shape = lora.shape_of(config)
-        tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+        tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=file_pp(config))
         tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
         write_adapter_dir(tmp, tensors, adapter_config(shape, spec=spec, dropout=config.lora_dropout,
                                                        base_model=os.path.abspath(config.model)))

@@ -48,10 +48,13 @@ def build_chunks(build: Callable[[int], torch.nn.Module], *, vpp: int) -> torch.
 
 
 def chunk_of(model: torch.nn.Module, chunk: int) -> torch.nn.Module:
-    """The module that runs model chunk `chunk` of `model` (DDP-wrapped or not): the model itself
+    """The module that runs model chunk `chunk` of `model` (DDP-wrapped or not; a view of a model
+    that has chunks, as LoRA's adapter-off reference, answers `chunk(c)` itself): the model itself
     without chunks."""
     inner = getattr(model, "module", model)
-    return inner.chunks[chunk] if isinstance(inner, StageChunks) else model
+    if not isinstance(inner, StageChunks):
+        return model
+    return model.chunk(chunk) if hasattr(model, "chunk") else inner.chunks[chunk]
 
 
 def chunk_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -59,7 +59,7 @@ class Checkpointer:
         """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
         shard = self.adapter_shard()
         if shard is not None:
-            _write_adapter_shard(Path(directory), shard, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank)
+            self.write_shard(Path(directory), shard, adapter=True)
 
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
@@ -101,18 +101,20 @@ class Checkpointer:
         if shard is None:
             return
         shard = shard_names(shard)
-        if adapter:
-            _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
-        else:
+        if not adapter:
             shard.update(self.held_not_trained(kind))
-            self.write_shard(directory, shard)
+        self.write_shard(directory, shard, adapter=adapter)
 
-    def write_shard(self, directory: Path, shard: dict[str, torch.Tensor]) -> None:
-        """This rank's tensors as checkpoint_convert's rank files: its (tp, pp) file, or with model
-        chunks (--vpp) one file per chunk, as the virtual stage it is (model/chunks.py)."""
+    def write_shard(self, directory: Path, shard: dict[str, torch.Tensor], *, adapter: bool = False) -> None:
+        """This rank's tensors as checkpoint_convert's rank files (`adapter`: LoRA shards named as
+        the driver joins them into PEFT files): its (tp, pp) file, or with model chunks (--vpp)
+        one file per chunk, as the virtual stage it is (model/chunks.py)."""
         mesh = self.rank.mesh
         for pp_rank, part in stage_files(shard, layout=self.rank.layout, pp_rank=mesh.pp_rank):
-            write_mcore_shard(directory, tp_rank=mesh.tp_rank, pp_rank=pp_rank, shard=part)
+            if adapter:
+                _write_adapter_shard(directory, part, tp_rank=mesh.tp_rank, pp_rank=pp_rank)
+            else:
+                write_mcore_shard(directory, tp_rank=mesh.tp_rank, pp_rank=pp_rank, shard=part)
 
     def held_not_trained(self, kind: str) -> dict[str, torch.Tensor]:
         """The policy's parameters that the optimizer does not hold, as one kind of state: the
