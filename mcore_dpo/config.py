@@ -494,8 +494,8 @@ class TrainConfig:
             raise ConfigError(f"cp: context parallelism is for dense models; not with expert parallelism (--ep {self.ep})")
 
     def _validate_virtual_pipeline(self) -> None:
-        """--vpp > 1: megatron-core's interleaved 1F1B takes pp >= 2 and microbatches in groups of pp;
-        what is not built with model chunks yet is refused in one line (docs/DESIGN.md)."""
+        """--vpp > 1: megatron-core's interleaved 1F1B takes pp >= 2 and padded microbatches in groups
+        of pp (the packer cuts packed ones so: data/packing.py)."""
         if self.vpp == 1:
             return
         if self.pp < 2:
@@ -506,15 +506,10 @@ class TrainConfig:
                               f"{self.global_batch_size} / (dp {self.dp} x micro_batch_size {self.micro_batch_size})) "
                               f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
                               "microbatches in groups of pp")
-        unbuilt = [what for what, on in (
-            (f"--ep {self.ep}", self.ep > 1),
-        ) if on]
-        if unbuilt:
-            raise ConfigError(f"vpp: model chunks are not built with {unbuilt[0]} yet (use --vpp 1)")
 
-    def check_virtual_pipeline(self, *, num_layers: int, num_experts: int, source: str) -> None:
+    def check_virtual_pipeline(self, *, num_layers: int, source: str) -> None:
         """--vpp > 1 against the model (its config: `source`): every model chunk holds as many
-        layers, and dense models only for now (ConfigError otherwise)."""
+        layers (ConfigError otherwise)."""
         if self.vpp == 1:
             return
         if num_layers % (self.pp * self.vpp):

@@ -172,23 +172,25 @@ class Checkpointer:
         mesh, device = self.rank.mesh, self.rank.platform.device
         me = (mesh.tp_rank, mesh.dp_rank)
         world = self._stage_ranks()
-        for job in file_jobs(self.rank.layout):
-            if job.writer == me:
-                path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep=self.rank.layout.ep,
-                                                 ep_rank=job.ep_rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
-                metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep_rank=job.ep_rank)
-                with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=True) as writer:
-                    for name, tensor in tensors.items():
-                        if job.source is not None and _EXPERT.search(name):
-                            tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
-                            dist.recv(tensor, src=world[job.source])
-                        writer.write(name, tensor.to("cpu", dtype, copy=True))
-            elif job.source == me:
-                for name, tensor in tensors.items():
-                    if _EXPERT.search(name):
-                        dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
+        # With model chunks (--vpp) each chunk's files, as its virtual stage's (model/chunks.py).
+        for pp_rank, part in stage_files(tensors, layout=self.rank.layout, pp_rank=mesh.pp_rank):
+            for job in file_jobs(self.rank.layout):
+                if job.writer == me:
+                    path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=pp_rank, ep=self.rank.layout.ep,
+                                                     ep_rank=job.ep_rank)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    declared = [(n, dtype, tuple(t.shape)) for n, t in part.items()]
+                    metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=pp_rank, ep_rank=job.ep_rank)
+                    with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=True) as writer:
+                        for name, tensor in part.items():
+                            if job.source is not None and _EXPERT.search(name):
+                                tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
+                                dist.recv(tensor, src=world[job.source])
+                            writer.write(name, tensor.to("cpu", dtype, copy=True))
+                elif job.source == me:
+                    for name, tensor in part.items():
+                        if _EXPERT.search(name):
+                            dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
 
     def _stage_ranks(self) -> dict[tuple[int, int], int]:
         """(tp rank, dp rank) -> global rank of this rank's pipeline stage; a collective over
