@@ -27,6 +27,13 @@ down_proj's under `mlp.experts.`. GPT-OSS stores its experts input dim first ([E
 interleaved on the last dim), which PEFT reads as [E, in, out] with the same A [r·E, in] and B
 [out, r·E]: only the rows of gate_up's B alternate gate and up there (`interleaved_gate_up`).
 
+A reward model's base (`*ForSequenceClassification`, spec.num_labels > 0): PEFT's
+LoraConfig(task_type="SEQ_CLS") trains its score head whole beside the adapters (it adds
+"classifier" and "score" to `modules_to_save`) and saves the head under the module's own name,
+`base_model.model.score.weight` (in memory it is `...score.modules_to_save.default.weight`; the
+saved name is what `set_peft_model_state_dict` maps back). The adapter tensors here carry that
+tensor too (`saved_entries`): whole on every tp rank of the last stage, as the engine's head.
+
 Pure functions (the key map, shard <-> whole) plus the PEFT directory reader and writer
 (`adapter_config.json`, `adapter_model.safetensors`). Only safetensors and JSON are read.
 """
@@ -77,6 +84,7 @@ _MODULES += [("qkv", part, hf) for _, _, parts in MLA_Q_LORA + MLA_KV for part, 
 PEFT_MODULE_TO_TARGET = {hf.rsplit(".", 1)[1]: t for t, _, hf in _MODULES}
 PEFT_MODULE_TO_PART = {hf.rsplit(".", 1)[1]: part for _, part, hf in _MODULES}
 ADAPTER_MODULE = "adapter"  # the adapter's submodule name under a megatron-core linear
+SCORE_MODULE = "score"  # a *ForSequenceClassification's head: PEFT's modules_to_save for task_type SEQ_CLS
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,21 @@ def adapter_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int
                         yield mcore_adapter_name(local, linear, part, ab), peft_name(layer, hf_module, ab), ab, parallel, layer
 
 
+def saved_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """The base's modules an adapter trains and saves whole (PEFT's `modules_to_save`): a reward
+    model's score head, none for a causal LM."""
+    return (SCORE_MODULE,) if spec.num_labels else ()
+
+
+def saved_entries(spec: ModelSpec, *, pp: int, pp_rank: int) -> list[tuple[str, str]]:
+    """(megatron name, PEFT saved key) of the saved modules' tensors on one pipeline stage: the
+    score head's weight on the last stage (whole on every tp rank), as PEFT saves a SEQ_CLS
+    model's modules_to_save: under the module's name, without `modules_to_save.default`."""
+    if SCORE_MODULE not in saved_modules(spec) or pp_rank != pp - 1:
+        return []
+    return [(f"{SCORE_MODULE}.weight", f"base_model.model.{SCORE_MODULE}.weight")]
+
+
 def expert_entries(spec: ModelSpec, lora: LoraShape, *, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
                    ) -> Iterator[tuple[str, str, str, str, int, int]]:
     """(megatron name, PEFT name, "A"|"B", "column"|"row", global layer, global expert) of every
@@ -287,11 +310,14 @@ def _split_dim(ab: str, parallel: str) -> int | None:
 
 
 def peft_to_shard(get: Callable[[str], torch.Tensor], *, spec: ModelSpec, lora: LoraShape, tp: int, tp_rank: int,
-                  pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+                  pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0, saved: bool = False) -> dict[str, torch.Tensor]:
     """One (tp_rank, pp_rank, ep_rank)'s adapter tensors (megatron names) from whole PEFT-named
     tensors. B of q/k/v splits into equal row chunks: whole query groups per rank, as the fused
-    weight. Experts: this ep rank's experts, each its slice of PEFT's fused A/B."""
+    weight. Experts: this ep rank's experts, each its slice of PEFT's fused A/B. `saved`: the
+    saved modules' tensors too (`saved_entries`: a reward model's score head, whole)."""
     shard = {}
+    for name, peft in saved_entries(spec, pp=pp, pp_rank=pp_rank) if saved else ():
+        shard[name] = get(peft).contiguous().clone()
     for name, peft, ab, parallel, _ in adapter_entries(spec, lora, pp=pp, pp_rank=pp_rank):
         value = get(peft)
         dim = _split_dim(ab, parallel)
@@ -315,11 +341,17 @@ def shards_to_peft(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
                    lora: LoraShape, tp: int, pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
     """Whole PEFT-named tensors from every rank's adapter shard, keyed (tp_rank, pp_rank), or
     (tp_rank, pp_rank, ep_rank) when ep > 1 (dense adapters are taken from ep rank 0; each expert
-    from the ep rank holding it, under its global index)."""
+    from the ep rank holding it, under its global index); a reward model's score head
+    (`saved_entries`) from tp rank 0 of the last stage."""
     def shard(t: int, p: int, e: int = 0) -> Mapping[str, torch.Tensor]:
         return shards[(t, p, e) if ep > 1 else (t, p)]
 
     out = {}
+    for name, peft in saved_entries(spec, pp=pp, pp_rank=pp - 1):
+        if name not in shard(0, pp - 1):
+            raise ConversionError(f"adapter shard of pp rank {pp - 1}: tensor '{name}' (a module the adapter "
+                                  "saves whole) is missing")
+        out[peft] = shard(0, pp - 1)[name]
     interleaved = interleaved_gate_up(spec)
     for pp_rank in range(pp):
         for name, peft, ab, parallel, _ in adapter_entries(spec, lora, pp=pp, pp_rank=pp_rank):
@@ -386,13 +418,15 @@ def initial_adapter(spec: ModelSpec, lora: LoraShape, *, seed: int, dtype: torch
 
 # --------------------------------------------------------------------------- PEFT directories
 def adapter_config(lora: LoraShape, *, spec: ModelSpec, dropout: float, base_model: str | None) -> dict:
-    """adapter_config.json of a plain LoRA adapter for a causal LM on the base `spec`."""
+    """adapter_config.json of a plain LoRA adapter on the base `spec`: for a causal LM
+    (CAUSAL_LM), or for a reward model (SEQ_CLS, its score head in modules_to_save)."""
     modules = peft_modules(spec, lora.targets)
+    saved = list(saved_modules(spec))
     parameters = sorted(EXPERT_TARGET_MAP[t][3] for t in lora.targets if t in EXPERT_TARGET_MAP)
     extra = {"target_parameters": parameters} if parameters else {}
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if saved else "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
@@ -404,7 +438,7 @@ def adapter_config(lora: LoraShape, *, spec: ModelSpec, dropout: float, base_mod
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": saved or None,
         "inference_mode": True,
     }
 
@@ -444,7 +478,10 @@ def lora_shape_of(directory: str | Path, *, spec: ModelSpec) -> tuple[LoraShape,
     for field, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False)):
         if config.get(field, plain) not in (plain, None):
             raise ConversionError(f"{path}: field '{field}' is {config[field]!r}; only {plain!r} is supported")
-    for field in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+    if config.get("modules_to_save"):  # e.g. a reward run's OUTPUT/adapter, its score head saved whole
+        raise ConversionError(f"{path}: field 'modules_to_save' is {config['modules_to_save']!r}; only adapters "
+                              "without saved modules load (a saved score head does not start a run)")
+    for field in ("rank_pattern", "alpha_pattern", "layers_to_transform"):
         if config.get(field):
             raise ConversionError(f"{path}: field '{field}' is set; only a uniform adapter on every layer loads")
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)

@@ -335,8 +335,6 @@ class TrainConfig:
                     "each run their own count)")
         if self.moe_aux_loss_coef:
             return MOE_AUX_UNSERVED
-        if self.objective in registry.OBJECTIVES and not registry.OBJECTIVES[self.objective].packs:
-            return f"--objective {self.objective} (it reads padded rows only)"
         return None
 
     @property

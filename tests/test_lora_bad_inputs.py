@@ -1,5 +1,5 @@
 """Bad LoRA input: a rank <= 0, an unknown target, an --init-adapter whose rank or base does not
-match. Each ends `python -m mcore_dpo.train` (run in-process through `main`) with exit code 2 and
+match or that saves modules (a reward run's, its score head in it). Each ends `python -m mcore_dpo.train` (run in-process through `main`) with exit code 2 and
 one `error:` line naming the field or file, before Ray starts and before any output is written."""
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def paths(tmp_path_factory) -> dict[str, str]:
     found["dora"] = root / "dora"
     write_adapter_dir(found["dora"], initial_adapter(spec, deeper, seed=0), {**adapter_config(deeper, spec=spec, dropout=0.0, base_model=None),
                                                                                "use_dora": True})
+    found["seq_cls"] = root / "seq_cls"  # a reward run's OUTPUT/adapter: its score head saved whole
+    reward = replace(spec, architecture="LlamaForSequenceClassification", num_labels=1)
+    write_adapter_dir(found["seq_cls"], initial_adapter(spec, deeper, seed=0),
+                      adapter_config(deeper, spec=reward, dropout=0.0, base_model=None))
     found["no_config"] = root / "no_config"
     found["no_config"].mkdir()
     return {k: str(v) for k, v in found.items()}
@@ -64,6 +68,8 @@ CASES = [
     ("init_adapter_more_layers", ["--init-adapter", "{deeper_adapter}"], "{deeper_adapter}/adapter_model.safetensors",
      "has no place in a rank-4 adapter of this base (4 layers)"),
     ("init_adapter_dora", ["--init-adapter", "{dora}"], "{dora}/adapter_config.json", "field 'use_dora' is True"),
+    ("init_adapter_saved_head", ["--objective", "reward", "--init-adapter", "{seq_cls}"], "{seq_cls}/adapter_config.json",
+     "field 'modules_to_save' is ['score']"),
 ]
 
 

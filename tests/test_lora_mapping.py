@@ -4,6 +4,7 @@ fuses the weights, and PEFT's init."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.mapping import split_entry
-from checkpoint_convert.peft_adapter import (TARGET_MAP, TARGETS, LoraShape, adapter_entries, initial_adapter,
-                                             peft_to_shard, shards_to_peft)
+from checkpoint_convert.peft_adapter import (TARGET_MAP, TARGETS, LoraShape, adapter_config, adapter_entries,
+                                             initial_adapter, peft_to_shard, shards_to_peft)
 from mcore_dpo.model.lora import Adapter
 
 SPEC = ModelSpec(architecture="LlamaForCausalLM", family="llama", vocab_size=100, hidden_size=32, intermediate_size=64,
@@ -36,6 +37,28 @@ def test_shards_round_trip_exactly(tp, pp):
     back = shards_to_peft(shards, spec=SPEC, lora=SHAPE, tp=tp, pp=pp)
     assert back.keys() == whole.keys()
     assert all(torch.equal(back[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 3)])
+def test_a_reward_models_score_head_travels_with_the_adapter_as_peft_saves_it(tp, pp):
+    """A *ForSequenceClassification base: PEFT's SEQ_CLS adapter saves the score head whole
+    (modules_to_save) as base_model.model.score.weight; the shards hold it on every tp rank of the
+    last stage (with `saved`), the join takes it from tp rank 0, and the config says SEQ_CLS."""
+    reward = dataclasses.replace(SPEC, architecture="LlamaForSequenceClassification", num_labels=1)
+    head = torch.randn(1, SPEC.hidden_size, generator=torch.Generator().manual_seed(5))
+    whole = {**_random_adapter(1), "base_model.model.score.weight": head}
+    shards = {(t, p): peft_to_shard(whole.__getitem__, spec=reward, lora=SHAPE, tp=tp, tp_rank=t, pp=pp, pp_rank=p,
+                                    saved=True) for t in range(tp) for p in range(pp)}
+    assert all(("score.weight" in shard) is (p == pp - 1) for (_, p), shard in shards.items())
+    assert all(torch.equal(shards[(t, pp - 1)]["score.weight"], head) for t in range(tp))
+    back = shards_to_peft(shards, spec=reward, lora=SHAPE, tp=tp, pp=pp)
+    assert back.keys() == whole.keys() and all(torch.equal(back[k], whole[k]) for k in whole)
+    # Without `saved` (a fresh or --init-adapter adapter): the adapters only, the head from the model.
+    assert "score.weight" not in peft_to_shard(whole.__getitem__, spec=reward, lora=SHAPE, tp=tp, tp_rank=0, pp=pp,
+                                               pp_rank=pp - 1)
+    causal, seq_cls = (adapter_config(SHAPE, spec=s, dropout=0.0, base_model=None) for s in (SPEC, reward))
+    assert (causal["task_type"], causal["modules_to_save"]) == ("CAUSAL_LM", None)
+    assert (seq_cls["task_type"], seq_cls["modules_to_save"]) == ("SEQ_CLS", ["score"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -50,10 +50,17 @@ def test_a_shared_pair_is_body_then_two_branches():
     assert allowed.any(-1).all()  # every position (padding too) sees at least itself
 
 
-def test_an_empty_prompt_is_refused_by_its_line():
-    with pytest.raises(ValueError, match="line 7 has an empty prompt"):
-        collate_shared([TokenizedPair(prompt_ids=(), chosen_ids=(3,), rejected_ids=(4,), source_line=7)],
-                       pad_token_id=0, seq_len=8)
+def test_a_pair_without_a_prompt_is_its_two_sequences_apart():
+    """A row used whole (a reward model's: no prompt) shares nothing: its chosen and its rejected
+    sequence side by side, each from position 0, neither seeing the other."""
+    pair = TokenizedPair(prompt_ids=(), chosen_ids=(3, 5, 6), rejected_ids=(4, 7), source_line=7)
+    assert shared_pair_tokens(pair) == 5
+    mb = collate_shared([pair], pad_token_id=0, seq_len=8)
+    assert mb.tokens[0].tolist() == [3, 5, 6, 4, 7, 0, 0, 0]
+    assert mb.segment_ids[0, :5].tolist() == [0, 0, 0, 1, 1] and mb.position_ids[0, :5].tolist() == [0, 1, 2, 0, 1]
+    assert mb.loss_mask[0, :5].tolist() == [1, 1, 0, 1, 0] and not mb.shared_prompt.any()
+    allowed = ~segment_mask(mb.segment_ids, shared_prompt=mb.shared_prompt, num_sequences=2)[0, 0]
+    assert allowed[4].nonzero().flatten().tolist() == [3, 4]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

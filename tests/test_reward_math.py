@@ -5,8 +5,10 @@ nothing downloaded), the data conventions against `RewardTrainer._prepare_datase
 project's tokenizer, split invariance of the metric sums, and the spec's errors."""
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +27,6 @@ from mcore_dpo.objective.reward import (
     last_token_index,
     metric_sum_vector,
     pair_losses,
-    reward_inputs,
     sequence_rewards,
 )
 
@@ -407,54 +408,59 @@ def _trl_prepared(rows, tokenizer, max_length=None):
                                                           "train"))
 
 
-def _ours_tokenized(row, tokenizer):
-    chosen, rejected = reward_inputs(row, eos_token=tokenizer.eos_token)
-    if isinstance(chosen, str):
-        return tokenizer(chosen)["input_ids"], tokenizer(rejected)["input_ids"]
-    return tuple(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-                 for messages in (chosen, rejected))
+_TRL_ROWS = [
+    # explicit prompts, with and without the EOS text at the end, one long enough to be dropped
+    {"prompt": "The sky is", "chosen": " blue", "rejected": " green<eos>"},
+    {"prompt": "2 + 2 =", "chosen": " 4<eos>", "rejected": " 5"},
+    {"prompt": "Count:", "chosen": " one two three four five six seven eight nine ten", "rejected": " one"},
+    # a completion with no leading space: its first token may merge with the prompt's last
+    {"prompt": "Hello", "chosen": "world", "rejected": "!"},
+]
+_TRL_IMPLICIT = [{"chosen": "The sky is blue", "rejected": "The sky is green"},
+                 {"chosen": "a b c d e f g h i j k l m n", "rejected": "a"}, {"chosen": "a", "rejected": "b"}]
+_TRL_CONVERSATIONS = [
+    {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
+     "rejected": [{"role": "assistant", "content": "go away, and take these many words with you"}]},
+    {"prompt": [{"role": "user", "content": "and?"}], "chosen": [{"role": "assistant", "content": "yes"}],
+     "rejected": [{"role": "assistant", "content": "no"}]},
+]
+_TRL_IMPLICIT_CONVERSATIONS = [
+    {"chosen": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "5"}]},
+    # nothing shared: a reward model scores both conversations whole
+    {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+     "rejected": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "go away, and take these "
+                                                                                     "many words with you"}]},
+]
 
 
-def test_plain_text_rows_match_trl(tokenizer):
-    rows = [
-        {"prompt": "The sky is", "chosen": " blue", "rejected": " green<eos>"},
-        {"prompt": "2 + 2 =", "chosen": " 4<eos>", "rejected": " 5"},
-    ]
-    implicit = [{"chosen": "The sky is blue", "rejected": "The sky is green"}]
-    for batch in (rows, implicit):
-        for row, prepared in zip(batch, _trl_prepared(batch, tokenizer)):
-            assert _ours_tokenized(row, tokenizer) == (prepared["chosen_ids"], prepared["rejected_ids"])
-    chosen, rejected = reward_inputs(rows[0], eos_token="<eos>")
-    assert (chosen, rejected) == ("The sky is blue<eos>", "The sky is green<eos>")
+@pytest.mark.parametrize("rows", [_TRL_ROWS, _TRL_IMPLICIT, _TRL_CONVERSATIONS, _TRL_IMPLICIT_CONVERSATIONS],
+                         ids=["plain", "implicit", "conversational", "implicit-conversational"])
+@pytest.mark.parametrize("max_length", [None, 12])
+def test_the_runs_pairs_are_trls_reward_sequences(rows, max_length, tokenizer, tmp_path):
+    """What --objective reward trains on (the loader with whole_rows, and the token store that
+    equals it): for every row TRL 1.16's RewardTrainer keeps, in order, prompt + chosen and
+    prompt + rejected are exactly TRL's chosen_ids and rejected_ids (plain text with the EOS text
+    appended, implicit prompts, conversations rendered by the chat template); a pair with a
+    sequence over max_length is dropped, never cut, as TRL filters it."""
+    from mcore_dpo.data.pairs import load_pairs
+    from mcore_dpo.data.store import key_inputs, open_or_build, store_key
 
-
-def test_conversational_rows_match_trl(tokenizer):
-    rows = [
-        {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
-         "rejected": [{"role": "assistant", "content": "go away"}]},
-    ]
-    implicit = [{"chosen": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}],
-                 "rejected": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "5"}]}]
-    for batch in (rows, implicit):
-        for row, prepared in zip(batch, _trl_prepared(batch, tokenizer)):
-            ours = _ours_tokenized(row, tokenizer)
-            assert ours == (prepared["chosen_ids"], prepared["rejected_ids"])
-            assert ours[0].count(tokenizer.eos_token_id) == len(reward_inputs(row, eos_token="<eos>")[0])
-
-
-def test_max_length_drops_pairs_like_trl(tokenizer):
-    rows = [{"chosen": "a b c d e f", "rejected": "a"}, {"chosen": "a", "rejected": "b"}]
-    kept = _trl_prepared(rows, tokenizer, max_length=4)
-    ours = [row for row in rows if max(map(len, _ours_tokenized(row, tokenizer))) <= 4]
-    ours_chosen = [reward_inputs(row, eos_token="<eos>")[0] for row in ours]
-    assert ours_chosen == [row["chosen"] for row in kept] == ["a<eos>"]
-
-
-def test_reward_inputs_refuses_mixed_rows():
-    with pytest.raises(ValueError, match=r"^rejected: "):
-        reward_inputs({"chosen": [{"role": "user", "content": "x"}], "rejected": "y"}, eos_token="<eos>")
-    with pytest.raises(ValueError, match=r"^chosen: "):
-        reward_inputs({"rejected": "y"}, eos_token="<eos>")
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    kept = _trl_prepared(rows, tokenizer, max_length=max_length)
+    pairs, stats = load_pairs(str(path), tokenizer=tokenizer, max_length=max_length or 10_000, whole_rows=True)
+    assert [(list(p.prompt_ids + p.chosen_ids), list(p.prompt_ids + p.rejected_ids)) for p in pairs] == [
+        (row["chosen_ids"], row["rejected_ids"]) for row in kept]
+    assert stats.num_dropped_too_long == len(rows) - len(kept) and stats.num_truncated_pairs == 0
+    if max_length:
+        assert 0 < len(kept) < len(rows)  # both outcomes occur
+    store = open_or_build(str(path), tokenizer_dir=TOKENIZER_DIR, tokenizer=tokenizer, max_length=max_length or 10_000,
+                          cache_dir=tmp_path / "cache", workers=1, log=lambda line: None, whole_rows=True)
+    assert [store.pair(i) for i in range(len(store))] == pairs
+    inputs = dict(tokenizer_dir=TOKENIZER_DIR, tokenizer=tokenizer, max_length=max_length or 10_000, on_bad_row="error")
+    assert store_key(key_inputs([str(path)], **inputs, whole_rows=True)) == Path(store.path).name
+    assert store_key(key_inputs([str(path)], **inputs)) != Path(store.path).name  # the rule is part of the key
 
 
 # --------------------------------------------------------------------------- validation
@@ -539,6 +545,54 @@ def test_row_scores_read_the_last_token_that_is_not_padding():
     assert got.num_tokens.tolist() == lengths
     got.score.sum().backward()
     assert out.grad.sum().item() == 3.0
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared", "packed-shared"])
+def test_rows_of_segments_give_each_sequence_the_score_of_its_padded_row(layout):
+    """segment_scores on packed rows (collate_packed) and shared-prompt rows (collate_shared, or
+    packed with prefix_sharing) equals row_scores on collate's padded rows: each sequence's score
+    read at its last token that is not padding (an EOS that pads, a pad-valued token inside the
+    text; a rejected completion of pad tokens only read inside the prompt, which shared-prompt
+    rows hold once, in the chosen segment), in the padded rows' order (chosen ones, then rejected
+    ones), and its length; a gradient reaches exactly the positions read."""
+    from mcore_dpo.data.packing import collate_packed
+    from mcore_dpo.data.pairs import TokenizedPair, collate
+    from mcore_dpo.data.prefix_sharing import collate_shared
+    from mcore_dpo.objective.reward import row_scores, segment_scores
+
+    pad = 2
+    pairs = [TokenizedPair((1, 5), (6, 2), (7, 8, 9, 2), source_line=1),
+             TokenizedPair((1, 4, 2), (6, 2, 3, 2), (2,), source_line=2),
+             TokenizedPair((3,), (9, 9, 9, 9, 2), (8, 2), source_line=3),
+             TokenizedPair((), (1, 9, 2), (1, 8, 8, 2), source_line=4)]  # a row used whole, no prompt
+    b = len(pairs)
+    padded = collate(pairs, pad_token_id=pad, seq_len=9)
+    rows = {"packed": lambda: collate_packed(pairs, pad_token_id=pad, multiple=8),
+            "shared": lambda: collate_shared(pairs, pad_token_id=pad, seq_len=16),
+            "packed-shared": lambda: collate_packed(pairs, pad_token_id=pad, multiple=8, prefix_sharing=True)}[layout]()
+    assert (rows.shared_prompt is not None) == ("shared" in layout)
+
+    def value(sequence: int, position: int) -> float:
+        """The same score for the same token of a sequence; a prompt body's tokens (which shared
+        rows hold once) the same in both sequences of the pair."""
+        if sequence < 2 * b and position < len(pairs[sequence % b].prompt_ids) - 1:
+            return 100.0 * (sequence % b) + position + 50.0
+        return 100.0 * sequence + position
+
+    width = padded.tokens.shape[1]
+    padded_out = torch.tensor([[value(r, t) for t in range(width)] for r in range(2 * b)]).unsqueeze(-1)
+    out = torch.tensor([[value(k, t) if k < 2 * b else -1.0 for k, t in zip(ids, positions)]
+                        for ids, positions in zip(rows.segment_ids.tolist(), rows.position_ids.tolist())])
+    out = out.unsqueeze(-1).requires_grad_()
+    want = row_scores(padded_out, padded.tokens, loss_mask=padded.loss_mask, pad_token_id=pad)
+    got = segment_scores(out, rows.tokens, segment_ids=rows.segment_ids, num_sequences=rows.num_sequences,
+                         pad_token_id=pad, shared_prompt=rows.shared_prompt)
+    assert got.score.tolist() == want.score.tolist()
+    assert want.score[b + 1].item() == value(b + 1, 1)  # pair 1's rejected [2] is read at its prompt's 4
+    # prompt + completion, the EOS included
+    assert got.num_tokens.tolist() == want.num_tokens.tolist() == [4, 7, 6, 3, 6, 4, 3, 4]
+    got.score.sum().backward()
+    assert out.grad.sum().item() == 2 * b and out.grad.abs().max().item() == 1.0
 
 
 def test_the_margin_column_reaches_the_pairs_and_the_token_store(tokenizer, tmp_path):

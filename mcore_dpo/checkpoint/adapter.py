@@ -2,7 +2,14 @@
 PEFT-named adapter directories (`adapter/`, `optim/exp_avg/`, `optim/exp_avg_sq/`: any layout
 resumes from them), and
 the base model's path and fingerprint (`base.json`); the base itself is not copied. The ranks
-write their shards under `lora_shards/`, which the driver joins and removes."""
+write their shards under `lora_shards/`, which the driver joins and removes.
+
+A reward model's run (a `*ForSequenceClassification` spec) also trains its score head whole: each
+of these directories holds it beside the adapters under PEFT's saved name of a SEQ_CLS
+modules_to_save module, `base_model.model.score.weight` (its master, and its moments), and
+`adapter/adapter_config.json` says task_type SEQ_CLS with modules_to_save ["score"], so that
+`PeftModel.from_pretrained` on the base as AutoModelForSequenceClassification loads the head with
+the adapters (checkpoint_convert.peft_adapter.saved_entries)."""
 
 from __future__ import annotations
 
@@ -52,4 +59,4 @@ class Adapter:
         from mcore_dpo.model import lora
 
         whole = load_file(str(Path(directory) / ADAPTER_DIRS[kind] / ADAPTER_WEIGHTS))
-        return lora.adapter_shard(whole, rank=part.rank)  # whole PEFT-named tensors: any layout takes its pieces
+        return lora.adapter_shard(whole, rank=part.rank, saved=True)  # whole PEFT-named tensors: any layout takes its pieces

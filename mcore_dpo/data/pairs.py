@@ -60,6 +60,8 @@ class DataStats:
     unused_columns: tuple[str, ...] = ()  # columns of the file that are not in COLUMNS, first seen first
     has_prompt: bool = True  # False: implicit-prompt file, each prompt is the shared start of its completions
     unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), pairs unpaired
+    # whole_rows (--objective reward): pairs with a sequence over max_length, dropped whole
+    num_dropped_too_long: int = 0
 
 
 @dataclass
@@ -89,6 +91,7 @@ class _RawPair:
     is_conversation: bool
     label: bool | None = None  # an unpaired row: chosen and rejected are its one completion
     margin: float | None = None
+    whole: bool = False  # its sequences are used whole (`load_pairs`' whole_rows): it needs no prompt
 
 
 # ----------------------------------------------------------------------------- validation
@@ -140,7 +143,7 @@ def _check_completion_roles(messages: list[dict[str, str]], *, key: str) -> None
             raise _BadRow(f"'{key}' message {number} has role {message['role']!r}; completions must come from 'assistant'")
 
 
-def _split_implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+def _split_implicit_text(chosen: str, rejected: str, *, whole: bool = False) -> tuple[str, str, str]:
     shared = 0
     for chosen_char, rejected_char in zip(chosen, rejected):
         if chosen_char != rejected_char:
@@ -152,17 +155,19 @@ def _split_implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
     while cut >= 0 and not chosen[cut].isspace():
         cut -= 1
     if cut <= 0 or not chosen[:cut].strip():
+        if whole:  # sequences used whole need no prompt
+            return "", chosen, rejected
         raise _BadRow("'chosen' and 'rejected' share no leading text to use as the prompt")
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
 def _split_implicit_messages(
-    chosen: list[dict[str, str]], rejected: list[dict[str, str]]
+    chosen: list[dict[str, str]], rejected: list[dict[str, str]], *, whole: bool = False
 ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
-    if shared == 0:
+    if shared == 0 and not whole:  # sequences used whole need no prompt
         raise _BadRow("'chosen' and 'rejected' share no leading messages to use as the prompt")
     for key, messages in (("chosen", chosen), ("rejected", rejected)):
         if len(messages) == shared:
@@ -170,7 +175,7 @@ def _split_implicit_messages(
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
+def _validate_row(row: Any, *, has_prompt: bool, whole: bool = False) -> _RawPair:
     if isinstance(row, _BadRow):
         raise row
     if not isinstance(row, dict):
@@ -192,14 +197,14 @@ def _validate_row(row: Any, *, has_prompt: bool) -> _RawPair:
     if has_prompt:
         prompt, chosen, rejected = values["prompt"], values["chosen"], values["rejected"]
     elif is_conversation:
-        prompt, chosen, rejected = _split_implicit_messages(values["chosen"], values["rejected"])
+        prompt, chosen, rejected = _split_implicit_messages(values["chosen"], values["rejected"], whole=whole)
     else:
-        prompt, chosen, rejected = _split_implicit_text(values["chosen"], values["rejected"])
-    if is_conversation:
+        prompt, chosen, rejected = _split_implicit_text(values["chosen"], values["rejected"], whole=whole)
+    if is_conversation and not whole:  # a reward model scores any conversation
         _check_completion_roles(chosen, key="chosen")
         _check_completion_roles(rejected, key="rejected")
     return _RawPair(prompt=prompt, chosen=chosen, rejected=rejected, is_conversation=is_conversation,
-                    margin=_check_margin(row[MARGIN]) if MARGIN in row else None)
+                    margin=_check_margin(row[MARGIN]) if MARGIN in row else None, whole=whole)
 
 
 def _check_margin(value: Any) -> float:
@@ -282,8 +287,9 @@ def _pair_texts(tokenizer, pair: _RawPair) -> tuple[tuple[str, str, str], bool]:
     store (data/tokenize.py) in batches: the same ids."""
     if pair.is_conversation:
         # As TRL (and apply_chat_template(tokenize=True)): the rendered text is tokenized without
-        # adding special tokens; the template writes the BOS if the model wants one.
-        texts = (_render(tokenizer, pair.prompt, add_generation_prompt=True),
+        # adding special tokens; the template writes the BOS if the model wants one. No prompt
+        # messages (a row used whole): no prompt text.
+        texts = (_render(tokenizer, pair.prompt, add_generation_prompt=True) if pair.prompt else "",
                  *(_render(tokenizer, pair.prompt + messages, add_generation_prompt=False)
                    for messages in (pair.chosen, pair.rejected)))
         return texts, False
@@ -296,8 +302,8 @@ def _pair_texts(tokenizer, pair: _RawPair) -> tuple[tuple[str, str, str], bool]:
 
 
 def _check_split(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int], *,
-                 unpaired: bool = False) -> None:
-    if not len(prompt_ids):
+                 unpaired: bool = False, whole: bool = False) -> None:
+    if not len(prompt_ids) and not whole:
         # Without a prompt token nothing predicts the first completion token.
         raise _BadRow("'prompt' tokenizes to no tokens that prompt + completion also starts with")
     named = (("completion", chosen_ids),) if unpaired else (("chosen", chosen_ids), ("rejected", rejected_ids))
@@ -311,7 +317,7 @@ def _tokenize_pair(tokenizer, pair: _RawPair) -> tuple[list[int], list[int], lis
     part tokenizes to nothing)."""
     texts, add_special_tokens = _pair_texts(tokenizer, pair)
     ids = split_at_prompt(*(_encode(tokenizer, text, add_special_tokens=add_special_tokens) for text in texts))
-    _check_split(*ids)
+    _check_split(*ids, whole=pair.whole)
     return ids
 
 
@@ -321,7 +327,7 @@ def _check_tokenizer(tokenizer) -> None:
 
 
 def load_pairs(
-    path: str, *, tokenizer, max_length: int, on_bad_row: str = "error"
+    path: str, *, tokenizer, max_length: int, on_bad_row: str = "error", whole_rows: bool = False
 ) -> tuple[list[TokenizedPair], DataStats]:
     """Reads, validates and tokenizes every row of `path`, keeping file order.
 
@@ -330,10 +336,16 @@ def load_pairs(
     has >= max_length tokens is dropped and counted; the others are cut to max_length tokens,
     keeping the start (the prompt, then the completion's head); the cuts are counted. A file
     that mixes plain-text and conversational rows is refused (DataError, whatever on_bad_row).
-    The single-process reference of the token store (data/store.py), which gives the same pairs.
+    `whole_rows` (a reward model's data, as TRL's RewardTrainer reads it: each sequence, prompt
+    + completion, is scored whole): a row needs no prompt (an implicit-prompt row whose
+    completions share no leading text, or no leading message, has an empty one), nothing is
+    cut, and a pair whose prompt + chosen or prompt + rejected has more than max_length tokens is
+    dropped and counted. The single-process reference of the token store (data/store.py), which gives
+    the same pairs.
     """
     _check_arguments(tokenizer, max_length=max_length, on_bad_row=on_bad_row)
-    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row)
+    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row,
+                    whole_rows=whole_rows)
     pairs: list[TokenizedPair] = []
     for line, row in _read_rows(path):
         try:
@@ -370,6 +382,8 @@ class _RowScan:
     max_length: int
     on_bad_row: str
     unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), not pairs
+    whole_rows: bool = False  # a pair over max_length is dropped, not cut (`load_pairs`)
+    num_dropped_too_long: int = 0
     num_rows: int = 0
     num_pairs: int = 0
     num_dropped: int = 0
@@ -390,7 +404,8 @@ class _RowScan:
                 self.has_prompt = "prompt" in row
             columns = UNPAIRED_COLUMNS if self.unpaired else (*COLUMNS, MARGIN)
             self.unused.update((str(key), None) for key in row if key not in columns)
-        raw = _validate_unpaired_row(row) if self.unpaired else _validate_row(row, has_prompt=bool(self.has_prompt))
+        raw = (_validate_unpaired_row(row) if self.unpaired else
+               _validate_row(row, has_prompt=bool(self.has_prompt), whole=self.whole_rows))
         _check_one_kind(self.first_line_of_kind, is_conversation=raw.is_conversation, line=line, path=self.path)
         if raw.is_conversation and not getattr(self.tokenizer, "chat_template", None):
             raise DataError(f"{self.path}:{line}: conversational row but the tokenizer has no chat_template; "
@@ -406,7 +421,14 @@ class _RowScan:
     def fit(self, prompt_ids: Sequence[int], chosen_ids: Sequence[int],
             rejected_ids: Sequence[int]) -> tuple[Sequence[int], Sequence[int]] | None:
         """The completions cut to max_length with their prompt (the cut counted), or None when the
-        prompt alone fills max_length (the pair is dropped and counted)."""
+        prompt alone fills max_length (the pair is dropped and counted); with whole_rows, the
+        completions whole, or None when a sequence is over max_length (dropped and counted)."""
+        if self.whole_rows:
+            if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > self.max_length:
+                self.num_dropped_too_long += 1
+                return None
+            self.num_pairs += 1
+            return chosen_ids, rejected_ids
         completion_budget = self.max_length - len(prompt_ids)
         if completion_budget <= 0:
             self.num_dropped += 1
@@ -441,6 +463,7 @@ class _RowScan:
             unused_columns=tuple(self.unused),
             has_prompt=bool(self.has_prompt),
             unpaired=self.unpaired,
+            num_dropped_too_long=self.num_dropped_too_long,
         )
 
 
@@ -470,6 +493,9 @@ def data_notes(path: str, stats: DataStats, *, max_length: int) -> list[str]:
     if stats.num_dropped_prompt_too_long or stats.num_bad_rows_skipped:
         notes.append(f"{path}: dropped {stats.num_dropped_prompt_too_long} pairs whose prompt fills max_length; "
                      f"skipped {stats.num_bad_rows_skipped} bad rows (first lines {list(stats.first_bad_lines)})")
+    if stats.num_dropped_too_long:
+        notes.append(f"{path}: dropped {stats.num_dropped_too_long} pairs with a sequence longer than --max-length "
+                     f"{max_length} (a reward model's pairs are not cut)")
     if stats.num_truncated_pairs:
         notes.append(f"{path}: --max-length {max_length} truncated {stats.num_truncated_pairs} of {stats.num_pairs} "
                      f"pairs, dropping {stats.num_truncated_tokens} completion tokens")
@@ -566,8 +592,9 @@ def collate(pairs: Sequence[TokenizedPair], *, pad_token_id: int, seq_len: int) 
                 )
             tokens[row, :prompt_len] = torch.tensor(pair.prompt_ids, dtype=torch.int64)
             tokens[row, prompt_len:total_len] = torch.tensor(completion, dtype=torch.int64)
-            # Position t predicts token t+1, so completion tokens at [P, P+C) are labels at [P-1, P+C-1).
-            loss_mask[row, prompt_len - 1 : total_len - 1] = 1.0
+            # Position t predicts token t+1, so completion tokens at [P, P+C) are labels at [P-1, P+C-1)
+            # (no prompt, a row used whole: the first token has no label).
+            loss_mask[row, max(prompt_len - 1, 0) : total_len - 1] = 1.0
     labels = torch.full_like(tokens, pad_token_id)
     labels[:, :-1] = tokens[:, 1:]
     return Microbatch(tokens=tokens, labels=labels, loss_mask=loss_mask)

@@ -33,8 +33,9 @@ from mcore_dpo.data.pairs import Microbatch, TokenizedPair
 
 
 def shared_pair_tokens(pair: TokenizedPair) -> int:
-    """Token positions of a shared pair: the prompt, both completions, the prompt's last token again."""
-    return len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids) + 1
+    """Token positions of a shared pair: the prompt, both completions, the prompt's last token again
+    (a pair without a prompt, a row used whole: its two sequences)."""
+    return len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids) + bool(pair.prompt_ids)
 
 
 def shared_seq_len(pairs: Sequence[TokenizedPair], *, multiple: int) -> int:
@@ -69,8 +70,16 @@ class RowTensors:
 def place_shared_pair(rows: RowTensors, *, row: int, at: int, pair: TokenizedPair, chosen_segment: int,
                       rejected_segment: int) -> int:
     """Write `pair` (module docstring) into `rows` from column `at` of `row`; returns the column after it."""
-    if not pair.prompt_ids:
-        raise ValueError(f"prefix sharing: pair from line {pair.source_line} has an empty prompt")
+    if not pair.prompt_ids:  # a row used whole (data/pairs.py `whole_rows`): nothing to share
+        for segment, sequence in ((chosen_segment, pair.chosen_ids), (rejected_segment, pair.rejected_ids)):
+            m = len(sequence)
+            rows.tokens[row, at : at + m] = torch.tensor(sequence, dtype=torch.int64)
+            rows.labels[row, at : at + m - 1] = torch.tensor(sequence[1:], dtype=torch.int64)
+            rows.loss_mask[row, at : at + m - 1] = 1.0
+            rows.position_ids[row, at : at + m] = torch.arange(m)
+            rows.segment_ids[row, at : at + m] = segment
+            at += m
+        return at
     body = pair.prompt_ids[:-1]
     n = len(body)
     if n:

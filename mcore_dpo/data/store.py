@@ -116,10 +116,11 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def key_inputs(sources: Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
-               on_bad_row: str, unpaired: Unpaired | None = None) -> dict:
+               on_bad_row: str, unpaired: Unpaired | None = None, whole_rows: bool = False) -> dict:
     """Everything the key covers (kept in meta.json, so two keys can be told apart)."""
-    # A pair store's key is unchanged by the unpaired layout's arrival.
-    return ({} if unpaired is None else {"unpaired": asdict(unpaired)}) | {
+    # A pair store's key is unchanged by the unpaired layout's and the overlong rule's arrival.
+    return ({} if unpaired is None else {"unpaired": asdict(unpaired)}) | (
+        {"whole_rows": True} if whole_rows else {}) | {
         "format_version": FORMAT_VERSION,
         "tokenization_version": TOKENIZATION_VERSION,
         "sources": [source_checksum(path) for path in sources],  # the content only: a moved file still hits
@@ -378,7 +379,7 @@ class _StoreWriter:
 def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, tokenizer, max_length: int,
                   cache_dir: str | os.PathLike, on_bad_row: str = "error", workers: int | None = None,
                   log: Callable[[str], None] = print, progress_bar: bool | None = None,
-                  unpaired: Unpaired | None = None) -> TokenStore:
+                  unpaired: Unpaired | None = None, whole_rows: bool = False) -> TokenStore:
     """The store of `sources` (data files or saved dataset directories, their samples in this
     order) tokenized by `tokenizer` as `load_pairs` tokenizes each: opened when `<cache_dir>/<key>`
     holds a complete one, else built there (the train command's --data-cache, default
@@ -387,7 +388,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     `tokenizer` is the loaded tokenizer, with the chat template it renders (--chat-template is set
     on it before); `tokenizer_dir` the directory it was loaded from (None for one built in memory).
     Raises `load_pairs`' DataError for bad data, before any store is left behind. `unpaired`:
-    KTO's rows and their KL pairing (data/unpaired.py), not pairs."""
+    KTO's rows and their KL pairing (data/unpaired.py), not pairs. `whole_rows`: `load_pairs`'."""
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise DataError("data: no data files")
@@ -395,7 +396,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
     for path in sources:
         _check_source(path)
     inputs = key_inputs(sources, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer, max_length=max_length,
-                        on_bad_row=on_bad_row, unpaired=unpaired)
+                        on_bad_row=on_bad_row, unpaired=unpaired, whole_rows=whole_rows)
     key = store_key(inputs)
     root = Path(cache_dir).absolute()
     final = root / key
@@ -433,7 +434,7 @@ def open_or_build(sources: str | Sequence[str], *, tokenizer_dir: str | None, to
 
                     stats.append(tokenize_source(path, tokenizer=tokenizer, max_length=max_length,
                                                  on_bad_row=on_bad_row, pool=pool, write=write, progress=progress,
-                                                 unpaired=unpaired is not None))
+                                                 unpaired=unpaired is not None, whole_rows=whole_rows))
             writer.finish({
                 "format": FORMAT, "version": FORMAT_VERSION, "key": key, "key_inputs": inputs,
                 "sources": [{"path": path, "stats": asdict(s)} for path, s in zip(sources, stats)],

@@ -179,7 +179,7 @@ def tokenize_batch(tokenizer, pairs: list[_RawPair]) -> BatchIds:
         if index not in encoded:
             continue
         try:
-            _check_split(*encoded[index], unpaired=pairs[index].label is not None)
+            _check_split(*encoded[index], unpaired=pairs[index].label is not None, whole=pairs[index].whole)
         except _BadRow as problem:
             problems[index] = str(problem)
             continue
@@ -258,14 +258,15 @@ Write = Callable[[int, np.ndarray, np.ndarray, np.ndarray, "bool | None", "float
 
 
 def tokenize_source(path: str, *, tokenizer, max_length: int, on_bad_row: str, pool: TokenizerPool, write: Write,
-                    progress: Progress | None = None, unpaired: bool = False) -> DataStats:
+                    progress: Progress | None = None, unpaired: bool = False, whole_rows: bool = False) -> DataStats:
     """Tokenizes every row of `path` as `load_pairs` does, calling write(line, prompt_ids,
     chosen_ids, rejected_ids, label, margin) for each kept pair in file order (int32 arrays, already
     cut to max_length; label None for a pair, margin None without one). Returns the file's
     DataStats; raises `load_pairs`' DataError for the same rows, and one for a row over
     `max_row_bytes` (on_bad_row 'error'). `unpaired`: the rows are KTO's (data/unpaired.py), each
-    written with its one completion twice and its label."""
-    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, unpaired=unpaired)
+    written with its one completion twice and its label. `whole_rows`: `load_pairs`'."""
+    scan = _RowScan(path=path, tokenizer=tokenizer, max_length=max_length, on_bad_row=on_bad_row, unpaired=unpaired,
+                    whole_rows=whole_rows)
     rows = SourceRows(path, row_limit=max_row_bytes(max_length))
     if progress is not None:
         progress.start_source(path, total_bytes=rows.total_bytes)

@@ -46,8 +46,11 @@ from mcore_dpo.parallel import platform
 from mcore_dpo.parallel.ports import free_port
 
 # Ray's worker processes import this module before they unpickle a worker class (which imports
-# megatron-core), so the known-harmless warnings are filtered there in time.
+# megatron-core), so the known-harmless warnings are filtered there in time, and in a worker
+# process (Ray's default_worker.py, never the driver) the imports no rank uses are skipped.
 platform.quiet_known_warnings()
+if os.path.basename(sys.argv[0]) == "default_worker.py":
+    platform.skip_unused_imports()
 
 
 class WorkerGroupError(RuntimeError):

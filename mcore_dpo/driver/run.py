@@ -149,9 +149,10 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
         spec = spec_from_hf_config(hf_config)
     # The token stores (data/store.py): tokenized here once, by --data-workers processes, then
     # opened by every later run and by the ranks, which read their own rows.
+    whole_rows = registry.OBJECTIVES[config.objective].whole_rows
     stores = dict(tokenizer_dir=tok_dir, tokenizer=tokenizer, max_length=config.max_length, on_bad_row=config.on_bad_row,
                   cache_dir=config.data_cache or defaults.default_data_cache(), workers=config.data_workers, log=log,
-                  unpaired=registry.unpaired_data(config))
+                  unpaired=registry.unpaired_data(config), whole_rows=whole_rows)
     train_data = _open_store([s.path for s in sources], **stores)
     counts = train_data.source_counts()
     if weights_of(sources):
@@ -169,10 +170,10 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
         eval_stats = eval_data.stats[0]
         # Any number of held-out pairs evaluates (the last chunk may be partial), but not none.
         if not len(eval_data):
-            raise InputError(
-                f"{config.eval_data}: no usable pairs to evaluate ({eval_stats.num_dropped_prompt_too_long} with a "
-                f"prompt that fills max_length {config.max_length}, {eval_stats.num_bad_rows_skipped} bad rows skipped)"
-            )
+            dropped = (f"{eval_stats.num_dropped_too_long} longer than" if whole_rows else
+                       f"{eval_stats.num_dropped_prompt_too_long} with a prompt that fills")
+            raise InputError(f"{config.eval_data}: no usable pairs to evaluate ({dropped} max_length {config.max_length}, "
+                             f"{eval_stats.num_bad_rows_skipped} bad rows skipped)")
     return Prepared(config=config, spec=spec, pad_token_id=int(pad), sources=sources, train_data=train_data,
                     eval_data=eval_data, packing_note=packing_note, warnings=warnings, hf_config=hf_config)
 

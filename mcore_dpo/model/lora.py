@@ -16,6 +16,13 @@ exactly PEFT's (`checkpoint_convert.peft_adapter` has the key map and the splits
     replicated (MLA's down projections): A and B whole, as the weight; LoRA runs them at tp 1
         only (they are on MoE models, which LoRA trains at tp 1).
 
+A reward model's score head (`model/score_head.py`) is trained whole beside the adapters, as
+PEFT's LoraConfig(task_type="SEQ_CLS") puts `score` in its modules_to_save
+(`peft_adapter.saved_modules`): `attach` leaves it trainable, and it is part of the adapters'
+state (`trained_parameters`: checkpoints, the optimizer, OUTPUT/adapter under PEFT's saved name
+`base_model.model.score.weight`). It is whole and identical on every tp rank of the last stage,
+its gradient too.
+
 The reference: the same stage module with every adapter switched off (a fresh adapter: the base
 model) or switched to its frozen starting copy (--init-adapter), dropout off. `ReferenceView`
 is what the pipeline calls as "the reference model"; no second copy of the base weights exists.
@@ -30,7 +37,8 @@ import torch
 
 from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGETS, LoraShape,
-                                             part_features, target_layout, target_linears, target_names, targets_present)
+                                             part_features, saved_modules, target_layout, target_linears, target_names,
+                                             targets_present)
 from mcore_dpo.model.chunks import chunk_modules, rank_shard
 
 # Adapter modes: "train" (trained weights, dropout when training), "eval" (trained weights, no
@@ -121,12 +129,18 @@ def _hook(linear, args, kwargs, output):
 
 def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout: float, tp: int, tp_group
            ) -> list[Adapter]:
-    """Freeze every base parameter of this stage model and give each targeted linear of each of
-    its layers an adapter (zeros until `load_shard`): fc1/fc2 on dense MLP layers, expert_fc1/fc2
-    on each local expert of the MoE layers, each q/kv projection of multi-latent attention.
-    Returns the adapters, layer by layer."""
+    """Freeze every base parameter of this stage model but the modules trained whole
+    (`saved_modules`: a reward model's score head, where this stage has it) and give each
+    targeted linear of each of its layers an adapter (zeros until `load_shard`): fc1/fc2 on dense
+    MLP layers, expert_fc1/fc2 on each local expert of the MoE layers, each q/kv projection of
+    multi-latent attention. Returns the adapters, layer by layer."""
     for param in model.parameters():
         param.requires_grad_(False)
+    for name in saved_modules(spec):
+        for chunk in chunk_modules(model):  # --vpp: on the chunk that has it
+            module = getattr(chunk, name, None)
+            if module is not None:
+                module.requires_grad_(True)
     adapters = []
     for layer in (layer for chunk in chunk_modules(model) for layer in chunk.decoder.layers):  # --vpp: every chunk's
         linears = []
@@ -163,13 +177,21 @@ def adapters_of(model: torch.nn.Module) -> list[Adapter]:
 
 
 def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The adapter parameters of a stage model by name (the only trainable ones)."""
+    """The adapter parameters of a stage model by name."""
     return {n: p for n, p in model.named_parameters() if f".{ADAPTER_MODULE}.lora_" in n}
 
 
-def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
-    """Copy an adapter shard (megatron names) in; key sets and shapes must match."""
-    params = adapter_parameters(model)
+def trained_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters a LoRA run trains on this stage, by name: the adapters and the modules
+    `attach` left trainable (a reward model's score head), the state its checkpoints keep."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor], *, saved: bool = False) -> None:
+    """Copy an adapter shard (megatron names) in; key sets and shapes must match. `saved`: the
+    shard holds the modules trained whole as well (a checkpoint's; a fresh or --init-adapter
+    adapter has the adapters only, the head coming with the model's weights)."""
+    params = trained_parameters(model) if saved else adapter_parameters(model)
     if set(params) != set(shard):
         missing, extra = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
         raise ValueError(f"adapter shard does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -316,11 +338,13 @@ def resolve(config, *, spec: ModelSpec):
     return resolved
 
 
-def adapter_shard(whole: dict[str, torch.Tensor], *, rank) -> dict[str, torch.Tensor]:
+def adapter_shard(whole: dict[str, torch.Tensor], *, rank, saved: bool = False) -> dict[str, torch.Tensor]:
     """This rank's part of whole PEFT-named adapter tensors, under megatron names (the start of a
-    LoRA run and its resume alike). `rank`: the worker's `rank.base.Rank`."""
+    LoRA run and its resume alike; `saved`: with the modules trained whole, as a checkpoint holds
+    them). `rank`: the worker's `rank.base.Rank`."""
     from checkpoint_convert.peft_adapter import peft_to_shard
 
     return rank_shard(lambda pp, pp_rank: peft_to_shard(
         whole.__getitem__, spec=rank.spec, lora=shape_of(rank.config), tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank,
-        pp=pp, pp_rank=pp_rank, ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank), layout=rank.layout, pp_rank=rank.mesh.pp_rank)
+        pp=pp, pp_rank=pp_rank, ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank, saved=saved),
+        layout=rank.layout, pp_rank=rank.mesh.pp_rank)

@@ -21,25 +21,30 @@ import torch
 
 class _ScoreOutput:
     """GPTModel's `output_layer` on a reward model: (score(hidden), None), holding no parameters
-    of its own (the head is the model's `score`)."""
+    of its own (the head is the model's `score`). With sequence parallelism the final norm's
+    output is this tp rank's slice of the sequence [s/tp, b, h]: it is gathered whole first, as
+    megatron-core's column-parallel output layer gathers it. Every tp rank then scores the same
+    whole rows, so the gather's backward keeps this rank's slice of the (identical) gradient
+    rather than summing the tp copies (tensor_parallel_output_grad=False)."""
 
-    def __init__(self, score: torch.nn.Linear):
-        self.score = score
+    def __init__(self, score: torch.nn.Linear, *, sequence_parallel: bool):
+        self.score, self.sequence_parallel = score, sequence_parallel
 
     def __call__(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return self.score(hidden_states), None
 
 
 def attach_score_head(model: torch.nn.Module, *, num_labels: int, hidden_size: int, dtype: torch.dtype) -> None:
     """Replace the last stage's LM head of `model` (a GPTModel) by a `score` head [num_labels, h]."""
-    if model.config.sequence_parallel:  # the head would see [s/tp, b, h] and each rank a part of the rows
-        raise ValueError("sequence_parallel: a score head reads whole rows; not wired with sequence parallelism "
-                         "(an MoE model at tp > 1 needs it)")
     del model.output_layer
     device = next(model.parameters()).device
     model.score = torch.nn.Linear(hidden_size, num_labels, bias=False, dtype=dtype, device=device)
     # Not a submodule: the head's parameters are named once, as score.weight.
-    model.output_layer = _ScoreOutput(model.score)
+    model.output_layer = _ScoreOutput(model.score, sequence_parallel=model.config.sequence_parallel)
 
 
 def source_config(path: str) -> dict:

@@ -80,9 +80,15 @@ class Objective(abc.ABC):
     max_keys: tuple[str, ...] = ()
     """The last entries of metric_keys, combined by max instead of added."""
 
-    @abc.abstractmethod
+    def __init__(self, spec):
+        """`spec`: the objective's hyper-parameters (its module's `spec_of`), validated here."""
+        spec.validate()
+        self.spec = spec
+
     def totals(self, samples: Sequence) -> BatchTotals:
-        """The normalisers of a global batch (or of the whole held-out set)."""
+        """The normalisers of a global batch (or of the whole held-out set); by default a pair's:
+        the samples, and the chosen completions' tokens."""
+        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(p.chosen_ids) for p in samples)))
 
     @abc.abstractmethod
     def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.metric_sums import PAIR_SUM_KEYS, pair_means, pair_sums, sums_count
 from mcore_dpo.objective.logprobs import SequenceLogps
 
 CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
@@ -82,21 +83,7 @@ _SMOOTHED_TYPES: frozenset[str] = frozenset({"sigmoid", "simpo", "alphapo"})
 
 # Keys of cpo_metric_sum_vector, in its order: the engine adds the vectors over microbatches and
 # ranks (one all-reduce), then finalize reads them as a dict.
-CPO_SUM_KEYS: tuple[str, ...] = (
-    "num_samples",
-    "loss_sum",
-    "reward_chosen_sum",
-    "reward_rejected_sum",
-    "accuracy_sum",
-    "margin_sum",
-    "logps_chosen_sum",
-    "logps_rejected_sum",
-    "logit_chosen_sum",
-    "logit_rejected_sum",
-    "num_chosen_tokens",
-    "num_rejected_tokens",
-    "nll_sum",
-)
+CPO_SUM_KEYS: tuple[str, ...] = ("num_samples", *PAIR_SUM_KEYS, "nll_sum")
 
 
 @dataclass(frozen=True)
@@ -339,24 +326,13 @@ def cpo_metric_sum_vector(
             nll_sum = -chosen_logps_sum.to(dtype).sum()
         else:
             nll_sum = chosen_nll_sum.to(dtype).sum()
-        return torch.stack(
-            [
-                torch.full((), float(chosen_logps_sum.numel()), dtype=dtype, device=chosen_logps_sum.device),
-                out.total.to(dtype).sum(),
-                out.chosen_rewards.to(dtype).sum(),
-                out.rejected_rewards.to(dtype).sum(),
-                (out.chosen_rewards > out.rejected_rewards).to(dtype).sum(),
-                (out.chosen_rewards - out.rejected_rewards).to(dtype).sum(),
-                out.chosen_logps.to(dtype).sum(),
-                out.rejected_logps.to(dtype).sum(),
-                chosen_logit_sum.to(dtype).sum(),
-                rejected_logit_sum.to(dtype).sum(),
-                # Raw counts, not clamped: these are the denominators of token means.
-                chosen_num_tokens.to(dtype).sum(),
-                rejected_num_tokens.to(dtype).sum(),
-                nll_sum,
-            ]
-        )
+        return torch.stack([
+            *pair_sums(losses=out.total, chosen_rewards=out.chosen_rewards, rejected_rewards=out.rejected_rewards,
+                       chosen_logps=out.chosen_logps, rejected_logps=out.rejected_logps,
+                       chosen_logit_sum=chosen_logit_sum, rejected_logit_sum=rejected_logit_sum,
+                       chosen_num_tokens=chosen_num_tokens, rejected_num_tokens=rejected_num_tokens),
+            nll_sum,
+        ])
 
 
 def finalize(sums: dict[str, float], spec: CpoSpec) -> dict[str, float]:
@@ -366,27 +342,9 @@ def finalize(sums: dict[str, float], spec: CpoSpec) -> dict[str, float]:
     loss, rewards/*, logps/* are means over the samples; logits/* the vocabulary-mean logit and
     nll_loss the cross-entropy, each a mean over the completion tokens (chosen ones for nll_loss)."""
     spec.validate()
-    missing = [key for key in CPO_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_samples = sums["num_samples"]
-    if num_samples <= 0:
-        raise ValueError(f"sums: num_samples must be > 0, got {num_samples}")
-    # An empty chosen/rejected side would be a data bug; report 0 rather than dividing by zero.
-    chosen_tokens = max(sums["num_chosen_tokens"], 1.0)
-    rejected_tokens = max(sums["num_rejected_tokens"], 1.0)
-    return {
-        "loss": sums["loss_sum"] / num_samples,
-        "rewards/chosen": sums["reward_chosen_sum"] / num_samples,
-        "rewards/rejected": sums["reward_rejected_sum"] / num_samples,
-        "rewards/accuracies": sums["accuracy_sum"] / num_samples,
-        "rewards/margins": sums["margin_sum"] / num_samples,
-        "logps/rejected": sums["logps_rejected_sum"] / num_samples,
-        "logps/chosen": sums["logps_chosen_sum"] / num_samples,
-        "logits/rejected": sums["logit_rejected_sum"] / rejected_tokens,
-        "logits/chosen": sums["logit_chosen_sum"] / chosen_tokens,
-        "nll_loss": sums["nll_sum"] / chosen_tokens if spec.effective_cpo_alpha != 0.0 else 0.0,
-    }
+    means = pair_means(sums, sums_count(sums, CPO_SUM_KEYS, count="num_samples"))
+    nll = sums["nll_sum"] / max(sums["num_chosen_tokens"], 1.0) if spec.effective_cpo_alpha != 0.0 else 0.0
+    return {**means, "nll_loss": nll}
 
 
 class CpoObjective(Objective):
@@ -397,13 +355,6 @@ class CpoObjective(Objective):
     needs_reference = False
     needs_prepass = False
     metric_keys = CPO_SUM_KEYS
-
-    def __init__(self, spec: CpoSpec):
-        spec.validate()
-        self.spec = spec
-
-    def totals(self, samples: Sequence) -> BatchTotals:
-        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(p.chosen_ids) for p in samples)))
 
     def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],
                    totals: BatchTotals, prepass: object | None = None) -> tuple[Tensor, Tensor]:

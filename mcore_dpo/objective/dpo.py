@@ -22,13 +22,9 @@ class DpoObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
 
     def __init__(self, spec: LossSpec):
-        spec.validate()
-        self.spec = spec
+        super().__init__(spec)
         self.needs_reference = spec.needs_reference
         self.needs_prepass = spec.needs_batch_sort
-
-    def totals(self, samples: Sequence) -> BatchTotals:
-        return BatchTotals(num_samples=len(samples), chosen_tokens=max(1, sum(len(p.chosen_ids) for p in samples)))
 
     def microbatch(self, logps: SequenceLogps, reference: torch.Tensor | None, *, positions: Sequence[int],
                    totals: BatchTotals, prepass: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:

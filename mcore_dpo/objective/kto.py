@@ -95,6 +95,7 @@ from torch import Tensor
 
 from mcore_dpo.data.unpaired import UNPAIR_CHUNK_SIZE, Unpaired
 from mcore_dpo.objective.contract import BatchTotals, Objective, SampleShape
+from mcore_dpo.objective.metric_sums import sums_count
 from mcore_dpo.objective.logprobs import SequenceLogps
 from mcore_dpo.parallel.platform import to_device
 
@@ -302,12 +303,7 @@ def finalize_metrics(sums: Mapping[str, float], *, spec: KtoSpec) -> dict[str, f
     rewards/rejected and logps/rejected when it has an undesirable one, rewards/margins when
     it has both; logits/chosen (rejected) when those samples have completion tokens. The names
     do not depend on `spec` (TRL 1.16 logs kl = 0 for apo_zero_unpaired too)."""
-    missing = [key for key in METRIC_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_samples = sums["num_samples"]
-    if num_samples <= 0:
-        raise ValueError(f"sums: num_samples must be > 0, got {num_samples}")
+    num_samples = sums_count(sums, METRIC_SUM_KEYS, count="num_samples")
     num_chosen, num_rejected = sums["num_chosen"], sums["num_rejected"]
     metrics = {
         "loss": sums["loss_sum"] / num_samples,
@@ -410,8 +406,7 @@ class KtoObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
 
     def __init__(self, spec: KtoSpec):
-        spec.validate()
-        self.spec = spec
+        super().__init__(spec)
         self.needs_prepass = spec.needs_kl
 
     def totals(self, samples: Sequence) -> KtoTotals:

@@ -84,6 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mcore_dpo.objective.metric_sums import PAIR_SUM_KEYS, pair_means, sums_count
 from mcore_dpo.objective.loss_spec import (
     SORTED_TYPES,
     LossSpec,
@@ -94,21 +95,7 @@ _ALPHA_DIVERGENCE_CLAMP = 80.0
 
 # Keys of `metric_sums`, in a fixed order so the engine can pack them into one
 # tensor for a single all-reduce: torch.tensor([sums[k] for k in METRIC_SUM_KEYS]).
-METRIC_SUM_KEYS: tuple[str, ...] = (
-    "num_pairs",
-    "loss_sum",
-    "reward_chosen_sum",
-    "reward_rejected_sum",
-    "accuracy_sum",
-    "margin_sum",
-    "logps_chosen_sum",
-    "logps_rejected_sum",
-    "logit_chosen_sum",
-    "logit_rejected_sum",
-    "num_chosen_tokens",
-    "num_rejected_tokens",
-    "nll_sum",
-)
+METRIC_SUM_KEYS: tuple[str, ...] = ("num_pairs", *PAIR_SUM_KEYS, "nll_sum")
 
 
 @dataclass
@@ -465,28 +452,9 @@ def finalize_metrics(sums: dict[str, float], *, spec: LossSpec) -> dict[str, flo
     TRL 1.16's `DPOTrainer._compute_loss`. Reference-free
     runs report no rewards/*: a reward is a log-ratio against a reference, and with none the
     numbers would only be β·log π under another name."""
-    missing = [key for key in METRIC_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_pairs = sums["num_pairs"]
-    if num_pairs <= 0:
-        raise ValueError(f"sums: num_pairs must be > 0, got {num_pairs}")
-    # An empty chosen/rejected side would be a data bug; report 0 rather than dividing by zero.
-    chosen_tokens = max(sums["num_chosen_tokens"], 1.0)
-    rejected_tokens = max(sums["num_rejected_tokens"], 1.0)
-    metrics = {
-        "loss": sums["loss_sum"] / num_pairs,
-        "rewards/chosen": sums["reward_chosen_sum"] / num_pairs,
-        "rewards/rejected": sums["reward_rejected_sum"] / num_pairs,
-        "rewards/accuracies": sums["accuracy_sum"] / num_pairs,
-        "rewards/margins": sums["margin_sum"] / num_pairs,
-        "logps/chosen": sums["logps_chosen_sum"] / num_pairs,
-        "logps/rejected": sums["logps_rejected_sum"] / num_pairs,
-        "logits/chosen": sums["logit_chosen_sum"] / chosen_tokens,
-        "logits/rejected": sums["logit_rejected_sum"] / rejected_tokens,
-    }
+    metrics = pair_means(sums, sums_count(sums, METRIC_SUM_KEYS, count="num_pairs"))
     if spec.reference_free:
         metrics = {key: value for key, value in metrics.items() if not key.startswith("rewards/")}
     if "sft" in spec.loss_types:
-        metrics["nll_loss"] = sums["nll_sum"] / chosen_tokens
+        metrics["nll_loss"] = sums["nll_sum"] / max(sums["num_chosen_tokens"], 1.0)
     return metrics

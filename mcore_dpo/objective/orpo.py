@@ -60,23 +60,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.metric_sums import PAIR_SUM_KEYS, pair_means, pair_sums, sums_count
 from mcore_dpo.objective.logprobs import SequenceLogps
 
 # Keys of orpo_metric_sum_vector, in its order: the engine adds the vectors over microbatches and
 # ranks (one all-reduce), then finalize reads them as a dict.
 ORPO_SUM_KEYS: tuple[str, ...] = (
     "num_samples",
-    "loss_sum",
-    "reward_chosen_sum",
-    "reward_rejected_sum",
-    "accuracy_sum",
-    "margin_sum",
-    "logps_chosen_sum",
-    "logps_rejected_sum",
-    "logit_chosen_sum",
-    "logit_rejected_sum",
-    "num_chosen_tokens",
-    "num_rejected_tokens",
+    *PAIR_SUM_KEYS,
     "nll_sum",
     "num_nll_tokens",
     "log_odds_ratio_sum",
@@ -245,19 +236,10 @@ def orpo_metric_sum_vector(
         dtype = torch.float64
         return torch.stack(
             [
-                torch.full((), float(chosen_logps_sum.numel()), dtype=dtype, device=chosen_logps_sum.device),
-                out.total.to(dtype).sum(),
-                out.chosen_rewards.to(dtype).sum(),
-                out.rejected_rewards.to(dtype).sum(),
-                (out.chosen_rewards > out.rejected_rewards).to(dtype).sum(),
-                (out.chosen_rewards - out.rejected_rewards).to(dtype).sum(),
-                out.chosen_logps.to(dtype).sum(),
-                out.rejected_logps.to(dtype).sum(),
-                chosen_logit_sum.to(dtype).sum(),
-                rejected_logit_sum.to(dtype).sum(),
-                # Raw counts, not clamped: these are the denominators of token means.
-                chosen_num_tokens.to(dtype).sum(),
-                rejected_num_tokens.to(dtype).sum(),
+                *pair_sums(losses=out.total, chosen_rewards=out.chosen_rewards, rejected_rewards=out.rejected_rewards,
+                           chosen_logps=out.chosen_logps, rejected_logps=out.rejected_logps,
+                           chosen_logit_sum=chosen_logit_sum, rejected_logit_sum=rejected_logit_sum,
+                           chosen_num_tokens=chosen_num_tokens, rejected_num_tokens=rejected_num_tokens),
                 chosen_nll_sum.to(dtype).sum(),
                 chosen_nll_num_tokens.to(dtype).sum(),
                 out.log_odds_ratio.to(dtype).sum(),
@@ -273,30 +255,10 @@ def finalize(sums: dict[str, float], spec: OrpoSpec) -> dict[str, float]:
     loss, rewards/*, logps/*, log_odds_* are means over the samples; logits/* (vocabulary-mean
     logit) a mean over the completion tokens; nll_loss a mean over the NLL's tokens."""
     spec.validate()
-    missing = [key for key in ORPO_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_samples = sums["num_samples"]
-    if num_samples <= 0:
-        raise ValueError(f"sums: num_samples must be > 0, got {num_samples}")
-    # An empty side would be a data bug; report 0 rather than dividing by zero.
-    chosen_tokens = max(sums["num_chosen_tokens"], 1.0)
-    rejected_tokens = max(sums["num_rejected_tokens"], 1.0)
-    nll_tokens = max(sums["num_nll_tokens"], 1.0)
-    return {
-        "loss": sums["loss_sum"] / num_samples,
-        "rewards/chosen": sums["reward_chosen_sum"] / num_samples,
-        "rewards/rejected": sums["reward_rejected_sum"] / num_samples,
-        "rewards/accuracies": sums["accuracy_sum"] / num_samples,
-        "rewards/margins": sums["margin_sum"] / num_samples,
-        "logps/rejected": sums["logps_rejected_sum"] / num_samples,
-        "logps/chosen": sums["logps_chosen_sum"] / num_samples,
-        "logits/rejected": sums["logit_rejected_sum"] / rejected_tokens,
-        "logits/chosen": sums["logit_chosen_sum"] / chosen_tokens,
-        "nll_loss": sums["nll_sum"] / nll_tokens,
-        "log_odds_ratio": sums["log_odds_ratio_sum"] / num_samples,
-        "log_odds_chosen": sums["log_odds_chosen_sum"] / num_samples,
-    }
+    num_samples = sums_count(sums, ORPO_SUM_KEYS, count="num_samples")
+    return {**pair_means(sums, num_samples), "nll_loss": sums["nll_sum"] / max(sums["num_nll_tokens"], 1.0),
+            "log_odds_ratio": sums["log_odds_ratio_sum"] / num_samples,
+            "log_odds_chosen": sums["log_odds_chosen_sum"] / num_samples}
 
 
 class OrpoObjective(Objective):
@@ -308,10 +270,6 @@ class OrpoObjective(Objective):
     needs_prepass = False
     whole_sequence = True
     metric_keys = ORPO_SUM_KEYS
-
-    def __init__(self, spec: OrpoSpec):
-        spec.validate()
-        self.spec = spec
 
     def totals(self, samples: Sequence) -> BatchTotals:
         # The NLL's tokens: every chosen sequence's tokens but its first.

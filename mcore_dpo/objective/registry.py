@@ -21,8 +21,8 @@ class Entry:
     """Its own metrics to plot, as plot.CURVES lists them (drawn where a run logs them)."""
     default_loss_type: str | None = None
     """The --loss-type it runs when none is given (None: the shared default, DPO's sigmoid)."""
-    packs: bool = True
-    """Whether it reads packed rows (unset --packing then runs padded microbatches, said in one line)."""
+    whole_rows: bool = False
+    """Whether a pair longer than --max-length is dropped whole rather than cut (data/pairs.py)."""
 
 
 OBJECTIVES: dict[str, Entry] = {
@@ -38,7 +38,8 @@ OBJECTIVES: dict[str, Entry] = {
     "kto": Entry("mcore_dpo.objective.kto", reference=True,
                  options=("desirable_weight", "undesirable_weight", "ref_model"),
                  curves=(("kl", "kl", "KL estimate of the batch"),), default_loss_type="kto"),
-    "reward": Entry("mcore_dpo.objective.reward", reference=False, options=("center_rewards_coefficient",), packs=False,
+    "reward": Entry("mcore_dpo.objective.reward", reference=False, options=("center_rewards_coefficient",),
+                    whole_rows=True,  # TRL's RewardTrainer filters, never truncates
                     curves=(("accuracy", "accuracy", "pairs ranked right"), ("margin", "margin", "reward margin"))),
 }
 

@@ -49,15 +49,16 @@ min and max are not sums: the metric vector keeps max(r) and max(-r) in its last
 covers both; the entries before them (ADDITIVE_KEY_COUNT) are added.
 
 TRL 1.16's data conventions for reward data (`RewardTrainer._prepare_dataset` and
-`DataCollatorForPreference`), which `reward_inputs` follows for the text part. `--objective
-reward` does not read data through it yet: a run tokenizes its pairs with the preference loader
-(data/pairs.py: prompt and completion tokenized apart, the EOS appended to each completion); it
-reads the "margin" column (a finite number per row, 0 for a row without one) as TRL does:
+`DataCollatorForPreference`), which a run follows: the preference loader (data/pairs.py) reads
+the rows with `whole_rows` (objective/registry.py), tokenizes prompt + completion as one text,
+so that prompt_ids + chosen_ids are exactly TRL's chosen_ids, and reads the "margin" column (a
+finite number per row, 0 for a row without one) as TRL does (tests/test_reward_math.py runs
+TRL's own `_prepare_dataset` on the same rows):
 - Columns: "chosen" and "rejected" (required), "prompt" (optional: explicit prompt; without it
   the prompt is implicit, i.e. already inside chosen and rejected), "margin" (optional float per
-  pair), "tools" and "chat_template_kwargs" (optional, conversational rows only). A dataset that
-  already has "chosen_ids" and "rejected_ids" (or the legacy "chosen_input_ids" /
-  "rejected_input_ids") is used as tokenised: no EOS, no template.
+  pair), "tools" and "chat_template_kwargs" (optional, conversational rows only; not read here).
+  TRL also takes a dataset that already has "chosen_ids" and "rejected_ids" as tokenised; the
+  loader reads text only.
 - The prompt is concatenated in front of each completion, and the whole sequence is scored:
   plain strings are joined with no separator (prompt + chosen); message lists are joined
   (prompt messages + chosen messages).
@@ -68,8 +69,9 @@ reads the "margin" column (a finite number per row, 0 for a row without one) as 
   conversation is rendered with the chat template without a generation prompt and tokenised
   without added special tokens (the template writes its own), with the row's tools and
   chat_template_kwargs.
-- max_length (default 1024): a pair is dropped when either tokenised sequence is longer; nothing
-  is truncated. None keeps every pair.
+- max_length (default 1024; here --max-length): a pair is dropped when either tokenised sequence
+  is longer; nothing is truncated. None keeps every pair.
+- An implicit prompt needs no shared text: chosen and rejected are scored whole.
 - Padding token: the tokenizer's pad token, or its EOS token when it has none; the model's
   config.pad_token_id is set to it so that scoring skips it. Batches are right-padded with it,
   the b chosen rows first and the b rejected rows after them (`chosen_rejected`).
@@ -97,13 +99,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_dpo.objective.contract import PAIR, BatchTotals, Objective
+from mcore_dpo.objective.metric_sums import sums_count
 from mcore_dpo.parallel.platform import to_device
 
 # Keys of `metric_sum_vector`, in its fixed order. The first ADDITIVE_KEY_COUNT entries are added
@@ -227,6 +229,58 @@ def row_scores(scores: Tensor, tokens: Tensor, *, loss_mask: Tensor, pad_token_i
     return SequenceScores(score=sequence_rewards(scores[..., 0], index), num_tokens=lengths)
 
 
+def last_segment_token_index(tokens: Tensor, segment_ids: Tensor, *, num_sequences: int, pad_token_id: int,
+                             shared_prompt: Tensor | None = None) -> Tensor:
+    """`last_token_index` for rows of segments: the flat position [num_sequences] (into tokens
+    [rows, W] read row by row) of each sequence's last token that is not pad_token_id, its
+    sequence given by `segment_ids` [rows, W] (ids >= num_sequences: padding). A sequence made
+    only of pad tokens is read at its first position, as an unpacked row of them is read at 0.
+
+    Shared-prompt rows (`shared_prompt` [rows, W], data/prefix_sharing.py): a pair's prompt body
+    is written once, in its chosen segment (j), and is also the start of its rejected sequence
+    (b + j, b = num_sequences / 2), whose branch alone has segment b + j: a rejected branch of
+    pad tokens only is read in that body, as its whole unpacked row would be."""
+    if tokens.shape != segment_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"segment_ids: expected the shape of tokens {list(tokens.shape)}, got {list(segment_ids.shape)}")
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)  # the padding: one slot of its own
+    positions = torch.arange(ids.numel(), dtype=torch.int64, device=tokens.device)
+    none, past = torch.full_like(positions, -1), torch.full_like(positions, ids.numel())
+    not_pad = tokens.reshape(-1) != pad_token_id
+
+    def per_segment(values: Tensor, reduce: str, start: int) -> Tensor:
+        out = torch.full((num_sequences + 1,), start, dtype=torch.int64, device=tokens.device)
+        return out.scatter_reduce(0, ids, values, reduce=reduce)
+
+    last = per_segment(torch.where(not_pad, positions, none), "amax", -1)
+    first = per_segment(positions, "amin", ids.numel())
+    if shared_prompt is not None:
+        body = shared_prompt.reshape(-1)
+        b = num_sequences // 2
+        body_last = per_segment(torch.where(body & not_pad, positions, none), "amax", -1)[:b]
+        body_first = per_segment(torch.where(body, positions, past), "amin", ids.numel())[:b]
+        last[b:2 * b] = torch.where(last[b:2 * b] >= 0, last[b:2 * b], body_last)
+        first[b:2 * b] = torch.minimum(first[b:2 * b], body_first)
+    return torch.where(last >= 0, last, first)[:num_sequences]
+
+
+def segment_scores(scores: Tensor, tokens: Tensor, *, segment_ids: Tensor, num_sequences: int,
+                   pad_token_id: int, shared_prompt: Tensor | None = None) -> SequenceScores:
+    """`row_scores` of rows of segments (data/packing.py's packed rows, data/prefix_sharing.py's
+    shared-prompt rows): each sequence's score from the score head's outputs [rows, W, 1], read
+    at `last_segment_token_index`, in the unpacked order of its segment id (the b chosen
+    sequences, then the b rejected ones), and its tokens (a rejected sequence's prompt body,
+    written once in its chosen segment, counted for both)."""
+    index = last_segment_token_index(tokens, segment_ids, num_sequences=num_sequences, pad_token_id=pad_token_id,
+                                     shared_prompt=shared_prompt)
+    ids = segment_ids.reshape(-1).clamp(max=num_sequences)
+    lengths = torch.bincount(ids, minlength=num_sequences + 1)[:num_sequences]
+    if shared_prompt is not None:
+        b = num_sequences // 2
+        body = torch.bincount(ids[shared_prompt.reshape(-1)], minlength=num_sequences + 1)[:b]
+        lengths = torch.cat([lengths[:b], lengths[b:] + body])
+    return SequenceScores(score=scores.reshape(-1, scores.shape[-1])[index, 0], num_tokens=lengths)
+
+
 def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
     """Split [2b, ...] rows into (chosen [b, ...], rejected [b, ...]): TRL 1.16's collator puts
     the b chosen sequences first and the b rejected ones after them."""
@@ -236,45 +290,6 @@ def chosen_rejected(rewards: Tensor) -> tuple[Tensor, Tensor]:
         )
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
-
-
-# --------------------------------------------------------------------------- data conventions
-
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
-
-
-def reward_inputs(example: Mapping[str, Any], *, eos_token: str) -> tuple[str | list, str | list]:
-    """(chosen, rejected) of one raw row as TRL 1.16 hands them to the tokenizer.
-
-    Plain-text rows give two strings, to tokenise with the tokenizer's __call__ (its special
-    tokens added): EOS appended to each completion unless it already ends with it, then the
-    prompt (if any) in front, with no separator. Conversational rows give two message lists, to
-    render with the chat template (no generation prompt, no special tokens added; the row's
-    "tools" and "chat_template_kwargs" go with them): prompt messages + completion messages,
-    nothing appended."""
-    for key in ("chosen", "rejected"):
-        if key not in example:
-            raise ValueError(f"{key}: missing from the row; a reward row needs 'chosen' and 'rejected'")
-    chosen, rejected = example["chosen"], example["rejected"]
-    prompt = example.get("prompt")
-    if _is_messages(chosen):
-        if not _is_messages(rejected) or (prompt is not None and not _is_messages(prompt)):
-            raise ValueError(
-                "rejected: conversational 'chosen' needs 'rejected' (and 'prompt') as message lists too"
-            )
-        head = list(prompt) if prompt is not None else []
-        return head + list(chosen), head + list(rejected)
-    texts = (chosen, rejected) if prompt is None else (chosen, rejected, prompt)
-    if not all(isinstance(text, str) for text in texts):
-        raise ValueError("chosen: expected 'chosen', 'rejected' (and 'prompt') as strings or as lists of messages")
-    if not chosen.endswith(eos_token):
-        chosen = chosen + eos_token
-    if not rejected.endswith(eos_token):
-        rejected = rejected + eos_token
-    head = prompt if prompt is not None else ""
-    return head + chosen, head + rejected
 
 
 # --------------------------------------------------------------------------- losses and metrics
@@ -377,12 +392,7 @@ def finalize_metrics(
     num_tokens is cumulative in TRL 1.16 (tokens of every training step so far): pass the
     total of the earlier steps as num_tokens_before."""
     spec.validate()
-    missing = [key for key in METRIC_SUM_KEYS if key not in sums]
-    if missing:
-        raise ValueError(f"sums: missing keys {', '.join(missing)}")
-    num_pairs = sums["num_pairs"]
-    if num_pairs <= 0:
-        raise ValueError(f"sums: num_pairs must be > 0, got {num_pairs}")
+    num_pairs = sums_count(sums, METRIC_SUM_KEYS, count="num_pairs")
     return {
         "loss": sums["loss_sum"] / num_pairs,
         "num_tokens": num_tokens_before + sums["num_tokens"],
@@ -419,10 +429,6 @@ class RewardObjective(Objective):
     metric_keys = METRIC_SUM_KEYS
     max_keys = MAX_REDUCED_KEYS
 
-    def __init__(self, spec: RewardSpec):
-        spec.validate()
-        self.spec = spec
-
     def totals(self, samples: Sequence) -> RewardTotals:
         margins = [getattr(sample, "margin", None) for sample in samples]
         return RewardTotals(num_samples=len(samples), chosen_tokens=1,  # the loss is a mean over pairs only
@@ -449,15 +455,6 @@ def spec_of(config) -> RewardSpec:
     for name, default in (("loss_type", "sigmoid"), ("label_smoothing", 0.0), ("beta", 0.1)):
         if getattr(config, name) != default:
             raise ValueError(f"{name}: not an option of --objective reward (its one loss is Bradley-Terry)")
-    for name, refused in (("prefix_sharing", config.prefix_sharing), ("sequence_parallel", config.sequence_parallel)):
-        if refused:
-            raise ValueError(f"{name}: not with --objective reward yet (its score is read at each padded row's "
-                             f"last token); use --no-{name.replace('_', '-')}")
-    if config.lora:
-        raise ValueError("lora: not with --objective reward yet (the adapters leave the new score head frozen)")
-    if config.cp > 1:
-        raise ValueError(f"cp: not with --objective reward yet (its score is read at each whole row's last token); "
-                         f"got --cp {config.cp}")
     return RewardSpec(center_rewards_coefficient=config.center_rewards_coefficient)
 
 

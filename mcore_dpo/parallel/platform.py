@@ -476,6 +476,16 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
 )
 
 
+def skip_unused_imports() -> None:
+    """In a rank process, before megatron-core is imported: make `import wandb` fail as if W&B
+    were not installed. megatron-core imports it where it is installed (for its inference
+    contexts, which tolerate its absence), about 0.7 s of a core in every rank process at start;
+    the ranks never log to W&B (the driver does, driver/metrics_log.py). Never in the driver."""
+    import sys
+
+    sys.modules.setdefault("wandb", None)
+
+
 def quiet_known_warnings() -> None:
     """Ignore the warnings in KNOWN_HARMLESS_WARNINGS in this process. Call it before
     megatron-core is imported: most of them are raised at import time."""

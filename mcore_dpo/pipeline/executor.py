@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.objective.logprobs import LogpsOptions, SequenceLogps, sequence_logps
-from mcore_dpo.objective.reward import SequenceScores, row_scores
+from mcore_dpo.objective.reward import SequenceScores, row_scores, segment_scores
 from mcore_dpo.pipeline.account import MemoryAccount
-from mcore_dpo.parallel.context_parallel import local_part
+from mcore_dpo.parallel.context_parallel import gather_replicated, local_part
 from mcore_dpo.parallel.mesh import Mesh
 from mcore_dpo.model.chunks import chunk_of
 from mcore_dpo.model.builder import causal_mask, packed_seq_params, segment_mask, stage_forward
@@ -74,6 +74,7 @@ class StagedInputs:
     position_ids: torch.Tensor | None = None
     num_positions: int | None = None  # rows of segments: the largest position + 1
     shared_prompt: torch.Tensor | None = None  # shared-prompt rows: the prompt bodies
+    whole_tokens: torch.Tensor | None = None  # --cp, a score head's last stage: the rows' tokens, every position
     packed_params: object | None = None  # THD layout: megatron-core's PackedSeqParams
 
 
@@ -172,6 +173,8 @@ class StageContext:
         cp, cp_rank = self.mesh.layout.cp, self.mesh.cp_rank
         rows, seq_len = micro.tokens.shape
         staged.tokens = to_device(local_part(micro.tokens, dim=1, cp=cp, cp_rank=cp_rank), self.device)
+        if self.score_pad_token_id is not None and self.mesh.is_last_stage:  # where the scores are read
+            staged.whole_tokens = to_device(micro.tokens, self.device)
         if micro.has_segments:
             positions, staged.num_positions = micro.position_ids, micro.num_positions
             staged.segment_ids = to_device(micro.segment_ids, self.device)
@@ -338,7 +341,7 @@ def _last_stage_logps(
 ) -> SequenceLogps | SequenceScores:
     micro, staged = ctx.microbatches[batch][mb], ctx._staged[(batch, mb)]
     if ctx.score_pad_token_id is not None:
-        return row_scores(output, staged.tokens, loss_mask=staged.loss_mask, pad_token_id=ctx.score_pad_token_id)
+        return _last_stage_scores(ctx, output, micro, staged)
     options = ctx.logps_options
     if not policy and options.wpo:  # WPO weights come from the policy only
         options = LogpsOptions(ld_alpha=options.ld_alpha)
@@ -354,6 +357,21 @@ def _last_stage_logps(
         num_sequences=micro.num_sequences,
         cp_group=ctx.mesh.cp_group if ctx.mesh.layout.cp > 1 else None,
     )
+
+
+def _last_stage_scores(ctx: StageContext, output: torch.Tensor, micro: Microbatch,
+                       staged: StagedInputs) -> SequenceScores:
+    """A score head's sequence scores from its outputs [rows, s, 1]. With --cp the outputs of this
+    rank's positions are gathered whole first: every cp rank then reads the same rows, and the
+    gather's backward keeps this rank's positions (parallel/context_parallel.py)."""
+    tokens = staged.tokens
+    if ctx.mesh.layout.cp > 1:
+        output = gather_replicated(output, dim=1, group=ctx.mesh.cp_group)
+        tokens = staged.whole_tokens
+    if staged.segment_ids is not None:
+        return segment_scores(output, tokens, segment_ids=staged.segment_ids, num_sequences=micro.num_sequences,
+                              pad_token_id=ctx.score_pad_token_id, shared_prompt=staged.shared_prompt)
+    return row_scores(output, tokens, loss_mask=staged.loss_mask, pad_token_id=ctx.score_pad_token_id)
 
 
 def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:

@@ -103,10 +103,8 @@ class Rank:
         self.grouped_experts, self.experts_note = plat.use_grouped_experts(
             requested=config.moe_grouped_gemm, num_experts=spec.num_experts, use_te=self.use_te,
             grouped_linear=self.use_te and plat.te_grouped_linear_available())
-        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models. A score
-        # head reads whole rows (objective/reward.py refuses --sequence-parallel with it).
-        requested = (True if spec.num_experts else False if config.lora or self.objective.head == "score"
-                     else config.sequence_parallel)
+        # megatron-core's MoE layer needs sequence parallelism at tp > 1: on for MoE models.
+        requested = True if spec.num_experts else False if config.lora else config.sequence_parallel
         self.sequence_parallel = plat.use_sequence_parallel(self.platform, requested=requested, tp=layout.tp)
         self.seq_multiple = seq_len_multiple(tp=layout.tp, sequence_parallel=self.sequence_parallel, cp=layout.cp)
         # Packed rows run in the THD layout on Transformer Engine's attention, else with a mask.

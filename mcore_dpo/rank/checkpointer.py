@@ -50,10 +50,11 @@ class Checkpointer:
         return shard_names({n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in self.policy.module.named_parameters()})
 
     def adapter_shard(self) -> dict[str, torch.Tensor] | None:
-        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype; dp rank 0 only."""
+        """This rank's adapter parameters (megatron names) on the CPU in the run's dtype, with the
+        modules trained whole (a reward model's score head); dp rank 0 only."""
         if not self.rank.mesh.holds_replica_copy:
             return None
-        return {n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in lora.adapter_parameters(self.policy.module).items()}
+        return {n: p.detach().to("cpu", self.rank.dtype, copy=True) for n, p in lora.trained_parameters(self.policy.module).items()}
 
     def write_adapter(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
@@ -147,7 +148,7 @@ class Checkpointer:
         fmt = formats.of_checkpoint(directory, self.rank.config)
         shards = {kind: fmt.read(directory, kind, part=self) for kind in KINDS}
         if self.rank.config.lora:  # the adapters were filled from their start; fp32 masters are the parameters
-            lora.load_shard(self.policy.module, shards["model"])
+            lora.load_shard(self.policy.module, shards["model"], saved=True)
         # The optimizer keys its state by the live parameter names (grouped experts' differ).
         live = {kind: live_names(self.policy.module, shard) for kind, shard in shards.items()}
         moments = {m: live[f"optim/{m}"] for m in MOMENTS}

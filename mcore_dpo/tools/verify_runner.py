@@ -147,6 +147,7 @@ def _run_rank(rank: int, *, world_size: int, port: int, mcore_dir: str, work_dir
     from mcore_dpo.parallel import platform as platform_lib
 
     platform_lib.quiet_known_warnings()  # a spawned process: before megatron-core is imported
+    platform_lib.skip_unused_imports()
     from mcore_dpo.parallel import mesh as mesh_lib
     from mcore_dpo.model.builder import build_stage_model, causal_mask, load_shard, stage_forward
 

@@ -43,17 +43,31 @@ def random_adapter(spec, shape: LoraShape, *, seed: int) -> dict[str, torch.Tens
     return {k: 0.2 * torch.randn(v.shape, generator=gen) for k, v in init.items()}
 
 
-def peft_model(base_dir: Path, state: dict[str, torch.Tensor], shape: LoraShape):
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+def peft_model(base_dir: Path, state: dict[str, torch.Tensor], shape: LoraShape, *,
+               base: torch.nn.Module | None = None, task_type: str | None = None):
+    """The HF model `base` (default: the causal LM at `base_dir`, fp32) under PEFT's LoRA of
+    `shape` with the adapter tensors `state`. `task_type`: PEFT's ("SEQ_CLS" for a reward model:
+    PEFT then trains its score head whole, modules_to_save, from the value `base` holds)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=shape.rank, lora_alpha=shape.alpha, lora_dropout=0.0,
-                                            target_modules=peft_modules(shape)))
-    result = set_peft_model_state_dict(model, state)
+                                            target_modules=peft_modules(shape), task_type=task_type))
+    # The modules PEFT trains whole (a SEQ_CLS model's score head) keep the value `base` gave them.
+    result = set_peft_model_state_dict(model, {**get_peft_model_state_dict(model), **state})
     assert not result.unexpected_keys, result.unexpected_keys
     assert not [k for k in result.missing_keys if "lora_" in k]
     return model
+
+
+def fresh_peft_model(base_dir: Path, **kwargs):
+    """peft_model with the fresh adapter the engine draws (every target, TrainConfig's default
+    seed); `kwargs`: peft_model's `base` and `task_type`."""
+    from checkpoint_convert.io import open_hf_dir
+
+    return peft_model(base_dir, initial_adapter(open_hf_dir(base_dir).spec, SHAPE, seed=SEED), SHAPE, **kwargs)
 
 
 def saved_name(name: str) -> str:

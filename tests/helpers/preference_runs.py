@@ -22,13 +22,14 @@ def text_pairs(num: int, *, seed: int) -> list[dict]:
              "rejected": " " + words(rng.randint(1, 8))} for _ in range(num)]
 
 
-def run_argv(*, model: Path, data: Path, out: Path, objective: str, layout: tuple[int, int, int], steps: int,
-             global_batch: int, micro_batch: int) -> list[str]:
-    """A short fp32 run of `objective` at `layout` (tp, pp, dp) in file order, exported to OUTPUT/hf,
-    with no evaluation and no checkpoint but the last step's."""
-    tp, pp, dp = layout
+def run_argv(*, model: Path, data: Path, out: Path, objective: str, layout: tuple[int, ...], steps: int,
+             global_batch: int, micro_batch: int, adam_eps: float = ADAM_EPS) -> list[str]:
+    """A short fp32 run of `objective` at `layout` (tp, pp, dp) or (tp, pp, dp, ep) in file order,
+    exported to OUTPUT/hf, with no evaluation and no checkpoint but the last step's."""
+    tp, pp, dp, *ep = layout
     return ["--model", str(model), "--data", str(data), "--output-dir", str(out), "--objective", objective,
-            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--no-shuffle", "--max-steps", str(steps),
-            "--global-batch-size", str(global_batch), "--micro-batch-size", str(micro_batch), "--dtype", "float32",
-            "--lr", str(LR), "--adam-eps", str(ADAM_EPS), "--clip-grad", str(CLIP), "--weight-decay", str(WD),
-            "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0", "--export-hf"]
+            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(ep[0] if ep else 1), "--no-shuffle",
+            "--max-steps", str(steps), "--global-batch-size", str(global_batch), "--micro-batch-size",
+            str(micro_batch), "--dtype", "float32", "--lr", str(LR), "--adam-eps", str(adam_eps), "--clip-grad",
+            str(CLIP), "--weight-decay", str(WD), "--eval-interval", "0", "--save-interval", "0",
+            "--save-interval-min", "0", "--export-hf"]

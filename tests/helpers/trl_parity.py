@@ -49,7 +49,7 @@ from checkpoint_convert.io import open_hf_dir
 from mcore_dpo.data.pairs import TokenizedPair
 from tests.helpers.models import PAD, hub_tensors
 from tests.helpers.moe_parity import hub_experts
-from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, text_pairs
+from tests.helpers.preference_runs import ADAM_EPS, CLIP, LR, WD, run_argv, text_pairs
 from tests.helpers.ray_runs import main_in_process
 from tests.helpers.reference import assert_close, assert_exported_weights, engine_adamw
 
@@ -190,10 +190,9 @@ def reference_model(model_dir: Path, *, lora: bool) -> torch.nn.Module:
 
     if not lora:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    from checkpoint_convert.peft_adapter import initial_adapter
-    from tests.helpers.lora_parity import SEED, SHAPE, peft_model
+    from tests.helpers.lora_parity import fresh_peft_model
 
-    return peft_model(model_dir, initial_adapter(open_hf_dir(model_dir).spec, SHAPE, seed=SEED), SHAPE)
+    return fresh_peft_model(model_dir)
 
 
 def reference_run(objective: str, *, model: torch.nn.Module, model_dir: Path, batches: list[list[TokenizedPair]],
@@ -271,15 +270,10 @@ def write_pairs(directory: Path, *, tokenizer_dir: Path, seed: int) -> dict:
 
 
 def argv(objective: str, run: Run, *, model: Path, data_path: Path, out: Path) -> list[str]:
-    tp, pp, dp, *ep = run.layout
-    args = ["--model", str(model), "--data", str(data_path), "--output-dir", str(out), "--objective", objective,
-            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(ep[0] if ep else 1), "--no-shuffle",
-            "--max-steps", str(STEPS), "--global-batch-size", str(GLOBAL_BATCH),
-            "--micro-batch-size", str(MICRO_BATCH), "--dtype", "float32", "--lr", str(LR),
-            "--adam-eps", str(LORA_ADAM_EPS if run.lora else ADAM_EPS), "--clip-grad", str(CLIP),
-            "--weight-decay", str(WD), "--eval-interval", "0", "--save-interval", "0", "--save-interval-min", "0",
-            "--export-hf", *(PACKED if run.packed else ["--max-length", str(MAX_LENGTH), "--no-packing"]),
-            *(LORA if run.lora else [])]
+    args = run_argv(model=model, data=data_path, out=out, objective=objective, layout=run.layout, steps=STEPS,
+                    global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
+                    adam_eps=LORA_ADAM_EPS if run.lora else ADAM_EPS)
+    args += [*(PACKED if run.packed else ["--max-length", str(MAX_LENGTH), "--no-packing"]), *(LORA if run.lora else [])]
     for name, value in {**run.options, **run.engine}.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     return args

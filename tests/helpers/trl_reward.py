@@ -5,7 +5,7 @@ SimpleNamespace standing in for the trainer: it carries what `compute_loss` read
 center_rewards_coefficient, `model.training`, the accelerator's gathers on one process, the token
 count, `_metrics`). Around it, what the engine does and TRL's Trainer would do otherwise: the
 Hugging Face `AutoModelForSequenceClassification` in fp32 (the causal LM's body and the score head
-the run starts from), one whole global batch per step in TRL's collator layout (the b chosen rows,
+the run starts from; for a LoRA run under PEFT, `reward_model(lora=True)`), one whole global batch per step in TRL's collator layout (the b chosen rows,
 then the b rejected rows, right-padded with the pad id), torch's clip_grad_norm_ and AdamW with
 the engine's conventions (decay on matrices only; tests/helpers/reference.py).
 
@@ -53,16 +53,22 @@ def reward_batch(pairs: list[TokenizedPair], *, pad_token_id: int) -> dict[str, 
     return batch
 
 
-def reward_model(model_dir: Path, *, score: torch.Tensor, pad_token_id: int) -> torch.nn.Module:
+def reward_model(model_dir: Path, *, score: torch.Tensor, pad_token_id: int, lora: bool = False) -> torch.nn.Module:
     """The causal LM at `model_dir` as AutoModelForSequenceClassification (fp32, one label), its
-    score head set to `score` [1, h]."""
+    score head set to `score` [1, h]. With `lora`: under PEFT as TRL's RewardTrainer trains it with
+    a LoraConfig(task_type="SEQ_CLS"): the body frozen, the fresh adapter the engine draws on every
+    target (tests/helpers/lora_parity.py), the score head trained whole (PEFT's modules_to_save)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
                                                                pad_token_id=pad_token_id)
     with torch.no_grad():
         model.score.weight.copy_(score)
-    return model
+    if not lora:
+        return model
+    from tests.helpers.lora_parity import fresh_peft_model
+
+    return fresh_peft_model(model_dir, base=model, task_type="SEQ_CLS")
 
 
 def reward_reference_run(*, model: torch.nn.Module, batches: list[list[TokenizedPair]],
