@@ -154,6 +154,18 @@ def stage_layers(num_layers: int, *, pp: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
+def chunk_layers(num_layers: int, *, pp: int, pp_rank: int, vpp: int, chunk: int) -> range:
+    """Global layer numbers held by model chunk `chunk` of pipeline stage pp_rank under --vpp:
+    the (chunk*pp + pp_rank)-th of pp*vpp equal slices, as Megatron-LM assigns them (its
+    layer offset vp_stage * num_layers/vpp + pp_rank * num_layers/(pp*vpp))."""
+    if num_layers % (pp * vpp):
+        raise ConversionError(f"--vpp {vpp}: the layer count ({num_layers}) must be a multiple of pp x vpp "
+                              f"({pp} x {vpp} = {pp * vpp}): every model chunk holds as many layers")
+    size = num_layers // (pp * vpp)
+    start = (chunk * pp + pp_rank) * size
+    return range(start, start + size)
+
+
 def mcore_name(template: str, *, layer: int | None, layer_spec: str, moe_layer: bool = False) -> str:
     """The parameter name of an entry in a model of `layer_spec` (local layer number `layer`;
     `moe_layer`: the layer's MLP is a mixture of experts)."""

@@ -105,7 +105,7 @@ HELP_GROUPS = {
     "data": ("data", "eval_data", "max_length", "seed", "no_shuffle", "on_bad_row", "trust_remote_code", "data_workers",
              "data_cache"),
     "model": ("model", "ref_model", "tokenizer", "chat_template", "dtype", "fused_kernels", "deterministic"),
-    "parallelism": ("tp", "pp", "dp", "cp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
+    "parallelism": ("tp", "pp", "vpp", "dp", "cp", "ep", "moe_aux_loss_coef", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size",
                     "packing", "max_tokens_per_microbatch", "prefix_sharing", "distributed_optimizer", "sequence_parallel", "moe_grouped_gemm",
                     "recompute", "recompute_num_layers", "timeout_s", "placement_timeout_s"),
     "loss": ("objective", "beta", "loss_type", "loss_weights", "label_smoothing", "ref_mode", "f_divergence_type",

@@ -66,6 +66,11 @@ class TrainConfig:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline stages: model chunks per pipeline rank, run by megatron-core's interleaved 1F1B
+    (chunk c of stage s holds the (c x pp + s)-th of pp x vpp equal slices of the layers). Needs pp >= 2,
+    a layer count divisible by pp x vpp and a microbatch count divisible by pp (padded microbatches).
+    See docs/DESIGN.md "Virtual pipeline stages"."""
     dp: int = 1
     """Data-parallel size."""
     cp: int = 1
@@ -377,7 +382,7 @@ class TrainConfig:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
+        for name in ("tp", "pp", "vpp", "dp", "cp", "ref_tp", "ref_pp", "ref_dp", "micro_batch_size", "global_batch_size", "max_steps",
                      "max_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)}")
@@ -392,6 +397,7 @@ class TrainConfig:
             )
         self._validate_expert_parallel()
         self._validate_context_parallel()
+        self._validate_virtual_pipeline()
         self._validate_recompute()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel: needs tensor parallelism (tp > 1), got tp 1")
@@ -484,6 +490,29 @@ class TrainConfig:
             return
         if self.ep > 1:
             raise ConfigError(f"cp: context parallelism is for dense models; not with expert parallelism (--ep {self.ep})")
+
+    def _validate_virtual_pipeline(self) -> None:
+        """--vpp > 1: megatron-core's interleaved 1F1B takes pp >= 2 and padded microbatches in groups
+        of pp (the packer cuts packed ones so: data/packing.py)."""
+        if self.vpp == 1:
+            return
+        if self.pp < 2:
+            raise ConfigError(f"vpp: --vpp {self.vpp} needs pipeline parallelism (pp >= 2), got pp {self.pp}")
+        padded = self.packing is not True and self.global_batch_size % (self.dp * self.micro_batch_size) == 0
+        if padded and self.num_microbatches % self.pp:  # packed: the packer cuts a multiple of pp (data/packing.py)
+            raise ConfigError(f"vpp: the microbatch count per dp rank ({self.num_microbatches} = global_batch_size "
+                              f"{self.global_batch_size} / (dp {self.dp} x micro_batch_size {self.micro_batch_size})) "
+                              f"must be a multiple of pp ({self.pp}): megatron-core's interleaved 1F1B runs "
+                              "microbatches in groups of pp")
+
+    def check_virtual_pipeline(self, *, num_layers: int, source: str) -> None:
+        """--vpp > 1 against the model (its config: `source`): every model chunk holds as many
+        layers (ConfigError otherwise)."""
+        if self.vpp == 1:
+            return
+        if num_layers % (self.pp * self.vpp):
+            raise ConfigError(f"vpp: {source} has {num_layers} layers, not a multiple of pp x vpp = {self.pp} x "
+                              f"{self.vpp} = {self.pp * self.vpp} (every model chunk holds as many layers)")
 
     def check_context_parallel(self, *, num_experts: int, multi_latent_attention: bool, family: str,
                                source: str) -> None:

@@ -83,6 +83,8 @@ RUNS = {
     # The paired file: on the unpaired one the two MoE models' KL estimate is clamped to 0 at both steps.
     "kto-moe-paired-tp1pp1dp2ep2": Run((1, 1, 2, 2), {"loss_type": "kto", "beta": 0.3, "undesirable_weight": 1.2},
                                        model="qwen3_moe", ref_mode="sequential", paired=True),
+    # two model chunks per pipeline rank (--vpp 2)
+    "kto-interleaved-vpp2-tp1pp2dp1": Run((1, 2, 1), {"loss_type": "kto", "beta": 0.2}, engine={"vpp": 2}),
 }
 
 
@@ -148,6 +150,8 @@ def _argv(models, data_path: Path, out: Path, run: Run) -> list[str]:
              "--ref-mode", run.ref_mode, *(PACKED if run.packed else ["--no-packing"]), *(LORA if run.lora else [])]
     for name, value in run.options.items():
         argv += [FLAGS[name], str(value)]
+    for name, value in run.engine.items():  # engine flags TRL has no counterpart of
+        argv += ["--" + name.replace("_", "-"), str(value)]
     return argv
 
 
@@ -183,7 +187,7 @@ def test_kto_through_the_command_line_matches_trl(name, parity_models, moe_model
     assert (resolved["objective"], resolved["ref_mode"], resolved["tp"], resolved["pp"], resolved["dp"],
             resolved["ep"]) == ("kto", run.ref_mode, tp, pp, dp, ep[0] if ep else 1), resolved
     assert resolved["packing"] is run.packed and (resolved["lora_rank"] is not None) is run.lora, resolved
-    assert all(resolved[key] == value for key, value in options.items()), resolved
+    assert all(resolved[key] == value for key, value in {**options, **run.engine}.items()), resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 

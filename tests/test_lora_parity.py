@@ -91,3 +91,17 @@ def test_adapter_names_cover_every_peft_module():
         model = peft_model(base, initial_adapter(spec, SHAPE, seed=0), SHAPE)
         spec_entries = {peft for _, peft, _, _, _ in adapter_entries(spec, SHAPE, pp=1, pp_rank=0)}
         assert spec_entries == {saved_name(n) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_parity_with_model_chunks(setup, tmp_path):
+    """(1, 2, 1) with --vpp 2: the adapters of both chunks of each rank, the adapter-off (fresh)
+    and frozen-copy (--init-adapter) reference views chunk by chunk, the tied Qwen2 too."""
+    tp, pp, dp = layout = (1, 2, 1)
+    jobs = [lora_job(layout, key=(family, start), base_dir=setup[family]["base"],
+                     init_dir=setup[family]["init_dir"] if start == "init" else None, pairs=setup["pairs"], vpp=2)
+            for family, start in (("llama", "fresh"), ("llama", "init"), ("qwen2", "init"))]
+    run_ranks(world_size=tp * pp * dp, jobs=jobs, out_dir=tmp_path)
+    for j, job in enumerate(jobs):
+        family, start = job["key"]
+        check_lora_job(tmp_path, j, job, layout, ref=_reference(setup, family, start), spec=setup[family]["spec"],
+                       what=f"{job['key']} --vpp 2 at tp{tp} pp{pp} dp{dp}", vpp=2)

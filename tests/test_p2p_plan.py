@@ -32,7 +32,8 @@ from mcore_dpo.pipeline.check import (
     validate_plan,
     validate_stages,
 )
-from mcore_dpo.pipeline.schedule import build_plan, forward_only_stages, pair_crossing_transfers
+from mcore_dpo.pipeline.list_schedule import PREFER, pair_crossing_transfers
+from mcore_dpo.pipeline.schedule import build_plan, forward_only_stages
 from tests.helpers.ranks import rank_context, start_forked
 
 # (ref_mode, ref_current, ref_next, carry_in, carry_out): every kind of step a run builds.
@@ -136,7 +137,7 @@ def test_pairing_keeps_what_the_old_plan_did():
     ]
 
 
-@pytest.mark.parametrize("prefer", schedule._PREFER)
+@pytest.mark.parametrize("prefer", PREFER)
 def test_each_pairing_rule_gives_a_valid_plan(prefer):
     for p, m, case in [(2, 4, CASES[0]), (4, 8, CASES[6]), (3, 7, CASES[8]), (6, 9, CASES[2])]:
         old = unpaired(p, m, case)
@@ -270,23 +271,23 @@ def _stage_process(rank: int, stages, port: int, timeout_s: float, results) -> N
         def make(*code) -> torch.Tensor:
             return torch.full((8, 2, 4), _code(*code))
 
-        for op in stages[rank]:
-            mb, batch = op.microbatch, op.batch
+        for op in stages[rank]:  # the executor's scratch is keyed by model chunk (0: none) first
+            mb, batch, chunk = op.microbatch, op.batch, op.chunk
             if op.kind is OpKind.FWD:
                 if rank > 0:
-                    arrived(ctx._policy_in.pop(mb), "act", mb, 0)
+                    arrived(ctx._policy_in.pop((chunk, mb)), "act", mb, 0)
                 if rank < p - 1:
-                    ctx._policy_out[mb] = make("act", mb, 0)
+                    ctx._policy_out[(chunk, mb)] = make("act", mb, 0)
             elif op.kind is OpKind.BWD:
                 if rank < p - 1:
-                    arrived(ctx._grad_in.pop(mb), "grad", mb, 0)
+                    arrived(ctx._grad_in.pop((chunk, mb)), "grad", mb, 0)
                 if rank > 0:
-                    ctx._grad_out[mb] = make("grad", mb, 0)
+                    ctx._grad_out[(chunk, mb)] = make("grad", mb, 0)
             elif op.kind is OpKind.REF_FWD:
                 if rank > 0:
-                    arrived(ctx._ref_in.pop((batch, mb)), "ref_act", mb, batch)
+                    arrived(ctx._ref_in.pop((chunk, batch, mb)), "ref_act", mb, batch)
                 if rank < p - 1:
-                    ctx._ref_out[(batch, mb)] = make("ref_act", mb, batch)
+                    ctx._ref_out[(chunk, batch, mb)] = make("ref_act", mb, batch)
             else:
                 transfer(ctx, op)
         results.put((rank, "ok", checked))

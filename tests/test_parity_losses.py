@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
+from mcore_dpo.model.chunks import rank_shard
+from mcore_dpo.parallel.mesh import Layout
 from mcore_dpo.data.pairs import collate, padded_seq_len
 from tests.helpers.data import PACKED, make_pairs
 from tests.helpers.models import PAD
@@ -52,11 +54,14 @@ JOBS = {
 }
 # "<name>/packed": job <name> with packed microbatches (tests/helpers/data.py's PACKED): the first two steps take
 # 6 and 7 rows at dp 1, 3 + 3 and 3 + 4 at dp 2.
-# (layout, jobs): every job at (1,1,1) and (2,2,1); aot's sort across dp ranks at (1,1,2).
-LAYOUTS = [pytest.param(layout, names, id="tp{}-pp{}-dp{}".format(*layout)) for layout, names in
-           (((1, 1, 1), tuple(JOBS) + ("aot_ld_sft/packed", "aot_unpaired/packed", "js_wpo/packed")),
-            ((2, 2, 1), tuple(JOBS) + ("aot_ld_sft/packed",)),
-            ((1, 1, 2), ("aot_ld_sft", "aot_unpaired", "aot_ld_sft/packed", "aot_unpaired/packed")))]
+# (layout, jobs, vpp): every job at (1,1,1) and (2,2,1); aot's sort across dp ranks at (1,1,2); every
+# padded job with two model chunks per pipeline rank (--vpp 2) at (1,2,1).
+LAYOUTS = [pytest.param(layout, names, vpp, id="tp{}-pp{}-dp{}".format(*layout) + (f"-vpp{vpp}" if vpp > 1 else ""))
+           for layout, names, vpp in
+           (((1, 1, 1), tuple(JOBS) + ("aot_ld_sft/packed", "aot_unpaired/packed", "js_wpo/packed"), 1),
+            ((2, 2, 1), tuple(JOBS) + ("aot_ld_sft/packed",), 1),
+            ((1, 1, 2), ("aot_ld_sft", "aot_unpaired", "aot_ld_sft/packed", "aot_unpaired/packed"), 1),
+            ((1, 2, 1), tuple(JOBS), 2))]
 
 
 def _rtol(step: int) -> float:
@@ -175,7 +180,7 @@ def _reference(policy_dir: str, ref_dir: str, name: str) -> dict:
 
 
 # --------------------------------------------------------------------------- engine
-def _jobs(layout, names, models) -> list[dict]:
+def _jobs(layout, names, models, *, vpp: int = 1) -> list[dict]:
     tp, pp, dp = layout
     policy_dir, ref_dir = models
     jobs = []
@@ -188,7 +193,7 @@ def _jobs(layout, names, models) -> list[dict]:
             "config": dict(model=str(policy_dir), ref_model=str(ref_dir), tp=tp, pp=pp, dp=dp,
                            micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, max_steps=steps,
                            ref_mode=mode, lr=LR, adam_eps=ADAM_EPS, timeout_s=60.0, clip_grad=CLIP, weight_decay=WD,
-                           beta=BETA, **cfg, **(PACKED if packed else {})),
+                           beta=BETA, vpp=vpp, **cfg, **(PACKED if packed else {})),
             "batches": batches,
             "batch_ids": [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(steps)],
             "all_pairs": pairs,
@@ -196,17 +201,23 @@ def _jobs(layout, names, models) -> list[dict]:
     return jobs
 
 
-@pytest.mark.parametrize("layout, names", LAYOUTS)
-def test_parity_losses(layout, names, parity_models, tmp_path):
+@pytest.mark.parametrize("layout, names, vpp", LAYOUTS)
+def test_parity_losses(layout, names, vpp, parity_models, tmp_path):
     models = parity_models["llama"]
-    jobs = _jobs(layout, names, models)
+    jobs = _jobs(layout, names, models, vpp=vpp)
     run_ranks(world_size=layout[0] * layout[1] * layout[2], jobs=jobs, out_dir=tmp_path)
     tp, pp, _ = layout
     spec = open_hf_dir(str(models[0])).spec
+    chunked = Layout(tp=tp, pp=pp, dp=layout[2], vpp=vpp)
+
+    def expected_shard(tensors: dict, *, tp_rank: int, pp_rank: int) -> dict:
+        """What rank (tp_rank, pp_rank) holds of HF-named tensors (with chunks, each chunk's: model/chunks.py)."""
+        return rank_shard(lambda pp_, stage: hf_to_mcore_shard(spec, tp=tp, tp_rank=tp_rank, pp=pp_, pp_rank=stage,
+                                                               get=tensors.__getitem__), layout=chunked, pp_rank=pp_rank)
     ours = {}
     for j, job in enumerate(jobs):
         name = job["key"]
-        what = f"{name} at tp{tp} pp{pp} dp{layout[2]}"
+        what = f"{name} at tp{tp} pp{pp} dp{layout[2]}" + (f" vpp{vpp}" if vpp > 1 else "")
         base = name.removesuffix("/packed")
         ref = _reference(str(models[0]), str(models[1]), base)
         metrics = [m for m in json.loads((tmp_path / f"job{j}_metrics.json").read_text()) if m is not None]
@@ -222,14 +233,14 @@ def test_parity_losses(layout, names, parity_models, tmp_path):
                              scale=scale, rtol=_rtol(step))
         for step, ref_grads in enumerate(ref["grads"], start=1):
             for (t, p, d), shard in load_rank_tensors(tmp_path, j, f"grads{step}", layout=layout).items():
-                expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref_grads.__getitem__)
+                expected = expected_shard(ref_grads, tp_rank=t, pp_rank=p)
                 for key, value in expected.items():
                     assert_close(shard[key], value, what=f"{what} step {step} grad {key} (tp{t} pp{p})",
                                  rtol=_rtol(step))
         for (t, p, d), shard in load_rank_tensors(tmp_path, j, "weights", layout=layout).items():
             if d != 0:  # only dp rank 0 writes weights
                 continue
-            expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref["weights"].__getitem__)
+            expected = expected_shard(ref["weights"], tp_rank=t, pp_rank=p)
             for key, value in expected.items():
                 assert_close(shard[key], value, what=f"{what} weight {key} after training", rtol=_rtol(len(ref["grads"])))
     if "sft" not in ours:

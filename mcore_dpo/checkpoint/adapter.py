@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from checkpoint_convert import durable
 from checkpoint_convert.peft_adapter import ADAPTER_WEIGHTS
 from mcore_dpo.checkpoint.layout import ADAPTER_DIRS, BASE_FILE, KINDS, LORA_SHARDS
+from mcore_dpo.model.chunks import file_pp
 
 
 class Adapter:
@@ -40,7 +41,8 @@ class Adapter:
 
         shape = lora.shape_of(config)
         for kind, directory in ADAPTER_DIRS.items():
-            tensors = join_shard_files(tmp / LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+            tensors = join_shard_files(tmp / LORA_SHARDS / kind, spec=spec, lora=shape, tp=config.tp,
+                                       pp=file_pp(config))  # --vpp: a file per chunk (model/chunks.py)
             write_adapter_dir(tmp / directory, tensors,
                               adapter_config(shape, spec=spec, dropout=config.lora_dropout, base_model=os.path.abspath(config.model)))
         shutil.rmtree(tmp / LORA_SHARDS)

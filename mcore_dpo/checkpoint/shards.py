@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.convert import write_mcore_meta, write_mcore_shard
+from checkpoint_convert.convert import write_mcore_meta
 from mcore_dpo.checkpoint.layout import KINDS
 from mcore_dpo.model.builder import open_weights, shard_names
 
@@ -36,8 +36,7 @@ class Shards:
             if rank.layout.ep > 1:
                 part.write_expert_parallel(root / "reference", params, dtype=torch.float32)
             elif rank.mesh.holds_replica_copy:
-                shard = {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()}
-                write_mcore_shard(root / "reference", tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
+                part.write_shard(root / "reference", {n: p.to("cpu", torch.float32, copy=True) for n, p in params.items()})
 
     def finish(self, tmp: Path, *, config, spec, meta, aux) -> None:
         for kind in KINDS + (("reference",) if config.sync_ref_model else ()):

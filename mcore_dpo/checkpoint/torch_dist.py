@@ -61,7 +61,7 @@ def is_torch_dist_checkpoint(directory: str | Path) -> bool:
 
 
 def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, global_batch_size: int,
-                    lr: float, seq_length: int, ep: int = 1, cp: int = 1) -> argparse.Namespace:
+                    lr: float, seq_length: int, ep: int = 1, cp: int = 1, vpp: int = 1) -> argparse.Namespace:
     """common.pt's `args`: the model fields Megatron-LM's --use-checkpoint-args reads (see
     checkpoint_convert.megatron_args), the writer's layout (Megatron-LM's: data_parallel_size
     without cp, world_size with it) and the training position. The tensors themselves hold no cp:
@@ -72,6 +72,9 @@ def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, g
     args = model_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
                       vocab_divisor=128, dtype=dtype)  # fmt: skip
     args.data_parallel_size = dp
+    # --vpp: model chunks per pipeline rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    args.num_virtual_stages_per_pipeline_rank = vpp if vpp > 1 else None
     args.context_parallel_size = cp
     args.world_size = tp * pp * dp * cp
     args.iteration = step
@@ -89,7 +92,9 @@ def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, g
 def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module, optimizer, dp_rank: int, step: int,
          platform, held_not_trained) -> None:
     """Collective over every rank of the group: write this rank's part of the checkpoint of
-    `step` into `directory` (which exists). `model` is this rank's GPTModel chunk (not DDP);
+    `step` into `directory` (which exists). `model` is this rank's GPTModel chunk (not DDP), or
+    its model chunks (--vpp, model/chunks.py), which Megatron-LM keeps as `model0`, `model1`, ...
+    (each chunk's tensors under their global keys: the layers at their global index);
     `held_not_trained(kind)`: the state of the parameters the optimizer does not hold (the
     routers' expert bias: `Checkpointer.held_not_trained`)."""
     from megatron.core import dist_checkpointing
@@ -98,12 +103,13 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     from mcore_dpo.parallel import platform as plat
+    from mcore_dpo.model.chunks import chunk_modules
     from mcore_dpo.optim.adamw import lr_at
 
     named_params = list(model.named_parameters())  # the frozen router bias too: each part holds the whole model
     args = checkpoint_args(spec=spec, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
                            dtype=config.dtype, step=step, global_batch_size=config.global_batch_size, lr=config.lr,
-                           seq_length=config.max_length)
+                           seq_length=config.max_length, vpp=layout.vpp)
     scheduler = scheduler_state(lr=config.lr, schedule=config.lr_schedule, warmup_steps=config.lr_warmup_steps,
                                 total_steps=config.max_steps, consumed=step * config.global_batch_size,
                                 weight_decay=config.weight_decay)  # fmt: skip
@@ -111,8 +117,10 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
                total_steps=config.max_steps)
     groups = param_groups(lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                           weight_decay=config.weight_decay, step=step)
-    model_state = model.sharded_state_dict()
-    sharded, _ = extract_sharded_tensors_and_factories(model_state)
+    chunks = chunk_modules(model)
+    model_states = {("model" if len(chunks) == 1 else f"model{c}"): chunk.sharded_state_dict()
+                    for c, chunk in enumerate(chunks)}
+    sharded, _ = extract_sharded_tensors_and_factories(model_states)
     by_param = {id(t.data): t for t in nested_values(sharded)}
     param_state: dict[int, dict] = {i: {} for i in range(len(named_params))}
     for kind, prefix in OPTIMIZER_PREFIX.items():
@@ -131,7 +139,7 @@ def save(directory: str | Path, *, config, spec, layout, model: torch.nn.Module,
             )
         del whole
     state = {
-        "model": model_state,
+        **model_states,
         "optimizer": {
             "optimizer": {"param_groups": groups},
             "param_state": param_state,

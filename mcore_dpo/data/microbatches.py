@@ -23,6 +23,9 @@ class RowLayout:
     pad_token_id: int
     multiple: int
     max_tokens: int
+    # A training step's packed microbatch count is a multiple of this (--vpp: pp, the interleaved
+    # 1F1B schedule's microbatch group).
+    count_multiple: int = 1
 
     def cost(self, pair: TokenizedPair) -> int:
         """The token positions `pair` takes in a packed row."""
@@ -34,7 +37,8 @@ class RowLayout:
 
     def plan_step(self, pairs: Sequence[TokenizedPair], *, dp: int) -> list[list[list[int]]]:
         """Packed: each dp rank's microbatches of a step's `pairs` (`packing.plan_packed_step`)."""
-        return plan_packed_step(pairs, dp=dp, max_tokens=self.max_tokens, cost=self.cost)
+        return plan_packed_step(pairs, dp=dp, max_tokens=self.max_tokens, cost=self.cost,
+                                count_multiple=self.count_multiple)
 
     def microbatches(self, pairs: Sequence[TokenizedPair], groups: Sequence[Sequence[int]], *,
                      pad_over: Sequence[int] | None = None) -> list[Microbatch]:

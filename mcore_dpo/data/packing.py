@@ -82,12 +82,18 @@ def _first_fit_decreasing(costs: Sequence[int], items: Sequence[int], *, capacit
     return [sorted(members) for members in bins]
 
 
-def split_microbatches(costs: Sequence[int], items: Sequence[int], *, max_tokens: int) -> list[list[int]]:
+def split_microbatches(costs: Sequence[int], items: Sequence[int], *, max_tokens: int,
+                       count_multiple: int = 1) -> list[list[int]]:
     """`items` (indices into `costs`) cut into microbatches of at most `max_tokens` each:
     the fewest k for which the greedy balanced split into k fits, tried from the lower bound
     ceil(total / max_tokens) up to one more than first-fit-decreasing bin packing needs (one
     extra microbatch buys even ones); when none fits, first-fit-decreasing's bins.
-    Microbatches are ordered by their first item."""
+    Microbatches are ordered by their first item.
+
+    `count_multiple` > 1 (--vpp: megatron-core's interleaved 1F1B runs microbatches in groups of
+    pp): k is the fewest multiple of it for which the greedy split fits."""
+    if count_multiple > 1:
+        return _split_in_multiples(costs, items, max_tokens=max_tokens, count_multiple=count_multiple)
     if not items:
         raise ValueError("split_microbatches: no items")
     too_big = [i for i in items if costs[i] > max_tokens]
@@ -104,12 +110,32 @@ def split_microbatches(costs: Sequence[int], items: Sequence[int], *, max_tokens
     return sorted((b for b in packed if b), key=lambda b: b[0])
 
 
+def _split_in_multiples(costs: Sequence[int], items: Sequence[int], *, max_tokens: int,
+                        count_multiple: int) -> list[list[int]]:
+    """split_microbatches with a microbatch count that is a multiple of `count_multiple`."""
+    too_big = [i for i in items if costs[i] > max_tokens]
+    if too_big:
+        raise ValueError(f"split_microbatches: pair {too_big[0]} has {costs[too_big[0]]} tokens, more than the "
+                         f"budget {max_tokens}")
+    lowest = max(1, -(-sum(costs[i] for i in items) // max_tokens))
+    for num_bins in range(-(-lowest // count_multiple) * count_multiple, len(items) + 1, count_multiple):
+        bins = _greedy_bins(costs, items, num_bins=num_bins)
+        if all(sum(costs[i] for i in b) <= max_tokens for b in bins):
+            return sorted(bins, key=lambda b: b[0])
+    raise ValueError(f"packing: {len(items)} pairs do not fill a multiple of {count_multiple} packed microbatches "
+                     f"within the budget of {max_tokens} tokens (--vpp needs the count divisible by pp); give each dp "
+                     "rank more pairs or run --no-packing")
+
+
 def plan_packed_step(pairs: Sequence[TokenizedPair], *, dp: int, max_tokens: int,
-                     cost: Callable[[TokenizedPair], int] = pair_tokens) -> list[list[list[int]]]:
+                     cost: Callable[[TokenizedPair], int] = pair_tokens, count_multiple: int = 1,
+                     ) -> list[list[list[int]]]:
     """For each dp rank, its microbatches as lists of positions in the global batch (a pair
-    costs `cost`: `pair_tokens`, or `cost_of(prefix_sharing)`)."""
+    costs `cost`: `pair_tokens`, or `cost_of(prefix_sharing)`); each rank's count a multiple of
+    `count_multiple` (`split_microbatches`)."""
     costs = [cost(p) for p in pairs]
-    return [split_microbatches(costs, mine, max_tokens=max_tokens) for mine in balance_ranks(costs, num_ranks=dp)]
+    return [split_microbatches(costs, mine, max_tokens=max_tokens, count_multiple=count_multiple)
+            for mine in balance_ranks(costs, num_ranks=dp)]
 
 
 def collate_packed(pairs: Sequence[TokenizedPair], *, pad_token_id: int, multiple: int = 8,

@@ -14,6 +14,7 @@ from mcore_dpo.checkpoint import formats
 from mcore_dpo.checkpoint import layout as checkpoint
 from mcore_dpo.config import TrainConfig
 from mcore_dpo.driver.resume_check import run_identity
+from mcore_dpo.model.chunks import file_pp
 
 def layer_spec_of(group) -> str:
     """The layer spec the workers built their models with (Transformer Engine or local), which
@@ -51,7 +52,7 @@ def model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str, hf_con
     meta = McoreMeta(
         spec=spec,
         tp=config.tp,
-        pp=config.pp,
+        pp=file_pp(config),  # with model chunks (--vpp) each chunk's file is a stage's (model/chunks.py)
         dtype=dtype,
         layer_spec=layer_spec,
         vocab_divisor=128,
@@ -75,7 +76,7 @@ def save_checkpoint(group, *, config: TrainConfig, spec, out: Path, step: int, i
     state = {
         "step": step,
         "consumed_pairs": step * config.global_batch_size,
-        "layout": {"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
+        "layout": {"tp": config.tp, "pp": config.pp, "vpp": config.vpp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
         "config": config.to_dict(),
         "run": identity if identity is not None else run_identity(config),  # what a resume must agree on
     }
@@ -91,7 +92,7 @@ def export_adapter(group, *, config: TrainConfig, spec, out: Path) -> None:
     try:
         group.call("write_adapter", str(shards))
         shape = lora.shape_of(config)
-        tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=config.pp)
+        tensors = join_shard_files(shards, spec=spec, lora=shape, tp=config.tp, pp=file_pp(config))
         tmp = out / f"adapter.partial-{uuid.uuid4().hex[:8]}"
         write_adapter_dir(tmp, tensors, adapter_config(shape, spec=spec, dropout=config.lora_dropout,
                                                        base_model=os.path.abspath(config.model)))

@@ -110,6 +110,7 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     config.check_moe_grouped_gemm(num_experts=spec.num_experts, source=os.path.join(config.model, "config.json"))
     config.check_recompute(num_layers=spec.num_layers, num_experts=spec.num_experts,
                            source=os.path.join(config.model, "config.json"))
+    config.check_virtual_pipeline(num_layers=spec.num_layers, source=os.path.join(config.model, "config.json"))
     config.check_context_parallel(num_experts=spec.num_experts, multi_latent_attention=spec.multi_latent_attention,
                                   family=spec.family, source=os.path.join(config.model, "config.json"))
     config = replace(config, moe_aux_loss_coef=config.resolve_moe_aux_loss_coef(

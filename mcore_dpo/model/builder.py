@@ -56,14 +56,16 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     layout = mesh.layout
-    # One explicit per-stage layout so that uneven layer splits match checkpoint_convert's.
-    stages = []
-    for pp_rank in range(layout.pp):
-        n = len(stage_layers(spec.num_layers, pp=layout.pp, pp_rank=pp_rank))
+    # One explicit per-stage layout so that uneven layer splits match checkpoint_convert's. With
+    # model chunks (--vpp) one row per virtual stage, in virtual-stage order (chunk c of stage s is
+    # row c*pp + s), from which megatron-core takes its virtual pipeline size.
+    stages, virtual = [], layout.pp * layout.vpp
+    for stage in range(virtual):
+        n = len(stage_layers(spec.num_layers, pp=virtual, pp_rank=stage))
         row = ["decoder"] * n
-        if pp_rank == 0:
+        if stage == 0:
             row = ["embedding"] + row
-        if pp_rank == layout.pp - 1:
+        if stage == virtual - 1:
             row = row + ["loss"]
         stages.append(row)
     # Multi-latent attention (DeepSeek-V3) has a config class of its own (its MLA and YaRN fields).
@@ -153,9 +155,12 @@ def build_stage_model(
     spec: ModelSpec, *, mesh: Mesh, dtype: torch.dtype, on_gpu: bool, use_te: bool, sequence_parallel: bool = False,
     grouped_experts: bool = False, deterministic: bool = False, fused_kernels: bool | None = None,
     recompute: str = "none", recompute_num_layers: int | None = None, arbitrary_masks: bool = False,
+    chunk: int = 0,
 ):
     """This rank's GPTModel chunk: embedding on the first stage, norm + output layer on the last
-    (a reward model's score head, `spec.num_labels`: model/score_head.py).
+    (a reward model's score head, `spec.num_labels`: model/score_head.py). With virtual pipeline
+    stages (`mesh.layout.vpp` > 1) model chunk `chunk` of this rank (megatron-core's vp_stage):
+    the embedding on chunk 0 of stage 0, the output layer on the last chunk of the last stage.
     With `sequence_parallel`, the hidden states between the tensor-parallel linears (and
     between pipeline stages) are [s/tp, b, h]. `grouped_experts` (Transformer Engine spec, MoE
     models): megatron-core's TEGroupedMLP experts instead of its SequentialMLP; their parameters
@@ -171,14 +176,16 @@ def build_stage_model(
                                 recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 fused=fused_kernel_fields(requested=fused_kernels, use_te=use_te, on_gpu=on_gpu,
                                                           moe=bool(spec.num_experts)))
+    vp_stage = chunk if mesh.layout.vpp > 1 else None  # megatron-core's virtual pipeline stage
+    first, last = mesh.holds_input(chunk), mesh.holds_output(chunk)
     if spec.family == "gemma3_text":  # sandwich (1 + w) norms, local/global layers: a spec module of ours
         from mcore_dpo.model import gemma3
 
-        layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank)
+        layer_spec = gemma3.block_spec(config, pp_rank=mesh.pp_rank, vp_stage=vp_stage)
     elif config.num_moe_experts:
         # Dense and MoE layers mixed (moe_layer_freq): the block spec of this stage's layers.
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank
+            config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=mesh.pp_rank, vp_stage=vp_stage
         )
         if sequence_parallel and not use_te:
             layer_spec = _block_spec_with_sp_norms(layer_spec)
@@ -199,7 +206,8 @@ def build_stage_model(
 
             layer_spec = with_context_parallel_attention(layer_spec)
         if sequence_parallel:
-            layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank)
+            layer_spec = _local_block_spec_with_sp_norms(layer_spec, config=config, pp_rank=mesh.pp_rank,
+                                                         vp_stage=vp_stage)
     if arbitrary_masks and use_te:
         layer_spec = _with_arbitrary_masks(layer_spec)
     model = GPTModel(
@@ -207,14 +215,15 @@ def build_stage_model(
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, tp=mesh.layout.tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=mesh.is_first_stage,
-        post_process=mesh.is_last_stage,
+        pre_process=first,
+        post_process=last,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=spec.rotary_percent,  # partial RoPE (GLM-4.5): the first dims of each head
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        vp_stage=vp_stage,
     )
-    if spec.num_labels and mesh.is_last_stage:  # a reward model: the score head in place of the LM head
+    if spec.num_labels and last:  # a reward model: the score head in place of the LM head
         from mcore_dpo.model.score_head import attach_score_head
 
         attach_score_head(model, num_labels=spec.num_labels, hidden_size=spec.hidden_size, dtype=dtype)
@@ -224,7 +233,7 @@ def build_stage_model(
         gpt_oss.adapt_model(model, spec)
     if spec.moe_expert_bias:
         _expert_bias_as_frozen_parameters(model)
-    if mesh.is_first_stage:
+    if first:
         model.embedding.register_forward_hook(_canonical_strides)
         if recompute == "full":
             model.embedding.register_forward_hook(_recompute_input_requires_grad)
@@ -307,13 +316,13 @@ class SequenceParallelRMSNorm:
         return norm
 
 
-def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int):
+def _local_block_spec_with_sp_norms(layer_spec, *, config, pp_rank: int, vp_stage: int | None = None):
     """The local layer spec for one stage, every norm (the final one too) sequence-parallel."""
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     layer_spec = _layer_spec_with_sp_norms(layer_spec)
-    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
 
 

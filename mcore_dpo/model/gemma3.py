@@ -114,8 +114,9 @@ class GemmaMLP(MLP):
         return self.post_layernorm(output), bias
 
 
-def block_spec(config, *, pp_rank: int):
-    """This stage's block spec: megatron-core's local layer (q/k norms on) with the modules above."""
+def block_spec(config, *, pp_rank: int, vp_stage: int | None = None):
+    """This stage's block spec (of its model chunk `vp_stage`, --vpp): megatron-core's local layer
+    (q/k norms on) with the modules above."""
     layer = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
     layer.submodules.input_layernorm = GemmaRMSNorm
     layer.submodules.pre_mlp_layernorm = GemmaRMSNorm
@@ -125,7 +126,7 @@ def block_spec(config, *, pp_rank: int):
     attention.submodules.q_layernorm = GemmaRMSNorm
     attention.submodules.k_layernorm = GemmaRMSNorm
     layer.submodules.mlp.module = GemmaMLP
-    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=GemmaRMSNorm)
 
 

@@ -39,6 +39,7 @@ from checkpoint_convert.families.base import ModelSpec
 from checkpoint_convert.peft_adapter import (ADAPTER_MODULE, EXPERT_TARGET_MAP, EXPERT_TARGETS, TARGETS, LoraShape,
                                              part_features, saved_modules, target_layout, target_linears, target_names,
                                              targets_present)
+from mcore_dpo.model.chunks import chunk_modules, rank_shard
 
 # Adapter modes: "train" (trained weights, dropout when training), "eval" (trained weights, no
 # dropout), "off" (no update), "frozen" (the starting copy, no dropout).
@@ -136,11 +137,12 @@ def attach(model: torch.nn.Module, *, spec: ModelSpec, lora: LoraShape, dropout:
     for param in model.parameters():
         param.requires_grad_(False)
     for name in saved_modules(spec):
-        module = getattr(model, name, None)
-        if module is not None:
-            module.requires_grad_(True)
+        for chunk in chunk_modules(model):  # --vpp: on the chunk that has it
+            module = getattr(chunk, name, None)
+            if module is not None:
+                module.requires_grad_(True)
     adapters = []
-    for layer in model.decoder.layers:
+    for layer in (layer for chunk in chunk_modules(model) for layer in chunk.decoder.layers):  # --vpp: every chunk's
         linears = []
         for target in (t for t in TARGETS if t in lora.targets):
             for path, parallel, parts in target_linears(spec, target):
@@ -223,6 +225,12 @@ class ReferenceView:
         self.module = module  # the unwrapped stage model: stage_forward sets its input tensor
         self.adapter_mode = "frozen" if frozen else "off"
         self.router_tap = None  # a MoE policy's RouterTap: the reference's routing is not the policy's
+
+    def chunk(self, chunk: int) -> ReferenceView:
+        """The view of the policy's model chunk `chunk` (--vpp; `model.chunks.chunk_of`)."""
+        view = ReferenceView(chunk_modules(self.module)[chunk], frozen=self.adapter_mode == "frozen")
+        view.router_tap = self.router_tap
+        return view
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """None of its own: the weights are the policy's (the frozen copies are buffers of a few MB)."""
@@ -336,6 +344,7 @@ def adapter_shard(whole: dict[str, torch.Tensor], *, rank, saved: bool = False) 
     them). `rank`: the worker's `rank.base.Rank`."""
     from checkpoint_convert.peft_adapter import peft_to_shard
 
-    return peft_to_shard(whole.__getitem__, spec=rank.spec, lora=shape_of(rank.config), tp=rank.layout.tp,
-                         tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp, pp_rank=rank.mesh.pp_rank,
-                         ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank, saved=saved)
+    return rank_shard(lambda pp, pp_rank: peft_to_shard(
+        whole.__getitem__, spec=rank.spec, lora=shape_of(rank.config), tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank,
+        pp=pp, pp_rank=pp_rank, ep=rank.layout.ep, ep_rank=rank.mesh.ep_rank, saved=saved),
+        layout=rank.layout, pp_rank=rank.mesh.pp_rank)

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from mcore_dpo.model.chunks import chunk_name
+
 
 def lr_at(step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
     """Learning rate for 1-based `step`: linear warmup, then constant or cosine decay to min_lr_ratio*lr."""
@@ -84,7 +86,7 @@ def params_once(module: torch.nn.Module, *, spec, mesh, sharded: bool = False) -
     for name, param in module.named_parameters():
         if not param.requires_grad:  # the frozen base of a LoRA run
             continue
-        if tied_copy and name == "output_layer.weight" and not mesh.is_first_stage:
+        if tied_copy and chunk_name(name) == "output_layer.weight" and not mesh.is_first_stage:
             continue
         expert = not getattr(param, "allreduce", True)
         whole_expert = expert and layout.etp == 1  # not split over tp, nor repeated on its tp ranks

@@ -24,10 +24,19 @@ class Layout:
     # Context parallelism: each sequence split over cp ranks (parallel/context_parallel.py). The
     # cp ranks of a dp replica run the same microbatches; gradients are reduced over dp x cp.
     cp: int = 1
+    # Virtual pipeline stages (--vpp): model chunks per pipeline rank; chunk c of stage s is
+    # stage c*pp + s of a pipeline of pp*vpp virtual stages folded onto the pp ranks.
+    vpp: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def microbatch_group(self) -> int:
+        """A step's microbatch count must be a multiple of this: pp with model chunks (megatron-core's
+        interleaved 1F1B runs microbatches in groups of pp), else 1."""
+        return self.pp if self.vpp > 1 else 1
 
     @property
     def etp(self) -> int:
@@ -74,6 +83,18 @@ class Mesh:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The virtual pipeline stage of this rank's model chunk `chunk` (--vpp; chunk 0 without)."""
+        return chunk * self.layout.pp + self.pp_rank
+
+    def holds_input(self, chunk: int) -> bool:
+        """Whether model chunk `chunk` of this rank is the first virtual stage (the embedding)."""
+        return self.virtual_stage(chunk) == 0
+
+    def holds_output(self, chunk: int) -> bool:
+        """Whether model chunk `chunk` of this rank is the last virtual stage (the output layer, the loss)."""
+        return self.virtual_stage(chunk) == self.layout.pp * self.layout.vpp - 1
 
     @property
     def returns_result(self) -> bool:
@@ -122,10 +143,13 @@ def initialize(layout: Layout) -> Mesh:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
     )
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 else None
-    next_rank = ps.get_pipeline_model_parallel_next_rank() if pp_rank < layout.pp - 1 else None
+    # With model chunks the pipeline is a ring: the last stage's chunk c feeds stage 0's chunk c+1.
+    ring = layout.vpp > 1
+    prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp_rank > 0 or ring else None
+    next_rank = ps.get_pipeline_model_parallel_next_rank() if pp_rank < layout.pp - 1 or ring else None
     embedding_group = None
     if layout.pp > 1 and (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
         embedding_group = ps.get_embedding_group()

@@ -91,7 +91,7 @@ class MemoryAccount:
         self._cached: set[int] = set()  # outputs of memoised modules (`exclude_cached_outputs`)
         self._stashing = False
         self._tables = tables  # log-prob tables held outside the step (precomputed)
-        self._stash: dict[int, dict[int, int]] = {}  # live microbatch -> {storage: bytes}
+        self._stash: dict[tuple[int, int], dict[int, int]] = {}  # live (chunk, microbatch) -> {storage: bytes}
         self.stash_bytes_per_microbatch: dict[int, int] = {}  # this step's, by microbatch
         self.static: dict[str, int] = dict.fromkeys(STATIC_CATEGORIES, 0)
         self.current: dict[str, int] = dict.fromkeys(DYNAMIC_CATEGORIES, 0)
@@ -124,8 +124,9 @@ class MemoryAccount:
 
     # ---------------------------------------------------------------- policy stash
     @contextlib.contextmanager
-    def stash(self, microbatch: int, *, shared: Iterable[torch.Tensor] = ()) -> Iterator[None]:
-        """Record what autograd saves for the backward in the policy forward run inside.
+    def stash(self, microbatch: int, *, chunk: int = 0, shared: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+        """Record what autograd saves for the backward in the policy forward run inside (of model
+        chunk `chunk`, --vpp: a microbatch's figure sums its chunks').
         `shared`: tensors every microbatch's forward saves (the attention mask), in no category."""
         mine: dict[int, int] = {}
         held = {key for saved in self._stash.values() for key in saved}
@@ -144,12 +145,12 @@ class MemoryAccount:
                 yield
         finally:
             self._stashing = False
-        self._stash[microbatch] = mine
-        self.stash_bytes_per_microbatch[microbatch] = sum(mine.values())
+        self._stash[(chunk, microbatch)] = mine
+        self.stash_bytes_per_microbatch[microbatch] = self.stash_bytes_per_microbatch.get(microbatch, 0) + sum(mine.values())
 
-    def free_stash(self, microbatch: int) -> None:
-        """The microbatch's backward has run: autograd has released what it saved."""
-        self._stash.pop(microbatch, None)
+    def free_stash(self, microbatch: int, *, chunk: int = 0) -> None:
+        """The microbatch's backward (of model chunk `chunk`) has run: autograd has released what it saved."""
+        self._stash.pop((chunk, microbatch), None)
 
     # ---------------------------------------------------------------- observation
     def observe(self, ctx: Any, *, in_transit: dict[str, list[torch.Tensor]] | None = None) -> None:

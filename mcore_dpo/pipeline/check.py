@@ -39,9 +39,11 @@ from mcore_dpo.pipeline.plan import (
     cost_of,
     kept,
     message,
+    num_chunks_of,
     op_word,
     peer,
     transfers,
+    virtual_neighbour,
 )
 
 Stages = tuple[tuple[Op, ...], ...]
@@ -51,9 +53,10 @@ Key = tuple[tuple[int, int], int]
 
 def _expected_ops(
     *, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...], carry_in: bool,
-    carry_out: bool, num_next_microbatches: int | None = None,
+    carry_out: bool, num_next_microbatches: int | None = None, num_chunks: int = 1,
 ) -> Counter:
-    first, last = stage == 0, stage == num_stages - 1
+    """The ops stage `stage` must run, each model chunk as virtual stage chunk*p + stage
+    (carrying exists only without chunks)."""
     m_next = num_microbatches if num_next_microbatches is None else num_next_microbatches
     # Carried in: this batch's microbatches; carried out and kept: the next batch's.
     mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
@@ -61,25 +64,29 @@ def _expected_ops(
     kept_in = kept(stage, num_stages=num_stages, num_microbatches=num_microbatches)
     kept_out = kept(stage, num_stages=num_stages, num_microbatches=m_next)
     expected: Counter = Counter()
-    for mb in range(num_microbatches):
-        expected[Op(OpKind.FWD, mb)] += 1
-        expected[Op(OpKind.BWD, mb)] += 1
-        if not first:
-            expected[Op(OpKind.RECV_ACT, mb)] += 1
-            expected[Op(OpKind.SEND_GRAD, mb)] += 1
-        if not last:
-            expected[Op(OpKind.SEND_ACT, mb)] += 1
-            expected[Op(OpKind.RECV_GRAD, mb)] += 1
-    for batch in ref_batches:
-        for mb in range(num_microbatches if batch == 0 else m_next):
-            if batch == 1 and carry_out and mb in mine_next:
-                continue  # left to the start of the next step
-            expected[Op(OpKind.REF_FWD, mb, batch)] += 1
+    for chunk in range(num_chunks):
+        first, last = (virtual_neighbour(stage, chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
+                       is None for step in (-1, 1))
+        for mb in range(num_microbatches):
+            expected[Op(OpKind.FWD, mb, chunk=chunk)] += 1
+            expected[Op(OpKind.BWD, mb, chunk=chunk)] += 1
             if not first:
-                expected[Op(OpKind.RECV_REF_ACT, mb, batch)] += 1
+                expected[Op(OpKind.RECV_ACT, mb, chunk=chunk)] += 1
+                expected[Op(OpKind.SEND_GRAD, mb, chunk=chunk)] += 1
             if not last:
-                keep = batch == 1 and carry_out and mb in kept_out
-                expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch)] += 1
+                expected[Op(OpKind.SEND_ACT, mb, chunk=chunk)] += 1
+                expected[Op(OpKind.RECV_GRAD, mb, chunk=chunk)] += 1
+        for batch in ref_batches:
+            for mb in range(num_microbatches if batch == 0 else m_next):
+                if batch == 1 and carry_out and mb in mine_next:
+                    continue  # left to the start of the next step
+                expected[Op(OpKind.REF_FWD, mb, batch, chunk=chunk)] += 1
+                if not first:
+                    expected[Op(OpKind.RECV_REF_ACT, mb, batch, chunk=chunk)] += 1
+                if not last:
+                    keep = batch == 1 and carry_out and mb in kept_out
+                    expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch, chunk=chunk)] += 1
+    first, last = stage == 0, stage == num_stages - 1
     if carry_in:
         for mb in mine:
             expected[Op(OpKind.REF_FWD, mb, 0)] += 1
@@ -134,51 +141,65 @@ def _check_structure(plan: Plan) -> None:
         raise PlanError("plan.carry_in with batch 0 in plan.ref_batches: this batch's reference would run twice")
     if plan.carry_out and 1 not in plan.ref_batches:
         raise PlanError("plan.carry_out without batch 1 in plan.ref_batches: nothing to carry")
+    v = plan.num_chunks
+    if not isinstance(v, int) or v < 1 or (v > 1 and (p < 2 or plan.carry_in or plan.carry_out)):
+        raise PlanError(f"plan.num_chunks={v!r}: model chunks need an int >= 1, and more than one needs >= 2 stages "
+                        f"and no carrying")
     _check_ops(plan.stages)
+    if num_chunks_of(plan.stages) > v:
+        raise PlanError(f"plan has ops of model chunk {num_chunks_of(plan.stages) - 1}, but num_chunks={v}")
 
     for s, ops in enumerate(plan.stages):
         flat = _flat(ops)
         have = Counter(op for _, op in flat)
         want = _expected_ops(stage=s, num_stages=p, num_microbatches=m, ref_batches=plan.ref_batches,
                              carry_in=plan.carry_in, carry_out=plan.carry_out,
-                             num_next_microbatches=plan.num_next_microbatches)
+                             num_next_microbatches=plan.num_next_microbatches, num_chunks=v)
         for op in [] if have == want else sorted(set(have) | set(want), key=repr):
             if have[op] != want[op]:
-                raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch} "
+                raise PlanError(f"plan stage {s}: {op.kind.value} mb={op.microbatch} batch={op.batch}{_in(op)} "
                                 f"appears {have[op]} times, expected {want[op]}")
         pos = {op: i for i, op in flat}
 
         def before(a: Op, b: Op, why: str) -> None:
             if pos[a] > pos[b]:
-                raise PlanError(f"plan stage {s}: {a.kind.value} mb={a.microbatch} batch={a.batch} "
-                                f"comes after {b.kind.value} mb={b.microbatch} ({why})")
+                raise PlanError(f"plan stage {s}: {a.kind.value} mb={a.microbatch} batch={a.batch}{_in(a)} "
+                                f"comes after {b.kind.value} mb={b.microbatch}{_in(b)} ({why})")
 
-        for mb in range(m):
-            fwd, bwd = Op(OpKind.FWD, mb), Op(OpKind.BWD, mb)
-            before(fwd, bwd, "backward needs its forward")
-            if s > 0:
-                before(Op(OpKind.RECV_ACT, mb), fwd, "forward needs its input")
-                before(bwd, Op(OpKind.SEND_GRAD, mb), "grad is sent after the backward")
-            if s < p - 1:
-                before(fwd, Op(OpKind.SEND_ACT, mb), "activation is sent after the forward")
-                before(Op(OpKind.RECV_GRAD, mb), bwd, "backward needs the output grad")
-        for ref in [op for _, op in flat if op.kind == OpKind.REF_FWD]:
-            mb, batch = ref.microbatch, ref.batch
-            if s > 0:
-                before(Op(OpKind.RECV_REF_ACT, mb, batch), ref, "reference forward needs its input")
-            if s < p - 1:
-                keep = Op(OpKind.KEEP_REF_ACT, mb, batch)
-                before(ref, keep if keep in pos else Op(OpKind.SEND_REF_ACT, mb, batch),
-                       "activation is sent after the forward, or kept")
-            if s == p - 1 and batch == 0:
-                before(ref, Op(OpKind.FWD, mb), "the loss needs this batch's reference log-probs")
+        for c in range(v):
+            # Chunk c of stage s is virtual stage c*p + s: first/last of the whole model or not.
+            first, last = (virtual_neighbour(s, c, step=step, num_stages=p, num_chunks=v) is None for step in (-1, 1))
+            for mb in range(m):
+                fwd, bwd = Op(OpKind.FWD, mb, chunk=c), Op(OpKind.BWD, mb, chunk=c)
+                before(fwd, bwd, "backward needs its forward")
+                if not first:
+                    before(Op(OpKind.RECV_ACT, mb, chunk=c), fwd, "forward needs its input")
+                    before(bwd, Op(OpKind.SEND_GRAD, mb, chunk=c), "grad is sent after the backward")
+                if not last:
+                    before(fwd, Op(OpKind.SEND_ACT, mb, chunk=c), "activation is sent after the forward")
+                    before(Op(OpKind.RECV_GRAD, mb, chunk=c), bwd, "backward needs the output grad")
+            for ref in [op for _, op in flat if op.kind == OpKind.REF_FWD and op.chunk == c]:
+                mb, batch = ref.microbatch, ref.batch
+                if not first:
+                    before(Op(OpKind.RECV_REF_ACT, mb, batch, chunk=c), ref, "reference forward needs its input")
+                if not last:
+                    keep = Op(OpKind.KEEP_REF_ACT, mb, batch, chunk=c)
+                    before(ref, keep if keep in pos else Op(OpKind.SEND_REF_ACT, mb, batch, chunk=c),
+                           "activation is sent after the forward, or kept")
+                if last and batch == 0:
+                    before(ref, Op(OpKind.FWD, mb, chunk=c), "the loss needs this batch's reference log-probs")
+
+
+def _in(op: Op) -> str:
+    """` chunk=c` in a message about an op of model chunk c > 0."""
+    return f" chunk={op.chunk}" if op.chunk else ""
 
 
 def message_keys(stages: Stages) -> list[list[list[Key]]]:
     """keys[s][i] = the messages op i of stage s sends or receives, numbered per link in
     issue order (NCCL matches point-to-point messages between two ranks in order). Raises
     PlanError when a link's sends and receives do not pair up one to one, in order."""
-    p = len(stages)
+    p, v = len(stages), num_chunks_of(stages)
     count: dict[tuple[tuple[int, int], bool], int] = {}
     sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -188,13 +209,14 @@ def message_keys(stages: Stages) -> list[list[list[Key]]]:
         for op in ops:
             op_keys = []
             for part in transfers(op):
-                other = peer(part, stage=s)
+                other = peer(part, stage=s, num_stages=p, num_chunks=v)
                 if not 0 <= other < p:
                     raise PlanError(f"plan stage {s}: {part.kind.value} mb={part.microbatch} has no peer "
                                     f"(stage {other} does not exist)")
                 is_send = part.kind in SEND_KINDS
                 link = (s, other) if is_send else (other, s)
-                (sent if is_send else got).setdefault(link, []).append(message(part))
+                msg = message(part, stage=s, num_stages=p, num_chunks=v)
+                (sent if is_send else got).setdefault(link, []).append(msg)
                 n = count.get((link, is_send), 0)
                 op_keys.append((link, n))
                 count[(link, is_send)] = n + 1
@@ -274,7 +296,7 @@ def _check_rendezvous(stages: Stages) -> None:
 def _timed_ops(stages: Stages, costs: Costs) -> list[list[tuple]]:
     """Each op once as (compute cost or None, its sends [(link, message)], its receives
     [(link, message)]); a kept activation is a transfer with neither (it stays in memory)."""
-    out = []
+    out, p, v = [], len(stages), num_chunks_of(stages)
     for s, ops in enumerate(stages):
         timed = []
         for op in ops:
@@ -282,8 +304,10 @@ def _timed_ops(stages: Stages, costs: Costs) -> list[list[tuple]]:
                 timed.append((cost_of(op.kind, costs), (), ()))
                 continue
             parts = transfers(op)
-            sends = tuple(((s, peer(part, stage=s)), message(part)) for part in parts if part.kind in SEND_KINDS)
-            recvs = tuple(((peer(part, stage=s), s), message(part)) for part in parts if part.kind in RECV_KINDS)
+            ends = [(peer(part, stage=s, num_stages=p, num_chunks=v),
+                     message(part, stage=s, num_stages=p, num_chunks=v), part.kind in SEND_KINDS) for part in parts]
+            sends = tuple(((s, other), msg) for other, msg, is_send in ends if is_send)
+            recvs = tuple(((other, s), msg) for other, msg, is_send in ends if not is_send)
             timed.append((None, sends, recvs))
         out.append(timed)
     return out
@@ -345,12 +369,14 @@ def timeline(stages: Stages, costs: Costs) -> SimResult:
         sum(end - start for op, (start, end) in zip(stages[s], times[s]) if op.kind in COMPUTE_KINDS)
         for s in range(p)
     )
-    worst = 0
-    for s in range(p - 1):
-        # +1 when stage s sends a reference activation, -1 when stage s+1 starts on it.
+    worst, v = 0, num_chunks_of(stages)
+    for s, t in [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else []):
+        # +1 when stage s sends a reference activation to t, -1 when t starts on one from s.
         deltas = [(times[s][i][0], 1) for i, op in enumerate(stages[s]) for part in transfers(op)
-                  if part.kind in (OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)]
-        deltas += [(times[s + 1][i][0], -1) for i, op in enumerate(stages[s + 1]) if op.kind == OpKind.REF_FWD]
+                  if part.kind in (OpKind.SEND_REF_ACT, OpKind.SEND_KEPT_REF_ACT)
+                  and peer(part, stage=s, num_stages=p, num_chunks=v) == t]
+        deltas += [(times[t][i][0], -1) for i, op in enumerate(stages[t]) if op.kind == OpKind.REF_FWD
+                   and (virtual_neighbour(t, op.chunk, step=-1, num_stages=p, num_chunks=v) or (-1,))[0] == s]
         level = 0
         for _, delta in sorted(deltas):
             level += delta

@@ -37,6 +37,7 @@ from mcore_dpo.objective.reward import SequenceScores, row_scores, segment_score
 from mcore_dpo.pipeline.account import MemoryAccount
 from mcore_dpo.parallel.context_parallel import gather_replicated, local_part
 from mcore_dpo.parallel.mesh import Mesh
+from mcore_dpo.model.chunks import chunk_of
 from mcore_dpo.model.builder import causal_mask, packed_seq_params, segment_mask, stage_forward
 from mcore_dpo.pipeline.plan import RECV_KINDS, SEND_KINDS, Op, OpKind
 from mcore_dpo.parallel.platform import IntervalClock, to_device
@@ -97,14 +98,14 @@ class StageContext:
     score_pad_token_id: int | None = None
     # reference log-probs produced on the last stage, keyed by (batch offset, microbatch)
     ref_logps: dict[tuple[int, int], SequenceLogps] = field(default_factory=dict)
-    # --- per-step scratch ---
-    _policy_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    _policy_out: dict[int, torch.Tensor] = field(default_factory=dict)
-    _saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
-    _grad_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    _grad_out: dict[int, torch.Tensor] = field(default_factory=dict)
-    _ref_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _ref_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # --- per-step scratch, by (model chunk, microbatch) and (model chunk, batch, microbatch) ---
+    _policy_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _policy_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    _grad_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _grad_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _ref_in: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    _ref_out: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     # Carrying plans: next-batch reference activations kept for the next step (by microbatch),
     # and the ones the previous step kept, to send first thing.
     kept_out: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -242,23 +243,24 @@ def _first_line(error: BaseException) -> str:
 def _outgoing(ctx: StageContext, op: Op) -> torch.Tensor:
     """The tensor a send op hands over (dropped here once sent)."""
     if op.kind is OpKind.SEND_ACT:
-        tensor = ctx._policy_out.pop(op.microbatch)
+        tensor = ctx._policy_out.pop((op.chunk, op.microbatch))
     elif op.kind is OpKind.SEND_GRAD:
-        tensor = ctx._grad_out.pop(op.microbatch)
+        tensor = ctx._grad_out.pop((op.chunk, op.microbatch))
     elif op.kind is OpKind.SEND_REF_ACT:
-        tensor = ctx._ref_out.pop((op.batch, op.microbatch))
+        tensor = ctx._ref_out.pop((op.chunk, op.batch, op.microbatch))
     else:
         tensor = ctx.kept_in.pop(op.microbatch)
     return tensor.detach().contiguous()
 
 
 def _store(ctx: StageContext, op: Op, buf: torch.Tensor) -> None:
+    """A received tensor, kept for the op of the receiving model chunk (`op.chunk`) that uses it."""
     if op.kind is OpKind.RECV_ACT:
-        ctx._policy_in[op.microbatch] = buf if ctx.forward_only else buf.requires_grad_()
+        ctx._policy_in[(op.chunk, op.microbatch)] = buf if ctx.forward_only else buf.requires_grad_()
     elif op.kind is OpKind.RECV_GRAD:
-        ctx._grad_in[op.microbatch] = buf
+        ctx._grad_in[(op.chunk, op.microbatch)] = buf
     else:
-        ctx._ref_in[(op.batch, op.microbatch)] = buf
+        ctx._ref_in[(op.chunk, op.batch, op.microbatch)] = buf
 
 
 def transfer(ctx: StageContext, op: Op) -> None:
@@ -317,7 +319,8 @@ def warm_up_links(mesh: Mesh, *, device: torch.device) -> None:
     group must involve all its ranks); at pp 1 there are no links."""
     if mesh.layout.pp == 1:
         return
-    ops, peers = [], [peer for peer in (mesh.prev_rank, mesh.next_rank) if peer is not None]
+    # Without model chunks a stage's two neighbours; with them (a ring) at pp 2 one rank is both.
+    ops, peers = [], list(dict.fromkeys(peer for peer in (mesh.prev_rank, mesh.next_rank) if peer is not None))
     for peer in peers:
         ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), peer))
         ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=device), peer))
@@ -378,13 +381,13 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
         kind, mb, batch = op.kind, op.microbatch, op.batch
         start = time.perf_counter() if ctx.trace is not None else 0.0
         if kind is OpKind.FWD:
-            _policy_forward(ctx, mb)
+            _policy_forward(ctx, mb, op.chunk)
         elif kind is OpKind.BWD:
-            _policy_backward(ctx, mb)
+            _policy_backward(ctx, mb, op.chunk)
         elif kind is OpKind.REF_FWD:
-            _reference_forward(ctx, mb, batch)
+            _reference_forward(ctx, mb, batch, op.chunk)
         elif kind is OpKind.KEEP_REF_ACT:
-            ctx.kept_out[mb] = ctx._ref_out.pop((batch, mb))
+            ctx.kept_out[mb] = ctx._ref_out.pop((op.chunk, batch, mb))
         elif kind is OpKind.P2P or kind in SEND_KINDS or kind in RECV_KINDS:
             transfer(ctx, op)
         else:  # pragma: no cover - the plan validator rejects unknown ops
@@ -395,56 +398,59 @@ def run_ops(ops: Sequence[Op], ctx: StageContext) -> None:
             ctx.memory.observe(ctx)
 
 
-def _policy_forward(ctx: StageContext, mb: int) -> None:
+def _policy_forward(ctx: StageContext, mb: int, chunk: int) -> None:
+    """The policy forward of microbatch `mb` through model chunk `chunk` of this stage (--vpp; 0
+    without): the tokens on the first virtual stage, the loss on the last."""
     mesh = ctx.mesh
-    inp = None if mesh.is_first_stage else ctx._policy_in.pop(mb)
+    first, last = mesh.holds_input(chunk), mesh.holds_output(chunk)
+    inp = None if first else ctx._policy_in.pop((chunk, mb))
     inputs = ctx.forward_inputs(0, mb)
     stash = contextlib.nullcontext()
     if ctx.memory is not None and not ctx.forward_only:
-        stash = ctx.memory.stash(mb, shared=[inputs["mask"]] if inputs.get("mask") is not None else [])
+        stash = ctx.memory.stash(mb, chunk=chunk, shared=[inputs["mask"]] if inputs.get("mask") is not None else [])
     with torch.set_grad_enabled(not ctx.forward_only), stash:
-        out = stage_forward(ctx.policy, tokens=_tokens(ctx, 0, mb), input_tensor=inp, **inputs)
-        if mesh.is_last_stage:
+        out = stage_forward(chunk_of(ctx.policy, chunk), tokens=_tokens(ctx, 0, mb), input_tensor=inp, **inputs)
+        if last:
             out = ctx.loss_fn(mb, _last_stage_logps(ctx, out, 0, mb))
             if mesh.layout.cp > 1 and not ctx.forward_only:
                 # Every cp rank back-propagates the same loss through its own tokens; DDP averages
                 # the gradients over dp x cp where they add up over cp (exact for a power of 2).
                 out = out * mesh.layout.cp
     if ctx.forward_only:
-        if not mesh.is_last_stage:
-            ctx._policy_out[mb] = out
+        if not last:
+            ctx._policy_out[(chunk, mb)] = out
         return
-    ctx._saved[mb] = (inp, out)
-    if not mesh.is_last_stage:
-        ctx._policy_out[mb] = out
+    ctx._saved[(chunk, mb)] = (inp, out)
+    if not last:
+        ctx._policy_out[(chunk, mb)] = out
 
 
-def _policy_backward(ctx: StageContext, mb: int) -> None:
-    inp, out = ctx._saved.pop(mb)
-    if ctx.mesh.is_last_stage:
+def _policy_backward(ctx: StageContext, mb: int, chunk: int) -> None:
+    inp, out = ctx._saved.pop((chunk, mb))
+    if ctx.mesh.holds_output(chunk):
         out.backward()
     else:
-        torch.autograd.backward(out, grad_tensors=ctx._grad_in.pop(mb))
+        torch.autograd.backward(out, grad_tensors=ctx._grad_in.pop((chunk, mb)))
     if inp is not None:
-        ctx._grad_out[mb] = inp.grad
+        ctx._grad_out[(chunk, mb)] = inp.grad
     if ctx.memory is not None:
-        ctx.memory.free_stash(mb)
+        ctx.memory.free_stash(mb, chunk=chunk)
 
 
 @torch.no_grad()
-def _reference_forward(ctx: StageContext, mb: int, batch: int) -> None:
+def _reference_forward(ctx: StageContext, mb: int, batch: int, chunk: int) -> None:
     mesh = ctx.mesh
-    inp = None if mesh.is_first_stage else ctx._ref_in.pop((batch, mb))
-    out = stage_forward(ctx.reference, tokens=_tokens(ctx, batch, mb), input_tensor=inp,
+    inp = None if mesh.holds_input(chunk) else ctx._ref_in.pop((chunk, batch, mb))
+    out = stage_forward(chunk_of(ctx.reference, chunk), tokens=_tokens(ctx, batch, mb), input_tensor=inp,
                         **ctx.forward_inputs(batch, mb))
-    if mesh.is_last_stage:
+    if mesh.holds_output(chunk):
         ctx.ref_logps[(batch, mb)] = _last_stage_logps(ctx, out, batch, mb, policy=False)
     else:
-        ctx._ref_out[(batch, mb)] = out
+        ctx._ref_out[(chunk, batch, mb)] = out
 
 
 def forward_only_ops(*, mesh: Mesh, num_microbatches: int, policy: bool, reference: bool) -> tuple[Op, ...]:
     """This stage's ops of a forward-only pass (evaluation, precomputing the reference)."""
     stages = forward_only_stages(num_stages=mesh.layout.pp, num_microbatches=num_microbatches, policy=policy,
-                                 reference=reference)
+                                 reference=reference, num_chunks=mesh.layout.vpp)
     return stages[mesh.pp_rank]

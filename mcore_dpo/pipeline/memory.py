@@ -5,7 +5,9 @@ Walks each stage's op list in order, as the executor (`pipeline/executor.py`) ru
 - `policy_stash`: microbatches whose policy forward has run and whose backward has not
   (unit: what one microbatch's forward through the stage saves for its backward; under
   --recompute, what recompute keeps: with full, each layer group's input. What a backward
-  recomputes lives only inside that op: `memory_estimate.recompute_bytes` adds it to a stage);
+  recomputes lives only inside that op: `memory_estimate.recompute_bytes` adds it to a stage;
+  in a plan of v model chunks (--vpp) the unit is one chunk's forward, 1/v of the stage's layers,
+  and the first stage holds the most: 2(p-1) + (v-1)p + 1 chunk forwards, against p without chunks);
 - `reference_in_flight`: reference stage activations received and not yet consumed by their
   reference forward, or produced and not yet sent (unit: one stage-boundary activation,
   [seq, rows, hidden]);
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_dpo.pipeline.plan import Op, OpKind, Plan, kept, transfers
+from mcore_dpo.pipeline.plan import Op, OpKind, Plan, kept, transfers, virtual_neighbour
 
 MEMORY_CATEGORIES = ("policy_stash", "reference_in_flight", "carried")
 
@@ -52,7 +54,7 @@ def _transfer_delta(part: Op) -> tuple[str | None, int]:
 
 
 def stage_memory(ops: tuple[Op, ...], *, stage: int, num_stages: int, num_microbatches: int,
-                 carry_in: bool) -> StageMemory:
+                 carry_in: bool, num_chunks: int = 1) -> StageMemory:
     """Peaks of one stage's op list; `carry_in`: the stage starts with the activations the
     previous step kept (`plan.kept`)."""
     live = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -64,8 +66,10 @@ def stage_memory(ops: tuple[Op, ...], *, stage: int, num_stages: int, num_microb
         for name, value in live.items():
             peak[name] = max(peak[name], value)
 
-    last = stage == num_stages - 1
-    first = stage == 0
+    def has(op: Op, step: int) -> bool:
+        """Whether op's chunk has a virtual stage upstream (-1) or downstream (1)."""
+        return virtual_neighbour(stage, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks) is not None
+
     for op in ops:
         parts = transfers(op)
         if parts:
@@ -82,7 +86,7 @@ def stage_memory(ops: tuple[Op, ...], *, stage: int, num_stages: int, num_microb
         elif op.kind is OpKind.BWD:
             live["policy_stash"] -= 1
         elif op.kind is OpKind.REF_FWD:
-            live["reference_in_flight"] += (0 if first else -1) + (0 if last else 1)
+            live["reference_in_flight"] += has(op, 1) - has(op, -1)
         elif op.kind is OpKind.KEEP_REF_ACT:
             live["reference_in_flight"] -= 1
             live["carried"] += 1
@@ -93,4 +97,4 @@ def stage_memory(ops: tuple[Op, ...], *, stage: int, num_stages: int, num_microb
 def plan_memory(plan: Plan) -> tuple[StageMemory, ...]:
     """Peak live activations of every stage of a plan, in units."""
     return tuple(stage_memory(ops, stage=s, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches,
-                              carry_in=plan.carry_in) for s, ops in enumerate(plan.stages))
+                              carry_in=plan.carry_in, num_chunks=plan.num_chunks) for s, ops in enumerate(plan.stages))

@@ -66,8 +66,11 @@ class Op:
     kind: OpKind
     microbatch: int
     batch: int = 0  # 0 = this step's global batch, 1 = the NEXT global batch (reference only)
-    # The peer is implied: ACT/REF_ACT go to stage+1 (come from stage-1), GRAD the other way.
+    # The peer is implied: ACT/REF_ACT go to stage+1 (come from stage-1), GRAD the other way;
+    # with model chunks, along the virtual pipeline (`virtual_neighbour`).
     parts: tuple[Op, ...] = ()  # P2P only: its sends and receives (microbatch is -1 then)
+    # The model chunk (virtual stage) of this stage the op belongs to; always 0 without --vpp.
+    chunk: int = 0
 
 
 def p2p(parts: list[Op] | tuple[Op, ...]) -> Op:
@@ -83,15 +86,42 @@ def transfers(op: Op) -> tuple[Op, ...]:
     return (op,) if op.kind in SEND_KINDS or op.kind in RECV_KINDS else ()
 
 
-def message(op: Op) -> tuple[str, int, int]:
-    """(payload, microbatch, batch) of a send or receive."""
+def virtual_neighbour(stage: int, chunk: int, *, step: int, num_stages: int, num_chunks: int) -> tuple[int, int] | None:
+    """(stage, chunk) one virtual stage downstream (step=1) or upstream (step=-1) of chunk
+    `chunk` on `stage`, or None past either end. Virtual stage c*p + s is chunk c of stage s,
+    so the last stage's chunk c feeds stage 0's chunk c+1 (the wrap-around link)."""
+    index = chunk * num_stages + stage + step
+    if not 0 <= index < num_stages * num_chunks:
+        return None
+    return index % num_stages, index // num_stages
+
+
+def num_chunks_of(stages: tuple[tuple[Op, ...], ...]) -> int:
+    """Model chunks per stage of these op lists: one more than the largest chunk any op names."""
+    return 1 + max((part.chunk for ops in stages for op in ops for part in (op, *op.parts)), default=0)
+
+
+def _far_end(op: Op, *, stage: int, num_stages: int, num_chunks: int) -> tuple[int, int]:
+    """(stage, chunk) at the other end of a send or receive; without model chunks a stage
+    beyond either end when there is none (callers report it)."""
+    step = (SEND_KINDS.get(op.kind) or RECV_KINDS[op.kind])[1]
+    if num_chunks == 1:
+        return stage + step, 0
+    return virtual_neighbour(stage, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks) or (-1, -1)
+
+
+def message(op: Op, *, stage: int = 0, num_stages: int = 1, num_chunks: int = 1) -> tuple:
+    """(payload, microbatch, batch) of a send or receive, followed by the sender's chunk
+    where it is not 0 (so both ends name the message alike)."""
     payload = (SEND_KINDS.get(op.kind) or RECV_KINDS[op.kind])[0]
-    return (payload, op.microbatch, op.batch)
+    sender_chunk = op.chunk if op.kind in SEND_KINDS else \
+        _far_end(op, stage=stage, num_stages=num_stages, num_chunks=num_chunks)[1]
+    return (payload, op.microbatch, op.batch) + ((sender_chunk,) if sender_chunk else ())
 
 
-def peer(op: Op, *, stage: int) -> int:
-    """The stage a send goes to or a receive comes from."""
-    return stage + (SEND_KINDS.get(op.kind) or RECV_KINDS[op.kind])[1]
+def peer(op: Op, *, stage: int, num_stages: int = 1, num_chunks: int = 1) -> int:
+    """The stage a send goes to or a receive comes from (-1 or num_stages: none)."""
+    return _far_end(op, stage=stage, num_stages=num_stages, num_chunks=num_chunks)[0]
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,8 @@ class Plan:
     # Microbatches of the next global batch (its reference forwards, batch 1); None: the same as
     # this batch's. Token-balanced microbatches (packing) make the two differ from step to step.
     num_next_microbatches: int | None = None
+    # Model chunks per stage (--vpp): chunk c of stage s is virtual stage c*num_stages + s.
+    num_chunks: int = 1
 
     @property
     def next_m(self) -> int:
@@ -169,10 +201,10 @@ def kept(stage: int, *, num_stages: int, num_microbatches: int) -> range:
 
 
 def op_word(op: Op) -> str:
-    """Short name of one op as format_plan writes it."""
+    """Short name of one op as format_plan writes it (`.c` = model chunk c, where not 0)."""
     if op.kind is OpKind.P2P:
         return "[" + "+".join(op_word(part) for part in op.parts) + "]"
-    return f"{_SHORT[op.kind]}{op.microbatch}{'n' if op.batch else ''}"
+    return f"{_SHORT[op.kind]}{op.microbatch}{'n' if op.batch else ''}{f'.{op.chunk}' if op.chunk else ''}"
 
 
 def format_plan(plan: Plan) -> str:

@@ -21,7 +21,7 @@ thing (SEND_KEPT_REF_ACT), and stage s runs the carried reference forwards in
 its warm-up idle time. Every message stays inside one step.
 
 Transfers: each send goes right after the op that produced its tensor and each receive
-right before its consumer; then `pair_crossing_transfers` makes the lists safe under
+right before its consumer; then `list_schedule.pair_crossing_transfers` makes the lists safe under
 rendezvous transfers (a send waits for the matching receive, as on NCCL): where a stage
 would wait in a send whose receive its peer has not posted, the peer posts that receive
 together with the transfer it waits in (one P2P op), as megatron-core pairs
@@ -31,17 +31,27 @@ need no pairing.
 Look at a plan:  python -c "from mcore_dpo.pipeline.schedule import *;
 print(format_plan(build_plan(num_stages=4, num_microbatches=8, ref_mode='interleaved')))"
 
-Over 500 lines: one algorithm (1F1B order, reference forwards placed in the bubbles,
-carrying across steps, transfers paired so that no plan deadlocks) whose steps share their
-intermediate lists; the op types are in plan.py and the checks in check.py.
+The steps this builder shares with the interleaved one (`pipeline/interleaved.py`, model
+chunks, to which `build_plan` hands plans with `num_chunks` > 1) are in `pipeline/list_schedule.py`:
+transfer placement and pairing, the event loop, the latest-start pass. The op types are in
+plan.py and the checks in check.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 
+from mcore_dpo.pipeline.check import Stages, timeline
+from mcore_dpo.pipeline.interleaved import build_interleaved
+from mcore_dpo.pipeline.list_schedule import (
+    add_comm,
+    expected_ref_batches,
+    latest_times,
+    paired,
+    run_events,
+    smallest_fit,
+)
 from mcore_dpo.pipeline.plan import (
     COMPUTE_KINDS,
     MAX_REF_ACTS_IN_FLIGHT,
@@ -50,30 +60,10 @@ from mcore_dpo.pipeline.plan import (
     Op,
     OpKind,
     Plan,
-    PlanError,
     carried,
     check_costs,
     cost_of,
-    kept,
-    p2p,
-    transfers,
 )
-from mcore_dpo.pipeline.check import (
-    Key,
-    Stages,
-    advance,
-    message_keys,
-    timeline,
-    waits_for,
-)
-
-
-def _expected_ref_batches(ref_mode: str, ref_current: bool, ref_next: bool) -> tuple[int, ...]:
-    if ref_mode == "sequential":
-        return (0,)
-    if ref_mode == "interleaved":
-        return tuple(b for b, on in ((0, ref_current), (1, ref_next)) if on)
-    return ()
 
 
 # ----------------------------------------------------------------------------- building
@@ -87,66 +77,6 @@ def _one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[
         ops += [Op(OpKind.FWD, warmup + i), Op(OpKind.BWD, i)]
     ops += [Op(OpKind.BWD, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
     return ops
-
-
-def _add_comm(
-    compute_orders: list[list[Op]], *, num_microbatches: int, carry_in: bool = False, carry_out: bool = False,
-    num_next_microbatches: int | None = None,
-) -> tuple[tuple[Op, ...], ...]:
-    """Put each send right after its producer and each recv right before its consumer.
-
-    Messages on one link are matched in order, so a consumer first receives every
-    earlier message on that link (they were sent earlier, so this never waits longer).
-    With carry_in, each stage first sends the activations it kept in the last step;
-    with carry_out, the ones to keep are kept instead of sent.
-    """
-    num_stages, m = len(compute_orders), num_microbatches
-    m_next = m if num_next_microbatches is None else num_next_microbatches
-    keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m_next)) if carry_out else set()
-                for s in range(num_stages)]
-    kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
-    # Send order per link (src, dst) = order of the producing ops on src.
-    link_msgs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    for s, ops in enumerate(compute_orders):
-        for mb in kept_in[s]:
-            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0))
-        for op in ops:
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s < num_stages - 1:
-                if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in keep_out[s]:
-                    continue
-                payload = "act" if op.kind == OpKind.FWD else "ref_act"
-                link_msgs.setdefault((s, s + 1), []).append((payload, op.microbatch, op.batch))
-            if op.kind == OpKind.BWD and s > 0:
-                link_msgs.setdefault((s, s - 1), []).append(("grad", op.microbatch, op.batch))
-    link_pos = {link: {msg: k for k, msg in enumerate(msgs)} for link, msgs in link_msgs.items()}
-    recv_kind = {"act": OpKind.RECV_ACT, "ref_act": OpKind.RECV_REF_ACT, "grad": OpKind.RECV_GRAD}
-    stages = []
-    for s, ops in enumerate(compute_orders):
-        received = {src: 0 for src in (s - 1, s + 1) if 0 <= src < num_stages}
-        out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0) for mb in kept_in[s]]
-        for op in ops:
-            need = None
-            if op.kind in (OpKind.FWD, OpKind.REF_FWD) and s > 0:
-                need = (s - 1, ("act" if op.kind == OpKind.FWD else "ref_act", op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s < num_stages - 1:
-                need = (s + 1, ("grad", op.microbatch, op.batch))
-            if need is not None:
-                src, msg = need
-                queue = link_msgs[(src, s)]
-                while received[src] <= link_pos[(src, s)][msg]:
-                    payload, mb, batch = queue[received[src]]
-                    out.append(Op(recv_kind[payload], mb, batch))
-                    received[src] += 1
-            out.append(op)
-            if op.kind == OpKind.FWD and s < num_stages - 1:
-                out.append(Op(OpKind.SEND_ACT, op.microbatch))
-            elif op.kind == OpKind.REF_FWD and s < num_stages - 1:
-                keep = op.batch == 1 and op.microbatch in keep_out[s]
-                out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch))
-            elif op.kind == OpKind.BWD and s > 0:
-                out.append(Op(OpKind.SEND_GRAD, op.microbatch))
-        stages.append(tuple(out))
-    return tuple(stages)
 
 
 def _greedy_interleaved(
@@ -196,75 +126,36 @@ def _greedy_interleaved(
         heapq.heappush(events, finish)
         heapq.heappush(events, finish + costs.comm)
 
-    total = sum(len(c) for c in chains) + p * len(refs)
-    while sum(chain_pos) + sum(ref_pos) < total:
-        if not events:
-            raise RuntimeError("interleaved scheduler stalled (bug)")
-        t = heapq.heappop(events)
-        # Downstream first: a stage consuming a reference activation frees a slot upstream.
-        for s in reversed(range(p)):
-            if free_at[s] > t:
-                continue
-            head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
-            ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
-            forced = (
-                head is not None and head.kind == OpKind.FWD
-                and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
-            )
-            if forced:
-                head = ref
-            if head is not None:
-                ready = input_time(s, head)
-                if ready is not None and ready <= t:
-                    start(s, head, t)
-                    if forced:
-                        ref_pos[s] += 1
-                    else:
-                        chain_pos[s] += 1
-                    continue
-            if ref is None or forced:
-                continue
-            ref_ready = input_time(s, ref)
-            in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
-            if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
-                continue
-            start(s, ref, t)
-            ref_pos[s] += 1
-    return orders
-
-
-def _latest_times(orders: list[list[Op]], *, costs: Costs, makespan: float) -> list[list[tuple[float, float]]]:
-    """(start, end) of each compute op when everything runs as late as `makespan` allows.
-
-    Warmup forwards have slack in 1F1B; running them late opens idle time early
-    in the step, where reference forwards can start their way down the pipeline.
-    """
-    num_stages = len(orders)
-    latest_start: dict[tuple[int, Op], float] = {}
-    ptr = [len(ops) - 1 for ops in orders]
-    next_start = [makespan] * num_stages
-    while any(i >= 0 for i in ptr):
-        progress = False
-        for s in range(num_stages):
-            while ptr[s] >= 0:
-                op = orders[s][ptr[s]]
-                # The op on a neighbour stage that consumes this op's output.
-                if op.kind == OpKind.BWD:
-                    consumer = (s - 1, op) if s > 0 else None
+    def visit(s: int, t: float) -> None:
+        head = chains[s][chain_pos[s]] if chain_pos[s] < len(chains[s]) else None
+        ref = refs[ref_pos[s]] if ref_pos[s] < len(refs) else None
+        forced = (
+            head is not None and head.kind == OpKind.FWD
+            and ref is not None and ref.batch == 0 and ref.microbatch <= head.microbatch
+        )
+        if forced:
+            head = ref
+        if head is not None:
+            ready = input_time(s, head)
+            if ready is not None and ready <= t:
+                start(s, head, t)
+                if forced:
+                    ref_pos[s] += 1
                 else:
-                    consumer = (s + 1, op) if s < num_stages - 1 else None
-                due = next_start[s]
-                if consumer is not None:
-                    if consumer not in latest_start:
-                        break
-                    due = min(due, latest_start[consumer] - costs.comm)
-                latest_start[(s, op)] = next_start[s] = due - cost_of(op.kind, costs)
-                ptr[s] -= 1
-                progress = True
-        if not progress:
-            raise RuntimeError("base schedule has a dependency cycle (bug)")
-    return [[(latest_start[(s, op)], latest_start[(s, op)] + cost_of(op.kind, costs)) for op in ops]
-            for s, ops in enumerate(orders)]
+                    chain_pos[s] += 1
+                return
+        if ref is None or forced:
+            return
+        ref_ready = input_time(s, ref)
+        in_flight = ref_pos[s] - ref_pos[s + 1] if s < p - 1 else 0
+        if ref_ready is None or ref_ready > t or in_flight >= max_in_flight:
+            return
+        start(s, ref, t)
+        ref_pos[s] += 1
+
+    total = sum(len(c) for c in chains) + p * len(refs)
+    run_events(events, free_at, visit=visit, busy=lambda: sum(chain_pos) + sum(ref_pos) < total)
+    return orders
 
 
 def _place_refs_late(
@@ -319,10 +210,10 @@ def _interleave_late(
     `late_base`: run the base ops as late as its own makespan allows (else as early
     as possible) before looking for idle time.
     """
-    base_plan = _add_comm(base, num_microbatches=num_microbatches, carry_in=carry_in)
+    base_plan = add_comm(base, num_microbatches=num_microbatches, carry_in=carry_in)
     run = timeline(base_plan, costs)
     if late_base:
-        base_times = _latest_times(base, costs=costs, makespan=run.makespan)
+        base_times = latest_times(base, costs=costs, makespan=run.makespan)
     else:
         base_times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in COMPUTE_KINDS]
                       for s, ops in enumerate(base_plan)]
@@ -330,22 +221,8 @@ def _interleave_late(
     def fit(makespan: float) -> list[list[Op]] | None:
         return _place_refs_late(base=base, base_times=base_times, refs=refs, costs=costs, makespan=makespan)
 
-    low = run.makespan
-    best = fit(low)
-    if best is not None:
-        return best
-    high = low + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
-    best = fit(high)
-    assert best is not None, "reference forwards after the base schedule always fit"
-    # Fitting is monotone in the makespan, so bisect; simulate() gives the exact time afterwards.
-    while high - low > 1e-6 * costs.ref_fwd:
-        mid = (low + high) / 2
-        orders = fit(mid)
-        if orders is None:
-            low = mid
-        else:
-            high, best = mid, orders
-    return best
+    high = run.makespan + (max(map(len, refs)) + len(base)) * (costs.ref_fwd + costs.comm)  # all refs after the base
+    return smallest_fit(fit, low=run.makespan, high=high, tolerance=1e-6 * costs.ref_fwd)
 
 
 def build_plan(
@@ -359,6 +236,7 @@ def build_plan(
     carry_out: bool = False,
     costs: Costs = Costs(),
     num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """Plan one training step; `ref_current`/`ref_next` and carrying only matter for
     "interleaved" (see the module docstring). With one stage there is nothing to carry and
@@ -373,12 +251,16 @@ def build_plan(
     token-balanced microbatches the count changes from step to step: a step carries out the
     last microbatches of the next batch by the next batch's count, which is exactly what the
     next step (built with that count as `num_microbatches`) carries in.
+
+    `num_chunks` > 1: model chunks per stage (--vpp), megatron-core's interleaved 1F1B
+    (`pipeline/interleaved.py`); every op then names its chunk.
     """
     if num_next_microbatches == num_microbatches:
         num_next_microbatches = None  # one cache entry and one plan for equal counts
     return _cached_plan(num_stages=num_stages, num_microbatches=num_microbatches, ref_mode=ref_mode,
                         ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out,
-                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches)
+                        costs=costs, pair_transfers=True, num_next_microbatches=num_next_microbatches,
+                        num_chunks=num_chunks)
 
 
 # Token-balanced microbatches make (m, next m) vary: the cache holds a few hundred small plans.
@@ -390,6 +272,7 @@ def _cached_plan(**kwargs) -> Plan:
 def _build_plan(
     *, num_stages: int, num_microbatches: int, ref_mode: str, ref_current: bool, ref_next: bool, carry_in: bool,
     carry_out: bool, costs: Costs, pair_transfers: bool, num_next_microbatches: int | None = None,
+    num_chunks: int = 1,
 ) -> Plan:
     """build_plan; pair_transfers=False leaves every transfer on its own (safe only where sends
     never wait, i.e. buffered; kept to show what the rendezvous check rejects)."""
@@ -408,26 +291,23 @@ def _build_plan(
     if num_next_microbatches is not None and (not isinstance(num_next_microbatches, int) or num_next_microbatches < 1):
         raise ValueError(f"num_next_microbatches must be None or an int >= 1, got {num_next_microbatches!r}")
     check_costs(costs)
+    if num_chunks != 1:
+        return build_interleaved(
+            num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks, ref_mode=ref_mode,
+            ref_current=ref_current, ref_next=ref_next, carry=carry_in or carry_out, costs=costs,
+            pair_transfers=pair_transfers, num_next_microbatches=num_next_microbatches)
     p, m = num_stages, num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
     carry_in, carry_out = carry_in and p > 1, carry_out and p > 1
-    ref_batches = _expected_ref_batches(ref_mode, ref_current, ref_next)
+    ref_batches = expected_ref_batches(ref_mode, ref_current, ref_next)
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        return Plan(p, m, ref_mode, _add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out,
+        return Plan(p, m, ref_mode, add_comm(orders, num_microbatches=m, carry_in=carry_in, carry_out=carry_out,
                                               num_next_microbatches=num_next_microbatches),
                     ref_batches, carry_in, carry_out, num_next_microbatches)
 
     def finish(plan: Plan) -> Plan:
-        """The plan with its crossing transfers paired, the fastest way under `costs`."""
-        if not pair_transfers:
-            return plan
-        variants = list(dict.fromkeys(pair_crossing_transfers(plan.stages, prefer=prefer, costs=costs)
-                                      for prefer in _PREFER))
-        makespans = [timeline(variant, costs).makespan for variant in variants]
-        # The fastest; among equally fast ones, the first by repr (independent of _PREFER's order).
-        fastest = [variant for variant, makespan in zip(variants, makespans) if makespan == min(makespans)]
-        return dataclasses.replace(plan, stages=min(fastest, key=repr) if len(fastest) > 1 else fastest[0])
+        return paired(plan, costs=costs) if pair_transfers else plan
 
     def stage_range(s: int) -> range:
         return carried(s, num_stages=p, num_microbatches=m)
@@ -476,98 +356,17 @@ def _build_plan(
     return finish(candidates[min(scored)[-1]])
 
 
-# ----------------------------------------------------------------------------- transfers
-
-
-# The builder pairs one plan's transfers in each `_PREFER` way, from the same unpaired times.
-_timeline_once = functools.lru_cache(maxsize=4)(timeline)
-
-# Which stage posts a receive early when two stages each wait in a send to the other.
-_PREFER = ("timed", "downstream", "upstream", "both")
-
-
-def pair_crossing_transfers(stages: Stages, *, prefer: str = "timed", costs: Costs = Costs()) -> Stages:
-    """The same op lists, made deadlock-free under rendezvous transfers.
-
-    Runs the lists under the rendezvous model (`plan_check.rendezvous_run`) until it stops.
-    Stages only wait for their neighbours, so a deadlock is two neighbours each waiting for
-    the other. At least one of them waits in a send whose receive the other has not posted
-    (two stages each waiting only to receive would also hang with buffered sends, which the
-    unpaired plan never does): that receive moves into the op the other stage waits in, so
-    the two are posted together (a P2P op), and the run goes on. Moving a receive earlier
-    keeps every dependency (its tensor is used later, as before) and the order of messages
-    on each link (it is the next receive on its link). Lists that need no pairing come back
-    unchanged.
-
-    When both wait in a send to the other, either move resolves the pair: `prefer`
-    "downstream" moves only the receive of the message that flows down the pipeline,
-    "upstream" only the other, "both" both, and "timed" the one whose receiver would wait
-    least for its message when the unpaired lists run under `costs` with buffered sends.
-    They differ in how long a stage then waits; the builder keeps the fastest.
-    """
-    if prefer not in _PREFER:
-        raise ValueError(f"prefer must be one of {_PREFER}, got {prefer!r}")
-    lists = [list(ops) for ops in stages]
-    keys = message_keys(stages)
-    ptr, done = [0] * len(lists), set()
-    # Buffered-send times of the unpaired lists: when each op starts, when each message is sent.
-    run = _timeline_once(stages, costs)
-    start_at = [[start for start, _ in times] for times in run.op_times]
-    sent_at = {key: start_at[s][i] for s in range(len(lists)) for i, op_keys in enumerate(keys[s])
-               for key in op_keys if key[0][0] == s}
-
-    def delay(key: Key) -> float:
-        """How long the receiver of `key` would wait for it, posting it in its current op."""
-        dst = key[0][1]
-        return max(0.0, sent_at[key] - start_at[dst][ptr[dst]])
-    while True:
-        advance(keys, ptr=ptr, done=done)
-        waits = waits_for(keys, ptr, done)
-        moves: dict[int, list[Key]] = {}  # receiving stage -> messages it posts now
-        for (s, t), pending in waits.items():
-            if s > t or (t, s) not in waits:
-                continue
-            # Every send has its receive (message_keys checks), so neither stage is done.
-            down = [key for key in pending + waits[(t, s)] if key not in keys[key[0][1]][ptr[key[0][1]]]]
-            if prefer != "both" and len({link for link, _ in down}) == 2:
-                downstream = prefer == "downstream"
-                if prefer == "timed":
-                    worst = {d: max((delay(key) for key in down if (key[0][1] > key[0][0]) == d)) for d in (True, False)}
-                    downstream = worst[True] <= worst[False]
-                down = [key for key in down if (key[0][1] > key[0][0]) == downstream]
-            for key in down:
-                moves.setdefault(key[0][1], []).append(key)
-        if not moves:
-            if any(ptr[s] < len(lists[s]) for s in range(len(lists))):
-                raise PlanError("transfers cannot be paired: the plan waits for a message nobody sends")
-            return tuple(map(tuple, lists))
-        for dst, wanted in moves.items():
-            # Each wanted receive is the next one on its link: a short scan ahead finds it.
-            found, i = [], ptr[dst] + 1
-            while len(found) < len(wanted):
-                found += [(i, key) for key in keys[dst][i] if key in wanted]
-                i += 1
-            moved = []
-            for i, key in reversed(found):  # later ops first, so earlier indices stay put
-                parts = list(transfers(lists[dst][i]))
-                part = parts.pop(keys[dst][i].index(key))
-                keys[dst][i] = [k for k in keys[dst][i] if k != key]
-                moved.append((key, part))
-                if parts:
-                    lists[dst][i] = p2p(parts)
-                else:
-                    del lists[dst][i], keys[dst][i], start_at[dst][i]
-            now = ptr[dst]
-            moved.sort()
-            lists[dst][now] = p2p(transfers(lists[dst][now]) + tuple(part for _, part in moved))
-            keys[dst][now] = keys[dst][now] + [key for key, _ in moved]
-
-
-def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool, reference: bool) -> Stages:
+def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool, reference: bool,
+                        num_chunks: int = 1) -> Stages:
     """Ops of a forward-only pass (evaluation, precomputing the reference): a chain per
     microbatch on every stage, reference first. Messages only flow downstream, so a send
-    never waits for a stage that waits for it (`validate_stages` checks it)."""
+    never waits for a stage that waits for it (`validate_stages` checks it).
+
+    With model chunks (`num_chunks` > 1, --vpp) each microbatch's chain runs through every
+    virtual stage in turn, chunk by chunk (the last stage's chunk c feeding stage 0's chunk
+    c+1): one chain at a time goes round the ring, so again no stage waits for one that waits."""
     stages = []
+    last = num_stages * num_chunks - 1
     for s in range(num_stages):
         ops: list[Op] = []
         for mb in range(num_microbatches):
@@ -577,10 +376,12 @@ def forward_only_stages(*, num_stages: int, num_microbatches: int, policy: bool,
             ):
                 if not enabled:
                     continue
-                if s > 0:
-                    ops.append(Op(recv, mb))
-                ops.append(Op(fwd, mb))
-                if s < num_stages - 1:
-                    ops.append(Op(send, mb))
+                for chunk in range(num_chunks):
+                    virtual = chunk * num_stages + s
+                    if virtual > 0:
+                        ops.append(Op(recv, mb, chunk=chunk))
+                    ops.append(Op(fwd, mb, chunk=chunk))
+                    if virtual < last:
+                        ops.append(Op(send, mb, chunk=chunk))
         stages.append(tuple(ops))
     return tuple(stages)

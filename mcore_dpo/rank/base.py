@@ -23,6 +23,7 @@ from mcore_dpo.objective import registry
 from mcore_dpo.objective.logprobs import LogpsOptions
 from mcore_dpo.parallel.mesh import Layout, Mesh, destroy, initialize
 from mcore_dpo.data.microbatches import RowLayout
+from mcore_dpo.model.chunks import build_chunks, rank_shard
 from mcore_dpo.model.builder import build_stage_model, layer_spec_name, load_shard, open_weights, place_on_device
 from mcore_dpo.model.score_head import WithFreshScore, reward_config, source_config
 from mcore_dpo.pipeline.executor import StageContext, forward_only_ops, run_ops, warm_up_links
@@ -47,7 +48,8 @@ class Rank:
         """How this rank lays pairs out in microbatch rows (packed or padded, prompts shared or not)."""
         return RowLayout(packing=self.packing, prefix_sharing=bool(self.config.prefix_sharing),
                          pad_token_id=self.pad_token_id, multiple=self.seq_multiple,
-                         max_tokens=self.config.packing_budget)
+                         max_tokens=self.config.packing_budget,
+                         count_multiple=self.layout.microbatch_group)
 
     def __init__(
         self,
@@ -141,32 +143,34 @@ class Rank:
         """This rank's stage of the model in `weights_dir`, on its device, loaded. `checked`: a
         checkpoint the driver has checked against its manifest before resuming from it
         (checkpoint.layout.resume_point), whose checksums are not read again here."""
-        with plat.building_models(self.platform):
-            model = place_on_device(build_stage_model(
+        def build_chunk(chunk: int) -> torch.nn.Module:
+            return build_stage_model(
                 self.spec, mesh=self.mesh, dtype=self.dtype, on_gpu=self.platform.is_cuda, use_te=self.use_te,
                 sequence_parallel=self.sequence_parallel, grouped_experts=self.grouped_experts,
                 deterministic=self.config.deterministic, fused_kernels=self.config.fused_kernels,
                 # The policy recomputes in its backward; a frozen reference runs in eval mode,
                 # where megatron-core recomputes nothing.
                 recompute=self.config.recompute, recompute_num_layers=self.config.recompute_num_layers,
-                arbitrary_masks=bool(self.config.prefix_sharing),
-            ), self.platform.device)
+                arbitrary_masks=bool(self.config.prefix_sharing), chunk=chunk,
+            )
+        with plat.building_models(self.platform):  # one chunk per virtual stage of this rank (--vpp)
+            model = place_on_device(build_chunks(build_chunk, vpp=self.layout.vpp), self.platform.device)
         weights = open_weights(weights_dir, verify_checksums=not checked)
         if self.spec.num_labels and not weights.spec.num_labels:  # a reward model from a causal LM: a new head
             _, score = reward_config(source_config(weights_dir), pad_token_id=self.pad_token_id, seed=self.config.seed)
             weights = WithFreshScore(weights, score)
-        shard = hf_to_mcore_shard(  # reads only this rank's part of each tensor (get_part)
+        shard = rank_shard(lambda pp, pp_rank: hf_to_mcore_shard(  # reads only this rank's part of each tensor
             self.spec,
             tp=self.layout.tp,
             tp_rank=self.mesh.tp_rank,
-            pp=self.layout.pp,
-            pp_rank=self.mesh.pp_rank,
+            pp=pp,
+            pp_rank=pp_rank,
             get=weights.get,
             get_part=weights.get_part,
             layer_spec=layer_spec_name(use_te=self.use_te),
             ep=self.layout.ep,
             ep_rank=self.mesh.ep_rank,
-        )
+        ), layout=self.layout, pp_rank=self.mesh.pp_rank)
         load_shard(model, shard)
         return model
 

@@ -27,6 +27,7 @@ from mcore_dpo.checkpoint.expert_files import file_jobs
 from mcore_dpo.checkpoint.layout import KINDS, MOMENTS, read_state
 from mcore_dpo.model import lora
 from mcore_dpo.model.builder import layer_spec_name, live_names, shard_names
+from mcore_dpo.model.chunks import rank_shard, stage_files
 
 
 class Checkpointer:
@@ -59,7 +60,7 @@ class Checkpointer:
         """dp rank 0 of each (tp, pp) writes its adapter shard as tp{t}_pp{p}.safetensors."""
         shard = self.adapter_shard()
         if shard is not None:
-            _write_adapter_shard(Path(directory), shard, tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank)
+            self.write_shard(Path(directory), shard, adapter=True)
 
     def write_policy(self, directory: str) -> None:
         """dp rank 0 of each (tp, pp) writes its shard of the policy weights (checkpoint_convert
@@ -71,7 +72,7 @@ class Checkpointer:
             return
         shard = self.policy_shard()
         if shard is not None:
-            write_mcore_shard(Path(directory), tp_rank=self.rank.mesh.tp_rank, pp_rank=self.rank.mesh.pp_rank, shard=shard)
+            self.write_shard(Path(directory), shard)
 
     def save_checkpoint(self, directory: str, *, step: int) -> None:
         """This rank's part of the checkpoint of `step` in the run's format (`checkpoint.formats`),
@@ -101,11 +102,20 @@ class Checkpointer:
         if shard is None:
             return
         shard = shard_names(shard)
-        if adapter:
-            _write_adapter_shard(directory, shard, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank)
-        else:
+        if not adapter:
             shard.update(self.held_not_trained(kind))
-            write_mcore_shard(directory, tp_rank=rank.mesh.tp_rank, pp_rank=rank.mesh.pp_rank, shard=shard)
+        self.write_shard(directory, shard, adapter=adapter)
+
+    def write_shard(self, directory: Path, shard: dict[str, torch.Tensor], *, adapter: bool = False) -> None:
+        """This rank's tensors as checkpoint_convert's rank files (`adapter`: LoRA shards named as
+        the driver joins them into PEFT files): its (tp, pp) file, or with model chunks (--vpp)
+        one file per chunk, as the virtual stage it is (model/chunks.py)."""
+        mesh = self.rank.mesh
+        for pp_rank, part in stage_files(shard, layout=self.rank.layout, pp_rank=mesh.pp_rank):
+            if adapter:
+                _write_adapter_shard(directory, part, tp_rank=mesh.tp_rank, pp_rank=pp_rank)
+            else:
+                write_mcore_shard(directory, tp_rank=mesh.tp_rank, pp_rank=pp_rank, shard=part)
 
     def held_not_trained(self, kind: str) -> dict[str, torch.Tensor]:
         """The policy's parameters that the optimizer does not hold, as one kind of state: the
@@ -126,10 +136,10 @@ class Checkpointer:
         """This rank's shard, under megatron names, of whole HF-named tensors in `source` (its
         `get` and `get_part`: only this rank's rows and columns are read)."""
         rank = self.rank
-        return hf_to_mcore_shard(rank.spec, tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank, pp=rank.layout.pp,
-                                 pp_rank=rank.mesh.pp_rank, get=source.get, get_part=source.get_part,
-                                 layer_spec=layer_spec_name(use_te=rank.use_te), ep=rank.layout.ep,
-                                 ep_rank=rank.mesh.ep_rank)
+        return rank_shard(lambda pp, pp_rank: hf_to_mcore_shard(
+            rank.spec, tp=rank.layout.tp, tp_rank=rank.mesh.tp_rank, pp=pp, pp_rank=pp_rank, get=source.get,
+            get_part=source.get_part, layer_spec=layer_spec_name(use_te=rank.use_te), ep=rank.layout.ep,
+            ep_rank=rank.mesh.ep_rank), layout=rank.layout, pp_rank=rank.mesh.pp_rank)
 
     def load(self, directory: str) -> None:
         """Master weights and AdamW moments, in the checkpoint's own format (resharded when the
@@ -163,23 +173,25 @@ class Checkpointer:
         mesh, device = self.rank.mesh, self.rank.platform.device
         me = (mesh.tp_rank, mesh.dp_rank)
         world = self._stage_ranks()
-        for job in file_jobs(self.rank.layout):
-            if job.writer == me:
-                path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep=self.rank.layout.ep,
-                                                 ep_rank=job.ep_rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                declared = [(n, dtype, tuple(t.shape)) for n, t in tensors.items()]
-                metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=mesh.pp_rank, ep_rank=job.ep_rank)
-                with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=True) as writer:
-                    for name, tensor in tensors.items():
-                        if job.source is not None and _EXPERT.search(name):
-                            tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
-                            dist.recv(tensor, src=world[job.source])
-                        writer.write(name, tensor.to("cpu", dtype, copy=True))
-            elif job.source == me:
-                for name, tensor in tensors.items():
-                    if _EXPERT.search(name):
-                        dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
+        # With model chunks (--vpp) each chunk's files, as its virtual stage's (model/chunks.py).
+        for pp_rank, part in stage_files(tensors, layout=self.rank.layout, pp_rank=mesh.pp_rank):
+            for job in file_jobs(self.rank.layout):
+                if job.writer == me:
+                    path = directory / shard_relpath(tp_rank=job.tp_rank, pp_rank=pp_rank, ep=self.rank.layout.ep,
+                                                     ep_rank=job.ep_rank)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    declared = [(n, dtype, tuple(t.shape)) for n, t in part.items()]
+                    metadata = shard_metadata(tp_rank=job.tp_rank, pp_rank=pp_rank, ep_rank=job.ep_rank)
+                    with SafetensorsWriter(path, tensors=declared, metadata=metadata, record_checksum=True) as writer:
+                        for name, tensor in part.items():
+                            if job.source is not None and _EXPERT.search(name):
+                                tensor = torch.empty(tensor.shape, dtype=dtype, device=device)
+                                dist.recv(tensor, src=world[job.source])
+                            writer.write(name, tensor.to("cpu", dtype, copy=True))
+                elif job.source == me:
+                    for name, tensor in part.items():
+                        if _EXPERT.search(name):
+                            dist.send(tensor.to(device, dtype).contiguous(), dst=world[job.writer])
 
     def _stage_ranks(self) -> dict[tuple[int, int], int]:
         """(tp rank, dp rank) -> global rank of this rank's pipeline stage; a collective over

@@ -18,12 +18,15 @@ microbatch's activation and sends the sum on with its own, the last stage has th
 and it goes back upstream with the activation gradient, which every stage's backward waits for
 anyway. No channel outside the plan, and nothing read on the host in a forward: the token
 masks and counts are computed from the host rows in `begin`, the statistics read once in
-`finish`.
+`finish`. With model chunks (--vpp) the same holds per virtual stage: each chunk's forward hook
+adds its counts, the sum travels with the chunk's act (keyed by the receiving chunk) from chunk 0
+of stage 0 to the last chunk of the last stage, and the whole sum comes back with every grad.
 
 The reference never goes through here: its routing is its own and frozen."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +36,7 @@ from mcore_dpo.model import moe_aux
 from mcore_dpo.data.pairs import Microbatch
 from mcore_dpo.parallel.mesh import Mesh
 from mcore_dpo.model.builder import RouterTap
+from mcore_dpo.model.chunks import chunk_modules
 from mcore_dpo.pipeline.plan import Op, OpKind
 from mcore_dpo.parallel.platform import to_device
 
@@ -77,24 +81,26 @@ class MoeStep:
         self.num_experts, self.topk, self.mesh, self.device = num_experts, topk, mesh, device
         # MoE models run sequence-parallel at tp > 1: each tp rank routes its slice of the sequence.
         self.split = mesh.layout.tp
-        policy.register_forward_hook(self._after_forward)
+        chunks = chunk_modules(policy)
+        for chunk, module in enumerate(chunks):  # a chunk's training forwards run in microbatch order
+            module.register_forward_hook(functools.partial(self._after_forward, chunk))
         self._microbatches: list[Microbatch] = []
         self._coef = 0.0
-        self._forwards = 0
+        self._forwards = [0] * len(chunks)  # per chunk: the training forwards it has run this step
         self._stats: dict[int, torch.Tensor] = {}  # microbatch -> [L, 2, E] (C, S) of this rank, detached, on the device
         self._rows: list[float] = []  # per microbatch: its real tokens (host)
         self._masks: list[torch.Tensor] = []  # per microbatch: the real-token mask in router order, on the device
-        # Expert counts of each microbatch, summed over the stages: the sum so far arrives with
-        # the act (stages before this one), the whole sum with the grad (from the last stage).
-        self._partial: dict[int, torch.Tensor] = {}  # mb -> stages 0..s-1's counts (received)
-        self._sent: dict[int, torch.Tensor] = {}  # mb -> stages 0..s's counts (to send with the act)
+        # Expert counts of each microbatch, summed over the (virtual) stages: the sum so far arrives
+        # with the act (stages before this one), the whole sum with the grad (from the last stage).
+        self._partial: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> the stages' before it (received)
+        self._sent: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> up to it (to send with the act)
         self._total: dict[int, torch.Tensor] = {}  # mb -> every stage's counts
 
     def begin(self, microbatches: list[Microbatch], *, coef: float) -> None:
         """Before the step's forwards: its microbatches (this dp rank's, in order) and the aux
         weight. The token masks and counts come from the host rows here, not in the forwards."""
         self.tap.take()
-        self._microbatches, self._coef, self._forwards = microbatches, coef, 0
+        self._microbatches, self._coef, self._forwards = microbatches, coef, [0] * len(self._forwards)
         self._stats, self._partial, self._sent, self._total = {}, {}, {}, {}
         masks = [token_mask(micro) for micro in microbatches]
         self._rows = [float(mask.sum()) for mask in masks]
@@ -110,7 +116,7 @@ class MoeStep:
     # --- pipeline.Riders: the counts travel with the policy act (downstream) and grad (upstream)
     def outgoing(self, op: Op) -> torch.Tensor | None:
         if op.kind is OpKind.SEND_ACT:
-            return self._sent.pop(op.microbatch)
+            return self._sent.pop((op.chunk, op.microbatch))
         if op.kind is OpKind.SEND_GRAD:
             return self._total[op.microbatch]
         return None
@@ -121,14 +127,18 @@ class MoeStep:
         return None
 
     def received(self, op: Op, tensor: torch.Tensor) -> None:
-        (self._partial if op.kind is OpKind.RECV_ACT else self._total)[op.microbatch] = tensor
+        if op.kind is OpKind.RECV_ACT:
+            self._partial[(op.chunk, op.microbatch)] = tensor
+        else:
+            self._total[op.microbatch] = tensor
 
-    def _after_forward(self, module, args, output):
-        """Forward hook of the policy: the step's training forwards run in microbatch order."""
+    def _after_forward(self, chunk: int, module, args, output):
+        """Forward hook of the policy's model chunk `chunk` (0 without chunks): its training
+        forwards run in microbatch order."""
         if not self.tap.active or not torch.is_grad_enabled():
             return None
-        mb = self._forwards
-        self._forwards += 1
+        mb = self._forwards[chunk]
+        self._forwards[chunk] += 1
         flat = self._masks[mb]
         stats = torch.zeros(len(self.moe_layers), 2, self.num_experts, dtype=torch.float64, device=self.device)
         counts = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
@@ -138,17 +148,17 @@ class MoeStep:
             stats[self.slot[layer], 0], stats[self.slot[layer], 1] = c.detach().double(), s.detach().double()
             counts = counts + c.detach()
             prob_sums = s if prob_sums is None else prob_sums + s
-        self._stats[mb] = stats
+        self._stats[mb] = stats if mb not in self._stats else self._stats[mb] + stats  # chunks: their own layers
         if not self._coef:
             return None
         if self.split > 1:
             dist.all_reduce(counts, group=self.mesh.tp_group)
-        if self.mesh.layout.pp > 1:  # every stage, routers or not, so that the sums go on
-            summed = counts if self.mesh.is_first_stage else self._partial.pop(mb) + counts
-            if self.mesh.is_last_stage:
+        if self.mesh.layout.pp > 1:  # every (virtual) stage, routers or not, so that the sums go on
+            summed = counts if self.mesh.holds_input(chunk) else self._partial.pop((chunk, mb)) + counts
+            if self.mesh.holds_output(chunk):
                 self._total[mb] = summed
             else:
-                self._sent[mb] = summed
+                self._sent[(chunk, mb)] = summed
         else:
             self._total[mb] = counts
         if prob_sums is None:  # no MoE layer on this stage

@@ -86,7 +86,8 @@ class PolicyWorker(Rank):
     count, the evaluator and the checkpointer. `train_step` runs one optimizer step."""
 
     def __init__(self, *, config: TrainConfig, resume_dir: str | None = None, **kwargs):
-        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp), **kwargs)
+        super().__init__(config=config, layout=Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp,
+                                                         vpp=config.vpp), **kwargs)
         # The policy comes from the checkpoint when resuming; the reference always from the source.
         # With LoRA the base never changes: the checkpoint holds the adapters only.
         saved = formats.of_checkpoint(resume_dir, config) if resume_dir else None
@@ -215,7 +216,9 @@ class PolicyWorker(Rank):
             num_stages=self.layout.pp, num_microbatches=len(mbs),
             num_next_microbatches=len(microbatches_of[1]) if ref.next else None,
             ref_mode=ref.plan_mode, ref_current=ref.current, ref_next=ref.next, carry_in=self.reference.carried,
-            carry_out=ref.next and not objective.needs_prepass,  # aot reads a batch's whole reference first
+            # aot reads a batch's whole reference first; plans with model chunks do not carry (pipeline/interleaved.py)
+            carry_out=ref.next and not objective.needs_prepass and self.layout.vpp == 1,
+            num_chunks=self.layout.vpp,
         )  # fmt: skip
         self.last_plan = plan
         account = config.accounts_memory(batch.step)  # the same on every rank

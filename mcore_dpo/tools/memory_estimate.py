@@ -365,21 +365,26 @@ def boundary_bytes(shape: LayerShape, *, seq_len: int, rows: int, tp: int, seque
 def plan_activation_bytes(
     shape: LayerShape, *, layers: int, pp: int, num_microbatches: int, ref_mode: str, seq_len: int, rows: int,
     tp: int, sequence_parallel: bool, attention: str, dtype_bytes: int, expert_tp: int | None = None,
-    recompute: str = "none", recompute_num_layers: int | None = None, cp: int = 1,
+    recompute: str = "none", recompute_num_layers: int | None = None, cp: int = 1, vpp: int = 1,
 ) -> float:
     """Peak activation bytes of the worst pipeline stage: the plan memory model's peaks
     (`plan_memory.plan_memory`, in units) times each unit's bytes. A stage's policy stash unit
     is one microbatch through its layers/pp layers (under `recompute`, what they keep); the
     last stage adds the head; every stage the workspace and what a backward recomputes
     (`recompute_bytes`) and, at cp > 1, what the ring attention holds (`ring_attention_bytes`),
-    all at the rank's seq_len / cp positions per row. Interleaved: the larger of the first step's plan and the carrying one."""
+    all at the rank's seq_len / cp positions per row. Interleaved: the larger of the first step's plan and the carrying one.
+    `vpp` > 1 (model chunks, dense models): the plan is the interleaved 1F1B one, whose unit is one
+    chunk's forward, layers/(pp x vpp) layers, and which does not carry (the first step's plan and a
+    steady one); its first stage holds the most units in flight."""
     from mcore_dpo.pipeline.memory import plan_memory
     from mcore_dpo.pipeline.schedule import build_plan
 
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes, cp=cp)
     rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
-    stash_unit = layers / pp * layer_activation_bytes(shape, **kw, **rc)
+    if vpp > 1 and shape.experts:
+        raise ValueError("vpp: model chunks are not built for mixture-of-experts models")
+    stash_unit = layers / (pp * vpp) * layer_activation_bytes(shape, **kw, **rc)
     stash_units = [stash_unit] * pp
     if shape.dense_layers:  # a stage's dense-MLP layers (the first ones) and its MoE layers
         dense = dataclasses.replace(shape, experts=0, topk=0, moe_ffn=0, shared_ffn=0, dense_layers=0)
@@ -397,10 +402,12 @@ def plan_activation_bytes(
     plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
     variants = [dict()]
     if plan_mode == "interleaved":
-        variants = [dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)]
+        variants = ([dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)] if vpp == 1
+                    else [dict(ref_current=True), dict()])
     peak = 0.0
     for extra in variants:
-        plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, **extra)
+        plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, num_chunks=vpp,
+                          **extra)
         for stage, units in enumerate(plan_memory(plan)):
             stage_bytes = (units.policy_stash * stash_units[stage] + (units.reference_in_flight + units.carried) * boundary
                            + recomputing + workspace_bytes(shape, **kw)
@@ -438,6 +445,7 @@ def per_gpu_bytes(
     micro_batch_size: int, num_microbatches: int, seq_len: int, ref_mode: str, sequence_parallel: bool,
     attention: str, dtype_bytes: int = 2, expert_params: int = 0, ep: int = 1, expert_tp: int | None = None,
     recompute: str = "none", recompute_num_layers: int | None = None, prefix_sharing: bool = False, cp: int = 1,
+    vpp: int = 1,
 ) -> float:
     """Memory of one training rank: parameters, grads and optimizer state per parameter
     (averaged over the tp x pp shards), plus the worst stage's activations under the plan or
@@ -454,7 +462,8 @@ def per_gpu_bytes(
     tokens saves P - 1 of them (data/prefix_sharing.py).
     `cp` (--cp, dense models): the parameters are replicated over cp, the distributed optimizer
     shards its state over dp x cp, and a rank's activations are those of its seq_len / cp
-    positions per row plus the ring attention's buffers (module docstring)."""
+    positions per row plus the ring attention's buffers (module docstring).
+    `vpp` (--vpp): model chunks per pipeline rank (`plan_activation_bytes`)."""
     if expert_tp is None:
         expert_tp = 1 if ep > 1 else tp
     if cp < 1:
@@ -473,6 +482,6 @@ def per_gpu_bytes(
         shape, layers=layers, pp=pp, num_microbatches=num_microbatches, ref_mode=ref_mode, seq_len=width,
         rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
         dtype_bytes=dtype_bytes, expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers,
-        cp=cp,
+        cp=cp, vpp=vpp,
     )  # fmt: skip
     return dense + experts + max(activations, optimizer_step_bytes())

@@ -152,10 +152,16 @@ def check_metrics(ours: dict, ref: dict, *, prefix: str, names, what: str) -> No
         assert_close(torch.tensor(ours[prefix + name]), torch.tensor(ref[name]), what=f"{what} {prefix}{name}", scale=scale)
 
 
-def check_lora_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int], *, ref: dict, spec, what: str) -> None:
+def check_lora_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int], *, ref: dict, spec, what: str,
+                   vpp: int = 1) -> None:
     """Job j of a run_ranks launch against its peft_reference_run (module docstring); `layout` is
-    (tp, pp, dp), whose files are those of cp rank 0 at cp > 1."""
+    (tp, pp, dp), whose files are those of cp rank 0 at cp > 1; `vpp`: model chunks per pipeline
+    rank, each chunk's part that of its virtual stage (model/chunks.py)."""
+    from mcore_dpo.model.chunks import rank_shard
+    from mcore_dpo.parallel.mesh import Layout
+
     tp, pp, _ = layout
+    chunked = Layout(tp=tp, pp=pp, dp=layout[2], vpp=vpp)
     if job["config"].get("init_adapter") is None:  # step 1 must have moved B off zero, else step 2 tests nothing new
         assert any(g.abs().max() > 0 for n, g in ref["grads"][1].items() if "lora_A" in n), what
     ours = json.loads((out_dir / f"job{j}_metrics.json").read_text())
@@ -163,8 +169,9 @@ def check_lora_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int
         check_metrics(ours[step], ref["metrics"][step], prefix="", names=METRICS, what=f"{what} step {step + 1}")
         shards = load_rank_tensors(out_dir, j, f"grads{step + 1}", layout=layout)
         for (t, p, d), shard in shards.items():
-            expected = peft_to_shard(ref["grads"][step].__getitem__, spec=spec, lora=SHAPE, tp=tp, tp_rank=t, pp=pp,
-                                     pp_rank=p)
+            expected = rank_shard(lambda pp_, stage: peft_to_shard(ref["grads"][step].__getitem__, spec=spec, lora=SHAPE,
+                                                                   tp=tp, tp_rank=t, pp=pp_, pp_rank=stage),
+                                  layout=chunked, pp_rank=p)
             assert set(shard) == set(expected), f"{what}: the trainable parameters are not exactly the adapters"
             for name, value in expected.items():
                 assert_close(shard[name], value, what=f"{what} step {step + 1} grad {name} (tp{t} pp{p} dp{d})")
@@ -172,7 +179,9 @@ def check_lora_job(out_dir: Path, j: int, job: dict, layout: tuple[int, int, int
     for (t, p, d), shard in load_rank_tensors(out_dir, j, "weights", layout=layout).items():
         if d != 0:
             continue
-        expected = hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp, pp_rank=p, get=ref["merged"].__getitem__)
+        expected = rank_shard(lambda pp_, stage: hf_to_mcore_shard(spec, tp=tp, tp_rank=t, pp=pp_, pp_rank=stage,
+                                                                   get=ref["merged"].__getitem__),
+                              layout=chunked, pp_rank=p)
         assert set(shard) == set(expected), what
         for name, value in expected.items():
             assert_close(shard[name], value, what=f"{what} merged weight {name} (tp{t} pp{p})")

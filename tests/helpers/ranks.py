@@ -130,7 +130,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
 def _policy_layout(config):
     from mcore_dpo.parallel.mesh import Layout
 
-    return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp)
+    return Layout(tp=config.tp, pp=config.pp, dp=config.dp, ep=config.ep, cp=config.cp, vpp=config.vpp)
 
 
 # Rank processes fork from a server that has imported torch, megatron-core and the worker once

@@ -247,6 +247,8 @@ class Run:
     """A parity_models family or a moe_models name (tests/conftest.py)."""
     lora: bool = False
     """A fresh LoRA adapter on every target, against PEFT."""
+    engine: dict = dataclasses.field(default_factory=dict)
+    """Engine fields that do not change what is computed (TRL has no counterpart), each passed as its flag."""
 
 
 def write_pairs(directory: Path, *, tokenizer_dir: Path, seed: int) -> dict:
@@ -272,7 +274,7 @@ def argv(objective: str, run: Run, *, model: Path, data_path: Path, out: Path) -
                     global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
                     adam_eps=LORA_ADAM_EPS if run.lora else ADAM_EPS)
     args += [*(PACKED if run.packed else ["--max-length", str(MAX_LENGTH), "--no-packing"]), *(LORA if run.lora else [])]
-    for name, value in run.options.items():
+    for name, value in {**run.options, **run.engine}.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     return args
 
@@ -306,7 +308,7 @@ def check_run(objective: str, name: str, run: Run, *, setup: Setup, tmp_path: Pa
     assert (resolved["objective"], resolved["ref_mode"], resolved["tp"], resolved["pp"], resolved["dp"],
             resolved["ep"]) == (objective, "none", tp, pp, dp, ep[0] if ep else 1), resolved
     assert resolved["packing"] is run.packed and (resolved["lora_rank"] is not None) is run.lora, resolved
-    assert all(resolved[key] == value for key, value in run.options.items()), resolved
+    assert all(resolved[key] == value for key, value in {**run.options, **run.engine}.items()), resolved
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
 
