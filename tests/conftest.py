@@ -42,8 +42,8 @@ def _has_cuda() -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """`-m fast` and the whole suite on SUITE_WORKERS processes, a test file per worker
-    (tests/helpers/tiers.py)."""
+    """`-m fast` on FAST_WORKERS processes and the whole suite on SUITE_WORKERS, a test file per
+    worker (tests/helpers/tiers.py)."""
     option = config.option
     workers = tiers.workers_for(markexpr=option.markexpr, whole_suite=config.args_source == pytest.Config.ArgsSource.TESTPATHS,
                                 numprocesses=getattr(option, "numprocesses", "absent"),

@@ -1,15 +1,18 @@
-"""The tiers' worker processes (tests/helpers/tiers.py): `pytest -m fast` and the whole suite go
-on SUITE_WORKERS processes, every other run stays as it is; and the heaviest files go first."""
+"""The tiers' worker processes (tests/helpers/tiers.py): `pytest -m fast` goes on FAST_WORKERS
+processes and the whole suite on SUITE_WORKERS, every other run stays as it is; and the heaviest
+files go first."""
 
 import pytest
 
-from tests.helpers.tiers import SUITE_WORKERS, dearest_files_first, estimated_cost, seconds_per_file, workers_for
+from tests.helpers.tiers import (FAST_WORKERS, SUITE_WORKERS, dearest_files_first, estimated_cost, seconds_per_file,
+                                 workers_for)
 
 
-@pytest.mark.parametrize("markexpr,whole_suite", [("fast", True), ("", True), ("not ray", True), ("fast", False)])
-def test_the_fast_tier_and_the_whole_suite_run_on_their_workers(markexpr, whole_suite):
+@pytest.mark.parametrize("markexpr,whole_suite,workers", [("fast", True, FAST_WORKERS), ("", True, SUITE_WORKERS),
+                                                          ("not ray", True, SUITE_WORKERS), ("fast", False, FAST_WORKERS)])
+def test_the_fast_tier_and_the_whole_suite_run_on_their_workers(markexpr, whole_suite, workers):
     assert workers_for(markexpr=markexpr, whole_suite=whole_suite, numprocesses=None, collect_only=False,
-                       in_worker=False) == SUITE_WORKERS
+                       in_worker=False) == workers
 
 
 @pytest.mark.parametrize("markexpr,whole_suite,numprocesses,collect_only,in_worker", [

@@ -34,10 +34,12 @@ LAUNCH_KINDS = ("cli", "ranks", "ray", "slurm")
 # At most this many tests launch and still run in the fast tier (`@pytest.mark.in_fast_tier`).
 FAST_TIER_LAUNCHES = 2
 # How many worker processes the fast tier and the whole suite run on (pytest-xdist), a test file
-# per worker so that a module's fixtures are built once. A fast test keeps one core busy; a
-# launching test's ranks fill the cores only part of the time (imports, Ray start-up, waits for a
-# signal, a timeout or SLURM), so a second worker gains on both (tests/README.md has the figures).
-SUITE_WORKERS = 2
+# per worker so that a module's fixtures are built once. A fast test keeps one core busy, so the
+# fast tier runs one worker per core of the 2-core machines; a launching test's ranks fill the
+# cores only part of the time (imports, Ray start-up, waits for a signal, a timeout or SLURM), so
+# the whole suite runs a third worker in the gaps (tests/README.md has the figures).
+FAST_WORKERS = 2
+SUITE_WORKERS = 3
 # How long each test file takes, in seconds on 2 cores (tests/helpers/file_seconds.json, recorded
 # from a whole-suite run's junit XML: `python -m tests.helpers.tiers record JUNIT_XML`): the
 # dearest files go to the workers first, so that no long file starts last while the other worker
@@ -48,14 +50,14 @@ FAST_COST_S = 0.2
 
 
 def workers_for(*, markexpr: str, whole_suite: bool, numprocesses, collect_only: bool, in_worker: bool) -> int | None:
-    """The workers a run goes on, or None to leave it as it is. `pytest -m fast` and the whole
-    suite (no test paths given) go on SUITE_WORKERS; anything else stays in one process: test
+    """The workers a run goes on, or None to leave it as it is. `pytest -m fast` goes on
+    FAST_WORKERS, the whole suite (no test paths given) on SUITE_WORKERS; anything else stays in one process: test
     paths or node ids given (one area, or a GPU check of scripts/gpu_checks.sh), `-n N` given
     (`-n 0`: one process), a collection only, or inside a worker. `numprocesses` is "absent"
     where pytest-xdist is not installed."""
     if not (markexpr == "fast" or whole_suite) or numprocesses is not None or collect_only or in_worker:
         return None
-    return SUITE_WORKERS
+    return FAST_WORKERS if markexpr == "fast" else SUITE_WORKERS
 
 
 def estimated_cost(kinds_per_test: list[set[str]]) -> float:
