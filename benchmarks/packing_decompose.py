@@ -107,9 +107,9 @@ def step_compute(worker, mbs) -> None:
 
     ctx = _context(worker, mbs)
     for mb in range(len(mbs)):
-        pipeline._policy_forward(ctx, mb)
-        pipeline._policy_backward(ctx, mb)
-        pipeline._reference_forward(ctx, mb, 1)
+        pipeline._policy_forward(ctx, mb, 0)
+        pipeline._policy_backward(ctx, mb, 0)
+        pipeline._reference_forward(ctx, mb, 1, 0)
 
 
 def microbatch_memory(worker, mb) -> dict:
@@ -134,8 +134,8 @@ def microbatch_memory(worker, mb) -> dict:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            pipeline._policy_forward(ctx, 0)
-        pipeline._policy_backward(ctx, 0)
+            pipeline._policy_forward(ctx, 0, 0)
+        pipeline._policy_backward(ctx, 0, 0)
     live = peak = 0
     # An op's own allocations net of its own frees (self memory, children apart), at its start;
     # "[memory]" events: frees (and allocations) outside any op.
