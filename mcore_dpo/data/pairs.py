@@ -60,7 +60,7 @@ class DataStats:
     unused_columns: tuple[str, ...] = ()  # columns of the file that are not in COLUMNS, first seen first
     has_prompt: bool = True  # False: implicit-prompt file, each prompt is the shared start of its completions
     unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), pairs unpaired
-    # whole_rows (--objective reward): pairs with a sequence over max_length, dropped whole
+    # whole_rows (--objective reward): pairs with a sequence over max_length, dropped (never cut)
     num_dropped_too_long: int = 0
 
 
@@ -382,7 +382,7 @@ class _RowScan:
     max_length: int
     on_bad_row: str
     unpaired: bool = False  # rows {prompt, completion, label} (data/unpaired.py), not pairs
-    whole_rows: bool = False  # a pair over max_length is dropped, not cut (`load_pairs`)
+    whole_rows: bool = False  # sequences used whole: no prompt needed, a pair over max_length dropped (`load_pairs`)
     num_dropped_too_long: int = 0
     num_rows: int = 0
     num_pairs: int = 0
