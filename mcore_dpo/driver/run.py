@@ -81,7 +81,6 @@ def prepare(config: TrainConfig, *, log=print) -> Prepared:
     from checkpoint_convert.families import spec_from_hf_config
     from mcore_dpo.model.builder import open_weights, tokenizer_dir
     from mcore_dpo.model.score_head import reward_config, source_config
-    from mcore_dpo.objective import registry
 
     if config.model is None:
         config = replace(config, model=defaults.ensure_default_model())
