@@ -6,7 +6,8 @@
   megatron-core's interleaved 1F1B) against the single-process HF reference
   (tests/helpers/parity.py): every metric and gradient of every step, the weights after the last,
   the eval metrics after it (forward-only passes round the ring of chunks); at (1, 2, 1) for 3
-  steps in every colocated reference mode and reference-free, beside the same run at --vpp 1;
+  steps in every colocated reference mode and reference-free, beside the same run at --vpp 1
+  (which the --vpp 2 run equals within 1e-6: metrics of every step, weights after 3 steps);
   at (2, 2, 1) with and without sequence parallelism; at (1, 4, 1) over 8-layer models. Ranks name their parameters `chunks.<c>.<name>`; the
   expected shard of chunk c of stage s is that of stage c*pp + s of a plain pp*vpp pipeline
   (model/chunks.py).
@@ -29,6 +30,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from checkpoint_convert.gather import mcore_to_hf
 from checkpoint_convert.io import open_hf_dir
 from checkpoint_convert.mapping import hf_to_mcore_shard
 from mcore_dpo.command_line import resolve
@@ -114,6 +116,29 @@ def _with(job: dict, **config) -> dict:
     return {**job, "config": {**job["config"], **config}}
 
 
+def _check_same_run(out_dir: Path, chunked: int, plain: int, job: dict, *, tp: int, pp: int, rtol: float = 1e-6) -> None:
+    """Job `chunked` (--vpp 2) against job `plain` (--vpp 1) of the same launch, data and
+    models: every step's metrics, and the weights after the last step gathered to HF names
+    from the plain run and sharded again as the chunked run holds them, within `rtol`."""
+    spec = open_hf_dir(job["config"]["model"]).spec
+    what = f"--vpp 2 against --vpp 1 at tp{tp} pp{pp}"
+    ours, theirs = (json.loads((out_dir / f"job{j}_metrics.json").read_text()) for j in (chunked, plain))
+    assert len(ours) == len(theirs) == len(job["batches"]) + 1, what
+    for step, (m_ours, m_theirs) in enumerate(zip(ours, theirs), start=1):
+        names = [name for name in m_theirs if name.removeprefix("eval/") in METRICS]
+        assert len(names) >= 5, what
+        for name in names:
+            value = m_theirs[name]
+            assert abs(m_ours[name] - value) <= rtol * max(abs(value), 1e-3), f"{what} step {step} {name}"
+    plain_shards = load_rank_tensors(out_dir, plain, "weights", layout=(tp, pp, 1))
+    hf = dict(mcore_to_hf(spec, tp=tp, pp=pp, get_shard=lambda t, p: plain_shards[(t, p, 0)]))
+    for (t, p, d), shard in load_rank_tensors(out_dir, chunked, "weights", layout=(tp, pp, 1)).items():
+        expected = _expected_shard(spec, hf, layout=Layout(tp=tp, pp=pp, dp=1, vpp=2), tp_rank=t, pp_rank=p)
+        assert set(expected) == set(shard), what
+        for name, value in expected.items():
+            assert_close(shard[name], value, what=f"{what}: weight {name} (tp{t} pp{p})", rtol=rtol)
+
+
 def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
     """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
     with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
@@ -124,6 +149,7 @@ def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path)
     qwen2 = next(job for job in jobs if job["key"] == ("qwen2", "interleaved", "sigmoid"))
     jobs.append({**_with(qwen2, ref_mode="none"), "key": ("qwen2", "none", "sigmoid")})
     llama = next(job for job in jobs if job["key"] == ("llama", "interleaved", "sigmoid"))
+    plain = len(jobs)
     jobs += [_with(llama, vpp=1), _with(llama, prefix_sharing=True),  # shared-prompt rows through the chunks
              _with(llama, **PACKED)]  # packed rows, a multiple of pp microbatches per step
     assert len(jobs) == 10
@@ -131,6 +157,7 @@ def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path)
     check_ran_packed(tmp_path, padded=jobs.index(llama), packed=len(jobs) - 1)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
+    _check_same_run(tmp_path, jobs.index(llama), plain, llama, tp=tp, pp=pp)
 
 
 def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_path):
