@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -320,10 +321,17 @@ def test_the_memory_estimate_counts_chunk_forwards_in_flight():
     assert chunked - plain == pytest.approx(3 * one_layer, rel=1e-12)
     for mode in ("interleaved", "sequential"):  # every reference mode builds its plans with chunks
         assert plan_activation_bytes(shape, layers=8, pp=4, num_microbatches=8, ref_mode=mode, vpp=2, **kw) >= chunked
-    with pytest.raises(ValueError, match="vpp: model chunks are not built for mixture-of-experts models"):
-        plan_activation_bytes(LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024,
-                                         experts=8, topk=2, moe_ffn=128),
-                              layers=8, pp=4, num_microbatches=8, ref_mode="none", vpp=2, **kw)
+    # MoE: the same count of chunk forwards, each of one MoE layer; with the first 4 layers dense
+    # (chunk 0 of every stage), a stage's unit is its larger chunk's
+    moe = LayerShape(hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=1024, experts=8, topk=2, moe_ffn=128)
+    one_moe = layer_activation_bytes(moe, **kw)
+    moe_plain, moe_chunked = (plan_activation_bytes(moe, layers=8, pp=4, num_microbatches=8, ref_mode="none", vpp=vpp,
+                                                    **kw) for vpp in (1, 2))
+    assert moe_chunked - moe_plain == pytest.approx(3 * one_moe, rel=1e-12)
+    first_dense = plan_activation_bytes(dataclasses.replace(moe, dense_layers=4), layers=8, pp=4, num_microbatches=8,
+                                        ref_mode="none", vpp=2, **kw)
+    assert one_layer != one_moe
+    assert first_dense == pytest.approx(moe_chunked + 11 * (max(one_layer, one_moe) - one_moe), rel=1e-12)
 
 
 @pytest.mark.parametrize("objective, options", [("cpo", {"loss_type": "simpo", "simpo_gamma": 0.7, "beta": 2.0}),

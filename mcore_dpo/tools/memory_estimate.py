@@ -373,8 +373,9 @@ def plan_activation_bytes(
     last stage adds the head; every stage the workspace and what a backward recomputes
     (`recompute_bytes`) and, at cp > 1, what the ring attention holds (`ring_attention_bytes`),
     all at the rank's seq_len / cp positions per row. Interleaved: the larger of the first step's plan and the carrying one.
-    `vpp` > 1 (model chunks, dense models): the plan is the interleaved 1F1B one, whose unit is one
-    chunk's forward, layers/(pp x vpp) layers, and which does not carry (the first step's plan and a
+    `vpp` > 1 (model chunks): the plan is the interleaved 1F1B one, whose unit is one chunk's
+    forward, layers/(pp x vpp) layers (chunk c of stage s: virtual stage c x pp + s; a MoE model's
+    first dense layers make chunks unequal, and a stage's unit is then its largest chunk's), and which does not carry (the first step's plan and a
     steady one); its first stage holds the most units in flight."""
     from mcore_dpo.pipeline.memory import plan_memory
     from mcore_dpo.pipeline.schedule import build_plan
@@ -382,18 +383,21 @@ def plan_activation_bytes(
     kw = dict(seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel, attention=attention,
               dtype_bytes=dtype_bytes, cp=cp)
     rc = dict(expert_tp=expert_tp, recompute=recompute, recompute_num_layers=recompute_num_layers)
-    if vpp > 1 and shape.experts:
-        raise ValueError("vpp: model chunks are not built for mixture-of-experts models")
     stash_unit = layers / (pp * vpp) * layer_activation_bytes(shape, **kw, **rc)
     stash_units = [stash_unit] * pp
-    if shape.dense_layers:  # a stage's dense-MLP layers (the first ones) and its MoE layers
+    if shape.dense_layers:  # a chunk's dense-MLP layers (the first ones of the model) and its MoE layers
         dense = dataclasses.replace(shape, experts=0, topk=0, moe_ffn=0, shared_ffn=0, dense_layers=0)
-        per_stage = layers // pp
-        for stage in range(pp):
-            first = stage * per_stage
-            n_dense = max(0, min(shape.dense_layers, first + per_stage) - first)
-            stash_units[stage] = (n_dense * layer_activation_bytes(dense, **kw, **rc)
-                                  + (per_stage - n_dense) * layer_activation_bytes(shape, **kw, **rc))
+        per_chunk = layers // (pp * vpp)
+
+        def chunk_bytes(virtual_stage: int) -> float:
+            first = virtual_stage * per_chunk
+            n_dense = max(0, min(shape.dense_layers, first + per_chunk) - first)
+            return (n_dense * layer_activation_bytes(dense, **kw, **rc)
+                    + (per_chunk - n_dense) * layer_activation_bytes(shape, **kw, **rc))
+
+        # with chunks, a stage's unit is its largest chunk's (an upper bound: the units in flight
+        # at its peak are of several chunks)
+        stash_units = [max(chunk_bytes(chunk * pp + stage) for chunk in range(vpp)) for stage in range(pp)]
     recomputing = recompute_bytes(shape, **kw, **rc)
     boundary = boundary_bytes(shape, seq_len=seq_len, rows=rows, tp=tp, sequence_parallel=sequence_parallel,
                               dtype_bytes=dtype_bytes, cp=cp)
