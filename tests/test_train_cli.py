@@ -262,6 +262,9 @@ def test_two_steps_in_process_write_metrics_a_checkpoint_and_the_export(ray_clus
                             str(out)], cluster=ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"done: {out}" in done.stdout.splitlines(), done.stdout[-2000:]
+    # joined to the session's cluster before main ran: it says so, and starts none
+    assert "using the Ray cluster this process is connected to" in done.stdout.splitlines(), done.stdout[-2000:]
+    assert "starting a local Ray cluster" not in done.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 2]

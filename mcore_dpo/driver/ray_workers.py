@@ -86,6 +86,11 @@ class _LocalHead:
 _local_head: _LocalHead | None = None
 
 
+def connected() -> bool:
+    """Whether this process is connected to a Ray cluster already (`connect` then joins none)."""
+    return ray.is_initialized()
+
+
 def connect(*, address: str | None, num_cpus: int) -> bool:
     """Join the Ray cluster at `address`, or start a local one (dashboard off) whose processes
     end with this process, even after kill -9. Returns True when this process started Ray (and

@@ -316,8 +316,11 @@ def _train_locked(prep: Prepared, *, out: Path, command: dict, ray_address: str 
             log(note)
     world = world_size(config)
     num_cpus = max(world, os.cpu_count() or 1)
-    log(f"connecting to the Ray cluster at {ray_address}" if ray_address else
-        f"starting a local Ray cluster ({num_cpus} logical CPUs)")
+    if ray_workers.connected():
+        log("using the Ray cluster this process is connected to")
+    else:
+        log(f"connecting to the Ray cluster at {ray_address}" if ray_address else
+            f"starting a local Ray cluster ({num_cpus} logical CPUs)")
     started = ray_workers.connect(address=ray_address, num_cpus=num_cpus)
     try:
         restarts = 0
