@@ -131,13 +131,25 @@ def test_a_torch_dist_resume_with_a_pickle_payload_says_refusing_to_unpickle(tmp
     """A torch_dist checkpoint whose `.metadata` pickle would run code, without a manifest (as one
     written before manifests, which resumes unchecked): the rank's restricted unpickler refuses
     it, the payload never runs, and the driver's one line says so (the line used to read only
-    "the worker process died")."""
+    "the worker process died").
+
+    Its first run, on a local cluster of its own with a HOME of its own: Ray's own start of a
+    local cluster warns that token authentication is on and writes the token to
+    ~/.ray/auth_token; the driver's local cluster keeps its token in memory."""
     import pickle
 
     out, marker = tmp_path / "run", tmp_path / "payload-ran"
     args = ["--max-steps", "2", "--save-interval", "1", "--save-format", "torch_dist", "--output-dir", str(out)]
-    first = run_train(args)
-    assert first.returncode == 0, first.stderr[-3000:]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = command_env(HOME=str(home))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    first = run_train(args, env=env)
+    printed = first.stdout + first.stderr
+    assert first.returncode == 0, printed[-3000:]
+    assert "Token authentication" not in printed and "auth_token" not in printed, printed[-3000:]
+    assert not (home / ".ray").exists(), sorted(p.name for p in (home / ".ray").rglob("*"))
     newest = out / "checkpoints" / "iter_0000002"
     (newest / "manifest.json").unlink()
     (newest / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
@@ -157,21 +169,6 @@ class _RunsCode:
 
     def __reduce__(self):
         return os.system, (f"touch {self.path}",)
-
-
-def test_a_local_cluster_prints_no_token_warning_and_writes_nothing_under_home(tmp_path):
-    """Ray's own start of a local cluster warns that token authentication is on and writes the
-    token to ~/.ray/auth_token; the driver's local cluster keeps its token in memory."""
-    home = tmp_path / "home"
-    home.mkdir()
-    env = command_env(HOME=str(home))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(name, None)
-    result = run_train(["--max-steps", "1", *SMALL, "--output-dir", str(tmp_path / "run")], env=env, timeout=600)
-    printed = result.stdout + result.stderr
-    assert result.returncode == 0, printed[-3000:]
-    assert "Token authentication" not in printed and "auth_token" not in printed, printed[-3000:]
-    assert not (home / ".ray").exists(), sorted(p.name for p in (home / ".ray").rglob("*"))
 
 
 # ----------------------------------------------------------------------------- temporary directories
