@@ -1,4 +1,5 @@
-"""checkpoint_convert CLI on real files: hf-to-mcore, reshard, mcore-to-hf, bad input, atomic output."""
+"""checkpoint_convert CLI on real files: hf-to-mcore, reshard, mcore-to-hf, bad input, atomic output;
+--vpp (the layout of a training run's model chunks) through the command line in its own process."""
 
 from __future__ import annotations
 
