@@ -41,7 +41,7 @@ _FORMAT_HELP = "safetensors: this package's format; torch_dist: Megatron-LM's la
 
 EXIT_BAD_INPUT = 2
 _EP_HELP = "expert-parallel ranks the experts of a MoE model are split over"
-_VPP_HELP = ("model chunks (virtual pipeline stages) per pipeline stage, as `train --vpp` lays them out: chunk c of "
+_VPP_HELP = ("model chunks (virtual pipeline stages) per pipeline stage, laid out as the trainer's vpp: chunk c of "
              "stage s holds the (c*pp + s)-th of pp*vpp equal slices of the layers; > 1 needs pp >= 2 and a layer "
              "count divisible by pp*vpp")
 _HF_CONFIG_HELP = ("directory whose config.json describes the model, for a torch_dist checkpoint that has no HF "
