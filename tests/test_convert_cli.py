@@ -365,6 +365,13 @@ def test_vpp_checkpoints_through_the_command_line(llama_dir, tmp_path):
     for rel, tensors in written.items():
         assert sorted(again[rel]) == sorted(tensors) and all(torch.equal(again[rel][n], t) for n, t in tensors.items())
 
+    # A layout field that does not multiply out to the stage files is refused in one line.
+    meta["virtual_pipeline"] = {"pp": 3, "vpp": 2}
+    (back / "mcore_checkpoint.json").write_text(json.dumps(meta))
+    result = _convert_cli("mcore-to-hf", "--mcore-dir", back, "--out", tmp_path / "refused")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "field 'virtual_pipeline'" in result.stderr and not (tmp_path / "refused").exists()
+
 
 @pytest.mark.parametrize("argv, expected", [
     (["hf-to-mcore", "--pp", "1", "--vpp", "2"], "--vpp 2 needs pipeline parallelism (pp >= 2), got pp 1"),
