@@ -1,8 +1,8 @@
 """Command line: convert checkpoints between Hugging Face and megatron-core layouts.
 
-    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--ep 2] [--dtype bfloat16] [--format torch_dist]
+    python -m checkpoint_convert hf-to-mcore --hf-dir D --out O --tp 2 --pp 2 [--vpp 2] [--ep 2] [--dtype bfloat16] [--format torch_dist]
     python -m checkpoint_convert mcore-to-hf --mcore-dir O --out D2 [--max-shard-size 5GB] [--hf-config DIR]
-    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--ep 1] [--format torch_dist] [--hf-config DIR]
+    python -m checkpoint_convert reshard --mcore-dir O --out O2 --tp 1 --pp 4 [--vpp 1] [--ep 1] [--format torch_dist] [--hf-config DIR]
     (each of the three also takes [--trust-remote-code]: copy the model's custom *.py code along)
     python -m checkpoint_convert verify --hf-dir D --mcore-dir O [--atol 1e-4]
 
@@ -12,6 +12,10 @@ ms-swift or this package). --hf-config DIR names a directory whose config.json d
 model when a torch_dist checkpoint has no HF config of its own and its args do not say enough.
 --ep N splits the experts of a MoE model over N expert-parallel ranks (one file per tp, pp and
 ep rank; default 1: every rank file holds all experts). reshard reads any ep and writes --ep.
+--vpp N writes what a `--pp P --vpp N` training run writes and reads: N model chunks per pipeline
+rank, chunk c of rank s holding the (c*P + s)-th of P*N equal slices of the layers (safetensors: a
+directory of P*N stage files, its metadata naming the layout; torch_dist: Megatron-LM's
+virtual_pipeline_model_parallel_size N in the args). It needs pp >= 2 and a layer count divisible by P*N.
 verify builds the Megatron model with a trainer's runner (mcore_dpo's, found through an entry
 point: checkpoint_convert/verify.py); the other commands need no trainer. The config and tokenizer
 files travel with the weights (tokenizer.json checked as training loads it); custom code (*.py,
@@ -37,6 +41,9 @@ _FORMAT_HELP = "safetensors: this package's format; torch_dist: Megatron-LM's la
 
 EXIT_BAD_INPUT = 2
 _EP_HELP = "expert-parallel ranks the experts of a MoE model are split over"
+_VPP_HELP = ("model chunks (virtual pipeline stages) per pipeline stage, laid out as the trainer's vpp: chunk c of "
+             "stage s holds the (c*pp + s)-th of pp*vpp equal slices of the layers; > 1 needs pp >= 2 and a layer "
+             "count divisible by pp*vpp")
 _HF_CONFIG_HELP = ("directory whose config.json describes the model, for a torch_dist checkpoint that has no HF "
                    "config of its own (default: the checkpoint's own)")
 _MCORE_DIR_HELP = ("Megatron checkpoint to read (either format): its folder, or a trainer's "
@@ -74,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to shard the weights over")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages to split the layers over")
+    p.add_argument("--vpp", type=int, default=1, help=_VPP_HELP)
     p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
     p.add_argument("--dtype", type=canonical_dtype, choices=DTYPE_NAMES, default=None,
                    help=f"dtype the shards are stored in: {DTYPE_HELP} (default: keep the source dtype)")
@@ -98,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks of the new checkpoint")
     p.add_argument("--pp", type=int, required=True, help="pipeline stages of the new checkpoint")
+    p.add_argument("--vpp", type=int, default=1, help=_VPP_HELP)
     p.add_argument("--ep", type=int, default=1, help=_EP_HELP)
     p.add_argument("--format", choices=FORMATS, default=None, help=_FORMAT_HELP + " (default: the input's)")
     p.add_argument("--hf-config", default=None, metavar="DIR", help=_HF_CONFIG_HELP)
@@ -154,7 +163,7 @@ def run(argv: list[str] | None = None) -> int:
         from checkpoint_convert.convert import hf_to_mcore
 
         hf_to_mcore(
-            args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
+            args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, dtype=args.dtype,
             layer_spec=args.layer_spec, overwrite=args.overwrite, fmt=args.format,
             trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
@@ -169,7 +178,8 @@ def run(argv: list[str] | None = None) -> int:
         from checkpoint_convert.convert import reshard
 
         reshard(
-            args.mcore_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, overwrite=args.overwrite, fmt=args.format,
+            args.mcore_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, overwrite=args.overwrite,
+            fmt=args.format,
             hf_config_dir=args.hf_config, trust_remote_code=args.trust_remote_code,
         )  # fmt: skip
     elif args.command == "verify":

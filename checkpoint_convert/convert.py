@@ -195,10 +195,15 @@ def _write_mcore(
     aux_files: Iterable[Path],
     log: Callable[[str], None],
     ep: int = 1,
+    vpp: int = 1,
 ) -> None:
+    """The directory a tp x pp (x ep) run writes; with vpp > 1 model chunks per pipeline rank, one
+    file per chunk: a plain directory of pp x vpp stages, chunk c of rank s as stage c*pp + s
+    (io.py), whose meta records the layout (`virtual_pipeline`)."""
     torch_dtype = DTYPES[dtype]
     rows_per_rank = padded_vocab_size(spec.vocab_size, tp=tp, divisor=divisor) // tp
     get = stacked_reader(get)  # an expert's slice of a stacked tensor (GPT-OSS) from its stack
+    pp *= vpp  # the stage files: Megatron-LM's chunk c of rank s holds the layers of stage c*pp + s
     for pp_rank in range(pp):
         per_ep_rank = ep_shard_shapes(spec, tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, layer_spec=layer_spec, divisor=divisor)
         with contextlib.ExitStack() as stack:
@@ -241,20 +246,20 @@ def _write_mcore(
                 log(f"wrote {shard_relpath(tp_rank=tp_rank, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)} ({len(shapes)} tensors)")
     meta = McoreMeta(
         spec=spec, tp=tp, pp=pp, dtype=dtype, layer_spec=layer_spec, vocab_divisor=divisor,
-        hf_config=hf_config, format_version=FORMAT_VERSION, ep=ep,
+        hf_config=hf_config, format_version=FORMAT_VERSION, ep=ep, vpp=vpp,
     )  # fmt: skip
     write_mcore_meta(tmp, meta=meta, aux_files=aux_files)
 
 
-def _writer(fmt: str, *, ep: int = 1) -> Callable[..., None]:
+def _writer(fmt: str, *, ep: int = 1, vpp: int = 1) -> Callable[..., None]:
     """The checkpoint writer of a format; all take the same keyword arguments as _write_mcore
-    plus ep, the expert-parallel size of the layout written)."""
+    plus ep and vpp, the expert-parallel size and model chunks per pipeline rank of the layout written)."""
     if fmt == "safetensors":
-        return functools.partial(_write_mcore, ep=ep)
+        return functools.partial(_write_mcore, ep=ep, vpp=vpp)
     if fmt == "torch_dist":
         from checkpoint_convert.torch_dist import write_checkpoint
 
-        return functools.partial(write_checkpoint, ep=ep)
+        return functools.partial(write_checkpoint, ep=ep, vpp=vpp)
     raise ConversionError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
 
 
@@ -265,6 +270,7 @@ def hf_to_mcore(
     tp: int,
     pp: int,
     ep: int = 1,
+    vpp: int = 1,
     dtype: str | None = None,
     layer_spec: str = "local",
     divisor: int = 128,
@@ -273,23 +279,24 @@ def hf_to_mcore(
     trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Convert an HF directory into a Megatron checkpoint sharded tp x pp, its experts over ep
-    (format `fmt`), stored in `dtype` (either spelling, bfloat16 or bf16; None: the source's);
-    custom code travels only with trust_remote_code (`carried_files`)."""
+    """Convert an HF directory into a Megatron checkpoint sharded tp x pp, its experts over ep,
+    `vpp` model chunks per pipeline rank (format `fmt`), stored in `dtype` (either spelling,
+    bfloat16 or bf16; None: the source's); custom code travels only with trust_remote_code
+    (`carried_files`)."""
     source = open_hf_dir(hf_dir)
-    check_layout(source.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir / "config.json"), divisor=divisor)
+    check_layout(source.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir / "config.json"), divisor=divisor, vpp=vpp)
     target_dtype = canonical_dtype(dtype) if dtype else source.spec.torch_dtype
     if target_dtype not in DTYPES:
         raise ConversionError(f"dtype: {dtype!r} is not {DTYPE_HELP}")
     aux = carried_files(source.aux_files(), trust_remote_code=trust_remote_code, command="hf-to-mcore")
-    write = _writer(fmt, ep=ep)
+    write = _writer(fmt, ep=ep, vpp=vpp)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(source.dir,)) as tmp:
         write(
             tmp, spec=source.spec, hf_config=source.config, get=source.get, get_rows=source.get_rows, tp=tp, pp=pp,
             dtype=target_dtype,
             layer_spec=layer_spec, divisor=divisor, aux_files=aux, log=log,
         )  # fmt: skip
-    log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp} ep={ep} dtype={target_dtype})")
+    log(f"hf-to-mcore: {source.dir} -> {out} ({fmt}, tp={tp} pp={pp}{_vpp_text(vpp)} ep={ep} dtype={target_dtype})")
 
 
 def reshard(
@@ -299,20 +306,22 @@ def reshard(
     tp: int,
     pp: int,
     ep: int = 1,
+    vpp: int = 1,
     overwrite: bool = False,
     fmt: str | None = None,
     hf_config_dir: str | Path | None = None,
     trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Re-split a Megatron checkpoint for a new tp x pp x ep by going through HF names (each
-    expert read from the ep rank that holds it); the output format is `fmt`, by default the input's;
-    custom code travels only with trust_remote_code (`carried_files`)."""
+    """Re-split a Megatron checkpoint for a new tp x pp x ep (`vpp` model chunks per pipeline
+    rank) by going through HF names (each expert read from the ep rank that holds it); the output
+    format is `fmt`, by default the input's; custom code travels only with trust_remote_code
+    (`carried_files`)."""
     source = open_mcore_dir(mcore_dir, hf_config_dir=hf_config_dir)
     meta = source.meta
     fmt = fmt or checkpoint_format(source)
-    check_layout(meta.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir), divisor=meta.vocab_divisor)
-    write = _writer(fmt, ep=ep)
+    check_layout(meta.spec, tp=tp, pp=pp, ep=ep, source=str(source.dir), divisor=meta.vocab_divisor, vpp=vpp)
+    write = _writer(fmt, ep=ep, vpp=vpp)
     aux = carried_files(_hf_files(source), trust_remote_code=trust_remote_code, command="reshard")
     view = source.hf_view()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(getattr(source, "root", source.dir),)) as tmp:
@@ -321,8 +330,11 @@ def reshard(
             dtype=meta.dtype,
             layer_spec=meta.layer_spec, divisor=meta.vocab_divisor, aux_files=aux, log=log,
         )  # fmt: skip
-    log(f"reshard: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
-        f"({fmt}, tp={tp} pp={pp} ep={ep})")
+    log(f"reshard: {source.dir} ({meta.layout_text()}) -> {out} ({fmt}, tp={tp} pp={pp}{_vpp_text(vpp)} ep={ep})")
+
+
+def _vpp_text(vpp: int) -> str:
+    return f" vpp={vpp}" if vpp > 1 else ""
 
 
 def _hf_files(source: object) -> list[Path]:
@@ -472,5 +484,5 @@ def mcore_to_hf_dir(
         config = _export_config(meta.hf_config, dtype=meta.dtype)
         config = getattr(family_of(meta.spec), "export_config", lambda c: c)(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    log(f"mcore-to-hf: {source.dir} (tp={meta.tp} pp={meta.pp} ep={getattr(meta, 'ep', 1)}) -> {out} "
+    log(f"mcore-to-hf: {source.dir} ({meta.layout_text()}) -> {out} "
         f"({len(files)} shard(s))")

@@ -7,7 +7,9 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
 
     mcore_checkpoint.json        meta: format, format_version, tp, pp, ep, dtype, layer_spec,
                                  vocab_divisor, padded_vocab_size, hf_config (source config.json),
-                                 checksums (each rank file's size and XXH3-64, integrity.py)
+                                 checksums (each rank file's size and XXH3-64, integrity.py);
+                                 virtual_pipeline {"pp": P, "vpp": N} when the directory holds
+                                 the model chunks of a --pp P --vpp N layout (see below)
     hf_files/                    config.json, generation_config.json (when the source had one)
                                  and the tokenizer files, verbatim: AutoTokenizer loads from here
     tp{t}_pp{p}/model.safetensors   one file per rank, names as GPTModel.named_parameters()
@@ -18,6 +20,11 @@ Megatron checkpoint directory (this project's format, safetensors + JSON only):
     tp{t}_pp{p}_ep{e}/model.safetensors   the same with experts split over ep > 1 ranks: rank e
                                  holds experts [e*E/ep, (e+1)*E/ep) as its local experts
                                  0..E/ep-1 and a copy of every other tensor of its tp rank
+
+Virtual pipeline stages (--vpp N at --pp P): chunk c of pipeline rank s holds what stage c*P + s
+of a plain pipeline of P*N stages holds, so such a directory is a plain one of `pp` = P*N stages,
+one file per chunk (tp{t}_pp{c*P+s}), which every reader reads as it reads any other; its
+`virtual_pipeline` field says which layout it was written for (pp = P x vpp stages).
 
 Each rank file records the rank it belongs to in its header's metadata (tp_rank, pp_rank,
 ep_rank: `rank_files.shard_metadata`). McoreCheckpoint checks that record against the file's path when it
@@ -343,6 +350,19 @@ class McoreMeta:
     hf_config: dict  # the source config.json, verbatim
     format_version: int
     ep: int = 1  # expert-parallel ranks the experts are split over
+    # Model chunks per pipeline rank of the layout written for (--vpp): `pp` stages are then
+    # pp / vpp pipeline ranks x vpp chunks (chunk c of rank s: stage c * pp / vpp + s).
+    vpp: int = 1
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline ranks of the layout the directory was written for (pp without chunks)."""
+        return self.pp // self.vpp
+
+    def layout_text(self) -> str:
+        """'tp=T pp=P' (plus ' vpp=N (P*N stage files)' with chunks, ' ep=E' with experts split)."""
+        pipeline = f"pp={self.pipeline_ranks} vpp={self.vpp} ({self.pp} stage files)" if self.vpp > 1 else f"pp={self.pp}"
+        return f"tp={self.tp} {pipeline} ep={self.ep}"
 
 
 def meta_json(meta: McoreMeta) -> dict:
@@ -352,6 +372,7 @@ def meta_json(meta: McoreMeta) -> dict:
         "tp": meta.tp,
         "pp": meta.pp,
         **({"ep": meta.ep} if meta.ep > 1 else {}),
+        **({"virtual_pipeline": {"pp": meta.pipeline_ranks, "vpp": meta.vpp}} if meta.vpp > 1 else {}),
         "dtype": meta.dtype,
         "layer_spec": meta.layer_spec,
         "vocab_divisor": meta.vocab_divisor,
@@ -467,6 +488,19 @@ class _ExpertParallelShard(Mapping):
         return len(self._where)
 
 
+def _virtual_pipeline(raw: dict, *, source: Path) -> int:
+    """The model chunks per pipeline rank the meta's `virtual_pipeline` field records (1 without
+    it), checked against its `pp` (the stage files: pipeline ranks x chunks)."""
+    field = raw.get("virtual_pipeline")
+    if field is None:
+        return 1
+    ranks, vpp = (field.get("pp"), field.get("vpp")) if isinstance(field, dict) else (None, None)
+    if not (isinstance(ranks, int) and isinstance(vpp, int) and ranks >= 2 and vpp >= 2 and ranks * vpp == raw["pp"]):
+        raise ConversionError(f"{source}: field 'virtual_pipeline' is {field!r}; expected {{\"pp\": P, \"vpp\": N}} "
+                              f"with P, N >= 2 and P x N = pp ({raw['pp']})")
+    return vpp
+
+
 class McoreCheckpoint:
     """A validated Megatron checkpoint directory written by this package (or the trainer).
 
@@ -490,13 +524,15 @@ class McoreCheckpoint:
         ep = raw.get("ep", 1)
         if not isinstance(ep, int) or ep < 1:
             raise ConversionError(f"{meta_path}: field 'ep' must be a positive integer")
+        vpp = _virtual_pipeline(raw, source=meta_path)
         if raw.get("dtype") not in DTYPES:
             raise ConversionError(f"{meta_path}: field 'dtype' is {raw.get('dtype')!r}; supported: {', '.join(DTYPES)}")
         if raw.get("layer_spec") not in LAYER_SPECS:
             raise ConversionError(f"{meta_path}: field 'layer_spec' must be one of {LAYER_SPECS}")
         spec = spec_from_hf_config(raw.get("hf_config"), source=f"{meta_path}: hf_config")
         spec = replace(spec, torch_dtype=raw["dtype"])
-        check_layout(spec, tp=raw["tp"], pp=raw["pp"], ep=ep, source=f"{meta_path}: hf_config", divisor=raw["vocab_divisor"])
+        check_layout(spec, tp=raw["tp"], pp=raw["pp"] // vpp, ep=ep, source=f"{meta_path}: hf_config",
+                     divisor=raw["vocab_divisor"], vpp=vpp)
         self.meta = McoreMeta(
             spec=spec,
             tp=raw["tp"],
@@ -507,6 +543,7 @@ class McoreCheckpoint:
             hf_config=raw["hf_config"],
             format_version=raw["format_version"],
             ep=ep,
+            vpp=vpp,
         )
         checksums = read_checksums(meta_path, raw)
         self._shards: dict[tuple[int, int], _LazyShard | _ExpertParallelShard] = {}

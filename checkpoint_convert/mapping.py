@@ -125,10 +125,16 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisor: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_layout(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1, source: str = "config.json", divisor: int = 128) -> None:
-    """Raise ConversionError unless the model can be split tp x pp (and its experts over ep)."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ConversionError(f"layout: tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+def check_layout(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1, source: str = "config.json", divisor: int = 128,
+                 vpp: int = 1) -> None:
+    """Raise ConversionError unless the model can be split tp x pp (and its experts over ep), each
+    pipeline rank holding `vpp` model chunks (virtual pipeline stages, `chunk_layers`)."""
+    if tp < 1 or pp < 1 or ep < 1 or vpp < 1:
+        raise ConversionError(f"layout: tp, pp, ep and vpp must be >= 1, got tp={tp} pp={pp} ep={ep} vpp={vpp}")
+    if vpp > 1 and pp == 1:
+        raise ConversionError(f"--vpp {vpp} needs pipeline parallelism (pp >= 2), got pp 1")
+    if vpp > 1:
+        chunk_layers(spec.num_layers, pp=pp, pp_rank=0, vpp=vpp, chunk=0)  # one line unless the chunks are equal
     if ep > 1 and not spec.num_experts:
         raise ConversionError(f"{source}: ep={ep} asks for expert parallelism, but {spec.architecture} has no experts")
     if spec.num_experts % ep:

@@ -29,8 +29,11 @@ def _rotary_base(theta: float) -> int | float:
 
 
 def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int, vocab_divisor: int, dtype: str,
-                    ep: int = 1) -> argparse.Namespace:
-    """The args a torch_dist checkpoint of this model, written at tp x pp (x ep), carries."""
+                    ep: int = 1, vpp: int = 1) -> argparse.Namespace:
+    """The args a torch_dist checkpoint of this model, written at tp x pp (x ep) with `vpp` model
+    chunks per pipeline rank, carries. Chunks are recorded as Megatron-LM records a run given
+    --num-virtual-stages-per-pipeline-rank N: that arg and virtual_pipeline_model_parallel_size
+    N, num_layers_per_virtual_pipeline_stage None (its validate_args refuses both set)."""
     torch_dtype = DTYPES[dtype]
     scaling = spec.rope_scaling if spec.rope_scaling and spec.rope_scaling.get("rope_type") == "llama3" else None
     args = dict(
@@ -79,7 +82,8 @@ def checkpoint_args(spec: ModelSpec, *, tp: int, pp: int, padded_vocab_size: int
         # layout of the writer
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
         expert_model_parallel_size=ep,
         context_parallel_size=1,

@@ -520,9 +520,13 @@ def write_checkpoint(
     aux_files: Iterable[Path],
     log: Callable[[str], None],
     ep: int = 1,
+    vpp: int = 1,
 ) -> None:
     """Write Megatron-LM's layout (release/) into tmp, laid out as tp x pp ranks would write it
-    (experts split over the expert tp of (tp, ep), mapping.expert_tp_size).
+    (experts split over the expert tp of (tp, ep), mapping.expert_tp_size), each pipeline rank
+    with `vpp` model chunks (chunk c of rank s: the layers of stage c*pp + s of pp*vpp stages,
+    its tensors in rank s's files under their global keys, as Megatron-LM's `model{c}`);
+    the args record virtual_pipeline_model_parallel_size.
 
     layer_spec does not apply: megatron-core saves both specs under the same sharded keys (a MoE
     layer's pre-MLP norm is written under both of its names, see the module docstring)."""
@@ -535,13 +539,14 @@ def write_checkpoint(
     for key, shape in shapes.items():
         writer.declare(key, shape=shape, dtype=torch_dtype)
     get_hf = stacked_reader(get)
+    stages = pp * vpp  # virtual stages; stage v is chunk v // pp of pipeline rank v % pp
     try:
-        for pp_rank in range(pp):
+        for stage in range(stages):
 
-            def file_of(tp_rank: int, pp_rank: int = pp_rank) -> str:
+            def file_of(tp_rank: int, pp_rank: int = stage % pp) -> str:
                 return f"__{pp_rank * tp + tp_rank}_0.distcp"
 
-            for template, kind, hf, local, global_layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank):
+            for template, kind, hf, local, global_layer in mcore_entries(spec, pp=stages, pp_rank=stage):
                 if template == "output_layer.weight" and spec.tie_word_embeddings:
                     continue  # tied: megatron-core stores the embedding once, under its own key
                 hf_names = [t.format(layer=global_layer) for t in hf]
@@ -563,16 +568,18 @@ def write_checkpoint(
                         for key, lead, _sizes in targets:
                             chunk = block.reshape((1,) * len(lead) + block.shape)
                             writer.write_chunk(key, chunk, offsets=lead + offsets, file=file_of(tp_rank))
-            for layer in stage_layers(spec.num_layers, pp=pp, pp_rank=pp_rank):
+            for layer in stage_layers(spec.num_layers, pp=stages, pp_rank=stage):
                 for key in _extra_state_keys(spec, layer=layer):  # megatron-core's linears save an (empty) extra state
                     # megatron-core stores a ShardedObject as the list of its replicas' data.
                     writer.write_object(key, [None], file=file_of(0))
-            log(f"wrote {RELEASE_DIR}/ stage {pp_rank} ({tp} tensor-parallel rank file(s))")
+            chunk = f" chunk {stage // pp}" if vpp > 1 else ""
+            log(f"wrote {RELEASE_DIR}/ stage {stage % pp}{chunk} ({tp} tensor-parallel rank file(s))")
     except BaseException:
         writer.abort()
         raise
     writer.finish()
-    args = checkpoint_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded, vocab_divisor=divisor, dtype=dtype)
+    args = checkpoint_args(spec, tp=tp, pp=pp, ep=ep, vpp=vpp, padded_vocab_size=padded, vocab_divisor=divisor,
+                           dtype=dtype)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, out / COMMON_FILE)
     hf_files = out / HF_FILES_DIR
     hf_files.mkdir()

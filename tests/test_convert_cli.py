@@ -1,4 +1,5 @@
-"""checkpoint_convert CLI on real files: hf-to-mcore, reshard, mcore-to-hf, bad input, atomic output."""
+"""checkpoint_convert CLI on real files: hf-to-mcore, reshard, mcore-to-hf, bad input, atomic output;
+--vpp (the layout of a training run's model chunks) through the command line in its own process."""
 
 from __future__ import annotations
 
@@ -301,3 +302,84 @@ def test_a_hub_name_as_hf_dir_says_to_download_a_local_directory(tmp_path, monke
 def test_a_missing_local_hf_dir_gets_no_hub_hint(tmp_path, capsys):
     code, err = _run(["verify", "--hf-dir", str(tmp_path / "nope"), "--mcore-dir", str(tmp_path / "m")], capsys)
     assert code == 2 and err.strip() == f"error: {tmp_path / 'nope'}: does not exist"
+
+
+def _convert_cli(*argv) -> "subprocess.CompletedProcess":
+    """`python -m checkpoint_convert ARGV` in its own process."""
+    return run_python(["-m", "checkpoint_convert", *map(str, argv)], timeout=300)
+
+
+def _rank_files(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {str(p.relative_to(directory)): load_file(str(p)) for p in sorted(directory.glob("tp*_pp*/*.safetensors"))}
+
+
+def test_vpp_checkpoints_through_the_command_line(llama_dir, tmp_path):
+    """hf-to-mcore --tp 1 --pp 2 --vpp 2 writes what a `train --pp 2 --vpp 2` run writes and reads
+    (model/chunks.py: chunk c of stage s as the file of stage 2c + s of a plain 4-stage directory,
+    its meta naming the layout); mcore-to-hf gives the HF tensors back bit for bit; reshard to
+    --pp 2 --vpp 1 and back to --vpp 2 loses nothing."""
+    from types import SimpleNamespace
+
+    from checkpoint_convert.mapping import hf_to_mcore_shard
+    from mcore_dpo.model.chunks import rank_shard, stage_files
+
+    vpp2, vpp1, back, hf = (tmp_path / name for name in ("vpp2", "vpp1", "back", "hf"))
+    said = []
+    for argv in (["hf-to-mcore", "--hf-dir", llama_dir, "--out", vpp2, "--tp", 1, "--pp", 2, "--vpp", 2],
+                 ["mcore-to-hf", "--mcore-dir", vpp2, "--out", hf],
+                 ["reshard", "--mcore-dir", vpp2, "--out", vpp1, "--tp", 1, "--pp", 2],
+                 ["reshard", "--mcore-dir", vpp1, "--out", back, "--tp", 1, "--pp", 2, "--vpp", 2]):
+        result = _convert_cli(*argv)
+        assert result.returncode == 0, (argv, result.stderr[-2000:])
+        said.append(result.stdout.strip().splitlines()[-1])
+    assert "(safetensors, tp=1 pp=2 vpp=2 ep=1 dtype=float32)" in said[0]
+    assert "(tp=1 pp=2 vpp=2 (4 stage files) ep=1)" in said[1] and "(tp=1 pp=2 vpp=2 (4 stage files) ep=1)" in said[2]
+    assert said[3].endswith("(safetensors, tp=1 pp=2 vpp=2 ep=1)")
+    meta = json.loads((vpp2 / "mcore_checkpoint.json").read_text())
+    assert (meta["pp"], meta["virtual_pipeline"]) == (4, {"pp": 2, "vpp": 2})
+    assert (open_mcore_dir(vpp2).meta.vpp, open_mcore_dir(vpp1).meta.vpp) == (2, 1)
+    assert "virtual_pipeline" not in json.loads((vpp1 / "mcore_checkpoint.json").read_text())
+
+    # The trainer's own split of its ranks' chunks into files (model/chunks.py) gives these files.
+    source = open_hf_dir(llama_dir)
+    layout = SimpleNamespace(pp=2, vpp=2)
+    written = _rank_files(vpp2)
+    assert sorted(written) == [f"tp0_pp{stage}/model.safetensors" for stage in range(4)]
+    for pp_rank in range(2):
+        tensors = rank_shard(lambda pp, rank: hf_to_mcore_shard(source.spec, tp=1, tp_rank=0, pp=pp, pp_rank=rank,
+                                                                get=source.get),
+                             layout=layout, pp_rank=pp_rank)
+        for stage, shard in stage_files(tensors, layout=layout, pp_rank=pp_rank):
+            stored = written[f"tp0_pp{stage}/model.safetensors"]
+            assert sorted(stored) == sorted(shard), stage
+            assert all(torch.equal(stored[name], tensor) for name, tensor in shard.items()), stage
+
+    original = _load_hf_dir_tensors(llama_dir)
+    exported = _load_hf_dir_tensors(hf)
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    plain = open_mcore_dir(vpp1).hf_view()
+    assert all(torch.equal(plain.get(name), tensor) for name, tensor in original.items())
+    again = _rank_files(back)
+    assert sorted(again) == sorted(written)
+    for rel, tensors in written.items():
+        assert sorted(again[rel]) == sorted(tensors) and all(torch.equal(again[rel][n], t) for n, t in tensors.items())
+
+    # A layout field that does not multiply out to the stage files is refused in one line.
+    meta["virtual_pipeline"] = {"pp": 3, "vpp": 2}
+    (back / "mcore_checkpoint.json").write_text(json.dumps(meta))
+    result = _convert_cli("mcore-to-hf", "--mcore-dir", back, "--out", tmp_path / "refused")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "field 'virtual_pipeline'" in result.stderr and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["hf-to-mcore", "--pp", "1", "--vpp", "2"], "--vpp 2 needs pipeline parallelism (pp >= 2), got pp 1"),
+    (["hf-to-mcore", "--pp", "2", "--vpp", "3", "--format", "torch_dist"],
+     "--vpp 3: the layer count (4) must be a multiple of pp x vpp (2 x 3 = 6)"),
+], ids=["pp1", "layers-not-divisible"])
+def test_vpp_refusals_are_one_line(llama_dir, tmp_path, argv, expected):
+    result = _convert_cli(*argv, "--hf-dir", llama_dir, "--out", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and expected in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []

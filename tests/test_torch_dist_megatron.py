@@ -8,7 +8,9 @@ state inside the .distcp files, no common.pt); the converter turns it into an HF
 bit-exactly, and AutoModelForCausalLM's logits on it match Megatron's; the same for a Qwen3-MoE
 saved at ep 2 (experts under megatron-core's global expert axis). The new families (DeepSeek-V3,
 GLM-4.5, GPT-OSS): megatron-core builds each from nothing but the args the converter wrote, as
-Megatron-LM's core_transformer_config_from_args does, and reads the converter's output.
+Megatron-LM's core_transformer_config_from_args does, and reads the converter's output. Virtual
+pipeline stages: the converter's `--pp 2 --vpp 2` torch_dist is read by megatron-core into its own
+model chunks (one GPTModel per vp_stage), whose forward through the virtual stages gives HF's logits.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
     ids=["llama-untied-written-tp2pp2-loaded-tp1pp2", "qwen2-tied-written-tp1pp4-loaded-tp2pp1"],
 )
 def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory, written, loaded):
-    model = factory()
+    model = qwen2_bias_tied()
     hf_dir = save_hf(model, tmp_path / "hf")
     out = tmp_path / "torch_dist"
     hf_to_mcore(hf_dir, out, tp=written[0], pp=written[1], fmt="torch_dist", log=lambda _m: None)
@@ -251,3 +253,40 @@ def test_megatron_core_builds_the_new_families_from_our_args_and_loads_them(tmp_
         reference = model(input_ids=load_file(str(tmp_path / "tokens.safetensors"))["tokens"]).logits
     assert (megatron[..., :VOCAB_SIZE] - reference).abs().max().item() <= TOL
     assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+
+
+def test_megatron_core_loads_our_vpp_torch_dist_into_its_own_model_chunks(tmp_path):
+    """`hf-to-mcore --format torch_dist --pp 2 --vpp 2` of a 4-layer Qwen2 (one layer per virtual
+    stage; qkv biases; tied embeddings, so the output layer of the last chunk of stage 1 reads the
+    embedding's key, stored once by chunk 0 of stage 0): the args say
+    virtual_pipeline_model_parallel_size 2 as Megatron-LM's do, and megatron-core's
+    dist_checkpointing.load reads it at pp 2 x vpp 2 into GPTModels built per model chunk
+    (vp_stage c, `model{c}` as Megatron-LM keys them); the forward through the four virtual
+    stages in order gives HF's logits. mcore-to-hf of it gives the HF tensors bit for bit."""
+    from checkpoint_convert.__main__ import main
+    from checkpoint_convert.torch_dist import read_common_state
+    from tests.helpers.megatron_ranks import vpp_consumer_rank
+
+    model = qwen2_bias_tied()
+    hf_dir = save_hf(model, tmp_path / "hf")
+    out = tmp_path / "torch_dist"
+    assert main(["hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(out), "--pp", "2", "--vpp", "2",
+                 "--format", "torch_dist"]) == 0
+    args, _ = read_common_state(out / "release", DcpReader(out / "release"))
+    args = args["args"]
+    assert (args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+            args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage) == (2, 2, 2, None)
+    tokens = _tokens(tmp_path / "tokens.safetensors")
+    job = {"checkpoint": str(out / "release"), "pp": 2, "vpp": 2,
+           "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
+    spawn(vpp_consumer_rank, world_size=2, job=job)
+    megatron = load_file(job["logits"])["logits"]
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    assert (megatron[..., :VOCAB_SIZE] - reference).abs().max().item() <= TOL
+    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+
+    mcore_to_hf_dir(out, tmp_path / "back", log=lambda _m: None)
+    converted = open_hf_dir(tmp_path / "back")
+    for name, tensor in hf_state(model).items():
+        assert torch.equal(converted.get(name), tensor), name

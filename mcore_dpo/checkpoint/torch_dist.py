@@ -69,12 +69,10 @@ def checkpoint_args(*, spec, tp: int, pp: int, dp: int, dtype: str, step: int, g
     from checkpoint_convert.mapping import padded_vocab_size
     from checkpoint_convert.megatron_args import checkpoint_args as model_args
 
-    args = model_args(spec, tp=tp, pp=pp, ep=ep, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
+    # --vpp: model chunks per pipeline rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
+    args = model_args(spec, tp=tp, pp=pp, ep=ep, vpp=vpp, padded_vocab_size=padded_vocab_size(spec.vocab_size, tp=tp),
                       vocab_divisor=128, dtype=dtype)  # fmt: skip
     args.data_parallel_size = dp
-    # --vpp: model chunks per pipeline rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank)
-    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
-    args.num_virtual_stages_per_pipeline_rank = vpp if vpp > 1 else None
     args.context_parallel_size = cp
     args.world_size = tp * pp * dp * cp
     args.iteration = step

@@ -59,6 +59,7 @@ def model_meta(config: TrainConfig, spec, *, dtype: str, layer_spec: str, hf_con
         hf_config=hf_config,
         format_version=FORMAT_VERSION,
         ep=config.ep,  # at ep > 1 the workers write the converter's ep layout
+        vpp=config.vpp,  # recorded: pp above is the stage files, config.pp ranks x vpp chunks
     )
     return meta, aux
 

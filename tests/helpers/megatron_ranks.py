@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.tiers import launches
 
 
-def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int = 1, etp: int | None = None):
+def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+           vpp: int | None = None):
     os.environ["MCORE_DPO_FORCE_CPU"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -33,7 +34,7 @@ def _setup(rank: int, world_size: int, port: int, *, tp: int, pp: int, ep: int =
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+        expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=vpp,
     )
     platform_lib.init_model_rng(platform, 0)
     return platform
@@ -80,6 +81,7 @@ def transformer_config_from_args(args: Namespace):
     fields.update(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         context_parallel_size=1, sequence_parallel=False,  # (the local spec's torch norms refuse it)
@@ -130,9 +132,11 @@ def _local_spec(config, args: Namespace):
     return spec
 
 
-def build_gpt(args: Namespace, *, vocab_size: int, platform):
+def build_gpt(args: Namespace, *, vocab_size: int, platform, vp_stage: int | None = None):
     """GPTModel for this rank, from Megatron-LM style args, as its gpt model provider builds it:
-    the local layer spec (for MoE or multi-latent attention, the decoder block spec of this stage)."""
+    the local layer spec (for MoE or multi-latent attention, the decoder block spec of this stage).
+    With virtual pipeline stages, this rank's model chunk `vp_stage`, its pre/post processing as
+    Megatron-LM's get_model decides them (the first chunk of the first stage, the last of the last)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -147,8 +151,9 @@ def build_gpt(args: Namespace, *, vocab_size: int, platform):
             vocab_size=padded_vocab(vocab_size, divisor=args.make_vocab_size_divisible_by,
                                     tp=config.tensor_model_parallel_size),
             max_sequence_length=args.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            vp_stage=vp_stage,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=getattr(args, "rotary_percent", 1.0),
@@ -197,6 +202,49 @@ def consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
         model.load_state_dict(state["model"], strict=True)
         tokens = load_file(job["tokens"])["tokens"]
         _forward(model, tokens, hidden_size=args.hidden_size, out_path=job["logits"])
+    finally:
+        _teardown()
+
+
+def vpp_consumer_rank(rank: int, world_size: int, port: int, job: dict) -> None:
+    """Load a torch_dist checkpoint written for virtual pipeline stages into this rank's model
+    chunks as Megatron-LM does (tp 1): one GPTModel per chunk c (vp_stage c), their sharded state
+    under `model{c}`, one dist_checkpointing.load; then the forward through the virtual stages in
+    order (chunk c of stage s is stage c*pp + s: the hidden states go round the ring of ranks,
+    blocking send/recv), and the last one saves the logits."""
+    import torch.distributed as dist
+
+    vpp = job["vpp"]
+    platform = _setup(rank, world_size, port, tp=1, pp=job["pp"], vpp=vpp)
+    try:
+        from megatron.core import dist_checkpointing, parallel_state
+
+        args = dist_checkpointing.load_common_state_dict(job["checkpoint"])["args"]
+        assert args.virtual_pipeline_model_parallel_size == vpp, args.virtual_pipeline_model_parallel_size
+        chunks = [build_gpt(args, vocab_size=args.vocab_size, platform=platform, vp_stage=c) for c in range(vpp)]
+        sharded = {f"model{c}": chunk.sharded_state_dict() for c, chunk in enumerate(chunks)}
+        state = dist_checkpointing.load(sharded, job["checkpoint"])
+        for c, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{c}"], strict=True)
+        tokens = load_file(job["tokens"])["tokens"]
+        batch, seq_len = tokens.shape
+        mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+        position_ids = torch.arange(seq_len).unsqueeze(0).expand_as(tokens)
+        pp, pp_rank = job["pp"], parallel_state.get_pipeline_model_parallel_rank()
+        with torch.no_grad():
+            for c, chunk in enumerate(chunks):
+                chunk.eval()
+                stage = c * pp + pp_rank
+                hidden = None
+                if stage > 0:
+                    hidden = torch.empty(seq_len, batch, args.hidden_size)
+                    dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(hidden)
+                output = chunk(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+                if stage < pp * vpp - 1:
+                    dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                else:
+                    save_file({"logits": output.contiguous()}, job["logits"])
     finally:
         _teardown()
 
