@@ -114,10 +114,30 @@ def _with(job: dict, **config) -> dict:
     return {**job, "config": {**job["config"], **config}}
 
 
+def _hf_weights(out_dir: Path, j: int, *, layout: Layout, spec) -> dict:
+    """Job j's weights after its last step under HF names (a --vpp run's chunk c of stage s as stage
+    c*pp + s of a plain pipeline, model/chunks.py)."""
+    from checkpoint_convert.gather import mcore_to_hf
+
+    shards = load_rank_tensors(out_dir, j, "weights", layout=(layout.tp, layout.pp, layout.dp))
+
+    def get_shard(tp_rank: int, stage: int) -> dict:
+        shard, chunk = shards[(tp_rank, stage % layout.pp, 0)], stage // layout.pp
+        if layout.vpp == 1:
+            return shard
+        prefix = f"chunks.{chunk}."
+        return {name[len(prefix):]: value for name, value in shard.items() if name.startswith(prefix)}
+    return dict(mcore_to_hf(spec, tp=layout.tp, pp=layout.pp * layout.vpp, get_shard=get_shard))
+
+
 def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
     """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
     with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
-    reference-free, the same Llama run at --vpp 1 in the same launch, with --prefix-sharing, and packed."""
+    reference-free, the same Llama run at --vpp 1 in the same launch, with --prefix-sharing, and packed.
+    The interleaved runs carry reference forwards across steps (pipeline/interleaved.py), at --vpp 2
+    as at --vpp 1: steps 1 and 2 keep an activation for the next (their memory count sees it), and
+    the Llama run at --vpp 2 equals the one at --vpp 1 (every metric of every step, the weights after
+    the last) within 1e-5, as both equal the HF reference."""
     tp, pp, dp = 1, 2, 1
     jobs = [_with(job, vpp=2) for job in jobs_for((tp, pp, dp), parity_models, all_losses=False, steps=3,
                                                    losses=("sigmoid",))]
@@ -131,6 +151,20 @@ def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path)
     check_ran_packed(tmp_path, padded=jobs.index(llama), packed=len(jobs) - 1)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
+    metrics = [json.loads((tmp_path / f"job{j}_metrics.json").read_text()) for j in range(len(jobs))]
+    for j, job in enumerate(jobs):
+        if job["config"]["ref_mode"] == "interleaved":  # steps 1 and 2 count memory, and carry out
+            assert all(step["memory/carried_peak_bytes"] > 0 for step in metrics[j][:2]), (job["key"], metrics[j][:2])
+    chunked, plain = jobs.index(llama), jobs.index(_with(llama, vpp=1))
+    for step, (ours, theirs) in enumerate(zip(metrics[chunked][:3], metrics[plain][:3]), start=1):
+        check_metrics(ours, theirs, names=METRICS, prefix="", what=f"llama --vpp 2 against --vpp 1, step {step}",
+                      rtol=1e-5)
+    spec = open_hf_dir(llama["config"]["model"]).spec
+    weights = [_hf_weights(tmp_path, j, layout=Layout(tp=tp, pp=pp, dp=dp, vpp=vpp), spec=spec)
+               for j, vpp in ((chunked, 2), (plain, 1))]
+    assert set(weights[0]) == set(weights[1])
+    for name, value in weights[1].items():
+        assert_close(weights[0][name], value, what=f"llama --vpp 2 against --vpp 1, weight {name}", rtol=1e-5)
 
 
 def test_two_chunks_per_rank_match_the_reference_at_tp2_pp2(parity_models, tmp_path):
