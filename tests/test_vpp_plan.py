@@ -227,6 +227,8 @@ def test_carried_forwards_open_the_next_step():
             sent_in = [(op.chunk, op.microbatch) for op in flat if op.kind is OpKind.SEND_KEPT_REF_ACT]
             assert kept_out == sent_in == ([(v - 1, m - s - 1)] if s < p - 1 else [])
             assert flat[0].kind is OpKind.SEND_KEPT_REF_ACT or s == p - 1
+        # The memory model (and so the memory estimate): one carried activation on every stage but the last.
+        assert [stage.carried for stage in plan_memory(plan)] == [1] * (p - 1) + [0]
 
 
 # ----------------------------------------------------------------------------- time
