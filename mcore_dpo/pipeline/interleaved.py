@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 
 from mcore_dpo.pipeline.check import timeline
 from mcore_dpo.pipeline.plan import (
@@ -206,8 +207,8 @@ def _fill(
 
 
 def _place_late(
-    chains: list[list[Op]], times: list[list[tuple[float, float]]], refs, *, costs: Costs, num_chunks: int,
-    makespan: float,
+    chains: list[list[Op]], times: list[list[tuple[float, float]]], refs: Callable[[int, int], list[Op]], *,
+    costs: Costs, num_chunks: int, makespan: float,
 ) -> list[list[Op]] | None:
     """Fit the reference forwards `refs(stage, chunk)` (in order) into the idle time
     of the policy ops at `times`, all ending by `makespan`; None: no fit. From the last virtual
@@ -250,10 +251,12 @@ def _place_late(
 
 
 def _interleave_late(
-    chains: list[list[Op]], refs, *, costs: Costs, num_chunks: int, policy_plan: Plan, late: bool, count: int,
+    chains: list[list[Op]], refs: Callable[[int, int], list[Op]], *, costs: Costs, num_chunks: int,
+    policy_plan: Plan, late: bool, count: int,
 ) -> list[list[Op]]:
     """`_place_late` at the smallest makespan that fits (bisected), the policy ops at their
-    simulated times or (`late`) as late as the policy-only makespan allows."""
+    simulated times or (`late`) as late as the policy-only makespan allows; `count` reference
+    forwards per virtual stage at most (what bounds the search)."""
     run = timeline(policy_plan.stages, costs)
     if late:
         latest = latest_starts(chains, costs=costs, num_chunks=num_chunks, makespan=run.makespan)
