@@ -32,7 +32,7 @@ from mcore_dpo.pipeline.schedule import build_plan  # noqa: E402
 
 MEASURED = REPO_ROOT / "docs" / "results" / "ref_cost_balanced.json"
 
-# row name -> build_plan arguments (carrying only where the plan has one chunk)
+# row name -> build_plan arguments ("interleaved": a steady step as the engine runs it, carrying at every v)
 MODES = {
     "policy only (none, precomputed, separate, reference-free)": dict(ref_mode="none"),
     "sequential": dict(ref_mode="sequential"),

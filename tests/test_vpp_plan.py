@@ -27,10 +27,10 @@ from mcore_dpo.pipeline.interleaved import (
     schedule_table,
 )
 from mcore_dpo.pipeline.memory import plan_memory
-from mcore_dpo.pipeline.plan import Costs, Op, OpKind, PlanError, format_plan
+from mcore_dpo.pipeline.plan import Costs, Op, OpKind, PlanError, carried, format_plan, kept, virtual_neighbour
 from mcore_dpo.pipeline.schedule import build_plan
 
-# (ref_mode, ref_current, ref_next) of the steps a run builds with chunks (no carrying)
+# (ref_mode, ref_current, ref_next[, carry_in, carry_out]) of the steps a run builds with chunks
 VPP_CASES = (
     ("none", False, True),
     ("precomputed", False, True),
@@ -38,14 +38,18 @@ VPP_CASES = (
     ("interleaved", False, True),  # a steady step: the next batch's reference in the bubbles
     ("interleaved", True, True),  # the first step: this batch's too
     ("interleaved", True, False),  # the last step: this batch's only
+    ("interleaved", True, True, False, True),  # the first step of a carrying run: carries out
+    ("interleaved", False, True, True, True),  # a steady carrying step
+    ("interleaved", False, False, True, False),  # the last step of a carrying run: carries in only
 )
+STEADY, STEADY_CARRYING = VPP_CASES[3], VPP_CASES[7]
 
 
 @lru_cache(maxsize=None)
 def vpp_plan(p: int, m: int, v: int, case: tuple = VPP_CASES[0]):
-    mode, current, next_ = case
+    mode, current, next_, carry_in, carry_out = (*case, False, False)[:5]
     return build_plan(num_stages=p, num_microbatches=m, num_chunks=v, ref_mode=mode, ref_current=current,
-                      ref_next=next_)
+                      ref_next=next_, carry_in=carry_in, carry_out=carry_out)
 
 
 def allowed_counts(p: int, max_m: int = 32) -> range:
@@ -141,19 +145,19 @@ def test_sampled_plans_valid_and_complete(p):
             for case in VPP_CASES:
                 plan = vpp_plan(p, m, v, case)
                 validate_plan(plan)
-                assert plan.num_chunks == v and not (plan.carry_in or plan.carry_out)
+                assert plan.num_chunks == v and (plan.carry_in, plan.carry_out) == (*case, False, False)[3:5]
                 for s, ops in enumerate(plan.stages):
                     compute = Counter((op.kind, op.chunk) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD))
                     assert compute == {(kind, c): m for kind in (OpKind.FWD, OpKind.BWD) for c in range(v)}
-                    assert len([op for op in ops if op.kind is OpKind.REF_FWD]) == m * v * len(plan.ref_batches)
+                    # Carrying moves min(s, m) forwards of the last chunk from one step to the next.
+                    moved = (plan.carry_in - plan.carry_out) * s
+                    assert len([op for op in ops if op.kind is OpKind.REF_FWD]) == m * v * len(plan.ref_batches) + moved
 
 
 def test_refusals_are_one_line():
     cases = [
         (dict(num_stages=4, num_microbatches=6, num_chunks=2, ref_mode="none"), "multiple of pp"),
         (dict(num_stages=1, num_microbatches=4, num_chunks=2, ref_mode="none"), "pp >= 2"),
-        (dict(num_stages=2, num_microbatches=4, num_chunks=2, ref_mode="interleaved", carry_out=True),
-         "carrying reference forwards"),
     ]
     for kwargs, fragment in cases:
         with pytest.raises(PlanError) as info:
@@ -178,6 +182,53 @@ def test_validator_knows_chunks():
     with pytest.raises(PlanError, match="forward needs its input") as info:
         validate_plan(dataclasses.replace(plan, stages=(tuple(ops), plan.stages[1])))
     assert "chunk=1" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- carrying
+
+
+def test_carrying_rule_with_chunks():
+    """plan.carried / plan.kept with model chunks: the one-chunk rule on the last chunk (the last lap
+    of the ring), nothing on the others; sets that grow along the virtual pipeline by at most the one
+    activation the stage upstream keeps; stage s carries s chunk forwards, its warm-up idle time."""
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 32):
+            assert [list(carried(s, num_stages=p, num_microbatches=m)) for s in range(p)] == \
+                [list(range(m - min(s, m), m)) for s in range(p)]  # one chunk: as before
+            for v in (2, 3, 4):
+                rule = dict(num_stages=p, num_microbatches=m, num_chunks=v)
+                for s in range(p):
+                    sets = [set(carried(s, chunk=c, **rule)) for c in range(v)]
+                    assert sets == [set()] * (v - 1) + [set(carried(s, num_stages=p, num_microbatches=m))]
+                    assert sum(map(len, sets)) == s
+                    for c in range(v):
+                        down = virtual_neighbour(s, c, step=1, num_stages=p, num_chunks=v)
+                        mine, keeps = set(carried(s, chunk=c, **rule)), set(kept(s, chunk=c, **rule))
+                        if down is None:
+                            assert keeps == set()
+                            continue
+                        theirs = set(carried(down[0], chunk=down[1], **rule))
+                        assert mine <= theirs and theirs - mine == keeps and len(keeps) <= 1
+                        assert keeps == ({m - s - 1} if c == v - 1 and s < p - 1 else set())
+
+
+def test_carried_forwards_open_the_next_step():
+    """A steady carrying plan: stage s starts with its s carried reference forwards of the last chunk
+    (before its first policy forward), keeps what the next step's stage s+1 carries in, and what
+    one step keeps is what the next one sends first."""
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 8, 4)]:
+        plan = vpp_plan(p, m, v, STEADY_CARRYING)
+        for s, ops in enumerate(plan.stages):
+            flat = [part for op in ops for part in (op.parts or (op,))]
+            first_fwd = flat.index(Op(OpKind.FWD, 0))
+            opening = [op for op in flat[:first_fwd] if op.kind is OpKind.REF_FWD]
+            assert opening == [Op(OpKind.REF_FWD, mb, 0, chunk=v - 1) for mb in range(m - s, m)]
+            kept_out = [(op.chunk, op.microbatch) for op in flat if op.kind is OpKind.KEEP_REF_ACT]
+            sent_in = [(op.chunk, op.microbatch) for op in flat if op.kind is OpKind.SEND_KEPT_REF_ACT]
+            assert kept_out == sent_in == ([(v - 1, m - s - 1)] if s < p - 1 else [])
+            assert flat[0].kind is OpKind.SEND_KEPT_REF_ACT or s == p - 1
+        # The memory model (and so the memory estimate): one carried activation on every stage but the last.
+        assert [stage.carried for stage in plan_memory(plan)] == [1] * (p - 1) + [0]
 
 
 # ----------------------------------------------------------------------------- time
@@ -209,6 +260,7 @@ def test_reference_in_the_bubbles_costs_no_more_than_a_separate_pass():
         policy = timed[VPP_CASES[0]]
         assert timed[("interleaved", False, True)] <= timed[("sequential", False, True)] + 1e-9
         assert timed[("interleaved", False, True)] <= policy + m * costs.ref_fwd + 1e-9
+        assert timed[STEADY_CARRYING] <= timed[STEADY] + 1e-9  # carrying never costs a steady step time
         run = simulate(vpp_plan(p, m, v, ("interleaved", False, True)), costs=chunk_costs(costs, v))
         assert run.max_ref_acts_in_flight <= max_in_flight(v)
 
@@ -269,8 +321,10 @@ def sweep(*, max_stages: int = 8, max_chunks: int = 4, max_microbatches: int = 3
         for v in range(2, max_chunks + 1):
             for m in allowed_counts(p, max_microbatches):
                 for case in VPP_CASES:
+                    carry_in, carry_out = (*case, False, False)[3:5]
                     validate_plan(build_plan(num_stages=p, num_microbatches=m, num_chunks=v, ref_mode=case[0],
-                                             ref_current=case[1], ref_next=case[2]))
+                                             ref_current=case[1], ref_next=case[2], carry_in=carry_in,
+                                             carry_out=carry_out))
                     count += 1
     return count
 

@@ -143,7 +143,11 @@ def _check_same_run(out_dir: Path, chunked: int, plain: int, job: dict, *, tp: i
 def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path):
     """(1, 2, 1), 3 steps, --vpp 2 in every colocated reference mode (the Llama untied, the Qwen2
     with tied embeddings: chunk 0 of stage 0 and the last chunk of the last stage share them),
-    reference-free, the same Llama run at --vpp 1 in the same launch, with --prefix-sharing, and packed."""
+    reference-free, the same Llama run at --vpp 1 in the same launch, with --prefix-sharing, and packed.
+    The interleaved runs carry reference forwards across steps (pipeline/interleaved.py), at --vpp 2
+    as at --vpp 1: steps 1 and 2 keep an activation for the next (their memory count sees it), and
+    the Llama run at --vpp 2 equals the one at --vpp 1 (every metric of every step, the weights after
+    the last) within 1e-6, as both equal the HF reference."""
     tp, pp, dp = 1, 2, 1
     jobs = [_with(job, vpp=2) for job in jobs_for((tp, pp, dp), parity_models, all_losses=False, steps=3,
                                                    losses=("sigmoid",))]
@@ -158,6 +162,10 @@ def test_two_chunks_per_rank_match_the_reference_at_pp2(parity_models, tmp_path)
     check_ran_packed(tmp_path, padded=jobs.index(llama), packed=len(jobs) - 1)
     for j, job in enumerate(jobs):
         _check_job(tmp_path, j, job, Layout(tp=tp, pp=pp, dp=dp, vpp=job["config"]["vpp"]))
+    metrics = [json.loads((tmp_path / f"job{j}_metrics.json").read_text()) for j in range(len(jobs))]
+    for j, job in enumerate(jobs):
+        if job["config"]["ref_mode"] == "interleaved":  # steps 1 and 2 count memory, and carry out
+            assert all(step["memory/carried_peak_bytes"] > 0 for step in metrics[j][:2]), (job["key"], metrics[j][:2])
     _check_same_run(tmp_path, jobs.index(llama), plain, llama, tp=tp, pp=pp)
 
 

@@ -55,16 +55,16 @@ def _expected_ops(
     *, stage: int, num_stages: int, num_microbatches: int, ref_batches: tuple[int, ...], carry_in: bool,
     carry_out: bool, num_next_microbatches: int | None = None, num_chunks: int = 1,
 ) -> Counter:
-    """The ops stage `stage` must run, each model chunk as virtual stage chunk*p + stage
-    (carrying exists only without chunks)."""
+    """The ops stage `stage` must run, each model chunk as virtual stage chunk*p + stage."""
     m_next = num_microbatches if num_next_microbatches is None else num_next_microbatches
-    # Carried in: this batch's microbatches; carried out and kept: the next batch's.
-    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    mine_next = carried(stage, num_stages=num_stages, num_microbatches=m_next)
-    kept_in = kept(stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    kept_out = kept(stage, num_stages=num_stages, num_microbatches=m_next)
     expected: Counter = Counter()
     for chunk in range(num_chunks):
+        # Carried in: this batch's microbatches; carried out and kept: the next batch's.
+        rule = dict(num_stages=num_stages, chunk=chunk, num_chunks=num_chunks)
+        mine = carried(stage, num_microbatches=num_microbatches, **rule)
+        mine_next = carried(stage, num_microbatches=m_next, **rule)
+        kept_in = kept(stage, num_microbatches=num_microbatches, **rule)
+        kept_out = kept(stage, num_microbatches=m_next, **rule)
         first, last = (virtual_neighbour(stage, chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
                        is None for step in (-1, 1))
         for mb in range(num_microbatches):
@@ -86,16 +86,15 @@ def _expected_ops(
                 if not last:
                     keep = batch == 1 and carry_out and mb in kept_out
                     expected[Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, mb, batch, chunk=chunk)] += 1
-    first, last = stage == 0, stage == num_stages - 1
-    if carry_in:
-        for mb in mine:
-            expected[Op(OpKind.REF_FWD, mb, 0)] += 1
-            if not first:
-                expected[Op(OpKind.RECV_REF_ACT, mb, 0)] += 1
-            if not last:
-                expected[Op(OpKind.SEND_REF_ACT, mb, 0)] += 1
-        for mb in kept_in:
-            expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0)] += 1
+        if carry_in:
+            for mb in mine:
+                expected[Op(OpKind.REF_FWD, mb, 0, chunk=chunk)] += 1
+                if not first:
+                    expected[Op(OpKind.RECV_REF_ACT, mb, 0, chunk=chunk)] += 1
+                if not last:
+                    expected[Op(OpKind.SEND_REF_ACT, mb, 0, chunk=chunk)] += 1
+            for mb in kept_in:
+                expected[Op(OpKind.SEND_KEPT_REF_ACT, mb, 0, chunk=chunk)] += 1
     return expected
 
 
@@ -142,9 +141,8 @@ def _check_structure(plan: Plan) -> None:
     if plan.carry_out and 1 not in plan.ref_batches:
         raise PlanError("plan.carry_out without batch 1 in plan.ref_batches: nothing to carry")
     v = plan.num_chunks
-    if not isinstance(v, int) or v < 1 or (v > 1 and (p < 2 or plan.carry_in or plan.carry_out)):
-        raise PlanError(f"plan.num_chunks={v!r}: model chunks need an int >= 1, and more than one needs >= 2 stages "
-                        f"and no carrying")
+    if not isinstance(v, int) or v < 1 or (v > 1 and p < 2):
+        raise PlanError(f"plan.num_chunks={v!r}: model chunks need an int >= 1, and more than one needs >= 2 stages")
     _check_ops(plan.stages)
     if num_chunks_of(plan.stages) > v:
         raise PlanError(f"plan has ops of model chunk {num_chunks_of(plan.stages) - 1}, but num_chunks={v}")

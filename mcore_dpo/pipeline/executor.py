@@ -106,8 +106,9 @@ class StageContext:
     _grad_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _ref_in: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _ref_out: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
-    # Carrying plans: next-batch reference activations kept for the next step (by microbatch),
-    # and the ones the previous step kept, to send first thing.
+    # Carrying plans: next-batch reference activations kept for the next step (by microbatch: with
+    # model chunks only the last chunk keeps, `plan.kept`), and the ones the previous step kept, to
+    # send first thing.
     kept_out: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_in: dict[int, torch.Tensor] = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)  # batch (padded) or (batch, mb) (packed) -> mask

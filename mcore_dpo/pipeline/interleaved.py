@@ -22,9 +22,20 @@ scheduler in time (`_fill`: idle time, or also policy slack for a few target ste
 few limits on the reference activations in flight) and, for the next batch alone, each
 forward in the latest idle slot, last virtual stage first (`_interleave_late`); the fastest
 few are paired for rendezvous transfers and the fastest paired plan within
-`max_in_flight(v)` is kept. Carrying reference forwards across steps is not built for model
-chunks: refused (the warm-up idle time of the later stages then stays empty, which is most
-of what the reference could fill).
+`max_in_flight(v)` is kept.
+
+Carrying (`carry_out` / `carry_in`), as in one-chunk plans, by `plan.carried` and `plan.kept`
+with chunks: stage s idles s chunk forwards at the start of a step before its first policy
+forward arrives, so a carrying step leaves the next batch's reference forwards of its last s
+microbatches through its LAST chunk (the last lap round the ring, virtual stages (v-1)p + s)
+to the start of the next step, and stage s-1 keeps its last-chunk output for the first of
+them (KEEP_REF_ACT, chunk v-1) instead of sending it. These reference activations have passed
+(v-1)p + s - 1 virtual stages; the next step opens stage s's list with the carried forwards
+and stage s-1's with sending the kept one (SEND_KEPT_REF_ACT). No earlier chunk carries:
+what chunk c < v-1 carried, every virtual stage after it would carry too, stage 0's chunk
+c+1 among them, and stage 0 has no warm-up idle time. Simulated at unit costs (F=1, B=2,
+refF=1, each chunk op 1/v) a steady carrying step takes 0.92x-1.00x of the same step
+without carrying at p 2/4/8, m 8/16/32, v 2/4, never more.
 
 Look at a plan:  python -c "from mcore_dpo.pipeline.schedule import *; print(format_plan(
 build_plan(num_stages=2, num_microbatches=4, num_chunks=2, ref_mode='interleaved')))"
@@ -34,16 +45,20 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 
 from mcore_dpo.pipeline.check import timeline
 from mcore_dpo.pipeline.plan import (
+    COMPUTE_KINDS,
     MAX_REF_ACTS_IN_FLIGHT,
     Costs,
     Op,
     OpKind,
     Plan,
     PlanError,
+    carried,
     cost_of,
+    kept,
     virtual_neighbour,
 )
 from mcore_dpo.pipeline.list_schedule import (
@@ -103,7 +118,7 @@ def interleaved_1f1b(*, stage: int, num_stages: int, num_microbatches: int, num_
 
 def _fill(
     chains: list[list[Op]], refs: list[list[Op]], *, costs: Costs, num_chunks: int, max_in_flight: int,
-    latest: dict | None, sources: dict,
+    latest: dict | None, sources: dict, kept_in: set, kept_out: set,
 ) -> list[list[Op]]:
     """List-schedule each stage's reference forwards `refs[s]` (in order) into the idle time
     of its policy chain (never reordered), simulating in time: a free stage starts its next
@@ -111,10 +126,13 @@ def _fill(
     while fewer than `max_in_flight` of its reference activations wait downstream. With
     `latest` (`list_schedule.latest_starts`), a reference forward goes first where the policy op has the
     slack for it. This batch's reference (batch 0) feeds the loss, so REF(mb, c) joins the
-    chain right before FWD(mb, c) if it has not run yet."""
+    chain right before FWD(mb, c) if it has not run yet. Carrying: `kept_in` holds the (stage,
+    op) whose outputs the last step kept (sent first thing, so in flight from the start),
+    `kept_out` those whose outputs this step keeps instead of sending."""
     p, v = len(chains), num_chunks
     end: dict[tuple[int, Op], float] = {}
-    chain_pos, free_at, waiting = [0] * p, [0.0] * p, [0] * p
+    chain_pos, free_at = [0] * p, [0.0] * p
+    waiting = [sum(stage == s for stage, _ in kept_in) for s in range(p)]
     # `sources`: each op's input, (stage, op) -> (producer, comm), shared by the calls of one build
     orders: list[list[Op]] = [[] for _ in range(p)]
     events = [0.0]
@@ -128,7 +146,7 @@ def _fill(
             sources[(s, op)] = source(s, op)
         src, comm = sources[(s, op)]
         if src is None:
-            return 0.0
+            return comm
         return end[src] + comm if src in end else None
 
     def source(s: int, op: Op) -> tuple[tuple[int, Op] | None, float]:
@@ -139,14 +157,17 @@ def _fill(
                 (down[0], dataclasses.replace(op, chunk=down[1]))
             return src, 0.0 if down is None else costs.comm
         up = neighbour(s, op, -1)
-        return (None, 0.0) if up is None else ((up[0], dataclasses.replace(op, chunk=up[1])), costs.comm)
+        if up is None:
+            return None, 0.0
+        src = (up[0], dataclasses.replace(op, chunk=up[1]))
+        return (None, costs.comm) if src in kept_in else (src, costs.comm)
 
     def start(s: int, op: Op, t: float) -> None:
         end[(s, op)] = free_at[s] = t + cost_of(op.kind, costs)
         orders[s].append(op)
         if op.kind is OpKind.REF_FWD:
             up, down = neighbour(s, op, -1), neighbour(s, op, 1)
-            waiting[s] += down is not None
+            waiting[s] += down is not None and (s, op) not in kept_out
             if up is not None:
                 waiting[up[0]] -= 1
         heapq.heappush(events, free_at[s])
@@ -186,10 +207,10 @@ def _fill(
 
 
 def _place_late(
-    chains: list[list[Op]], times: list[list[tuple[float, float]]], refs: list[Op], *, costs: Costs, num_chunks: int,
-    makespan: float,
+    chains: list[list[Op]], times: list[list[tuple[float, float]]], refs: Callable[[int, int], list[Op]], *,
+    costs: Costs, num_chunks: int, makespan: float,
 ) -> list[list[Op]] | None:
-    """Fit the reference forwards `refs` (in order, on every virtual stage) into the idle time
+    """Fit the reference forwards `refs(stage, chunk)` (in order) into the idle time
     of the policy ops at `times`, all ending by `makespan`; None: no fit. From the last virtual
     stage back to the first, each takes the latest idle slot of its stage that ends before the
     same forward starts one virtual stage downstream and before the next one on its own
@@ -209,9 +230,10 @@ def _place_late(
         s, chunk = index % p, index // p
         down = virtual_neighbour(s, chunk, step=1, num_stages=p, num_chunks=v)
         limit = makespan
-        for ref in reversed([dataclasses.replace(op, chunk=chunk) for op in refs]):
-            due = limit if down is None else min(limit, starts[(down[0], dataclasses.replace(ref, chunk=down[1]))]
-                                                 - costs.comm)
+        for ref in reversed(refs(s, chunk)):
+            # The same forward downstream, unless it is carried to the next step (then this one is kept).
+            after = None if down is None else starts.get((down[0], dataclasses.replace(ref, chunk=down[1])))
+            due = limit if after is None else min(limit, after - costs.comm)
             slot = next((gap for gap in reversed(free[s]) if min(due, gap[1]) - gap[0] >= dur - eps), None)
             if slot is None:
                 return None
@@ -229,40 +251,56 @@ def _place_late(
 
 
 def _interleave_late(
-    chains: list[list[Op]], refs: list[Op], *, costs: Costs, num_chunks: int, policy_plan: Plan, late: bool,
+    chains: list[list[Op]], refs: Callable[[int, int], list[Op]], *, costs: Costs, num_chunks: int,
+    policy_plan: Plan, late: bool, count: int,
 ) -> list[list[Op]]:
     """`_place_late` at the smallest makespan that fits (bisected), the policy ops at their
-    simulated times or (`late`) as late as the policy-only makespan allows."""
+    simulated times or (`late`) as late as the policy-only makespan allows; `count` reference
+    forwards per virtual stage at most (what bounds the search)."""
     run = timeline(policy_plan.stages, costs)
     if late:
         latest = latest_starts(chains, costs=costs, num_chunks=num_chunks, makespan=run.makespan)
         times = [[(latest[(s, op)], latest[(s, op)] + cost_of(op.kind, costs)) for op in ops]
                  for s, ops in enumerate(chains)]
     else:
-        times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in (OpKind.FWD, OpKind.BWD)]
+        times = [[t for op, t in zip(ops, run.op_times[s]) if op.kind in COMPUTE_KINDS]
                  for s, ops in enumerate(policy_plan.stages)]
 
     def fit(makespan: float) -> list[list[Op]] | None:
         return _place_late(chains, times, refs, costs=costs, num_chunks=num_chunks, makespan=makespan)
-    high = run.makespan + len(refs) * num_chunks * len(chains) * (costs.ref_fwd + costs.comm)
+    high = run.makespan + count * num_chunks * len(chains) * (costs.ref_fwd + costs.comm)
     return smallest_fit(fit, low=run.makespan, high=high, tolerance=1e-3 * costs.ref_fwd)
 
 
 def build_interleaved(
     *, num_stages: int, num_microbatches: int, num_chunks: int, ref_mode: str, ref_current: bool, ref_next: bool,
-    carry: bool, costs: Costs, pair_transfers: bool = True, num_next_microbatches: int | None = None,
+    carry_in: bool, carry_out: bool, costs: Costs, pair_transfers: bool = True,
+    num_next_microbatches: int | None = None,
 ) -> Plan:
     """`schedule.build_plan` with `num_chunks` > 1 (its arguments are checked there)."""
     p, m, v = num_stages, num_microbatches, num_chunks
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"num_chunks must be an int >= 1, got {v!r}")
     check_microbatches(num_stages=p, num_microbatches=m, num_chunks=v)
-    if carry:
-        raise PlanError(f"--vpp {v}: carrying reference forwards across steps is not built for model chunks "
-                        f"(build the plan with carry_in=carry_out=False)")
     ref_batches = expected_ref_batches(ref_mode, ref_current, ref_next)
     m_next = m if num_next_microbatches is None else num_next_microbatches
-    chains = [interleaved_1f1b(stage=s, num_stages=p, num_microbatches=m, num_chunks=v) for s in range(p)]
+    rule = dict(num_stages=p, num_chunks=v)
+
+    def carried_at(s: int, chunk: int, count: int) -> range:
+        return carried(s, num_microbatches=count, chunk=chunk, **rule)
+
+    # Carried-in reference forwards open each stage's list: its warm-up idle time (`plan.carried`).
+    chains = [[Op(OpKind.REF_FWD, mb, 0, chunk=c) for c in range(v) for mb in (carried_at(s, c, m) if carry_in else ())]
+              + interleaved_1f1b(stage=s, num_stages=p, num_microbatches=m, num_chunks=v) for s in range(p)]
+    # (stage, reference forward) whose output the last step kept / this step keeps, for the next step
+    kept_in = {(s, Op(OpKind.REF_FWD, mb, 0, chunk=c)) for s in range(p) for c in range(v)
+               for mb in (kept(s, num_microbatches=m, chunk=c, **rule) if carry_in else ())}
+    kept_out = {(s, Op(OpKind.REF_FWD, mb, 1, chunk=c)) for s in range(p) for c in range(v)
+                for mb in (kept(s, num_microbatches=m_next, chunk=c, **rule) if carry_out else ())}
+
+    def runs_here(s: int, op: Op) -> bool:
+        """Whether stage s runs this reference forward in this step (not carried out to the next)."""
+        return not (carry_out and op.batch == 1 and op.microbatch in carried_at(s, op.chunk, m_next))
 
     def refs_of(batch: int) -> list[Op]:
         count = m if batch == 0 else m_next
@@ -273,8 +311,9 @@ def build_interleaved(
     fillers = sorted(refs, key=lambda op: (op.batch, op.chunk, op.microbatch))
 
     def plan_of(orders: list[list[Op]]) -> Plan:
-        stages = add_comm(orders, num_microbatches=m, num_next_microbatches=num_next_microbatches, num_chunks=v)
-        return Plan(p, m, ref_mode, stages, ref_batches, False, False, num_next_microbatches, v)
+        stages = add_comm(orders, num_microbatches=m, num_next_microbatches=num_next_microbatches, num_chunks=v,
+                          carry_in=carry_in, carry_out=carry_out)
+        return Plan(p, m, ref_mode, stages, ref_batches, carry_in, carry_out, num_next_microbatches, v)
 
     if ref_mode != "interleaved" or not refs:
         candidates = [plan_of([refs + chain for chain in chains])]  # policy only, or the reference pass first
@@ -286,12 +325,17 @@ def build_interleaved(
         latests = [None] + [latest_starts(chains, costs=costs, num_chunks=v, makespan=policy_time + share * work)
                             for share in (0.0, 0.5, 1.0)]
         sources: dict = {}
-        candidates = [plan_of(_fill(chains, [fillers] * p, costs=costs, num_chunks=v, max_in_flight=limit,
-                                    latest=latest, sources=sources))
+        stage_fillers = [[op for op in fillers if runs_here(s, op)] for s in range(p)]
+        candidates = [plan_of(_fill(chains, stage_fillers, costs=costs, num_chunks=v, max_in_flight=limit,
+                                    latest=latest, sources=sources, kept_in=kept_in, kept_out=kept_out))
                       for limit in sorted({1, MAX_REF_ACTS_IN_FLIGHT, max_in_flight(v)}) for latest in latests]
         if 0 not in ref_batches:  # this batch's reference gates the loss: left to _fill
-            candidates += [plan_of(_interleave_late(chains, refs, costs=costs, num_chunks=v,
-                                                    policy_plan=plan_of(chains), late=late)) for late in (True, False)]
+
+            def refs_at(s: int, chunk: int) -> list[Op]:
+                return [op for op in refs if op.chunk == chunk and runs_here(s, op)]
+            candidates += [plan_of(_interleave_late(chains, refs_at, costs=costs, num_chunks=v,
+                                                    policy_plan=plan_of(chains), late=late, count=len(refs)))
+                           for late in (True, False)]
     if not pair_transfers:
         return candidates[0]
     # Pairing makes some stages post receives early and wait in them, so the fastest unpaired

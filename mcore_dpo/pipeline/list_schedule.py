@@ -65,9 +65,12 @@ def add_comm(
     """
     num_stages, m = len(compute_orders), num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches
-    keep_out = [set(kept(s, num_stages=num_stages, num_microbatches=m_next)) if carry_out else set()
-                for s in range(num_stages)]
-    kept_in = [list(kept(s, num_stages=num_stages, num_microbatches=m)) if carry_in else [] for s in range(num_stages)]
+    rule = dict(num_stages=num_stages, num_chunks=num_chunks)
+    # (chunk, microbatch) of the activations each stage keeps for the next step / kept in the last one
+    keep_out = [{(c, mb) for c in range(num_chunks) for mb in kept(s, num_microbatches=m_next, chunk=c, **rule)}
+                if carry_out else set() for s in range(num_stages)]
+    kept_in = [[(c, mb) for c in range(num_chunks) for mb in kept(s, num_microbatches=m, chunk=c, **rule)]
+               if carry_in else [] for s in range(num_stages)]
 
     def neighbour(s: int, op: Op, step: int) -> tuple[int, int] | None:
         return virtual_neighbour(s, op.chunk, step=step, num_stages=num_stages, num_chunks=num_chunks)
@@ -75,12 +78,13 @@ def add_comm(
     # (payload, microbatch, batch, the receiver's chunk).
     link_msgs: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
     for s, ops in enumerate(compute_orders):
-        for mb in kept_in[s]:
-            link_msgs.setdefault((s, s + 1), []).append(("ref_act", mb, 0, 0))
+        for chunk, mb in kept_in[s]:
+            down = virtual_neighbour(s, chunk, step=1, **rule)
+            link_msgs.setdefault((s, down[0]), []).append(("ref_act", mb, 0, down[1]))
         for op in ops:
             down, up = neighbour(s, op, 1), neighbour(s, op, -1)
             if op.kind in (OpKind.FWD, OpKind.REF_FWD) and down is not None:
-                if op.kind == OpKind.REF_FWD and op.batch == 1 and op.microbatch in keep_out[s]:
+                if op.kind == OpKind.REF_FWD and op.batch == 1 and (op.chunk, op.microbatch) in keep_out[s]:
                     continue
                 payload = "act" if op.kind == OpKind.FWD else "ref_act"
                 link_msgs.setdefault((s, down[0]), []).append((payload, op.microbatch, op.batch, down[1]))
@@ -92,7 +96,7 @@ def add_comm(
     for s, ops in enumerate(compute_orders):
         received = {src: 0 for src in (s - 1, s + 1, (s - 1) % num_stages, (s + 1) % num_stages)
                     if 0 <= src < num_stages}
-        out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0) for mb in kept_in[s]]
+        out: list[Op] = [Op(OpKind.SEND_KEPT_REF_ACT, mb, 0, chunk=chunk) for chunk, mb in kept_in[s]]
         for op in ops:
             need, down, up = None, neighbour(s, op, 1), neighbour(s, op, -1)
             if op.kind in (OpKind.FWD, OpKind.REF_FWD) and up is not None:
@@ -110,7 +114,7 @@ def add_comm(
             if op.kind == OpKind.FWD and down is not None:
                 out.append(Op(OpKind.SEND_ACT, op.microbatch, chunk=op.chunk))
             elif op.kind == OpKind.REF_FWD and down is not None:
-                keep = op.batch == 1 and op.microbatch in keep_out[s]
+                keep = op.batch == 1 and (op.chunk, op.microbatch) in keep_out[s]
                 out.append(Op(OpKind.KEEP_REF_ACT if keep else OpKind.SEND_REF_ACT, op.microbatch, op.batch,
                               chunk=op.chunk))
             elif op.kind == OpKind.BWD and up is not None:

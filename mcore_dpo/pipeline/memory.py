@@ -59,7 +59,8 @@ def stage_memory(ops: tuple[Op, ...], *, stage: int, num_stages: int, num_microb
     previous step kept (`plan.kept`)."""
     live = dict.fromkeys(MEMORY_CATEGORIES, 0)
     if carry_in:
-        live["carried"] = len(kept(stage, num_stages=num_stages, num_microbatches=num_microbatches))
+        live["carried"] = sum(len(kept(stage, num_stages=num_stages, num_microbatches=num_microbatches, chunk=chunk,
+                                       num_chunks=num_chunks)) for chunk in range(num_chunks))
     peak = dict(live)
 
     def note() -> None:

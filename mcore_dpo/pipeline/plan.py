@@ -179,24 +179,33 @@ def check_costs(costs: Costs) -> None:
         raise ValueError(f"Costs.comm must be >= 0, got {costs.comm!r}")
 
 
-def carried(stage: int, *, num_stages: int, num_microbatches: int) -> range:
-    """Microbatches whose next-batch reference forward `stage` leaves to the start of the
-    next step in a carrying plan: the last min(stage, m). One forward per stage above it is
-    the warm-up idle time it fills. The sets grow with the stage, so what stage s runs
-    early, stage s+1 also runs early, and only the first of stage s+1's extra ones crosses
-    the step boundary, as an activation that stage s keeps."""
+def carried(stage: int, *, num_stages: int, num_microbatches: int, chunk: int = 0, num_chunks: int = 1) -> range:
+    """Microbatches whose next-batch reference forward `stage` (its model chunk `chunk`) leaves
+    to the start of the next step in a carrying plan: the last min(stage, m). One forward per
+    stage above it is the warm-up idle time it fills. The sets grow with the stage, so what
+    stage s runs early, stage s+1 also runs early, and only the first of stage s+1's extra ones
+    crosses the step boundary, as an activation that stage s keeps.
+
+    With model chunks (v > 1) the same rule holds for the last chunk, the last lap round the
+    ring of virtual stages (v-1)p + s, and no earlier chunk carries: whatever a chunk c < v-1
+    carried, every virtual stage after it would carry too, stage 0's chunk c+1 among them, and
+    stage 0 has no warm-up idle time. A chunk forward costs 1/v of a stage's, as does the idle
+    time: stage s idles s chunk forwards before its first policy forward, which its s carried
+    ones fill."""
     if num_stages < 2:
         return range(0)
-    count = min(stage, num_microbatches)
+    count = min(stage, num_microbatches) if chunk == num_chunks - 1 else 0
     return range(num_microbatches - count, num_microbatches)
 
 
-def kept(stage: int, *, num_stages: int, num_microbatches: int) -> range:
-    """Next-batch reference activations that `stage` keeps for the next step (carry_out)."""
-    if stage >= num_stages - 1:
+def kept(stage: int, *, num_stages: int, num_microbatches: int, chunk: int = 0, num_chunks: int = 1) -> range:
+    """Next-batch reference activations that `stage` (its chunk `chunk`) keeps for the next step
+    (carry_out): those its virtual stage downstream carries and it does not."""
+    down = virtual_neighbour(stage, chunk, step=1, num_stages=num_stages, num_chunks=num_chunks)
+    if down is None:
         return range(0)
-    mine = carried(stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    theirs = carried(stage + 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    kw = dict(num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    mine, theirs = carried(stage, chunk=chunk, **kw), carried(down[0], chunk=down[1], **kw)
     return range(theirs.start, mine.start)
 
 

@@ -294,7 +294,7 @@ def _build_plan(
     if num_chunks != 1:
         return build_interleaved(
             num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks, ref_mode=ref_mode,
-            ref_current=ref_current, ref_next=ref_next, carry=carry_in or carry_out, costs=costs,
+            ref_current=ref_current, ref_next=ref_next, carry_in=carry_in, carry_out=carry_out, costs=costs,
             pair_transfers=pair_transfers, num_next_microbatches=num_next_microbatches)
     p, m = num_stages, num_microbatches
     m_next = m if num_next_microbatches is None else num_next_microbatches

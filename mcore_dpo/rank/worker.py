@@ -216,8 +216,7 @@ class PolicyWorker(Rank):
             num_stages=self.layout.pp, num_microbatches=len(mbs),
             num_next_microbatches=len(microbatches_of[1]) if ref.next else None,
             ref_mode=ref.plan_mode, ref_current=ref.current, ref_next=ref.next, carry_in=self.reference.carried,
-            # aot reads a batch's whole reference first; plans with model chunks do not carry (pipeline/interleaved.py)
-            carry_out=ref.next and not objective.needs_prepass and self.layout.vpp == 1,
+            carry_out=ref.next and not objective.needs_prepass,  # aot reads a batch's whole reference first
             num_chunks=self.layout.vpp,
         )  # fmt: skip
         self.last_plan = plan

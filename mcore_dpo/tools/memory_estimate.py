@@ -375,7 +375,8 @@ def plan_activation_bytes(
     all at the rank's seq_len / cp positions per row. Interleaved: the larger of the first step's plan and the carrying one.
     `vpp` > 1 (model chunks): the plan is the interleaved 1F1B one, whose unit is one chunk's
     forward, layers/(pp x vpp) layers (chunk c of stage s: virtual stage c x pp + s; a MoE model's
-    first dense layers make chunks unequal, and a stage's unit is then its largest chunk's), and which does not carry (the first step's plan and a
+    first dense layers make chunks unequal, and a stage's unit is then its largest chunk's), and
+    which carries as well (the first step's plan and a
     steady one); its first stage holds the most units in flight."""
     from mcore_dpo.pipeline.memory import plan_memory
     from mcore_dpo.pipeline.schedule import build_plan
@@ -406,8 +407,7 @@ def plan_activation_bytes(
     plan_mode = ref_mode if ref_mode in ("interleaved", "sequential") else "none"  # others: no reference forward
     variants = [dict()]
     if plan_mode == "interleaved":
-        variants = ([dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)] if vpp == 1
-                    else [dict(ref_current=True), dict()])
+        variants = [dict(ref_current=True, carry_out=True), dict(carry_in=True, carry_out=True)]
     peak = 0.0
     for extra in variants:
         plan = build_plan(num_stages=pp, num_microbatches=num_microbatches, ref_mode=plan_mode, num_chunks=vpp,
