@@ -96,7 +96,7 @@ def test_reshard_changes_ep_and_the_export_generates_the_same(hf_dirs, family, t
 
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "1", "--pp", "1", "--ep", "3"], "the expert count (4) is not divisible by ep=3"),
-    (["--tp", "1", "--pp", "1", "--ep", "0"], "tp, pp and ep must be >= 1"),
+    (["--tp", "1", "--pp", "1", "--ep", "0"], "tp, pp, ep and vpp must be >= 1"),
 ], ids=["ep-not-dividing-experts", "ep-zero"])
 def test_reshard_bad_ep_is_one_line_and_writes_nothing(hf_dirs, tmp_path, capsys, flags, message):
     assert main(["hf-to-mcore", "--hf-dir", str(hf_dirs["mixtral"]), "--out", str(tmp_path / "m"), "--ep", "2"]) == 0
