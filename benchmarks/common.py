@@ -254,7 +254,7 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                 worker.precompute_reference(pairs[: job["precompute_pairs"]])
                 precompute_s = time.perf_counter() - start
             worker.trace_ops = job["trace"]
-            step_times, tokens, traces = [], [], []
+            step_times, tokens, traces, bubbles = [], [], [], []
             for k in range(num_batches - 1):
                 metrics = worker.train_step(StepBatch(
                     step=k + 1,
@@ -266,12 +266,14 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                     traces.append(worker.last_trace)
                 if metrics is not None and k >= job["warmup_steps"]:
                     step_times.append(metrics["step_time_s"])
+                    bubbles.append(metrics["bubble_fraction"])  # blocked in transfers / step, mean over ranks
                     tokens.append(pair_tokens([pairs[i] for i in batches[k]]))
             results.append({
                 "name": job["name"],
                 "coordinates": worker.coordinates(),
                 "reports": bool(step_times),
                 "step_time_s": step_times,
+                "bubble_fraction": bubbles,
                 "tokens_per_step": tokens,
                 "ref_param_bytes": ref_bytes,
                 "optimizer_state_bytes": worker.optimizer.state_bytes(),  # fp32 master copies + moments
