@@ -156,11 +156,13 @@ def measure(*, shape: common.LlamaShape, microbatches: list[int], chunks: list[i
                 rep = common.reporting(ranks, index)
                 cell = samples.setdefault((m, mode, int(v)), {"step_time_s": [], "bubble_fraction": [],
                                                                "round_median_s": [], "loadavg_1min_after": [],
-                                                               "busiest_compute_s": [], "ops_per_stage": 0})
+                                                               "busiest_compute_s": [], "busiest_cpu_s": [],
+                                                               "ops_per_stage": 0})
                 # per measured step: the busier stage's forward/backward/reference seconds
                 per_stage = [[sum(end - start for kind, _, _, start, end in trace if kind in COMPUTE_OPS)
                               for trace in rank[index]["traces"]] for rank in ranks]
                 cell["busiest_compute_s"] += [max(step) for step in zip(*per_stage)]
+                cell["busiest_cpu_s"] += [max(step) for step in zip(*(rank[index]["cpu_s"] for rank in ranks))]
                 cell["ops_per_stage"] = max(len(rank[index]["traces"][0]) for rank in ranks)
                 cell["step_time_s"] += rep["step_time_s"]
                 cell["bubble_fraction"] += rep["bubble_fraction"]
@@ -187,6 +189,7 @@ def _cells(samples: dict[tuple, dict], *, costs: dict[str, Costs]) -> list[dict]
         row = {"pp": 2, "m": m, "mode": mode, "vpp": v, "step_time_s": common.summary(cell["step_time_s"]),
                "bubble_fraction": common.summary(cell["bubble_fraction"]),
                "busiest_stage_compute_s": common.summary(cell["busiest_compute_s"]),
+               "busiest_rank_cpu_s": common.summary(cell["busiest_cpu_s"]),
                "ops_per_stage": cell["ops_per_stage"],
                "loadavg_1min_after": cell["loadavg_1min_after"],
                "bubble_theory_policy_only": policy_bubble_theory(num_stages=2, num_microbatches=m, num_chunks=v)}
@@ -194,6 +197,7 @@ def _cells(samples: dict[tuple, dict], *, costs: dict[str, Costs]) -> list[dict]
             row["vs_vpp1"] = row["step_time_s"]["median"] / statistics.median(base["step_time_s"])
             # the least-disturbed steps of each: on a loaded box the better estimate of the engine
             row["min_vs_vpp1"] = row["step_time_s"]["min"] / min(base["step_time_s"])
+            row["cpu_vs_vpp1"] = row["busiest_rank_cpu_s"]["median"] / statistics.median(base["busiest_cpu_s"])
             rounds = min(len(base["round_median_s"]), len(cell["round_median_s"]))
             row["round_vs_vpp1"] = common.summary([cell["round_median_s"][i] / base["round_median_s"][i]
                                                    for i in range(rounds)])
@@ -212,7 +216,7 @@ def measured_table(cells: list[dict], *, cost_names: tuple[str, ...] = ("unit", 
     names = [n for n in cost_names if cells and f"simulated_vs_vpp1_{n}" in cells[0]]
     lines = [f"| mode | pp | m | vpp | step time s | measured vs vpp 1: medians (per round) | of minima | simulated vs vpp 1 "
              f"({' / '.join(names)}) | measured bubble | simulated bubble ({names[-1]}) | policy-only theory "
-             f"| compute s, busier stage | ops per stage |",
+             f"| CPU s per step, busier rank (vs vpp 1) | ops per stage |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         ratio = f"{c['vs_vpp1']:.3f} ({common.fmt(c['round_vs_vpp1'])})" if "vs_vpp1" in c else "-"
@@ -221,7 +225,8 @@ def measured_table(cells: list[dict], *, cost_names: tuple[str, ...] = ("unit", 
         lines.append(f"| {c['mode']} | {c['pp']} | {c['m']} | {c['vpp']} | {common.fmt(c['step_time_s'])} | {ratio} | "
                      f"{minima} | {sim} | {common.fmt(c['bubble_fraction'])} | "
                      f"{c[f'simulated_bubble_{names[-1]}']:.3f} | {c['bubble_theory_policy_only']:.3f} | "
-                     f"{common.fmt(c['busiest_stage_compute_s'])} | {c['ops_per_stage']} |")
+                     f"{common.fmt(c['busiest_rank_cpu_s'])} ({c.get('cpu_vs_vpp1', float('nan')):.3f}) | "
+                     f"{c['ops_per_stage']} |")
     return "\n".join(lines)
 
 
