@@ -88,11 +88,13 @@ def test_vpp_measures_step_times_against_vpp1(tmp_path):
     for (mode, v), c in cells.items():
         assert c["step_time_s"]["n"] == 1 and c["step_time_s"]["median"] > 0
         assert 0 < c["busiest_stage_compute_s"]["median"] < c["step_time_s"]["median"]
+        assert c["busiest_rank_cpu_s"]["median"] > 0
         assert 0 <= c["bubble_fraction"]["median"] < 1
         assert c["bubble_theory_policy_only"] == pytest.approx(1 / (2 * v + 1))  # (p-1)/(v*m + p-1)
         assert c["vs_vpp1"] == pytest.approx(c["round_vs_vpp1"]["median"])  # one round
     for mode in ("none", "interleaved"):
         assert cells[(mode, 1)]["vs_vpp1"] == cells[(mode, 1)]["simulated_vs_vpp1_unit"] == 1.0
+        assert cells[(mode, 1)]["min_vs_vpp1"] == cells[(mode, 1)]["cpu_vs_vpp1"] == 1.0
         assert cells[(mode, 2)]["ops_per_stage"] > cells[(mode, 1)]["ops_per_stage"]  # ops per chunk
     assert cells[("none", 2)]["simulated_vs_vpp1_unit"] == pytest.approx(7.5 / 9)  # 1F1B's closed form, v = 2
     assert cells[("none", 2)]["simulated_bubble_unit"] == pytest.approx(cells[("none", 2)]["bubble_theory_policy_only"])
