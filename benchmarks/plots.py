@@ -28,7 +28,8 @@ def _bars(ax, labels: list[str], stats: list[dict], *, ylabel: str, title: str) 
 
 def _vpp(plt, cells: list[dict], path: Path) -> None:
     """benchmarks/vpp.py --measure: step time against --vpp 1 per mode, measured (median, per-round
-    min-max) beside the simulated ratio with the measured op costs, over the microbatch count."""
+    min-max) beside the simulated ratio with the measured op costs and the ratio of the busier
+    rank's CPU seconds per step, over the microbatch count."""
     modes = list(dict.fromkeys(c["mode"] for c in cells))
     fig, axes = plt.subplots(1, len(modes), figsize=(3.4 * len(modes), 3.4), sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -44,6 +45,9 @@ def _vpp(plt, cells: list[dict], path: Path) -> None:
                         fmt="o-", color=colour, capsize=3, label=f"vpp {v} measured")
             key = "simulated_vs_vpp1_measured" if "simulated_vs_vpp1_measured" in sub[0] else "simulated_vs_vpp1_unit"
             ax.plot(ms, [c[key] for c in sub], "--", color=colour, alpha=0.7, label=f"vpp {v} simulated")
+            if "cpu_vs_vpp1" in sub[0]:
+                ax.plot(ms, [c["cpu_vs_vpp1"] for c in sub], "x:", color=colour, alpha=0.8,
+                        label=f"vpp {v} CPU s, busier rank")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({c["m"] for c in cells}), [str(m) for m in sorted({c["m"] for c in cells})])
