@@ -21,7 +21,8 @@ rewritten after each, so a cut-short run keeps what it measured.
 
     python benchmarks/vpp.py                                  # simulated: p 2/4/8, m 8/16/32, v 1/2/4
     python benchmarks/vpp.py --stages 2 --microbatches 4 --chunks 1 2 --out /tmp/vpp.json  # smoke size
-    python benchmarks/vpp.py --measure --rounds 3 --steps 2   # + measured p 2, m 8/16/32 (~40 min on 2 cores)
+    python benchmarks/vpp.py --measure --stages 2 --rounds 3 --steps 2  # + measured pp 2, m 8/16/32 (36 min, 2 cores)
+    python benchmarks/vpp.py --measure --measure-pp 4 --stages 4 --microbatches 8 --chunks 1 2 --rounds 1  # pp 4
     python benchmarks/vpp.py --measure --tiny --out /tmp/vpp.json --measured-out /tmp/vpp_m.json  # smoke size
 """
 
@@ -118,12 +119,12 @@ TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=4, num_heads=4, num_kv
                                vocab_size=256)
 
 
-def _jobs(*, model_dir: Path, num_microbatches: int, chunks: list[int], modes: list[str], seq_len: int,
+def _jobs(*, model_dir: Path, pp: int, num_microbatches: int, chunks: list[int], modes: list[str], seq_len: int,
           steps: int) -> list[common.RankJob]:
     jobs = []
     for mode in modes:
         for v in chunks:  # a mode's v values back to back: its per-round ratios see the same load
-            config = dict(model=str(model_dir), tp=1, pp=2, vpp=v, dp=1, micro_batch_size=1,
+            config = dict(model=str(model_dir), tp=1, pp=pp, vpp=v, dp=1, micro_batch_size=1,
                           global_batch_size=num_microbatches, max_steps=steps + 1, max_length=seq_len, lr=1e-5,
                           packing=False, **MEASURED_MODES[mode][0])
             jobs.append(common.RankJob(name=f"{mode}|{v}", config=config, num_steps=steps, warmup_steps=1,
@@ -131,24 +132,24 @@ def _jobs(*, model_dir: Path, num_microbatches: int, chunks: list[int], modes: l
     return jobs
 
 
-def measure(*, shape: common.LlamaShape, microbatches: list[int], chunks: list[int], modes: list[str], seq_len: int,
-            steps: int, rounds: int, work_dir: Path, out: Path, costs: dict[str, Costs]) -> dict:
-    """Step times at pp 2 for every (round, m, mode, v); rewrites `out` after each launch."""
+def measure(*, shape: common.LlamaShape, pp: int, microbatches: list[int], chunks: list[int], modes: list[str],
+            seq_len: int, steps: int, rounds: int, work_dir: Path, out: Path, costs: dict[str, Costs]) -> dict:
+    """Step times at `pp` for every (round, m, mode, v); rewrites `out` after each launch."""
     model_dir = common.write_random_llama(work_dir / "model", shape=shape)
     prompt_len = seq_len // 4
     result = {"machine": common.machine(), "shape": shape.__dict__, "seq_len": seq_len, "micro_batch_size": 1,
-              "pp": 2, "steps_per_round": steps, "warmup_steps": 1, "rounds": rounds, "launches": [], "cells": []}
+              "pp": pp, "steps_per_round": steps, "warmup_steps": 1, "rounds": rounds, "launches": [], "cells": []}
     samples: dict[tuple, dict] = {}  # (m, mode, v) -> pooled samples
     started = time.monotonic()
     for r in range(rounds):
         for m in microbatches:
             data = dict(num_pairs=m * (steps + 2), prompt_len=prompt_len, completion_len=seq_len - prompt_len,
                         vocab_size=shape.vocab_size, seed=7)
-            jobs = _jobs(model_dir=model_dir, num_microbatches=m, chunks=chunks, modes=modes, seq_len=seq_len,
+            jobs = _jobs(model_dir=model_dir, pp=pp, num_microbatches=m, chunks=chunks, modes=modes, seq_len=seq_len,
                          steps=steps)
             load_before = os.getloadavg()[0]
             t0 = time.monotonic()
-            ranks = common.run_ranks(world_size=2, jobs=jobs, data=data, out_dir=work_dir / "ranks")
+            ranks = common.run_ranks(world_size=pp, jobs=jobs, data=data, out_dir=work_dir / "ranks")
             result["launches"].append({"round": r, "m": m, "seconds": time.monotonic() - t0,
                                        "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]})
             for index, job in enumerate(jobs):
@@ -168,7 +169,7 @@ def measure(*, shape: common.LlamaShape, microbatches: list[int], chunks: list[i
                 cell["bubble_fraction"] += rep["bubble_fraction"]
                 cell["round_median_s"].append(statistics.median(rep["step_time_s"]))
                 cell["loadavg_1min_after"].append(rep["loadavg_1min_after"])
-            result["cells"] = _cells(samples, costs=costs)
+            result["cells"] = _cells(samples, pp=pp, costs=costs)
             result["seconds"] = time.monotonic() - started
             common.write_json(out, result)
             print(f"round {r} m {m}: {result['launches'][-1]['seconds']:.0f} s, load {load_before:.2f} -> "
@@ -179,20 +180,20 @@ def measure(*, shape: common.LlamaShape, microbatches: list[int], chunks: list[i
 _SIMULATED: dict[tuple, tuple[float, float]] = {}
 
 
-def _cells(samples: dict[tuple, dict], *, costs: dict[str, Costs]) -> list[dict]:
+def _cells(samples: dict[tuple, dict], *, pp: int, costs: dict[str, Costs]) -> list[dict]:
     """Each measured (m, mode, v) with its ratios to v = 1 (of medians; per round) and the
     simulated ratio and bubble of the same plan, per cost set."""
     cells = []
     for (m, mode, v), cell in sorted(samples.items()):
         base = samples.get((m, mode, 1))
         sim_mode = MEASURED_MODES[mode][1]
-        row = {"pp": 2, "m": m, "mode": mode, "vpp": v, "step_time_s": common.summary(cell["step_time_s"]),
+        row = {"pp": pp, "m": m, "mode": mode, "vpp": v, "step_time_s": common.summary(cell["step_time_s"]),
                "bubble_fraction": common.summary(cell["bubble_fraction"]),
                "busiest_stage_compute_s": common.summary(cell["busiest_compute_s"]),
                "busiest_rank_cpu_s": common.summary(cell["busiest_cpu_s"]),
                "ops_per_stage": cell["ops_per_stage"],
                "loadavg_1min_after": cell["loadavg_1min_after"],
-               "bubble_theory_policy_only": policy_bubble_theory(num_stages=2, num_microbatches=m, num_chunks=v)}
+               "bubble_theory_policy_only": policy_bubble_theory(num_stages=pp, num_microbatches=m, num_chunks=v)}
         if base is not None:
             row["vs_vpp1"] = row["step_time_s"]["median"] / statistics.median(base["step_time_s"])
             # the least-disturbed steps of each: on a loaded box the better estimate of the engine
@@ -202,9 +203,9 @@ def _cells(samples: dict[tuple, dict], *, costs: dict[str, Costs]) -> list[dict]
             row["round_vs_vpp1"] = common.summary([cell["round_median_s"][i] / base["round_median_s"][i]
                                                    for i in range(rounds)])
         for name, c in costs.items():
-            key = (name, m, v, sim_mode)
+            key = (name, pp, m, v, sim_mode)
             if key not in _SIMULATED:  # plans with the interleaved reference take a while to build
-                sim = {r["vpp"]: r for r in rows(stages=[2], microbatches=[m], chunks=sorted({1, v}), costs={name: c})
+                sim = {r["vpp"]: r for r in rows(stages=[pp], microbatches=[m], chunks=sorted({1, v}), costs={name: c})
                        if r["mode"] == sim_mode}
                 _SIMULATED[key] = (sim[v]["vs_vpp1"], sim[v]["bubble_fraction"])
             row[f"simulated_vs_vpp1_{name}"], row[f"simulated_bubble_{name}"] = _SIMULATED[key]
@@ -247,7 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--costs", nargs="+", default=None, help="cost sets to use (unit, measured); default: all")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results" / "vpp_simulated.json")
-    parser.add_argument("--measure", action="store_true", help="also measure real runs at pp 2 (--microbatches, --chunks)")
+    parser.add_argument("--measure", action="store_true", help="also measure real runs at --measure-pp (--microbatches, "
+                        "--chunks)")
+    parser.add_argument("--measure-pp", type=int, default=2, help="pipeline stages of the measured runs, one rank "
+                        "process each (more than the cores oversubscribes them)")
     parser.add_argument("--tiny", action="store_true", help="with --measure: smoke size (4-layer tiny model, m 2, "
                         "v 1/2, none and interleaved, one step)")
     parser.add_argument("--modes", nargs="+", default=None, choices=sorted(MEASURED_MODES), help="measured modes")
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         tiny = args.tiny
         modes = args.modes or (["none", "interleaved"] if tiny else list(MEASURED_MODES))
         work = args.work_dir or Path(tempfile.mkdtemp(prefix="mcore_dpo_vpp_"))
-        out["measured"] = measure(shape=TINY_SHAPE if tiny else SHAPE, microbatches=[2] if tiny else args.microbatches,
+        out["measured"] = measure(shape=TINY_SHAPE if tiny else SHAPE, pp=args.measure_pp, microbatches=[2] if tiny else args.microbatches,
                                   chunks=[1, 2] if tiny else sorted(args.chunks), modes=modes,
                                   seq_len=16 if tiny else args.seq_len, steps=1 if tiny else args.steps,
                                   rounds=1 if tiny else args.rounds, work_dir=work, out=args.measured_out, costs=costs)
