@@ -11,7 +11,7 @@ since carrying is not built for chunks). Cost sets: "unit" (F=1, B=2, reference 
 
 Measured (--measure): the engine's own `step_time_s` and `bubble_fraction` (time blocked in
 transfers over the step, mean over ranks) of gloo rank processes (benchmarks/common.py's
-launcher, one torch thread per rank) at tp 1, pp 2 (a core per rank on a 2-core box), for
+launcher, one torch thread per rank) at tp 1, pp 2 (--measure-pp; a core per rank on a 2-core box), for
 v 1/2/4 in the modes of `MEASURED_MODES`, beside the simulated ratio of the same plan. The model
 (`SHAPE`: 8 layers, so v 4 is one layer per chunk) is sized so that compute dominates the
 Python and p2p overhead. Each round builds every (mode, v) worker afresh, v values of a mode
@@ -112,7 +112,8 @@ MEASURED_MODES = {
 COMPUTE_OPS = ("fwd", "bwd", "ref_fwd")
 # 8 layers (pp 2 x vpp 4 = one layer per chunk), hidden 384: a pp-2 stage's forward of one
 # microbatch is tens of ms on one thread, well above the per-op Python and gloo overhead; a
-# small vocabulary keeps the output layer (on the last stage) near one layer's cost.
+# small vocabulary keeps the output layer small (the last stage's ops still took 1.10 s of a
+# step against the first's 0.90 s at m 8, v 1: the output layer and the loss).
 SHAPE = common.LlamaShape(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, intermediate_size=1024,
                           vocab_size=2048)
 TINY_SHAPE = common.LlamaShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
