@@ -216,7 +216,8 @@ def _cells(samples: dict[tuple, dict], *, pp: int, costs: dict[str, Costs]) -> l
 
 def measured_table(cells: list[dict], *, cost_names: tuple[str, ...] = ("unit", "measured")) -> str:
     names = [n for n in cost_names if cells and f"simulated_vs_vpp1_{n}" in cells[0]]
-    lines = [f"| mode | pp | m | vpp | step time s | measured vs vpp 1: medians (per round) | of minima | simulated vs vpp 1 "
+    lines = [f"| mode | pp | m | vpp | step time s | measured vs vpp 1: medians (per round) | of minima "
+             f"| simulated vs vpp 1 "
              f"({' / '.join(names)}) | measured bubble | simulated bubble ({names[-1]}) | policy-only theory "
              f"| CPU s per step, busier rank (vs vpp 1) | ops per stage |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -249,8 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--costs", nargs="+", default=None, help="cost sets to use (unit, measured); default: all")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results" / "vpp_simulated.json")
-    parser.add_argument("--measure", action="store_true", help="also measure real runs at --measure-pp (--microbatches, "
-                        "--chunks)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also measure real runs at --measure-pp (--microbatches, --chunks)")
     parser.add_argument("--measure-pp", type=int, default=2, help="pipeline stages of the measured runs, one rank "
                         "process each (more than the cores oversubscribes them)")
     parser.add_argument("--tiny", action="store_true", help="with --measure: smoke size (4-layer tiny model, m 2, "
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
         tiny = args.tiny
         modes = args.modes or (["none", "interleaved"] if tiny else list(MEASURED_MODES))
         work = args.work_dir or Path(tempfile.mkdtemp(prefix="mcore_dpo_vpp_"))
-        out["measured"] = measure(shape=TINY_SHAPE if tiny else SHAPE, pp=args.measure_pp, microbatches=[2] if tiny else args.microbatches,
+        out["measured"] = measure(shape=TINY_SHAPE if tiny else SHAPE, pp=args.measure_pp,
+                                  microbatches=[2] if tiny else args.microbatches,
                                   chunks=[1, 2] if tiny else sorted(args.chunks), modes=modes,
                                   seq_len=16 if tiny else args.seq_len, steps=1 if tiny else args.steps,
                                   rounds=1 if tiny else args.rounds, work_dir=work, out=args.measured_out, costs=costs)
