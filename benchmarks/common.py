@@ -254,24 +254,30 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[dict], d
                 worker.precompute_reference(pairs[: job["precompute_pairs"]])
                 precompute_s = time.perf_counter() - start
             worker.trace_ops = job["trace"]
-            step_times, tokens, traces = [], [], []
+            step_times, tokens, traces, bubbles, cpu_times = [], [], [], [], []
             for k in range(num_batches - 1):
+                cpu_start = time.process_time()
                 metrics = worker.train_step(StepBatch(
                     step=k + 1,
                     pairs=[pairs[i] for i in batches[k]],
                     next_pairs=[pairs[i] for i in batches[k + 1]],
                     pair_ids=batches[k],
                 ))  # fmt: skip
+                if k >= job["warmup_steps"]:  # this process's CPU seconds: not inflated by waiting or preemption
+                    cpu_times.append(time.process_time() - cpu_start)
                 if job["trace"] and k >= job["warmup_steps"]:
                     traces.append(worker.last_trace)
                 if metrics is not None and k >= job["warmup_steps"]:
                     step_times.append(metrics["step_time_s"])
+                    bubbles.append(metrics["bubble_fraction"])  # blocked in transfers / step, mean over ranks
                     tokens.append(pair_tokens([pairs[i] for i in batches[k]]))
             results.append({
                 "name": job["name"],
                 "coordinates": worker.coordinates(),
                 "reports": bool(step_times),
                 "step_time_s": step_times,
+                "bubble_fraction": bubbles,
+                "cpu_s": cpu_times,
                 "tokens_per_step": tokens,
                 "ref_param_bytes": ref_bytes,
                 "optimizer_state_bytes": worker.optimizer.state_bytes(),  # fp32 master copies + moments

@@ -2,8 +2,9 @@
 
     python benchmarks/plots.py --results /tmp/mcore_dpo_bench --img docs/img
 
-Reads ref_cost.json, vs_trl.json and dp_scaling.json from --results (whichever exist).
-The simulated reference-cost plot is written by `ref_cost.py --plot`.
+Reads ref_cost.json, vs_trl.json, dp_scaling.json and vpp_measured.json from --results
+(whichever exist; `--results docs/results` draws docs/img/vpp_measured.png from the recorded
+file). The simulated reference-cost plot is written by `ref_cost.py --plot`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,40 @@ def _bars(ax, labels: list[str], stats: list[dict], *, ylabel: str, title: str) 
                     xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
+
+
+def _vpp(plt, cells: list[dict], path: Path) -> None:
+    """benchmarks/vpp.py --measure: step time against --vpp 1 per mode, measured (median, per-round
+    min-max) beside the simulated ratio with the measured op costs and the ratio of the busier
+    rank's CPU seconds per step, over the microbatch count."""
+    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    fig, axes = plt.subplots(1, len(modes), figsize=(3.4 * len(modes), 3.4), sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for v, colour in ((2, "#4c78a8"), (4, "#f58518")):
+            sub = sorted((c for c in cells if c["mode"] == mode and c["vpp"] == v and "vs_vpp1" in c),
+                         key=lambda c: c["m"])
+            if not sub:
+                continue
+            ms = [c["m"] for c in sub]
+            low = [c["vs_vpp1"] - c["round_vs_vpp1"]["min"] for c in sub]
+            high = [c["round_vs_vpp1"]["max"] - c["vs_vpp1"] for c in sub]
+            ax.errorbar(ms, [c["vs_vpp1"] for c in sub], yerr=[[max(x, 0) for x in low], [max(x, 0) for x in high]],
+                        fmt="o-", color=colour, capsize=3, label=f"vpp {v} measured")
+            key = "simulated_vs_vpp1_measured" if "simulated_vs_vpp1_measured" in sub[0] else "simulated_vs_vpp1_unit"
+            ax.plot(ms, [c[key] for c in sub], "--", color=colour, alpha=0.7, label=f"vpp {v} simulated")
+            if "cpu_vs_vpp1" in sub[0]:
+                ax.plot(ms, [c["cpu_vs_vpp1"] for c in sub], "x:", color=colour, alpha=0.8,
+                        label=f"vpp {v} CPU s, busier rank")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({c["m"] for c in cells}), [str(m) for m in sorted({c["m"] for c in cells})])
+        ax.set_title(mode, fontsize=9)
+        ax.set_xlabel("microbatches")
+    axes[0][0].set_ylabel("step time / vpp 1 (pp 2, CPU)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -66,6 +101,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written.append(img / "throughput.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
+    if (results / "vpp_measured.json").exists():
+        written.append(img / "vpp_measured.png")
+        _vpp(plt, json.loads((results / "vpp_measured.json").read_text())["cells"], written[-1])
     for path in written:
         print(f"wrote {path}")
     return written

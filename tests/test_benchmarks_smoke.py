@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from benchmarks import (checkpoint_memory, common, conversion, dp_scaling, gpu_step, memory,
-                        optimizer_memory, ref_cost, vs_trl)
+                        optimizer_memory, ref_cost, vpp, vs_trl)
 from tests.helpers.cli import REPO, run_python
 from tests.helpers.ranks import run_benchmark
 from tests.helpers.tiers import launches
@@ -72,6 +72,33 @@ def test_ref_cost_simulated_and_measured(tmp_path):
     assert set(result["measured"]["simulated_with_measured_costs"]["ratio_vs_none"]) == {
         "none", "sequential", "interleaved", "interleaved_no_carry"}
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_vpp_measures_step_times_against_vpp1(tmp_path):
+    """--measure at its smoke size: pp 2, 2 microbatches, --vpp 1 and 2, none and interleaved
+    (one launch, one measured step each), beside the simulated ratio of the same plan."""
+    out = tmp_path / "m.json"
+    result = run_benchmark(vpp.main, ["--measure", "--tiny", "--stages", "2", "--microbatches", "2", "--chunks", "1",
+                                      "2", "--costs", "unit", "--out", str(tmp_path / "s.json"), "--measured-out",
+                                      str(out), "--work-dir", str(tmp_path / "w")])
+    measured = result["measured"]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(measured))
+    cells = {(c["mode"], c["vpp"]): c for c in measured["cells"]}
+    assert set(cells) == {(mode, v) for mode in ("none", "interleaved") for v in (1, 2)}
+    for (mode, v), c in cells.items():
+        assert c["step_time_s"]["n"] == 1 and c["step_time_s"]["median"] > 0
+        assert 0 < c["busiest_stage_compute_s"]["median"] < c["step_time_s"]["median"]
+        assert c["busiest_rank_cpu_s"]["median"] > 0
+        assert 0 <= c["bubble_fraction"]["median"] < 1
+        assert c["bubble_theory_policy_only"] == pytest.approx(1 / (2 * v + 1))  # (p-1)/(v*m + p-1)
+        assert c["vs_vpp1"] == pytest.approx(c["round_vs_vpp1"]["median"])  # one round
+    for mode in ("none", "interleaved"):
+        assert cells[(mode, 1)]["vs_vpp1"] == cells[(mode, 1)]["simulated_vs_vpp1_unit"] == 1.0
+        assert cells[(mode, 1)]["min_vs_vpp1"] == cells[(mode, 1)]["cpu_vs_vpp1"] == 1.0
+        assert cells[(mode, 2)]["ops_per_stage"] > cells[(mode, 1)]["ops_per_stage"]  # ops per chunk
+    assert cells[("none", 2)]["simulated_vs_vpp1_unit"] == pytest.approx(7.5 / 9)  # 1F1B's closed form, v = 2
+    assert cells[("none", 2)]["simulated_bubble_unit"] == pytest.approx(cells[("none", 2)]["bubble_theory_policy_only"])
+    assert len(measured["launches"]) == 1 and measured["launches"][0]["seconds"] > 0
 
 
 def test_memory_reports_reference_bytes_per_rank(tmp_path):
