@@ -4,8 +4,8 @@ Simulated: each plan is built and timed by the plan simulator (pipeline/check.py
 communication; an op of a v-chunk plan costs 1/v of a whole stage's (`chunk_costs`). Rows:
 policy only (what --ref-mode none, precomputed and separate, and the reference-free objectives
 run on the policy ranks), sequential, and interleaved (the next batch's reference in the
-bubbles: with v = 1 a steady step carries as the engine runs it, and without carrying as well,
-since carrying is not built for chunks). Cost sets: "unit" (F=1, B=2, reference F=1) and
+bubbles: a steady step carrying reference forwards across steps as the engine runs it, at every v,
+and without carrying as well). Cost sets: "unit" (F=1, B=2, reference F=1) and
 "measured", the per-op medians benchmarks/ref_cost.py recorded on the CPU
 (docs/results/ref_cost_balanced.json), when that file has them.
 
@@ -87,8 +87,6 @@ def rows(*, stages: list[int], microbatches: list[int], chunks: list[int], costs
                         continue  # megatron-core's interleaved schedule needs a multiple of p
                     op_costs = chunk_costs(stage_costs, v)
                     for mode, kwargs in MODES.items():
-                        if v > 1:
-                            kwargs = {k: val for k, val in kwargs.items() if not k.startswith("carry")}
                         plan = build_plan(num_stages=p, num_microbatches=m, num_chunks=v, costs=op_costs, **kwargs)
                         run = simulate(plan, costs=op_costs)
                         base.setdefault(mode, run.makespan)
