@@ -323,7 +323,9 @@ def test_sbatch_fails_fast_when_a_node_does_not_join(slurm_cluster: SlurmCluster
     assert f"error: only 1 of 2 Ray nodes joined within {join_timeout_s} s" in output
     assert "running: " not in output  # the train CLI never started
     assert not (tmp_path / "never").exists()
-    assert wall_s < 60, f"the failure took {wall_s:.0f} s"
+    # under the script's default join timeout (120 s): the 5 s given was the one waited for (not a
+    # speed bound: the Ray head's start on a loaded 2-core box took up to ~60 s of this)
+    assert wall_s < 120, f"the failure took {wall_s:.0f} s, as long as the default join timeout"
     assert _leftover_processes(fields["JobId"], ray_port) == []
 
 
