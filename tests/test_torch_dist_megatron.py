@@ -48,13 +48,23 @@ def _hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits
 
 
+def _assert_logits_are_hf(megatron: torch.Tensor, model, tokens: torch.Tensor) -> None:
+    """megatron-core's logits (vocabulary padded) against the HF model's on the same tokens: equal
+    within TOL of the largest, and exactly zero on the padded vocabulary rows (their weights are zero)."""
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    assert megatron.shape[-1] >= VOCAB_SIZE
+    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits against HF's", rtol=TOL)
+    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+
+
 @pytest.mark.parametrize(
     "factory, written, loaded",
     [(llama_gqa_untied, (2, 2), (1, 2)), (qwen2_bias_tied, (1, 4), (2, 1))],
     ids=["llama-untied-written-tp2pp2-loaded-tp1pp2", "qwen2-tied-written-tp1pp4-loaded-tp2pp1"],
 )
 def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory, written, loaded):
-    model = qwen2_bias_tied()
+    model = factory()
     hf_dir = save_hf(model, tmp_path / "hf")
     out = tmp_path / "torch_dist"
     hf_to_mcore(hf_dir, out, tp=written[0], pp=written[1], fmt="torch_dist", log=lambda _m: None)
@@ -62,13 +72,7 @@ def test_megatron_core_loads_our_torch_dist_at_another_layout(tmp_path, factory,
     job = {"checkpoint": str(out / "release"), "tp": loaded[0], "pp": loaded[1],
            "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
     spawn(consumer_rank, world_size=loaded[0] * loaded[1], job=job)
-    megatron = load_file(job["logits"])["logits"]
-    with torch.no_grad():
-        reference = model(input_ids=tokens).logits
-    assert megatron.shape[-1] >= VOCAB_SIZE
-    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits against HF's", rtol=TOL)
-    # Padded vocabulary rows are zero, so their logits are exactly zero.
-    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+    _assert_logits_are_hf(load_file(job["logits"])["logits"], model, tokens)
 
 
 def _mcore_to_hf_cli(save: Path, out: Path) -> None:
@@ -206,11 +210,7 @@ def test_megatron_core_loads_our_moe_torch_dist_at_another_ep(tmp_path):
     job = {"checkpoint": str(out / "release"), "tp": 1, "pp": 2, "ep": 2,
            "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
     spawn(consumer_rank, world_size=4, job=job)
-    megatron = load_file(job["logits"])["logits"]
-    with torch.no_grad():
-        reference = model(input_ids=tokens).logits
-    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits against HF's", rtol=TOL)
-    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+    _assert_logits_are_hf(load_file(job["logits"])["logits"], model, tokens)
 
 
 def _megatron_logits_of_our_torch_dist(tmp_path: Path, model, *, written: dict, loaded: dict) -> torch.Tensor:
@@ -250,10 +250,7 @@ def test_megatron_core_builds_the_new_families_from_our_args_and_loads_them(tmp_
     model = {"deepseek_v3": lambda: deepseek_v3(seed=3), "glm4_moe": lambda: glm4_moe(seed=3),
              "gpt_oss": lambda: gpt_oss(seed=3, layer_types=["full_attention"] * 4)}[family]()
     megatron = _megatron_logits_of_our_torch_dist(tmp_path, model, written={"tp": 1, "pp": 1, "ep": 1}, loaded=loaded)
-    with torch.no_grad():
-        reference = model(input_ids=load_file(str(tmp_path / "tokens.safetensors"))["tokens"]).logits
-    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits against HF's", rtol=TOL)
-    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+    _assert_logits_are_hf(megatron, model, load_file(str(tmp_path / "tokens.safetensors"))["tokens"])
 
 
 def test_megatron_core_loads_our_vpp_torch_dist_into_its_own_model_chunks(tmp_path):
@@ -281,11 +278,7 @@ def test_megatron_core_loads_our_vpp_torch_dist_into_its_own_model_chunks(tmp_pa
     job = {"checkpoint": str(out / "release"), "pp": 2, "vpp": 2,
            "tokens": str(tmp_path / "tokens.safetensors"), "logits": str(tmp_path / "logits.safetensors")}  # fmt: skip
     spawn(vpp_consumer_rank, world_size=2, job=job)
-    megatron = load_file(job["logits"])["logits"]
-    with torch.no_grad():
-        reference = model(input_ids=tokens).logits
-    assert_close(megatron[..., :VOCAB_SIZE], reference, what="megatron-core's logits against HF's", rtol=TOL)
-    assert torch.count_nonzero(megatron[..., VOCAB_SIZE:]) == 0
+    _assert_logits_are_hf(load_file(job["logits"])["logits"], model, tokens)
 
     mcore_to_hf_dir(out, tmp_path / "back", log=lambda _m: None)
     converted = open_hf_dir(tmp_path / "back")
