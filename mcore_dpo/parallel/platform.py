@@ -289,23 +289,31 @@ def nccl_error_settings() -> dict[str, str]:
     return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
+# Joining the world: ranks start seconds apart (each imports megatron-core, several to a loaded
+# node), so the rendezvous waits this long for all of them whatever the collectives' timeout.
+JOIN_TIMEOUT_S = 300.0
+
+
 def init_process_group(
     platform: Platform, *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float
 ) -> None:
-    """Join the group's torch.distributed world (TCP rendezvous at master_addr:master_port)."""
-    init_method = f"tcp://{master_addr}:{master_port}"
+    """Join the group's torch.distributed world (a TCP store at master_addr:master_port, rank 0
+    serving it). Joining waits up to max(timeout_s, JOIN_TIMEOUT_S) for every rank to arrive;
+    once all have, the store's waits and the collectives time out after timeout_s (a short
+    --timeout-s bounds a stuck peer, not a rank that started late)."""
     kwargs = {}
     if platform.is_cuda:
         kwargs["device_id"] = platform.device
         for name, value in nccl_error_settings().items():  # read when the NCCL group is created
             os.environ.setdefault(name, value)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore(
+        master_addr, master_port, world_size, is_master=rank == 0, wait_for_workers=True, multi_tenant=True,
+        timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)),
+    )  # fmt: skip
+    store.set_timeout(timeout)
     torch.distributed.init_process_group(
-        backend=platform.backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
+        backend=platform.backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
     )
 
 
