@@ -262,7 +262,8 @@ class TrainConfig:
     """Timeout of collectives and point-to-point communication, the one a stuck peer is found by.
     (default: the ranks' platform decides, platform.default_timeout_s: 1800 on GPUs, where a large
     model's first step, with its weights loading and NCCL connecting, must fit; 300 on the CPU's
-    gloo, where a dead peer should end a small run in minutes)"""
+    gloo, where a dead peer should end a small run in minutes). Joining the ranks' world waits at
+    least 300 s whatever this is (ranks start seconds apart)."""
     placement_timeout_s: float = 120.0
     """How long to wait for the cluster to provide every rank's device before giving up."""
     on_bad_row: str = "error"
