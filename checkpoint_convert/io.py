@@ -37,8 +37,8 @@ records (no `checksums` field, no record in a header) are read as before, unchec
 Tensors are read one at a time with plain reads (safetensors_stream), never memory-mapped,
 so file pages a conversion touches are not charged to its resident memory.
 
-Over 500 lines: every reader of the formats above with its validation, each input error
-a one-line message naming the file and field.
+Every reader of the formats above with its validation, each input error a one-line message
+naming the file and field; a rank file's tensors are read through rank_shards.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,7 +53,8 @@ import torch
 
 from checkpoint_convert.integrity import IntegrityError, verify_file
 from checkpoint_convert.names import hub_name_hint
-from checkpoint_convert.safetensors_stream import SafetensorsReader
+from checkpoint_convert.rank_shards import ExpertParallelShard, LazyShard
+from checkpoint_convert.safetensors_stream import SafetensorsReader, narrowed_box
 from checkpoint_convert.families import family_of, spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec
 from checkpoint_convert.gather import (
@@ -62,7 +62,6 @@ from checkpoint_convert.gather import (
     fused_hf_sources,
     hf_entry_index,
     mcore_to_hf_tensor,
-    tp_part_of_whole_expert,
     stored_group_pieces,
     stored_pieces,
     unfuse_groups,
@@ -70,8 +69,6 @@ from checkpoint_convert.gather import (
 from checkpoint_convert.rank_files import (
     check_rank_record,
     ep_shard_shapes,
-    global_expert_name,
-    is_local_expert,
     read_checksums,
     shard_relpath,
     shard_relpaths,
@@ -81,8 +78,6 @@ from checkpoint_convert.mapping import (
     STACKED,
     check_layout,
     hf_tensor_shapes,
-    expert_tp_size,
-    mcore_entries,
     mcore_name,
     padded_vocab_size,
     qkv_group_rows,
@@ -127,15 +122,6 @@ def _check_shard_name(index_path: Path, file: object) -> None:
         raise ConversionError(
             f"{index_path}: field 'weight_map' names {file!r}, which is not a file name inside the model directory"
         )
-
-
-def narrowed_box(shape: tuple[int, ...], dim: int, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes) of a tensor of `shape` narrowed to [start, stop) on `dim`."""
-    if not 0 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
-        raise ValueError(f"[{start}, {stop}) on dim {dim} is outside a tensor of shape {list(shape)}")
-    offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
-    sizes = tuple(stop - start if d == dim else size for d, size in enumerate(shape))
-    return offsets, sizes
 
 
 def _check_shapes(path: Path, handle: SafetensorsReader, names: list[str], expected: dict[str, tuple[int, ...]]) -> None:
@@ -381,113 +367,6 @@ def meta_json(meta: McoreMeta) -> dict:
     }
 
 
-class _LazyShard(Mapping):
-    """One rank's tensors, each read on access into a fresh tensor. `checksum`: the file's
-    recorded entry, checked (integrity.verify_file) before the first tensor is read."""
-
-    def __init__(self, path: Path, handle: SafetensorsReader, *, checksum: dict | None = None) -> None:
-        self._path, self._handle, self._checksum = path, handle, checksum
-        self._names = list(handle.keys())
-
-    def _reader(self) -> SafetensorsReader:
-        if self._checksum is not None:
-            verify_file(self._path, self._checksum)
-            self._checksum = None
-        return self._handle
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        return self._reader().read(name)
-
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor `name` without reading the rest."""
-        return self._reader().read(name, rows=(start, stop))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._handle.shape(name)
-
-    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Tensor `name` narrowed to [start, stop) on dim, reading only those bytes."""
-        offsets, sizes = narrowed_box(self._handle.shape(name), dim, start, stop)
-        return self._reader().read_box(name, offsets=offsets, sizes=sizes)
-
-    @property
-    def bytes_read(self) -> int:
-        return self._handle.bytes_read
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-class _ExpertParallelShard(Mapping):
-    """The ep files of one (tp rank, stage) seen as one ep-1 shard: experts under their global
-    index, every other tensor from ep rank 0 (the ranks hold the same copy)."""
-
-    def __init__(
-        self, ranks: list[_LazyShard], *, spec: ModelSpec, tp: int, tp_rank: int, pp: int, pp_rank: int, layer_spec: str
-    ) -> None:
-        num_experts = spec.num_experts
-        self._spec, self._tp, self._tp_rank, self._ranks = spec, tp, tp_rank, ranks
-        self._whole_experts = expert_tp_size(tp=tp, ep=len(ranks)) != tp
-        self._kinds = {mcore_name(t, layer=local, layer_spec=layer_spec, moe_layer=spec.is_moe_layer(layer)): kind
-                       for t, kind, _, local, layer in mcore_entries(spec, pp=pp, pp_rank=pp_rank)}
-        self._where: dict[str, tuple[_LazyShard, str]] = {}
-        for ep_rank, shard in enumerate(ranks):
-            for name in shard:
-                full = global_expert_name(name, num_experts=num_experts, ep=len(ranks), ep_rank=ep_rank)
-                if full == name and ep_rank > 0:
-                    continue
-                self._where[full] = (shard, name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        shard, local = self._where[name]
-        if not (self._whole_experts and is_local_expert(name)):
-            return shard[local]
-        return tp_part_of_whole_expert(self._spec, kind=self._kinds[name], whole=shard[local], tp=self._tp,
-                                       tp_rank=self._tp_rank)
-
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        shard, local = self._where[name]
-        return shard.get_rows(local, start, stop)
-
-    def part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """self[name] narrowed to [start, stop) on dim. A whole expert's tp part is read as its
-        rows (fc1: this rank's gate rows, then its up rows) or columns (fc2) of the whole."""
-        shard, local = self._where[name]
-        if not (self._whole_experts and is_local_expert(name)):
-            return shard.part(local, dim, start, stop)
-        kind, whole = self._kinds[name], shard.shape(local)
-        if kind == "row" and dim == 1:
-            first = self._tp_rank * whole[1] // self._tp
-            return shard.part(local, 1, first + start, first + stop)
-        if kind == "fc1" and dim == 0:
-            half, rows = whole[0] // 2, whole[0] // 2 // self._tp
-            blocks = []
-            for i in (0, 1):  # the gate rows, then the up rows of this tp rank
-                lo, hi = max(start, i * rows), min(stop, (i + 1) * rows)
-                if lo < hi:
-                    first = i * half + self._tp_rank * rows - i * rows
-                    blocks.append(shard.part(local, 0, first + lo, first + hi))
-            if not blocks:
-                return shard.part(local, 0, 0, 0)
-            return torch.cat(blocks, dim=0) if len(blocks) > 1 else blocks[0]
-        return self[name].narrow(dim, start, stop - start).clone()
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(shard.bytes_read for shard in self._ranks)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
 def _virtual_pipeline(raw: dict, *, source: Path) -> int:
     """The model chunks per pipeline rank the meta's `virtual_pipeline` field records (1 without
     it), checked against its `pp` (the stage files: pipeline ranks x chunks)."""
@@ -546,7 +425,7 @@ class McoreCheckpoint:
             vpp=vpp,
         )
         checksums = read_checksums(meta_path, raw)
-        self._shards: dict[tuple[int, int], _LazyShard | _ExpertParallelShard] = {}
+        self._shards: dict[tuple[int, int], LazyShard | ExpertParallelShard] = {}
         for pp_rank in range(self.meta.pp):
             per_ep_rank = ep_shard_shapes(
                 spec, tp=self.meta.tp, pp=self.meta.pp, pp_rank=pp_rank, ep=ep,
@@ -572,8 +451,8 @@ class McoreCheckpoint:
                     if checksums is not None and path.stat().st_size != checksums[rel]["bytes"]:
                         verify_file(path, checksums[rel])  # the size now (free), the checksum on first read
                     checksum = checksums[rel] if checksums is not None and verify_checksums else None
-                    ranks.append(_LazyShard(path, handle, checksum=checksum))
-                shard = ranks[0] if ep == 1 else _ExpertParallelShard(
+                    ranks.append(LazyShard(path, handle, checksum=checksum))
+                shard = ranks[0] if ep == 1 else ExpertParallelShard(
                     ranks, spec=spec, tp=self.meta.tp, tp_rank=tp_rank, pp=self.meta.pp, pp_rank=pp_rank,
                     layer_spec=self.meta.layer_spec)
                 self._shards[(tp_rank, pp_rank)] = shard
@@ -597,7 +476,7 @@ class McoreCheckpoint:
         """Tensor bytes read from the rank files so far (headers not counted)."""
         return sum(shard.bytes_read for shard in self._shards.values())
 
-    def shard_view(self, tp_rank: int, pp_rank: int) -> _LazyShard | _ExpertParallelShard:
+    def shard_view(self, tp_rank: int, pp_rank: int) -> LazyShard | ExpertParallelShard:
         """Lazy mapping of one rank's tensors (with ep > 1: of its ep files together, every
         expert under its global index, as at ep 1)."""
         return self._shards[(tp_rank, pp_rank)]

@@ -50,6 +50,15 @@ if sys.byteorder != "little":  # the format is little-endian; we copy bytes verb
     raise ImportError("checkpoint_convert.safetensors_stream needs a little-endian machine")
 
 
+def narrowed_box(shape: tuple[int, ...], dim: int, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of a tensor of `shape` narrowed to [start, stop) on `dim`."""
+    if not 0 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
+        raise ValueError(f"[{start}, {stop}) on dim {dim} is outside a tensor of shape {list(shape)}")
+    offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+    sizes = tuple(stop - start if d == dim else size for d, size in enumerate(shape))
+    return offsets, sizes
+
+
 def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -67,7 +67,8 @@ import torch
 from checkpoint_convert.dcp import DcpReader, DcpWriter, is_dcp_dir
 from checkpoint_convert.families import spec_from_hf_config
 from checkpoint_convert.families.base import DTYPES, ConversionError, ModelSpec, moe_layer_freq
-from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, narrowed_box, read_json
+from checkpoint_convert.io import FORMAT_VERSION, HF_FILES_DIR, HFView, McoreMeta, read_json
+from checkpoint_convert.safetensors_stream import narrowed_box
 from checkpoint_convert.mapping import (
     canonical_tensors,
     expert_tp_size,
