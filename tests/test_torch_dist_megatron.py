@@ -33,7 +33,7 @@ from tests.helpers.models import VOCAB_SIZE, hf_state, llama_gqa_untied, qwen2_b
 from tests.helpers.megatron_ranks import consumer_rank, megatron_lm_args, producer_rank, spawn
 from tests.helpers.reference import assert_close
 
-TOL = 1e-5  # of the largest HF logit: float32 rounding differs with the CPU's kernels (AVX2 / AVX-512)
+TOL = 1e-5  # of the largest HF logit: float32 rounding differs between CPUs' kernels
 
 
 def _tokens(path: Path) -> torch.Tensor:
